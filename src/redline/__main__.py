@@ -1,0 +1,3 @@
+from redline.cli.main import main
+
+main()

@@ -1,0 +1,5 @@
+"""`redline doctor` (in progress)."""
+
+
+def doctor() -> None:
+    """Audit this server."""

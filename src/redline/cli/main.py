@@ -1,0 +1,57 @@
+"""The ``redline`` command: one sub-command per module in this package."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from redline import __version__
+from redline.cli import catalog, doctor, probe, ui
+from redline.errors import RedlineError
+
+app = typer.Typer(
+    help="redline: make a GPU server deliver the compute it should.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+app.command("probe")(probe.probe)
+app.command("doctor")(doctor.doctor)
+app.add_typer(catalog.app, name="catalog")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"redline {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """redline: make a GPU server deliver the compute it should."""
+
+
+def main() -> None:
+    """Entry point: errors become one line on stderr and an exit code; REDLINE_DEBUG=1 shows tracebacks."""
+    try:
+        app()
+    except RedlineError as exc:
+        ui.error(str(exc))
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        ui.error("interrupted")
+        sys.exit(130)
+    except Exception as exc:
+        if os.environ.get("REDLINE_DEBUG"):
+            raise
+        ui.error(f"internal error: {type(exc).__name__}: {exc} (set REDLINE_DEBUG=1 for the traceback)")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""`redline probe` (in progress)."""
+
+
+def probe() -> None:
+    """Take a snapshot of this server."""
