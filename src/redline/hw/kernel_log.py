@@ -1,0 +1,67 @@
+"""NVRM Xid events from the kernel log: the driver's record of what went wrong on a GPU.
+
+NVML has no call for past Xids, yet they are the first thing to look at on a GPU server that misbehaves:
+the driver writes one line per event, e.g.
+
+    NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.
+
+Some codes mean the application crashed the GPU (13, 31, 43), others mean the hardware needs attention
+(``CRITICAL_XIDS``). The kernel ring buffer is finite, so counts cover only what it still holds.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+
+XID_MEANINGS: dict[int, str] = {
+    13: "graphics engine exception (usually the application)",
+    31: "GPU memory page fault (usually the application)",
+    43: "GPU stopped processing (usually the application)",
+    48: "double-bit ECC error",
+    63: "row remapping event (ECC page retirement recorded)",
+    64: "row remapping failure",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+
+# codes that point at the hardware (or its firmware) rather than the application: drain and inspect
+CRITICAL_XIDS: frozenset[int] = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
+
+# "NVRM: Xid (PCI:0000:3b:00): 79, ..."; old drivers omit "PCI:". NVSwitch errors are "SXid" and are not
+# GPU Xids, hence the "NVRM: " anchor.
+_XID_LINE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\):\s*(?P<code>\d+)")
+
+
+def iter_xids(text: str) -> Iterator[tuple[str, int]]:
+    """(PCI address as the driver wrote it, lower-cased; Xid code) for each Xid line, in log order."""
+    for match in _XID_LINE.finditer(text):
+        yield match["pci"].lower(), int(match["code"])
+
+
+def count_xids(text: str) -> dict[str, int]:
+    """How many times each Xid code appears; keys are strings so the result is JSON as it stands."""
+    counts = Counter(str(code) for _, code in iter_xids(text))
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
+
+
+def read_kernel_log(timeout_s: float = 5) -> str | None:
+    """The kernel ring buffer as ``dmesg`` prints it; None where it cannot be read.
+
+    Unprivileged users are refused where kernel.dmesg_restrict=1 (the default on many distributions),
+    and minimal containers have no dmesg at all: both read as "not available", not as an error.
+    """
+    try:
+        result = subprocess.run(["dmesg"], capture_output=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.SubprocessError):  # missing binary, not executable, timed out
+        return None
+    if result.returncode != 0:
+        return None
+    return result.stdout.decode("utf-8", errors="replace")

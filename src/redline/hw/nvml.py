@@ -1,0 +1,583 @@
+"""The NVML adapter: the only module in redline that talks to the NVIDIA driver (through ``pynvml``).
+
+NVML answers "not supported" for whole families of queries depending on the board (a GeForce has no
+ECC, a PCIe card no NVLink, anything before Hopper no fabric state), the driver (an old driver lacks
+newer entry points) and the bindings (an old nvidia-ml-py lacks newer functions). Those answers are
+data, not failures, so every call goes through ``_Query``, which turns them into ``None`` the way
+nvitop's ``nvmlQuery(default=NA)`` does. Only two answers change the flow: NVML failing to start
+(reported in ``GpuSection.error``) and GPU_IS_LOST (the GPU fell off the bus: mark it ``lost`` and ask
+it nothing more). Anything else unexpected becomes ``None`` plus a one-line note for
+``Snapshot.probe_errors``.
+
+This module never initialises CUDA: NVML is read-only and does not create contexts on the GPUs.
+
+PCI bus ids are written the way Linux names the device under /sys/bus/pci/devices ("0000:3b:00.0":
+four-digit domain, lower-case hex), not NVML's "00000000:3B:00.0", so they join directly with /sys,
+``lspci -D`` and the ``NVRM: Xid (PCI:0000:3b:00)`` lines of the kernel log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from redline.hw.snapshot import (
+    Gpu,
+    GpuClocks,
+    GpuEcc,
+    GpuPower,
+    GpuProcess,
+    GpuRetirement,
+    GpuSection,
+    GpuThermal,
+    NvLink,
+    PcieLink,
+)
+
+# NVML errors that mean "this GPU, driver or binding cannot answer that": the field is simply absent.
+# Any other NVMLError (Timeout, CorruptedInforom, ResetRequired, InsufficientPower...) also leaves the
+# field absent but is noted, because it says something about the health of the GPU.
+_ABSENT_ERRORS = (
+    "NVMLError_NotSupported",
+    "NVMLError_FunctionNotFound",  # the driver is older than the call
+    "NVMLError_NoPermission",  # containers and non-root users are refused some counters
+    "NVMLError_InvalidArgument",  # e.g. an NVLink index past the GPU's last link
+    "NVMLError_NotFound",
+    "NVMLError_NoData",
+    "NVMLError_NotReady",
+    "NVMLError_Unknown",
+    "NVMLError_ArgumentVersionMismatch",  # a versioned struct newer than the driver
+    "NVMLError_Deprecated",
+)
+
+# (pynvml constant, its value where an older binding lacks the name, what redline calls it)
+_COMPUTE_MODES = (
+    ("NVML_COMPUTEMODE_DEFAULT", 0, "default"),
+    ("NVML_COMPUTEMODE_EXCLUSIVE_THREAD", 1, "exclusive_thread"),
+    ("NVML_COMPUTEMODE_PROHIBITED", 2, "prohibited"),
+    ("NVML_COMPUTEMODE_EXCLUSIVE_PROCESS", 3, "exclusive_process"),
+)
+_VIRTUALIZATION_MODES = (
+    ("NVML_GPU_VIRTUALIZATION_MODE_NONE", 0, "none"),
+    ("NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH", 1, "passthrough"),
+    ("NVML_GPU_VIRTUALIZATION_MODE_VGPU", 2, "vgpu"),
+    ("NVML_GPU_VIRTUALIZATION_MODE_HOST_VGPU", 3, "host_vgpu"),
+    ("NVML_GPU_VIRTUALIZATION_MODE_HOST_VSGA", 4, "host_vsga"),
+)
+_FABRIC_STATES = (
+    ("NVML_GPU_FABRIC_STATE_NOT_SUPPORTED", 0, "not_supported"),
+    ("NVML_GPU_FABRIC_STATE_NOT_STARTED", 1, "not_started"),
+    ("NVML_GPU_FABRIC_STATE_IN_PROGRESS", 2, "in_progress"),
+    ("NVML_GPU_FABRIC_STATE_COMPLETED", 3, "completed"),
+)
+_P2P_STATUSES = (
+    ("NVML_P2P_STATUS_OK", 0, "ok"),
+    # older bindings only have the misspelt NVML_P2P_STATUS_CHIPSET_NOT_SUPPORED; the value is the same
+    ("NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED", 1, "chipset_not_supported"),
+    ("NVML_P2P_STATUS_GPU_NOT_SUPPORTED", 2, "not_supported"),
+    ("NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED", 3, "topology_not_supported"),
+    ("NVML_P2P_STATUS_DISABLED_BY_REGKEY", 4, "disabled_by_regkey"),
+    ("NVML_P2P_STATUS_NOT_SUPPORTED", 5, "not_supported"),
+    ("NVML_P2P_STATUS_UNKNOWN", 6, "unknown"),
+)
+# named as `nvidia-smi topo -m` names them
+_TOPOLOGY_LEVELS = (
+    ("NVML_TOPOLOGY_INTERNAL", 0, "SELF"),
+    ("NVML_TOPOLOGY_SINGLE", 10, "PIX"),
+    ("NVML_TOPOLOGY_MULTIPLE", 20, "PXB"),
+    ("NVML_TOPOLOGY_HOSTBRIDGE", 30, "PHB"),
+    ("NVML_TOPOLOGY_NODE", 40, "NODE"),
+    ("NVML_TOPOLOGY_SYSTEM", 50, "SYS"),
+)
+# Bits of the clock event (formerly "throttle") reasons mask, low to high. nvidia-ml-py 12.535+ names them
+# nvmlClocksEventReason*, older bindings nvmlClocksThrottleReason*; the two bit-for-bit agree.
+_CLOCK_EVENT_REASONS = (
+    ("GpuIdle", 0x1, "gpu_idle"),
+    ("ApplicationsClocksSetting", 0x2, "applications_clocks_setting"),
+    ("SwPowerCap", 0x4, "sw_power_cap"),
+    ("HwSlowdown", 0x8, "hw_slowdown"),
+    ("SyncBoost", 0x10, "sync_boost"),
+    ("SwThermalSlowdown", 0x20, "sw_thermal_slowdown"),
+    ("HwThermalSlowdown", 0x40, "hw_thermal_slowdown"),
+    ("HwPowerBrakeSlowdown", 0x80, "hw_power_brake_slowdown"),
+    ("DisplayClockSetting", 0x100, "display_clock_setting"),
+    # only in recent bindings, and only as nvmlClocksThrottleReason*
+    ("BoardLimit", 0x200, "board_limit"),
+    ("Reliability", 0x400, "reliability"),
+)
+
+_ULONGLONG_MAX = 2**64 - 1
+
+
+class _GpuLost(Exception):
+    """NVML answered GPU_IS_LOST: the GPU fell off the bus and every further call would say so again."""
+
+
+def probe_gpus(nvml: Any | None = None, errors: list[str] | None = None) -> GpuSection:
+    """What NVML can tell about this server's GPUs; never raises.
+
+    ``nvml`` is the ``pynvml`` module, imported here rather than at import time so that ``import redline``
+    works on machines without the bindings; tests pass a fake with the same surface. Anything that went
+    wrong part-way is appended to ``errors`` (the caller passes ``Snapshot.probe_errors``).
+    """
+    notes = errors if errors is not None else []
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return GpuSection(nvml_available=False, error="nvidia-ml-py (pynvml) is not installed")
+
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:
+        return GpuSection(nvml_available=False, error=_init_error(nvml, exc))
+    try:
+        return _probe(nvml, notes)
+    except Exception as exc:  # a bug in this module must not cost the rest of the snapshot
+        notes.append(f"NVML probe failed: {type(exc).__name__}: {exc}")
+        return GpuSection(nvml_available=True, error=f"the GPU probe failed part-way ({type(exc).__name__})")
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception as exc:
+            notes.append(f"nvmlShutdown failed: {_describe(nvml, exc)}")
+
+
+def normalize_pci_bus_id(bus_id: str) -> str:
+    """NVML's '00000000:3B:00.0' as Linux writes it: '0000:3b:00.0' (see the module docstring)."""
+    text = bus_id.strip().lower()
+    domain, sep, rest = text.partition(":")
+    if not sep:
+        return text
+    try:
+        return f"{int(domain, 16):04x}:{rest}"
+    except ValueError:
+        return text
+
+
+def clock_event_reason_names(nvml: Any, mask: int) -> list[str]:
+    """The names of the bits set in a clock event reasons mask; bits NVML added later read 'unknown_0x...'."""
+    names = []
+    known = 0
+    for suffix, fallback, name in _CLOCK_EVENT_REASONS:
+        bit = getattr(nvml, "nvmlClocksEventReason" + suffix, None)
+        if bit is None:
+            bit = getattr(nvml, "nvmlClocksThrottleReason" + suffix, fallback)
+        known |= bit
+        if mask & bit:
+            names.append(name)
+    unknown = mask & ~known
+    bit = 1
+    while unknown:
+        if unknown & bit:
+            names.append(f"unknown_{bit:#x}")
+            unknown &= ~bit
+        bit <<= 1
+    return names
+
+
+# ------------------------------------------------------------------------------------------- plumbing
+
+
+class _Query:
+    """Calls NVML on behalf of one GPU (or the system) and turns every "cannot say" into None."""
+
+    def __init__(self, nvml: Any, notes: list[str], where: str) -> None:
+        self.nvml = nvml
+        self.notes = notes
+        self.where = where
+        self._absent = tuple(getattr(nvml, name) for name in _ABSENT_ERRORS if hasattr(nvml, name))
+
+    def __call__(self, fn_name: str, *args: Any, **kwargs: Any) -> Any:
+        fn = getattr(self.nvml, fn_name, None)
+        if fn is None:  # the bindings are older than the call
+            return None
+        try:
+            value = fn(*args, **kwargs)
+        except self.nvml.NVMLError_GpuIsLost:
+            raise _GpuLost from None
+        except self._absent:
+            return None
+        except Exception as exc:
+            self.note(f"{fn_name}: {_describe(self.nvml, exc)}")
+            return None
+        return _text(value)
+
+    def first(self, fn_names: tuple[str, ...], *args: Any) -> Any:
+        """The first answer from equivalent calls, newest first (e.g. a _v2 and its original)."""
+        for fn_name in fn_names:
+            value = self(fn_name, *args)
+            if value is not None:
+                return value
+        return None
+
+    def const(self, name: str, fallback: int) -> int:
+        return getattr(self.nvml, name, fallback)
+
+    def enum_name(self, what: str, table: tuple[tuple[str, int, str], ...], value: int | None) -> str | None:
+        """redline's name for an NVML enum value; a value newer than this table is noted and read as None."""
+        if value is None:
+            return None
+        for const, fallback, name in table:
+            if self.const(const, fallback) == value:
+                return name
+        self.note(f"{what} {value} is not one redline knows (a newer driver?)")
+        return None
+
+    def note(self, text: str) -> None:
+        self.notes.append(f"{self.where}: {text}")
+
+
+def _describe(nvml: Any, exc: BaseException) -> str:
+    if isinstance(exc, nvml.NVMLError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _text(value: Any) -> Any:
+    """Old bindings (and struct fields in every binding) hand back bytes where we want str."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return value
+
+
+def _scaled(value: int | None, divisor: float) -> float | None:
+    return None if value is None else value / divisor
+
+
+def _is_enabled(q: _Query, state: int | None) -> bool | None:
+    return None if state is None else state == q.const("NVML_FEATURE_ENABLED", 1)
+
+
+def _init_error(nvml: Any, exc: BaseException) -> str:
+    """What to tell the user when NVML will not start; the usual causes each have a known fix."""
+    messages = {
+        "NVMLError_LibraryNotFound": "NVML library not found (no NVIDIA driver)",
+        "NVMLError_DriverNotLoaded": "NVIDIA driver not loaded (the nvidia kernel module is not running)",
+        "NVMLError_LibRmVersionMismatch": (
+            "NVIDIA driver/library version mismatch: the driver was upgraded but the old kernel module "
+            "is still loaded; reboot or reload the nvidia kernel modules"
+        ),
+        "NVMLError_NoPermission": "no permission to use NVML (cannot open the /dev/nvidia* devices)",
+    }
+    for class_name, message in messages.items():
+        cls = getattr(nvml, class_name, None)
+        if cls is not None and isinstance(exc, cls):
+            return message
+    return f"NVML failed to start: {_describe(nvml, exc)}"
+
+
+# ---------------------------------------------------------------------------------------- the probe
+
+
+def _probe(nvml: Any, notes: list[str]) -> GpuSection:
+    q = _Query(nvml, notes, where="NVML")
+    section = GpuSection(nvml_available=True)
+    section.driver_version = q("nvmlSystemGetDriverVersion")
+    section.nvml_version = q("nvmlSystemGetNVMLVersion")
+    # NVML encodes CUDA 12.4 as 12040 (major * 1000 + minor * 10)
+    cuda = q.first(("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion"))
+    section.cuda_driver_version = None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}"
+
+    # NVML numbers GPUs in PCI bus order and ignores CUDA_VISIBLE_DEVICES: these indices are the ones
+    # nvidia-smi shows, which need not be CUDA's.
+    count = q("nvmlDeviceGetCount")
+    if count is None:
+        section.error = "NVML started but could not count the GPUs"
+        return section
+
+    handles = []
+    for index in range(count):
+        gpu, handle = _probe_gpu(nvml, notes, index)
+        section.gpus.append(gpu)
+        handles.append(handle)
+
+    section.p2p = _pair_matrix(section.gpus, handles, "self", lambda a, b: _p2p_status(q, a, b))
+    section.topology = _pair_matrix(section.gpus, handles, "SELF", lambda a, b: _topology_level(q, a, b))
+    return section
+
+
+def _probe_gpu(nvml: Any, notes: list[str], index: int) -> tuple[Gpu, Any]:
+    gpu = Gpu(index=index)
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    except nvml.NVMLError_GpuIsLost:
+        gpu.lost = True
+        return gpu, None
+    except Exception as exc:
+        # what nvidia-smi reports as "Unable to determine the device handle": often a GPU in trouble
+        notes.append(f"GPU {index}: no NVML handle ({_describe(nvml, exc)}); nothing else was read")
+        return gpu, None
+
+    q = _Query(nvml, notes, where=f"GPU {index}")
+    for what, read in _GPU_FIELD_GROUPS:
+        try:
+            read(q, handle, gpu)
+        except _GpuLost:
+            gpu.lost = True
+            break
+        except Exception as exc:  # a binding handing back an unexpected shape: lose this group only
+            q.note(f"reading {what}: {type(exc).__name__}: {exc}")
+    return gpu, handle
+
+
+def _pair_matrix(
+    gpus: list[Gpu], handles: list[Any], diagonal: str, ask: Callable[[Any, Any], str]
+) -> list[list[str]] | None:
+    """matrix[i][j] for every ordered pair of GPUs; a pair with a lost or unreachable GPU is "unknown"."""
+    if len(gpus) < 2:
+        return None
+
+    def cell(i: int, j: int) -> str:
+        if i == j:
+            return diagonal
+        if handles[i] is None or handles[j] is None or gpus[i].lost or gpus[j].lost:
+            return "unknown"
+        try:
+            return ask(handles[i], handles[j])
+        except _GpuLost:
+            return "unknown"
+
+    return [[cell(i, j) for j in range(len(gpus))] for i in range(len(gpus))]
+
+
+def _p2p_status(q: _Query, a: Any, b: Any) -> str:
+    # NVML_P2P_CAPS_INDEX_READ is 0, but nvidia-ml-py 13.615.71 defines it as the tuple (0,) (a stray
+    # trailing comma), which ctypes rejects: pass the number.
+    status = q("nvmlDeviceGetP2PStatus", a, b, 0)
+    return q.enum_name("P2P status", _P2P_STATUSES, status) or "unknown"
+
+
+def _topology_level(q: _Query, a: Any, b: Any) -> str:
+    level = q("nvmlDeviceGetTopologyCommonAncestor", a, b)
+    return q.enum_name("topology level", _TOPOLOGY_LEVELS, level) or "unknown"
+
+
+# ------------------------------------------------------------------------------- one GPU, by group
+
+
+def _read_identity(q: _Query, h: Any, gpu: Gpu) -> None:
+    gpu.name = q("nvmlDeviceGetName", h)
+    gpu.uuid = q("nvmlDeviceGetUUID", h)
+    pci = q("nvmlDeviceGetPciInfo", h)
+    # struct fields are bytes in every binding; busId (not busIdLegacy) is the full 8-digit-domain id
+    gpu.pci_bus_id = None if pci is None else normalize_pci_bus_id(_text(pci.busId))
+    cc = q("nvmlDeviceGetCudaComputeCapability", h)
+    gpu.compute_capability = None if cc is None else f"{cc[0]}.{cc[1]}"
+    # NVML documents device attributes for MIG device handles only: a whole GPU usually answers NotSupported,
+    # and the SM count then has to come from elsewhere (the spec catalog, CUDA).
+    attributes = q.first(("nvmlDeviceGetAttributes_v2", "nvmlDeviceGetAttributes"), h)
+    gpu.multiprocessor_count = None if attributes is None else attributes.multiprocessorCount
+
+
+def _read_memory(q: _Query, h: Any, gpu: Gpu) -> None:
+    # v2 leaves the driver's reserved memory out of "used", as nvidia-smi does; drivers before r510 lack it
+    memory = None
+    if hasattr(q.nvml, "nvmlMemory_v2"):
+        memory = q("nvmlDeviceGetMemoryInfo", h, version=q.nvml.nvmlMemory_v2)
+    if memory is None:
+        memory = q("nvmlDeviceGetMemoryInfo", h)
+    if memory is not None:
+        gpu.memory_total_bytes = memory.total
+        gpu.memory_used_bytes = memory.used
+
+
+def _read_modes(q: _Query, h: Any, gpu: Gpu) -> None:
+    gpu.persistence_mode = _is_enabled(q, q("nvmlDeviceGetPersistenceMode", h))
+    gpu.compute_mode = q.enum_name("compute mode", _COMPUTE_MODES, q("nvmlDeviceGetComputeMode", h))
+    mig = q("nvmlDeviceGetMigMode", h)  # [current, pending]: a change waits for a GPU reset
+    gpu.mig_mode = None if mig is None else mig[0] == q.const("NVML_DEVICE_MIG_ENABLE", 1)
+    gpu.virtualization_mode = q.enum_name(
+        "virtualization mode", _VIRTUALIZATION_MODES, q("nvmlDeviceGetVirtualizationMode", h)
+    )
+    # .gpu is the percent of the last sample period (1/6 s to 1 s) in which any kernel ran, not SM occupancy
+    utilization = q("nvmlDeviceGetUtilizationRates", h)
+    gpu.utilization_ratio = None if utilization is None else utilization.gpu / 100
+
+
+def _read_clocks(q: _Query, h: Any, gpu: Gpu) -> None:
+    sm = q.const("NVML_CLOCK_SM", 1)
+    mem = q.const("NVML_CLOCK_MEM", 2)
+    gpu.clocks = GpuClocks(
+        sm_mhz=q("nvmlDeviceGetClockInfo", h, sm),
+        sm_max_mhz=q("nvmlDeviceGetMaxClockInfo", h, sm),
+        memory_mhz=q("nvmlDeviceGetClockInfo", h, mem),
+        memory_max_mhz=q("nvmlDeviceGetMaxClockInfo", h, mem),
+        applications_sm_mhz=q("nvmlDeviceGetApplicationsClock", h, sm),
+    )
+    # "throttle reasons" were renamed "clocks event reasons" in r535; the old call is deprecated, not gone
+    mask = q.first(("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"), h)
+    gpu.clock_event_reasons = None if mask is None else clock_event_reason_names(q.nvml, mask)
+
+
+def _read_power(q: _Query, h: Any, gpu: Gpu) -> None:
+    # NVML speaks milliwatts
+    constraints = q("nvmlDeviceGetPowerManagementLimitConstraints", h)  # [min, max]
+    gpu.power = GpuPower(
+        draw_w=_scaled(q("nvmlDeviceGetPowerUsage", h), 1000),
+        enforced_limit_w=_scaled(q("nvmlDeviceGetEnforcedPowerLimit", h), 1000),
+        default_limit_w=_scaled(q("nvmlDeviceGetPowerManagementDefaultLimit", h), 1000),
+        max_limit_w=None if constraints is None else constraints[1] / 1000,
+    )
+
+
+def _read_thermal(q: _Query, h: Any, gpu: Gpu) -> None:
+    gpu.thermal = GpuThermal(
+        temperature_c=q("nvmlDeviceGetTemperature", h, q.const("NVML_TEMPERATURE_GPU", 0)),
+        slowdown_c=q("nvmlDeviceGetTemperatureThreshold", h, q.const("NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1)),
+        shutdown_c=q("nvmlDeviceGetTemperatureThreshold", h, q.const("NVML_TEMPERATURE_THRESHOLD_SHUTDOWN", 0)),
+    )
+
+
+def _read_pcie(q: _Query, h: Any, gpu: Gpu) -> None:
+    # An idle GPU trains its link down to save power (Gen1 on an idle Gen5 card is normal), so the
+    # current generation only means something under load. MaxPcieLinkGeneration is what this slot
+    # allows; GpuMaxPcieLinkGeneration is what the GPU itself could do.
+    gpu.pcie = PcieLink(
+        gen_current=q("nvmlDeviceGetCurrPcieLinkGeneration", h),
+        gen_max=q("nvmlDeviceGetMaxPcieLinkGeneration", h),
+        gen_gpu_max=q("nvmlDeviceGetGpuMaxPcieLinkGeneration", h),
+        width_current=q("nvmlDeviceGetCurrPcieLinkWidth", h),
+        width_max=q("nvmlDeviceGetMaxPcieLinkWidth", h),
+        replay_count=q("nvmlDeviceGetPcieReplayCounter", h),
+    )
+
+
+def _read_ecc(q: _Query, h: Any, gpu: Gpu) -> None:
+    mode = q("nvmlDeviceGetEccMode", h)  # [current, pending]: a change waits for a reboot
+    corrected = q.const("NVML_MEMORY_ERROR_TYPE_CORRECTED", 0)
+    uncorrected = q.const("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1)
+    volatile = q.const("NVML_VOLATILE_ECC", 0)
+    aggregate = q.const("NVML_AGGREGATE_ECC", 1)
+    gpu.ecc = GpuEcc(
+        enabled=None if mode is None else _is_enabled(q, mode[0]),
+        volatile_corrected=q("nvmlDeviceGetTotalEccErrors", h, corrected, volatile),
+        volatile_uncorrected=q("nvmlDeviceGetTotalEccErrors", h, uncorrected, volatile),
+        aggregate_corrected=q("nvmlDeviceGetTotalEccErrors", h, corrected, aggregate),
+        aggregate_uncorrected=q("nvmlDeviceGetTotalEccErrors", h, uncorrected, aggregate),
+    )
+
+
+def _read_retirement(q: _Query, h: Any, gpu: Gpu) -> None:
+    # Ampere and later remap rows instead of retiring pages: on them the page calls say NotSupported,
+    # and before Ampere the row-remapping call does.
+    rows = q("nvmlDeviceGetRemappedRows", h)  # (correctable, uncorrectable, pending, failure occurred)
+    single_bit = q.const("NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS", 0)
+    double_bit = q.const("NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR", 1)
+    single = q("nvmlDeviceGetRetiredPages", h, single_bit)  # NVML lists the retired page addresses
+    double = q("nvmlDeviceGetRetiredPages", h, double_bit)
+    gpu.retirement = GpuRetirement(
+        remapped_rows_correctable=None if rows is None else rows[0],
+        remapped_rows_uncorrectable=None if rows is None else rows[1],
+        remap_pending=None if rows is None else bool(rows[2]),
+        remap_failed=None if rows is None else bool(rows[3]),
+        retired_pages_single_bit=None if single is None else len(single),
+        retired_pages_double_bit=None if double is None else len(double),
+        retired_pages_pending=_is_enabled(q, q("nvmlDeviceGetRetiredPagesPendingStatus", h)),
+    )
+
+
+def _read_nvlinks(q: _Query, h: Any, gpu: Gpu) -> None:
+    # NVML_NVLINK_MAX_LINKS grows with the bindings (12, 18, 36...) while a GPU has fewer links: the
+    # first link past the GPU's last answers InvalidArgument, and a GPU without NVLink answers
+    # NotSupported on link 0. Either way the walk stops there.
+    links = []
+    for link in range(q.const("NVML_NVLINK_MAX_LINKS", 18)):
+        state = q("nvmlDeviceGetNvLinkState", h, link)
+        if state is None:
+            break
+        remote = q("nvmlDeviceGetNvLinkRemotePciInfo", h, link)
+        peer = None if remote is None else normalize_pci_bus_id(_text(remote.busId))
+        links.append(NvLink(link=link, active=bool(state), peer_pci_bus_id=peer))
+    gpu.nvlinks = links or None
+
+
+def _read_fabric(q: _Query, h: Any, gpu: Gpu) -> None:
+    # The fabric calls fill a struct the caller allocates. The versioned call (drivers r550+) needs the
+    # version field set, which the binding's struct constructor does; older drivers only have the plain one.
+    nvml = q.nvml
+    info = None
+    if hasattr(nvml, "c_nvmlGpuFabricInfoV_t"):
+        info = nvml.c_nvmlGpuFabricInfoV_t()
+        if q("nvmlDeviceGetGpuFabricInfoV", h, ctypes.byref(info)) is None:
+            info = None
+    if info is None and hasattr(nvml, "c_nvmlGpuFabricInfo_t"):
+        info = nvml.c_nvmlGpuFabricInfo_t()
+        if q("nvmlDeviceGetGpuFabricInfo", h, ctypes.byref(info)) is None:
+            info = None
+    gpu.fabric_state = None if info is None else q.enum_name("fabric state", _FABRIC_STATES, info.state)
+
+
+def _read_locality(q: _Query, h: Any, gpu: Gpu) -> None:
+    # nvmlDeviceGetNumaNodeId answers only where the GPU's memory is itself a NUMA node (Grace Hopper,
+    # coherent platforms) and then names that node, not the CPU node nearest the card. Elsewhere it says
+    # NotSupported and the caller takes the node from /sys/bus/pci/devices/<bus id>/numa_node.
+    node = q("nvmlDeviceGetNumaNodeId", h)
+    gpu.numa_node = node if node is not None and node >= 0 else None
+    # The caller sizes the mask: one 64-bit word per 64 CPUs of the whole system.
+    words = q("nvmlDeviceGetCpuAffinity", h, math.ceil(_system_cpu_count() / 64))
+    if words is not None:
+        cpus = [64 * w + bit for w, word in enumerate(words) for bit in range(64) if word >> bit & 1]
+        gpu.cpu_affinity = cpus or None
+
+
+def _read_processes(q: _Query, h: Any, gpu: Gpu) -> None:
+    compute = q("nvmlDeviceGetComputeRunningProcesses", h)
+    graphics = q("nvmlDeviceGetGraphicsRunningProcesses", h)
+    if compute is None and graphics is None:
+        return
+    not_available = getattr(q.nvml, "NVML_VALUE_NOT_AVAILABLE_ulonglong", None)
+    sentinel = _ULONGLONG_MAX if not_available is None else not_available.value
+    by_pid: dict[int, GpuProcess] = {}
+    for kind, processes in (("compute", compute or []), ("graphics", graphics or [])):
+        for process in processes:
+            # a process with both a compute and a graphics context is listed twice: keep it once
+            if process.pid in by_pid:
+                continue
+            # recent bindings turn NVML_VALUE_NOT_AVAILABLE (no per-process accounting: WDDM, some
+            # vGPU and container setups) into None, older ones hand back the raw 2**64 - 1
+            used = process.usedGpuMemory
+            by_pid[process.pid] = GpuProcess(
+                pid=process.pid,
+                name=_process_name(process.pid),
+                used_memory_bytes=None if used is None or used >= sentinel else used,
+                kind=kind,
+            )
+    gpu.processes = list(by_pid.values())
+
+
+_GPU_FIELD_GROUPS: tuple[tuple[str, Callable[[_Query, Any, Gpu], None]], ...] = (
+    ("identity", _read_identity),
+    ("memory", _read_memory),
+    ("modes", _read_modes),
+    ("clocks", _read_clocks),
+    ("power", _read_power),
+    ("thermal", _read_thermal),
+    ("pcie", _read_pcie),
+    ("ecc", _read_ecc),
+    ("retirement", _read_retirement),
+    ("nvlinks", _read_nvlinks),
+    ("fabric", _read_fabric),
+    ("locality", _read_locality),
+    ("processes", _read_processes),
+)
+
+
+def _system_cpu_count() -> int:
+    return os.cpu_count() or 1
+
+
+def _process_name(pid: int) -> str | None:
+    """The process's name, or None where it is gone or belongs to another PID namespace.
+
+    Inside a container NVML reports host PIDs, which name nothing (or, rarely, an unrelated process) here.
+    """
+    import psutil
+
+    try:
+        return psutil.Process(pid).name()
+    except (psutil.Error, OSError):
+        return None

@@ -1,0 +1,1 @@
+"""Fakes of the outside world (NVML...) that tests build realistic servers from."""
