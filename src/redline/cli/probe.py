@@ -1,5 +1,40 @@
-"""`redline probe` (in progress)."""
+"""`redline probe`: a snapshot of this server as versioned JSON (GPUs, host, storage, network, software)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from redline.cli import ui
+
+DATA_HELP = "A dataset path to locate (filesystem type, disk); repeatable."
 
 
-def probe() -> None:
-    """Take a snapshot of this server."""
+def probe(
+    json_out: bool = typer.Option(False, "--json", help="Print the snapshot as JSON (for doctor --from)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Also write the JSON snapshot to this file."),
+    data: list[str] = typer.Option([], "--data", help=DATA_HELP),
+) -> None:
+    """Take a snapshot of this server.
+
+    Save one on a remote server with `redline probe --json > snap.json`, audit it anywhere with
+    `redline doctor --from snap.json`.
+    """
+    from redline.hw.probe import take_snapshot
+    from redline.report.summary import server_summary
+
+    snapshot = take_snapshot(data_paths=data)
+    if output is not None:
+        ui.write_text_file(output, snapshot.to_json())
+    if json_out:
+        ui.print_json(snapshot.to_dict())
+        return
+    table = ui.key_value_table("redline probe", server_summary(snapshot))
+    ui.console.print(table)
+    for gpu in snapshot.gpus:
+        ui.console.print(ui.gpu_line(gpu))
+    for note in snapshot.probe_errors:
+        ui.warn(note)
+    if output is None:
+        ui.console.print("[dim]full snapshot: redline probe --json[/]")

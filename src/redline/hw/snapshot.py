@@ -116,7 +116,7 @@ class Gpu:
     memory_total_bytes: int | None = None
     memory_used_bytes: int | None = None
     compute_capability: str | None = None  # "9.0"
-    multiprocessor_count: int | None = None
+    multiprocessor_count: int | None = None  # NVML answers for MIG instances only: usually None
     persistence_mode: bool | None = None
     compute_mode: str | None = None  # default | exclusive_thread | prohibited | exclusive_process
     mig_mode: bool | None = None
@@ -133,6 +133,7 @@ class Gpu:
     nvlinks: list[NvLink] | None = None
     # NVSwitch fabric registration (Hopper+): "completed", "in_progress", "not_started", "not_supported"
     fabric_state: str | None = None
+    # the CPU NUMA node nearest the GPU's PCIe slot (from /sys; NVML's answer only where sysfs has none)
     numa_node: int | None = None
     cpu_affinity: list[int] | None = None
     processes: list[GpuProcess] | None = None
@@ -152,7 +153,7 @@ class GpuSection:
     # "topology_not_supported", "disabled_by_regkey", "unknown"; the diagonal is "self"
     p2p: list[list[str]] | None = None
     # topology[i][j]: nearest common ancestor as nvidia-smi topo -m names it: "SELF", "PIX", "PXB",
-    # "PHB", "NODE", "SYS" (NV links are in Gpu.nvlinks)
+    # "PHB", "NODE", "SYS" (NV links are in Gpu.nvlinks), or "unknown" where NVML cannot say
     topology: list[list[str]] | None = None
     # NVRM Xid codes seen in the kernel log, with counts; None if the log could not be read
     xid_counts: dict[str, int] | None = None
@@ -364,8 +365,7 @@ def snapshot_from_dict(data: Any) -> Snapshot:
         raise SnapshotError("not a redline snapshot: no integer 'schema_version'")
     if version > SCHEMA_VERSION:
         raise SnapshotError(
-            f"snapshot schema {version} is newer than this redline understands ({SCHEMA_VERSION}); "
-            "upgrade redline"
+            f"snapshot schema {version} is newer than this redline understands ({SCHEMA_VERSION}); upgrade redline"
         )
     try:
         return TypeAdapter(Snapshot).validate_python(data, strict=False)

@@ -1,0 +1,74 @@
+"""Take a snapshot of this server: GPUs through NVML, the rest through /sys and /proc.
+
+The one entry point the CLI and the other parts call. Each section is probed on its own and a failure in
+one (a bug, an unexpected file) becomes a note in ``probe_errors`` instead of losing the whole snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from redline.hw.host import probe_host
+from redline.hw.kernel_log import count_xids, read_kernel_log
+from redline.hw.network import probe_network
+from redline.hw.nvml import probe_gpus
+from redline.hw.snapshot import GpuSection, HostInfo, NetworkInfo, Snapshot, SoftwareInfo, StorageInfo
+from redline.hw.software import probe_software
+from redline.hw.storage import probe_storage
+from redline.hw.sysfs import SysFs
+
+T = TypeVar("T")
+
+
+def take_snapshot(
+    *,
+    fs: SysFs | None = None,
+    nvml: Any | None = None,
+    data_paths: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+    kernel_log: Callable[[], str | None] = read_kernel_log,
+    statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+) -> Snapshot:
+    """Probe everything. Arguments other than ``data_paths`` exist for tests (a fake /sys root, a fake
+    NVML, a fixed environment, a canned kernel log); the product path uses the real ones."""
+    fs = fs or SysFs("/")
+    errors: list[str] = []
+
+    def section(name: str, probe: Callable[[], T], empty: Callable[[], T]) -> T:
+        try:
+            return probe()
+        except Exception as exc:  # a probe bug must not cost the user the rest of the snapshot
+            errors.append(f"{name} probe failed: {type(exc).__name__}: {exc}")
+            return empty()
+
+    gpu = section("gpu", lambda: probe_gpus(nvml, errors), GpuSection)
+    snapshot = Snapshot(
+        taken_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        gpu=gpu,
+        host=section("host", lambda: probe_host(fs, statvfs), HostInfo),
+        storage=section("storage", lambda: probe_storage(fs, data_paths, statvfs), StorageInfo),
+        network=section("network", lambda: probe_network(fs), NetworkInfo),
+        software=section("software", lambda: probe_software(fs, environ), SoftwareInfo),
+    )
+    if gpu.gpus:
+        _numa_from_sysfs(gpu, fs)
+        log = kernel_log()
+        gpu.xid_counts = count_xids(log) if log is not None else None
+    snapshot.probe_errors = errors + fs.errors
+    return snapshot
+
+
+def _numa_from_sysfs(gpu: GpuSection, fs: SysFs) -> None:
+    """The CPU-side NUMA node of each GPU's PCIe slot, as /sys reports it.
+
+    NVML's nvmlDeviceGetNumaNodeId answers only where GPU memory is itself a NUMA node (Grace Hopper),
+    and then names that memory node, which has no CPUs. Pinning and NIC placement need the slot's node.
+    """
+    for g in gpu.gpus:
+        if g.pci_bus_id:
+            node = fs.read_int(f"/sys/bus/pci/devices/{g.pci_bus_id}/numa_node")
+            if node is not None and node >= 0:
+                g.numa_node = node

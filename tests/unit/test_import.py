@@ -1,0 +1,39 @@
+"""`import redline` stays light: no torch, no NVML, no CUDA. The CLI's start-up must not pay for them either."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+HEAVY = ("torch", "pynvml", "numpy", "pydantic")
+
+
+def modules_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys; print('\\n'.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return set(out.split())
+
+
+def test_import_redline_loads_nothing_heavy():
+    loaded = modules_after("import redline")
+    assert not {m for m in loaded if m.split(".")[0] in HEAVY}
+
+
+def test_cli_and_doctor_rules_load_without_torch_or_nvml():
+    loaded = modules_after("import redline.cli.main\nfrom redline.doctor.engine import all_rules\nall_rules()")
+    assert not {m for m in loaded if m.split(".")[0] in ("torch", "pynvml")}
+
+
+def test_probe_software_does_not_initialise_cuda():
+    code = (
+        "from redline.hw.software import probe_software\n"
+        "from redline.hw.sysfs import SysFs\n"
+        "probe_software(SysFs('/'))\n"
+        "import torch\n"
+        "assert not torch.cuda.is_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
