@@ -1,0 +1,169 @@
+"""Can the host keep the GPUs fed? CPU governor and quota, memory, swap, /dev/shm, NUMA, IOMMU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from redline.doctor.context import Audit, gpu_subject
+from redline.doctor.engine import rule
+from redline.doctor.model import Area, Finding, Severity
+from redline.units import GiB, fmt_bytes
+
+SHM_MIN_BYTES = 1 * GiB  # docker's default is 64 MiB; DataLoader workers pass batches through /dev/shm
+MIN_CORES_PER_GPU = 4
+MAX_SWAPPINESS = 10
+
+
+@rule("host.cpu-governor", Area.HOST, "CPU frequency governor is not 'performance'")
+def cpu_governor(audit: Audit) -> Iterator[Finding]:
+    governors = audit.snapshot.host.cpu_governors or {}
+    slow = {g: n for g, n in governors.items() if g != "performance"}
+    if slow:
+        yield Finding(
+            Severity.WARN,
+            "CPU governor: " + ", ".join(f"{g} on {n} CPU(s)" for g, n in slow.items()),
+            cost="CPUs ramp their clocks up late: slower data loading and kernel launches, jittery steps.",
+            fix="cpupower frequency-set -g performance (or set it in the BIOS/tuned profile).",
+            evidence=governors,
+            command="cat /sys/devices/system/cpu/cpu*/cpufreq/scaling_governor | sort | uniq -c",
+        )
+
+
+@rule("host.swap", Area.HOST, "Swap on with high swappiness")
+def swap(audit: Audit) -> Iterator[Finding]:
+    host = audit.snapshot.host
+    if host.swap_total_bytes and host.swappiness is not None and host.swappiness > MAX_SWAPPINESS:
+        yield Finding(
+            Severity.WARN,
+            f"Swap of {fmt_bytes(host.swap_total_bytes)} with vm.swappiness={host.swappiness}",
+            cost="The kernel pages out pinned-memory neighbours and dataloader buffers: stalls of seconds.",
+            fix=f"sysctl -w vm.swappiness={MAX_SWAPPINESS} (or 1), or swapoff -a on a dedicated training node.",
+            evidence={
+                "swap_total_bytes": host.swap_total_bytes,
+                "swap_used_bytes": host.swap_used_bytes,
+                "swappiness": host.swappiness,
+            },
+            command="swapon --show; sysctl vm.swappiness",
+        )
+
+
+@rule("host.shm-small", Area.HOST, "/dev/shm too small for DataLoader workers")
+def shm_small(audit: Audit) -> Iterator[Finding]:
+    size = audit.snapshot.host.shm_total_bytes
+    if size is not None and size < SHM_MIN_BYTES:
+        yield Finding(
+            Severity.FAIL,
+            f"/dev/shm is only {fmt_bytes(size)}",
+            cost="DataLoader workers pass batches through shared memory and crash with 'Bus error ... "
+            "insufficient shared memory (shm)' once batches outgrow it.",
+            fix="Start the container with --ipc=host or --shm-size=16g (Kubernetes: an emptyDir with "
+            "medium: Memory mounted at /dev/shm).",
+            evidence={"shm_total_bytes": size},
+            command="df -h /dev/shm",
+        )
+
+
+@rule("host.cgroup-cpu", Area.HOST, "Container CPU quota below the cores it can see")
+def cgroup_cpu(audit: Audit) -> Iterator[Finding]:
+    host = audit.snapshot.host
+    limit, visible = host.cgroup_cpu_limit_cores, host.process_cpu_count or host.cpu_logical_cores
+    if limit is not None and visible and limit < visible:
+        yield Finding(
+            Severity.WARN,
+            f"CPU quota of {limit:g} cores, but {visible} cores visible",
+            cost="PyTorch, OpenMP and DataLoader size their thread pools from the visible cores: they "
+            "oversubscribe the quota and get throttled by the kernel (CFS) in bursts.",
+            fix=f"Set OMP_NUM_THREADS and num_workers from the quota ({limit:g}), or ask for a larger quota.",
+            evidence={"cgroup_cpu_limit_cores": limit, "visible_cores": visible},
+            command="cat /sys/fs/cgroup/cpu.max; nproc",
+        )
+
+
+@rule("host.cores-per-gpu", Area.HOST, "Too few CPU cores per GPU")
+def cores_per_gpu(audit: Audit) -> Iterator[Finding]:
+    host, n = audit.snapshot.host, len(audit.gpus)
+    candidates = [c for c in (host.cgroup_cpu_limit_cores, host.process_cpu_count, host.cpu_logical_cores) if c]
+    if not n or not candidates:
+        return
+    cores = min(candidates)
+    if cores / n < MIN_CORES_PER_GPU:
+        yield Finding(
+            Severity.WARN,
+            f"{cores:g} usable CPU cores for {n} GPU(s): {cores / n:.1f} per GPU",
+            cost="Decoding, augmentation and the training loop itself compete for cores: input-bound steps.",
+            fix=f"Aim for at least {MIN_CORES_PER_GPU}-8 cores per GPU; move preprocessing offline or onto the GPU.",
+            evidence={"usable_cores": cores, "gpus": n},
+            command="nproc; nvidia-smi -L",
+        )
+
+
+@rule("host.memory-vs-gpu", Area.HOST, "Host memory (or its cgroup limit) smaller than total GPU memory")
+def memory_vs_gpu(audit: Audit) -> Iterator[Finding]:
+    host = audit.snapshot.host
+    gpu_total = sum(g.memory_total_bytes or 0 for g in audit.gpus)
+    limits = [m for m in (host.cgroup_memory_limit_bytes, host.memory_total_bytes) if m]
+    if not gpu_total or not limits or min(limits) >= gpu_total:
+        return
+    usable = min(limits)
+    limited_by = "cgroup limit" if usable == host.cgroup_memory_limit_bytes else "RAM"
+    yield Finding(
+        Severity.WARN,
+        f"Host memory ({limited_by}) {fmt_bytes(usable)} is less than GPU memory {fmt_bytes(gpu_total)}",
+        cost="Loading or saving a checkpoint that fills the GPUs goes through host RAM: the job is OOM-killed; "
+        "pinned buffers and DataLoader workers compete for what is left.",
+        fix="Load checkpoints sharded or with mmap (torch.load(mmap=True)), or ask for more memory.",
+        evidence={"usable_host_bytes": usable, "gpu_total_bytes": gpu_total},
+        command="free -g; cat /sys/fs/cgroup/memory.max",
+    )
+
+
+@rule("host.numa-balancing", Area.HOST, "Automatic NUMA balancing on a multi-socket server")
+def numa_balancing(audit: Audit) -> Iterator[Finding]:
+    host = audit.snapshot.host
+    if host.numa_balancing and len(host.numa_nodes or []) > 1:
+        yield Finding(
+            Severity.INFO,
+            f"kernel.numa_balancing=1 on {len(host.numa_nodes or [])} NUMA nodes",
+            cost="The kernel migrates pages of running processes between nodes: periodic stalls; "
+            "recommended off on AMD MI300X servers.",
+            fix="sysctl -w kernel.numa_balancing=0; pin ranks to their GPU's NUMA node.",
+            evidence={"numa_nodes": len(host.numa_nodes or [])},
+            command="sysctl kernel.numa_balancing; numactl -H",
+        )
+
+
+@rule("host.gpu-nic-numa", Area.HOST, "GPUs on a NUMA node without a local active RDMA NIC")
+def gpu_nic_numa(audit: Audit) -> Iterator[Finding]:
+    nic_nodes = {
+        p.numa_node for p in audit.snapshot.network.ib_ports if p.state == "ACTIVE" and p.numa_node is not None
+    }
+    if not nic_nodes:
+        return
+    far = [g for g in audit.gpus if g.numa_node is not None and g.numa_node not in nic_nodes]
+    if far:
+        yield Finding(
+            Severity.INFO,
+            f"GPUs on NUMA node(s) {sorted({g.numa_node for g in far})} have no active RDMA NIC on their node",
+            subject=gpu_subject(far),
+            cost="Their inter-node traffic crosses the CPU socket link to reach a NIC: lower GPUDirect RDMA bandwidth.",
+            fix="Expected on servers with NICs on one socket; otherwise check NIC placement and cabling.",
+            evidence={"gpu_numa": {g.index: g.numa_node for g in far}, "nic_numa": sorted(nic_nodes)},
+            command="nvidia-smi topo -m",
+        )
+
+
+@rule("host.iommu", Area.HOST, "IOMMU translating DMA on a multi-GPU server")
+def iommu(audit: Audit) -> Iterator[Finding]:
+    cmdline = audit.snapshot.host.kernel_cmdline or ""
+    args = cmdline.split()
+    enabled = any(a in ("intel_iommu=on", "amd_iommu=on") for a in args)
+    if enabled and "iommu=pt" not in args and len(audit.gpus) > 1:
+        yield Finding(
+            Severity.WARN,
+            "IOMMU is on without passthrough (iommu=pt)",
+            cost="Every GPU-to-GPU and NIC-to-GPU transfer goes through address translation: P2P is slow "
+            "or fails, NCCL hangs are common.",
+            fix="Add iommu=pt to the kernel command line (or disable the IOMMU) and reboot.",
+            evidence={"kernel_cmdline": cmdline},
+            command="cat /proc/cmdline",
+        )
