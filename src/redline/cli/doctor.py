@@ -1,5 +1,78 @@
-"""`redline doctor` (in progress)."""
+"""`redline doctor`: audit this server (or a saved snapshot) and explain what costs throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from redline.cli import ui
 
 
-def doctor() -> None:
-    """Audit this server."""
+def doctor(
+    from_file: Path | None = typer.Option(
+        None, "--from", help="Audit a snapshot saved by `redline probe --json` ('-' reads stdin)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print findings and summary as JSON."),
+    html: Path | None = typer.Option(None, "--html", help="Write a self-contained HTML report to this file."),
+    data: list[str] = typer.Option([], "--data", help="Dataset path to check (filesystem, disk); repeatable."),
+    list_rules: bool = typer.Option(False, "--list-rules", help="List every rule and exit."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when any finding is a fail."),
+) -> None:
+    """Audit this server: findings grouped by area, worst first, each with evidence, cost and fix."""
+    from redline.doctor.engine import all_rules, run_rules
+    from redline.errors import BadInput
+    from redline.report.summary import server_summary
+
+    if list_rules:
+        _print_rules(all_rules(), json_out)
+        return
+    if from_file is not None:
+        if data:
+            raise BadInput("--data applies to a live probe; probe the remote server with --data instead")
+        from redline.hw.snapshot import load_snapshot
+
+        snapshot = load_snapshot(from_file)
+    else:
+        from redline.hw.probe import take_snapshot
+
+        snapshot = take_snapshot(data_paths=data)
+
+    report = run_rules(snapshot)
+    if html is not None:
+        from redline.report.html import render_html
+
+        ui.write_text_file(html, render_html(report, snapshot))
+    if json_out:
+        ui.print_json(
+            {
+                "summary": server_summary(snapshot),
+                "counts": report.counts(),
+                "rules_checked": report.rules_checked,
+                "findings": [f.to_dict() for f in report.sorted()],
+                "notes": report.rule_errors + snapshot.probe_errors,
+            }
+        )
+    else:
+        from redline.report.terminal import render
+
+        render(report, snapshot, ui.console)
+        if html is not None:
+            ui.console.print(f"[dim]HTML report written to {html}[/]")
+    if strict and report.counts()["fail"]:
+        raise typer.Exit(1)
+
+
+def _print_rules(rules: list, json_out: bool) -> None:
+    if json_out:
+        ui.print_json([r.to_dict() for r in rules])
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(rules)} doctor rules", title_justify="left")
+    table.add_column("rule", style="cyan", no_wrap=True)
+    table.add_column("area")
+    table.add_column("checks")
+    for r in rules:
+        table.add_row(r.id, r.area.title, r.summary)
+    ui.console.print(table)

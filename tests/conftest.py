@@ -1,0 +1,32 @@
+"""Shared test helpers. tests/ is on sys.path (pyproject: pythonpath), so fixtures import by plain name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run `redline ARGS` as a user would: a separate process, real exit code, real stdout/stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"}
+    env["COLUMNS"] = "120"
+    return subprocess.run(
+        [sys.executable, "-m", "redline", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    return FIXTURES
