@@ -18,14 +18,23 @@ def server_summary(snapshot: Snapshot) -> dict[str, Any]:
         gpus += f" ({fmt_bytes(gpu.gpus[0].memory_total_bytes)} each)"
     else:
         gpus = f"none ({gpu.error})" if gpu.error else "none"
-    fast_links = [
-        f"{p.device} {p.rate_gbps:g} Gb/s" for p in snapshot.network.ib_ports if p.state == "ACTIVE" and p.rate_gbps
-    ]
-    nics = [
-        f"{i.name} {i.speed_mbps / 1000:g} Gb/s"
+    ib = Counter(
+        f"{p.rate_gbps:g} Gb/s {'RoCE' if p.link_layer == 'Ethernet' else 'InfiniBand'}"
+        for p in snapshot.network.ib_ports
+        if p.state == "ACTIVE" and p.rate_gbps
+    )
+    # IPoIB netdevs (ib0, ibp12s0) and RoCE netdevs are the RDMA ports above, not extra NICs
+    rdma_netdevs = {p.netdev for p in snapshot.network.ib_ports if p.netdev}
+    nics = Counter(
+        f"{i.speed_mbps / 1000:g} Gb/s Ethernet"
         for i in snapshot.network.interfaces
-        if i.kind == "physical" and i.speed_mbps
-    ]
+        if i.kind == "physical"
+        and i.speed_mbps
+        and i.operstate == "up"
+        and not i.name.startswith("ib")
+        and i.name not in rdma_netdevs
+    )
+    network = ", ".join(f"{n} x {what}" for what, n in (ib + nics).most_common())
     torch = sw.torch
     torch_text = "not installed"
     if torch:
@@ -38,7 +47,7 @@ def server_summary(snapshot: Snapshot) -> dict[str, Any]:
         "driver": f"{gpu.driver_version or 'n/a'} (CUDA {gpu.cuda_driver_version or 'n/a'})",
         "cpu": f"{host.cpu_model or 'n/a'}, {cores if cores is not None else 'n/a'} logical cores",
         "memory": f"{fmt_bytes(host.memory_total_bytes)} RAM, {fmt_bytes(host.shm_total_bytes)} /dev/shm",
-        "network": ", ".join(fast_links + nics) or "n/a",
+        "network": network or "n/a",
         "os": f"{host.os_name or 'n/a'}, kernel {host.kernel or 'n/a'}",
         "python": sw.python or "n/a",
         "torch": torch_text,
