@@ -67,6 +67,7 @@ def h100(index: int) -> Gpu:
         ),
         nvlinks=[NvLink(link=i, active=True, peer_pci_bus_id=f"0000:0{i % 4}:00.0") for i in range(18)],
         fabric_state="completed",
+        fabric_status="success",
         numa_node=0 if index < 4 else 1,
         cpu_affinity=list(range(0, 56)) if index < 4 else list(range(56, 112)),
         processes=[],
@@ -114,6 +115,10 @@ def healthy_server(gpus: int = 8) -> Snapshot:
             numa_balancing=False,
             kernel_cmdline="BOOT_IMAGE=/vmlinuz root=/dev/nvme0n1p2 ro iommu=pt",
             memlock_limit_bytes=-1,
+            iommu_mode="passthrough",
+            probe_uid=1000,
+            cpu_arch="x86_64",
+            hypervisor=False,
             loaded_modules=["nvidia", "nvidia_uvm", "nvidia_peermem", "mlx5_core", "mlx5_ib"],
         ),
         storage=StorageInfo(
@@ -182,6 +187,7 @@ def healthy_server(gpus: int = 8) -> Snapshot:
             ),
             env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
             nvidia_kernel_driver="550.54.15",
+            nvidia_open_kernel_module=False,
         ),
     )
 

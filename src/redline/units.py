@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
@@ -32,3 +34,14 @@ def fmt_index_list(indices: list[int]) -> str:
     if start is not None:
         out.append(str(start) if start == prev else f"{start}-{prev}")
     return ",".join(out)
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """'2.21.5' -> (2, 21, 5); '12.4' -> (12, 4); '2.5.1+cu124' -> (2, 5, 1): leading digits of each part."""
+    parts = []
+    for piece in text.split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)

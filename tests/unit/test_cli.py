@@ -137,6 +137,8 @@ def test_list_rules():
         ('{"schema_version": 99}', "newer"),
         ('{"schema_version": 1, "host": {"memory_total_bytes": "lots"}}', "host.memory_total_bytes"),
         ('{"schema_version": 1, "gpu": {"gpus": [{"name": "x"}]}}', "gpu.gpus.0.index"),
+        ('{"schema_version": true}', "schema_version"),
+        ('{"schema_version": 1, "gpu": {"gpus": [{"index": 0, "memory_total_bytes": -5}]}}', "negative"),
     ],
 )
 def test_bad_snapshot_is_one_line_and_exit_2(tmp_path, content, needle):
@@ -157,6 +159,41 @@ def test_binary_snapshot_file(tmp_path):
 
 def test_html_into_a_directory_is_refused_and_nothing_is_lost(tmp_path):
     assert_one_line_error(run_cli("doctor", "--from", FAULTY, "--html", str(tmp_path)), 2, "is a directory")
+
+
+def test_outputs_never_replace_the_users_files(tmp_path):
+    snap = tmp_path / "snap.json"
+    snap.write_text(Path(FAULTY).read_text())
+    before = snap.read_text()
+    assert_one_line_error(run_cli("doctor", "--from", str(snap), "--html", str(snap)), 2, "input snapshot")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    assert_one_line_error(run_cli("doctor", "--from", str(snap), "--html", str(notes)), 2, "not written by redline")
+    assert_one_line_error(run_cli("probe", "-o", str(notes)), 2, "not written by redline")
+    assert snap.read_text() == before and notes.read_text() == "my notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "snap.json"]  # no temp files left
+
+
+def test_rerunning_replaces_redline_own_outputs(tmp_path):
+    page, snap = tmp_path / "r.html", tmp_path / "s.json"
+    for _ in range(2):
+        assert run_cli("doctor", "--from", FAULTY, "--html", str(page)).returncode == 0
+        assert run_cli("probe", "-o", str(snap)).returncode == 0
+    assert "<!doctype html>" in page.read_text()
+    assert json.loads(snap.read_text())["schema_version"] == SCHEMA_VERSION
+
+
+def test_missing_data_path_is_bad_input(tmp_path):
+    assert_one_line_error(run_cli("doctor", "--data", str(tmp_path / "typo")), 2, "no such file")
+
+
+def test_markup_in_names_is_printed_not_parsed(tmp_path):
+    weird = tmp_path / "[bold]x[red].json"
+    weird.write_text(Path(FAULTY).read_text().replace('"h100-rental-03"', '"box[/]one"'))
+    proc = run_cli("doctor", "--from", str(weird))
+    assert proc.returncode == 0, proc.stderr
+    assert "box[/]one" in proc.stdout
+    assert_one_line_error(run_cli("catalog", "gpus", "[/]"), 2, "[/]")
 
 
 def test_unknown_option_is_a_usage_error():

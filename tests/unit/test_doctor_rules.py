@@ -17,7 +17,11 @@ F, W, I = Severity.FAIL, Severity.WARN, Severity.INFO  # noqa: E741 (the table r
 CASES = [
     # hardware
     ("hardware.no-gpu", W, {"gpu.gpus": [], "gpu.nvml_available": False, "gpu.error": "NVML library not found"}, None),
+    ("hardware.no-gpu", I, {"gpu.gpus": [], "gpu.p2p": None, "gpu.topology": None, "software.torch.hip": "6.2",
+                            "software.torch.cuda": None}, None),
     ("hardware.gpu-lost", F, {"gpu.gpus[5].lost": True}, "GPU 5"),
+    ("hardware.nvml-errors", F, {"gpu.gpus[4].health_errors": {"nvmlDeviceGetEccMode": "CORRUPTED_INFOROM"}},
+     "GPU 4"),
     ("hardware.unknown-gpu", I, {"gpu.gpus[*].name": "NVIDIA B300 SXM6 AC"}, "GPUs 0-7"),
     ("hardware.identity", F, {"gpu.gpus[2].memory_total_bytes": 40 * GiB}, "GPU 2"),
     ("hardware.identity", F, {"gpu.gpus[2].compute_capability": "8.0"}, "GPU 2"),
@@ -30,11 +34,14 @@ CASES = [
     ("hardware.pcie-slot-capped", W, {"gpu.gpus[*].pcie.gen_max": 4, "gpu.gpus[*].pcie.gen_current": 4}, "GPUs 0-7"),
     ("hardware.pcie-replays", W, {"gpu.gpus[6].pcie.replay_count": 5000}, "GPU 6"),
     ("hardware.xid", F, {"gpu.xid_counts": {"79": 1, "48": 2}}, None),
+    ("hardware.xid", F, {"gpu.xid_counts": {"79": 1}, "gpu.xid_by_device": {"0000:78:00": {"79": 1}}}, "GPU 3"),
+    ("hardware.xid", W, {"gpu.xid_counts": {"63": 2}}, None),
     ("hardware.xid", I, {"gpu.xid_counts": {"13": 4}}, None),
     # multi-GPU
     ("multi_gpu.p2p-unavailable", F, {"gpu.p2p[0][1]": "disabled_by_regkey", "gpu.p2p[1][0]": "disabled_by_regkey"},
      None),
-    ("multi_gpu.p2p-unavailable", W, {"gpu.p2p[2][3]": "not_supported"}, None),
+    ("multi_gpu.p2p-unavailable", W, {"gpu.p2p[2][3]": "gpu_not_supported"}, None),
+    ("multi_gpu.fabric-not-ready", F, {"gpu.gpus[2].fabric_status": "NVML_ERROR_NVLINK_FABRIC"}, "GPU 2"),
     ("multi_gpu.nvlink-down", F, {"gpu.gpus[4].nvlinks[0].active": False, "gpu.gpus[4].nvlinks[1].active": False},
      "GPU 4"),
     ("multi_gpu.fabric-not-ready", F, {"gpu.gpus[*].fabric_state": "in_progress"}, "GPUs 0-7"),
@@ -50,6 +57,8 @@ CASES = [
     ("network.slow-nic", W, {"network.ib_ports": [], "network.interfaces[*].speed_mbps": 1000}, None),
     ("network.slow-nic", I, {"network.ib_ports": [], "network.interfaces[*].speed_mbps": 10_000}, None),
     ("network.ib-port-down", W, {"network.ib_ports[3].state": "DOWN", "network.ib_ports[3].phys_state": "Polling"},
+     None),
+    ("network.ib-port-down", I, {"network.ib_ports[3].state": "DOWN", "network.ib_ports[3].phys_state": "Disabled"},
      None),
     ("network.ib-disabled", F, {"software.env.NCCL_IB_DISABLE": "1"}, None),
     ("network.ib-disabled", F, {"software.env.NCCL_NET": "Socket"}, None),
@@ -93,10 +102,13 @@ CASES = [
     ("gpu_memory.row-remap", F, {"gpu.gpus[6].retirement.remap_failed": True}, "GPU 6"),
     ("gpu_memory.row-remap", F, {"gpu.gpus[6].retirement.remap_pending": True}, "GPU 6"),
     ("gpu_memory.row-remap", W, {"gpu.gpus[6].retirement.retired_pages_double_bit": 50}, "GPU 6"),
-    ("gpu_memory.in-use", W, {"gpu.gpus[0].processes": [GpuProcess(4242, "python3", 30 * GiB)]}, "GPU 0"),
+    ("gpu_memory.in-use", W, {"gpu.gpus[0].processes": [GpuProcess(4242, "python3", 30 * GiB, uid=1001)]}, "GPU 0"),
+    ("gpu_memory.in-use", W, {"gpu.gpus[0].processes": [GpuProcess(4242, None, 30 * GiB, uid=None)]}, "GPU 0"),
+    ("gpu_memory.in-use", I, {"gpu.gpus[0].processes": [GpuProcess(4242, "python3", 30 * GiB, uid=1000)]}, "GPU 0"),
     ("gpu_memory.in-use", W, {"gpu.gpus[0].memory_used_bytes": 20 * GiB}, "GPU 0"),
     # software
-    ("software.driver-mismatch", F, {"gpu.gpus": [], "gpu.nvml_available": False,
+    ("software.driver-mismatch", F, {"gpu.gpus": [], "gpu.p2p": None, "gpu.topology": None,
+                                     "gpu.nvml_available": False, "gpu.error_code": "driver_mismatch",
                                      "gpu.error": "NVML driver/library version mismatch"}, None),
     ("software.driver-mismatch", F, {"software.nvidia_kernel_driver": "550.90.07"}, None),
     ("software.torch-cuda-vs-driver", W, {"software.torch.cuda": "12.6"}, None),
@@ -119,14 +131,15 @@ CASES = [
     ("power_thermal.near-slowdown", W, {"gpu.gpus[7].thermal.temperature_c": 87}, "GPU 7"),
     # host
     ("host.cpu-governor", W, {"host.cpu_governors": {"powersave": 200, "performance": 24}}, None),
-    ("host.swap", W, {"host.swap_total_bytes": 8 * GiB}, None),
+    ("host.swap", W, {"host.swap_total_bytes": 8 * GiB, "host.swap_used_bytes": GiB}, None),
     ("host.shm-small", F, {"host.shm_total_bytes": 64 * MiB}, None),
     ("host.cgroup-cpu", W, {"host.cgroup_cpu_limit_cores": 64.0}, None),
     ("host.cores-per-gpu", W, {"host.cgroup_cpu_limit_cores": 16.0}, None),
     ("host.memory-vs-gpu", W, {"host.cgroup_memory_limit_bytes": 256 * GiB}, None),
     ("host.numa-balancing", I, {"host.numa_balancing": True}, None),
     ("host.gpu-nic-numa", I, {"network.ib_ports[*].numa_node": 0}, "GPUs 4-7"),
-    ("host.iommu", W, {"host.kernel_cmdline": "BOOT_IMAGE=/vmlinuz intel_iommu=on"}, None),
+    ("host.iommu", W, {"host.iommu_mode": "translated"}, None),
+    ("host.iommu", W, {"host.iommu_mode": None, "host.kernel_cmdline": "BOOT_IMAGE=/vmlinuz intel_iommu=on"}, None),
 ]
 # fmt: on
 
@@ -193,3 +206,58 @@ def test_findings_sort_worst_first():
     order = [f.severity for f in run_rules(snapshot).sorted()]
     assert order == sorted(order, key=lambda s: s.rank)
     assert order[0] is F
+
+
+# faults that look alike but are fine: each rule must stay quiet
+QUIET = [
+    ("network.nccl-env", {"software.env.NCCL_SOCKET_IFNAME": "^lo,docker"}),
+    ("distributed.gpudirect-rdma", {"host.loaded_modules": ["nvidia"], "software.nvidia_open_kernel_module": True}),
+    ("distributed.gpudirect-rdma", {"host.loaded_modules": ["nvidia"], "network.ib_ports[*].device": "efa_0"}),
+    ("host.swap", {"host.swap_total_bytes": 8 * GiB, "host.swap_used_bytes": 0}),
+    ("host.iommu", {"host.iommu_mode": None, "host.kernel_cmdline": "intel_iommu=on iommu=pt"}),
+    ("power_thermal.app-clocks", {"gpu.gpus[*].clocks.applications_sm_mhz": 1312}),  # V100-style default, no bit
+    ("gpu_memory.in-use", {"gpu.gpus[0].processes": [GpuProcess(1, "Xorg", 20 * MiB, "graphics", uid=0)]}),
+    ("multi_gpu.p2p-unavailable", {"gpu.p2p[0][7]": "topology_not_supported"}),  # 0 and 7 sit on two sockets
+    ("multi_gpu.fabric-not-ready", {"gpu.gpus[*].fabric_status": "success"}),
+    ("software.tf32-off", {"software.torch.float32_matmul_precision": "high"}),
+]
+
+
+@pytest.mark.parametrize(("rule_id", "change"), QUIET, ids=[q[0] for q in QUIET])
+def test_rule_stays_quiet_on_a_lookalike(rule_id, change):
+    report = run_rules(mutate(healthy_server(), change))
+    assert rule_id not in {f.rule for f in report.findings}
+
+
+def test_disk_full_reports_one_filesystem_once():
+    bind_mounts = [
+        Mount("/dev/nvme0n1p2", path, "ext4", total_bytes=10**12, free_bytes=10**10, block_device="nvme0n1")
+        for path in ("/etc/hosts", "/etc/resolv.conf", "/etc/hostname", "/workspace")
+    ]
+    report = run_rules(mutate(healthy_server(), {"storage.mounts": bind_mounts}))
+    hits = [f for f in report.findings if f.rule == "storage.disk-full"]
+    assert [f.subject for f in hits] == ["/etc/hosts"]
+
+
+def test_stock_server_has_no_failures():
+    """A healthy server as it ships (distro TCP defaults, swap configured, schedutil, an ssh shell's
+    memlock, NCCL_SOCKET_IFNAME excluding lo): advice, but nothing that reads as broken."""
+    stock = mutate(
+        healthy_server(),
+        {
+            "network.tcp.congestion_control": "cubic",
+            "network.tcp.tcp_rmem_max_bytes": 6 * MiB,
+            "network.tcp.tcp_wmem_max_bytes": 4 * MiB,
+            "network.tcp.slow_start_after_idle": True,
+            "host.swap_total_bytes": 8 * GiB,
+            "host.swap_used_bytes": 0,
+            "host.cpu_governors": {"performance": 224},
+            "software.env": {"NCCL_SOCKET_IFNAME": "^lo,docker"},
+            "software.torch.float32_matmul_precision": "highest",
+            "network.ib_ports[7].state": "DOWN",
+            "network.ib_ports[7].phys_state": "Disabled",
+        },
+    )
+    findings = run_rules(stock).findings
+    assert not [f for f in findings if f.severity is F]
+    assert {f.rule for f in findings if f.severity is W} == {"network.tcp-buffers"}

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from redline.cli import ui
+from redline.cli.probe import check_data_paths
 
 
 def doctor(
@@ -36,13 +37,13 @@ def doctor(
     else:
         from redline.hw.probe import take_snapshot
 
-        snapshot = take_snapshot(data_paths=data)
+        snapshot = take_snapshot(data_paths=check_data_paths(data))
 
     report = run_rules(snapshot)
     if html is not None:
-        from redline.report.html import render_html
+        from redline.report.html import GENERATOR, render_html
 
-        ui.write_text_file(html, render_html(report, snapshot))
+        ui.write_output(html, render_html(report, snapshot), marker=GENERATOR, protect=from_file)
     if json_out:
         ui.print_json(
             {
@@ -58,7 +59,7 @@ def doctor(
 
         render(report, snapshot, ui.console)
         if html is not None:
-            ui.console.print(f"[dim]HTML report written to {html}[/]")
+            ui.console.print(ui.dim(f"HTML report written to {html}"))
     if strict and report.counts()["fail"]:
         raise typer.Exit(1)
 

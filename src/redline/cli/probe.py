@@ -11,6 +11,16 @@ from redline.cli import ui
 DATA_HELP = "A dataset path to locate (filesystem type, disk); repeatable."
 
 
+def check_data_paths(paths: list[str]) -> list[str]:
+    """A typo in a dataset path should stop the run, not produce an audit of nothing."""
+    from redline.errors import BadInput
+
+    for path in paths:
+        if not Path(path).exists():
+            raise BadInput(f"--data {path}: no such file or directory")
+    return paths
+
+
 def probe(
     json_out: bool = typer.Option(False, "--json", help="Print the snapshot as JSON (for doctor --from)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Also write the JSON snapshot to this file."),
@@ -22,11 +32,12 @@ def probe(
     `redline doctor --from snap.json`.
     """
     from redline.hw.probe import take_snapshot
+    from redline.hw.snapshot import SNAPSHOT_MARKER
     from redline.report.summary import server_summary
 
-    snapshot = take_snapshot(data_paths=data)
+    snapshot = take_snapshot(data_paths=check_data_paths(data))
     if output is not None:
-        ui.write_text_file(output, snapshot.to_json())
+        ui.write_output(output, snapshot.to_json(), marker=SNAPSHOT_MARKER)
     if json_out:
         ui.print_json(snapshot.to_dict())
         return
@@ -37,4 +48,4 @@ def probe(
     for note in snapshot.probe_errors:
         ui.warn(note)
     if output is None:
-        ui.console.print("[dim]full snapshot: redline probe --json[/]")
+        ui.console.print(ui.dim("full snapshot: redline probe --json"))

@@ -52,6 +52,13 @@ class DoctorReport:
             key=lambda f: (f.severity.rank, areas.index(f.area) if f.area else 0, f.rule, f.subject or ""),
         )
 
+    def grouped(self) -> list[tuple[Area, list[Finding]]]:
+        """Findings by area: the area with the worst finding first, each area's findings worst first."""
+        groups: dict[Area, list[Finding]] = {}
+        for f in self.sorted():  # worst first, so each area's first finding is its worst
+            groups.setdefault(f.area or Area.HARDWARE, []).append(f)
+        return sorted(groups.items(), key=lambda item: (item[1][0].severity.rank, list(Area).index(item[0])))
+
     def counts(self) -> dict[str, int]:
         out = {"fail": 0, "warn": 0, "info": 0}
         for f in self.findings:

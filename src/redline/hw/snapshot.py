@@ -19,6 +19,8 @@ from typing import Any
 from redline.errors import BadInput
 
 SCHEMA_VERSION = 1
+# the first key of every snapshot file, so a later run knows a file is a snapshot it may replace
+SNAPSHOT_MARKER = '"schema_version"'
 
 
 class SnapshotError(BadInput):
@@ -103,6 +105,8 @@ class GpuProcess:
     name: str | None = None
     used_memory_bytes: int | None = None
     kind: str = "compute"  # compute | graphics
+    # owner, from /proc/<pid>/status; None when the pid is in another PID namespace (another container)
+    uid: int | None = None
 
 
 @dataclass
@@ -133,10 +137,15 @@ class Gpu:
     nvlinks: list[NvLink] | None = None
     # NVSwitch fabric registration (Hopper+): "completed", "in_progress", "not_started", "not_supported"
     fabric_state: str | None = None
+    # once the state is "completed": "success", or the NVML error name the fabric manager reported
+    fabric_status: str | None = None
     # the CPU NUMA node nearest the GPU's PCIe slot (from /sys; NVML's answer only where sysfs has none)
     numa_node: int | None = None
     cpu_affinity: list[int] | None = None
     processes: list[GpuProcess] | None = None
+    # NVML calls that failed with an error that says something about the GPU's health (not "not
+    # supported"): NVML function name -> error name, e.g. {"nvmlDeviceGetEccMode": "CORRUPTED_INFOROM"}
+    health_errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,18 +154,24 @@ class GpuSection:
 
     nvml_available: bool = False
     error: str | None = None
+    # why NVML could not start, for rules: "library_not_found", "driver_not_loaded",
+    # "driver_mismatch" (kernel module and library differ), "no_permission", "other"
+    error_code: str | None = None
     driver_version: str | None = None
     cuda_driver_version: str | None = None  # "12.4": the newest CUDA the driver supports
     nvml_version: str | None = None
     gpus: list[Gpu] = field(default_factory=list)
-    # p2p[i][j]: P2P read status from GPU i to GPU j: "ok", "not_supported", "chipset_not_supported",
-    # "topology_not_supported", "disabled_by_regkey", "unknown"; the diagonal is "self"
+    # p2p[i][j]: P2P read status from GPU i to GPU j, NVML's nvmlGpuP2PStatus: "ok",
+    # "chipset_not_supported", "gpu_not_supported" (the GPU model has no P2P), "topology_not_supported"
+    # (NVML: IOH_TOPOLOGY_NOT_SUPPORTED), "disabled_by_regkey", "not_supported", "unknown"; diagonal "self"
     p2p: list[list[str]] | None = None
     # topology[i][j]: nearest common ancestor as nvidia-smi topo -m names it: "SELF", "PIX", "PXB",
     # "PHB", "NODE", "SYS" (NV links are in Gpu.nvlinks), or "unknown" where NVML cannot say
     topology: list[list[str]] | None = None
-    # NVRM Xid codes seen in the kernel log, with counts; None if the log could not be read
+    # NVRM Xid codes seen in the kernel log ring buffer, with counts; None if the log could not be read
     xid_counts: dict[str, int] | None = None
+    # the same per GPU: PCI address as the Xid line names it ("0000:3b:00") -> code -> count
+    xid_by_device: dict[str, dict[str, int]] | None = None
 
 
 # --------------------------------------------------------------------------------------------- host
@@ -179,8 +194,12 @@ class HostInfo:
     cpu_physical_cores: int | None = None
     # scaling governor -> how many CPUs use it; None where cpufreq is absent (VMs, containers)
     cpu_governors: dict[str, int] | None = None
+    cpu_arch: str | None = None  # platform.machine(): x86_64, aarch64 (Grace has no "model name")
+    # running under a hypervisor (the "hypervisor" CPU flag): a cloud VM
+    hypervisor: bool | None = None
     # CPUs this process may run on (sched_getaffinity)
     process_cpu_count: int | None = None
+    process_cpus: list[int] | None = None
     # cgroup limits: None means unlimited or not in a cgroup that limits
     cgroup_cpu_limit_cores: float | None = None
     cgroup_memory_limit_bytes: int | None = None
@@ -194,6 +213,11 @@ class HostInfo:
     numa_nodes: list[NumaNode] | None = None
     numa_balancing: bool | None = None
     kernel_cmdline: str | None = None
+    # DMA translation of the IOMMU groups (/sys/kernel/iommu_groups/*/type): "off" (no groups),
+    # "passthrough" (all identity), "translated" (any DMA / DMA-FQ group)
+    iommu_mode: str | None = None
+    # the uid the probe ran as: processes of other uids on the GPUs are someone else's
+    probe_uid: int | None = None
     # RLIMIT_MEMLOCK soft limit in bytes; -1 for unlimited (RDMA needs unlimited)
     memlock_limit_bytes: int | None = None
     loaded_modules: list[str] | None = None
@@ -222,6 +246,7 @@ class Mount:
     fstype: str
     network: bool = False  # nfs, cifs, ceph, lustre, hdfs...
     fuse: bool = False
+    options: str | None = None  # as in /proc/self/mounts: "rw,relatime,vers=4.2,rsize=1048576"
     total_bytes: int | None = None
     free_bytes: int | None = None
     inodes_total: int | None = None
@@ -325,6 +350,8 @@ class SoftwareInfo:
     # NCCL_*, CUDA_*, TORCH_*, OMP_NUM_THREADS... as set in the probe's environment
     env: dict[str, str] = field(default_factory=dict)
     nvidia_kernel_driver: str | None = None  # from /proc/driver/nvidia/version
+    # the open GPU kernel module (required for DMA-BUF GPUDirect RDMA without nvidia_peermem)
+    nvidia_open_kernel_module: bool | None = None
     import_errors: dict[str, str] = field(default_factory=dict)
 
 
@@ -361,19 +388,46 @@ def snapshot_from_dict(data: Any) -> Snapshot:
     if not isinstance(data, dict):
         raise SnapshotError(f"a snapshot is a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
-    if not isinstance(version, int):
+    if not isinstance(version, int) or isinstance(version, bool):
         raise SnapshotError("not a redline snapshot: no integer 'schema_version'")
     if version > SCHEMA_VERSION:
         raise SnapshotError(
             f"snapshot schema {version} is newer than this redline understands ({SCHEMA_VERSION}); upgrade redline"
         )
     try:
-        return TypeAdapter(Snapshot).validate_python(data, strict=False)
+        snapshot = TypeAdapter(Snapshot).validate_python(data, strict=False)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "<root>"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise SnapshotError(f"field '{where}': {first['msg']}{more}") from None
+    _check_quantities(snapshot, "")
+    return snapshot
+
+
+# quantities that cannot be negative; a negative one means a corrupted or hand-edited snapshot
+_UNIT_SUFFIXES = ("_bytes", "_w", "_mhz", "_c", "_mbps", "_gbps", "_cores", "_count", "_ratio")
+# RLIMIT_MEMLOCK: -1 stands for unlimited
+_NEGATIVE_ALLOWED = {"memlock_limit_bytes"}
+
+
+def _check_quantities(obj: Any, where: str) -> None:
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            path = f"{where}.{f.name}" if where else f.name
+            if (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and value < 0
+                and f.name.endswith(_UNIT_SUFFIXES)
+                and f.name not in _NEGATIVE_ALLOWED
+            ):
+                raise SnapshotError(f"field '{path}': {value} is negative")
+            _check_quantities(value, path)
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            _check_quantities(item, f"{where}.{i}")
 
 
 def load_snapshot(path: str | Path) -> Snapshot:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 from html import escape
-from itertools import groupby
 
 from redline import __version__
 from redline.doctor.engine import DoctorReport
-from redline.doctor.model import Area, Finding
+from redline.doctor.model import Finding
 from redline.hw.snapshot import Snapshot
 from redline.report.summary import server_summary
+
+# written into every page, so a later run knows the file is a redline report it may replace
+GENERATOR = "redline doctor"
 
 CSS = """
 body{font:15px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:70rem;
@@ -56,18 +58,11 @@ def render_html(report: DoctorReport, snapshot: Snapshot) -> str:
         f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in server_summary(snapshot).items()
     )
     counts = report.counts()
-    findings = report.sorted()
-    worst: dict[Area | None, int] = {}
-    for f in findings:
-        worst.setdefault(f.area, f.severity.rank)
-    areas = list(Area)
     body = []
-    for area, group in groupby(
-        sorted(findings, key=lambda f: (worst[f.area], areas.index(f.area) if f.area else 0)), key=lambda f: f.area
-    ):
-        body.append(f"<h2>{escape(area.title if area else 'Other')}</h2>")
-        body.extend(_finding(f) for f in sorted(group, key=lambda f: f.severity.rank))
-    if not findings:
+    for area, findings in report.grouped():
+        body.append(f"<h2>{escape(area.title)}</h2>")
+        body.extend(_finding(f) for f in findings)
+    if not report.findings:
         body.append("<p>No findings: every rule passed.</p>")
     notes = report.rule_errors + snapshot.probe_errors
     notes_html = (
@@ -75,7 +70,8 @@ def render_html(report: DoctorReport, snapshot: Snapshot) -> str:
     )
     host = escape(snapshot.host.hostname or "server")
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
+<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{GENERATOR}">
+<meta name="viewport" content="width=device-width,initial-scale=1">
 <title>redline doctor: {host}</title><style>{CSS}</style></head>
 <body>
 <h1>redline doctor: {host}</h1>

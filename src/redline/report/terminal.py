@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from itertools import groupby
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -11,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from redline.doctor.engine import DoctorReport
-from redline.doctor.model import Area, Finding, Severity
+from redline.doctor.model import Finding, Severity
 from redline.hw.snapshot import Snapshot
 from redline.report.summary import server_summary
 
@@ -24,7 +23,7 @@ def _summary_panel(snapshot: Snapshot) -> Panel:
     table.add_column(style="bold")
     table.add_column()
     for label, value in server_summary(snapshot).items():
-        table.add_row(label, value)
+        table.add_row(label, Text(value))
     return Panel(table, title="redline doctor", title_align="left", border_style="cyan")
 
 
@@ -40,10 +39,10 @@ def _finding(f: Finding) -> Group:
     body = Table.grid(padding=(0, 1))
     body.add_column(style="dim", width=7, justify="right")
     body.add_column(overflow="fold")
-    body.add_row("cost", f.cost)
-    body.add_row("fix", f.fix)
+    body.add_row("cost", Text(f.cost))
+    body.add_row("fix", Text(f.fix))
     if f.evidence:
-        body.add_row("seen", _compact(f.evidence))
+        body.add_row("seen", Text(_compact(f.evidence)))
     if f.command:
         body.add_row("see", Text(f"$ {f.command}", style="cyan"))
     body.add_row("rule", Text(f.rule, style="dim"))
@@ -52,14 +51,9 @@ def _finding(f: Finding) -> Group:
 
 def render(report: DoctorReport, snapshot: Snapshot, console: Console) -> None:
     console.print(_summary_panel(snapshot))
-    findings = report.sorted()
-    worst = {}
-    for f in findings:
-        worst.setdefault(f.area, f.severity.rank)
-    by_area = sorted(findings, key=lambda f: (worst[f.area], list(Area).index(f.area)))
-    for area, group in groupby(by_area, key=lambda f: f.area):
+    for area, findings in report.grouped():
         console.rule(Text(area.title, style="bold"), align="left")
-        for f in sorted(group, key=lambda f: f.severity.rank):
+        for f in findings:
             console.print(_finding(f))
     for error in report.rule_errors + snapshot.probe_errors:
         console.print(Text(f"note: {error}", style="yellow"))

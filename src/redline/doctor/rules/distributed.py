@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from redline.doctor.context import Audit
 from redline.doctor.engine import rule
 from redline.doctor.model import Area, Finding, Severity
+from redline.units import version_tuple
 
 
 @rule("distributed.torch-missing", Area.DISTRIBUTED, "PyTorch not installed or not importable")
@@ -18,7 +19,7 @@ def torch_missing(audit: Audit) -> Iterator[Finding]:
     yield Finding(
         Severity.WARN if error else Severity.INFO,
         f"PyTorch cannot be imported: {error}" if error else "PyTorch is not installed in this environment",
-        cost="redline bench, run and tune need PyTorch; the probe cannot check the CUDA/cuDNN/NCCL versions.",
+        cost="Training needs it, and without it the probe cannot check the CUDA/cuDNN/NCCL versions.",
         fix="Install the PyTorch build matching the driver (https://pytorch.org/get-started/locally/).",
         evidence={"import_error": error},
         command="python -c 'import torch; print(torch.__version__, torch.version.cuda)'",
@@ -73,7 +74,8 @@ def memlock(audit: Audit) -> Iterator[Finding]:
         return
     yield Finding(
         Severity.WARN,
-        f"ulimit -l is {limit // 1024} KiB, not unlimited, on a server with InfiniBand/RoCE",
+        f"ulimit -l is {limit // 1024} KiB, not unlimited, on a server with InfiniBand/RoCE "
+        "(in the shell redline ran in)",
         cost="RDMA must pin (lock) buffers; NCCL fails to register memory or falls back to sockets.",
         fix="Raise it: `ulimit -l unlimited` in the job, LimitMEMLOCK=infinity for services, "
         "`--ulimit memlock=-1` for docker.",
@@ -87,12 +89,21 @@ def gpudirect_rdma(audit: Audit) -> Iterator[Finding]:
     modules = audit.snapshot.host.loaded_modules
     if not (audit.ib_active and audit.gpus) or modules is None:
         return
+    software = audit.snapshot.software
+    torch_nccl = software.torch.nccl if software.torch else None
+    # the open kernel module with NCCL 2.19+ registers GPU memory through DMA-BUF, no peermem needed;
+    # AWS EFA adapters do GPUDirect through their own driver
+    dma_buf = software.nvidia_open_kernel_module and torch_nccl and version_tuple(torch_nccl) >= (2, 19)
+    efa_only = all(p.device.startswith("efa") for p in audit.snapshot.network.ib_ports if p.state == "ACTIVE")
+    if dma_buf or efa_only:
+        return
     if not {"nvidia_peermem", "nv_peer_mem"} & set(modules):
         yield Finding(
             Severity.WARN,
             "nvidia_peermem is not loaded: the NIC cannot read GPU memory directly",
             cost="Inter-node traffic is staged through host memory: lower bandwidth and higher latency.",
-            fix="modprobe nvidia_peermem (ships with the NVIDIA driver); or use DMA-BUF with a recent NCCL.",
+            fix="modprobe nvidia_peermem (ships with the NVIDIA driver); or switch to the open kernel module "
+            "with NCCL 2.19+, which uses DMA-BUF instead.",
             evidence={"ib_active": True, "nvidia_peermem_loaded": False},
             command="lsmod | grep peermem",
         )

@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from redline.doctor.context import Audit, gpu_subject
 from redline.doctor.engine import rule
 from redline.doctor.model import Area, Finding, Severity
-from redline.units import GiB, fmt_bytes
+from redline.units import GiB, MiB, fmt_bytes
 
 # memory NVML shows as used with no process listed: another container's processes, or a leak
 UNEXPLAINED_USED_BYTES = 1 * GiB
+SMALL_GRAPHICS_BYTES = 256 * MiB
 # NVIDIA retires at most 64 pages per GPU (page retirement, pre-A100); near that the GPU needs an RMA
 RETIRED_PAGES_WARN = 48
 
@@ -111,22 +112,44 @@ def row_remap(audit: Audit) -> Iterator[Finding]:
         )
 
 
-@rule("gpu_memory.in-use", Area.GPU_MEMORY, "GPU memory held by other processes or tenants")
+@rule("gpu_memory.in-use", Area.GPU_MEMORY, "GPU memory held by other users, containers or tenants")
 def in_use(audit: Audit) -> Iterator[Finding]:
+    me = audit.snapshot.host.probe_uid
     for gpu in audit.gpus:
-        procs = gpu.processes or []
+        # a small graphics context (Xorg, a display manager) costs nothing worth reporting
+        procs = [
+            p for p in gpu.processes or [] if p.kind == "compute" or (p.used_memory_bytes or 0) > SMALL_GRAPHICS_BYTES
+        ]
+        # a pid we cannot see lives in another PID namespace: another container
+        foreign = [p for p in procs if p.uid is None or (me is not None and p.uid != me)]
+        own = [p for p in procs if p not in foreign]
         used = gpu.memory_used_bytes or 0
-        if procs:
-            held = sum(p.used_memory_bytes or 0 for p in procs)
+        if foreign:
+            held = sum(p.used_memory_bytes or 0 for p in foreign)
             yield Finding(
                 Severity.WARN,
-                f"{len(procs)} process(es) already on the GPU holding {fmt_bytes(held)}: "
-                + ", ".join(f"{p.name or '?'}[{p.pid}]" for p in procs[:4]),
+                f"{len(foreign)} process(es) of other users or containers on the GPU, holding {fmt_bytes(held)}: "
+                + ", ".join(f"{p.name or '?'}[{p.pid}]" for p in foreign[:4]),
                 subject=gpu_subject([gpu]),
                 cost="Your job gets less memory (OOM at a smaller batch) and shares the SMs: slower steps.",
-                fix="Stop the stale processes or pick another GPU (CUDA_VISIBLE_DEVICES); on a shared "
-                "server, `redline queue` assigns free GPUs.",
-                evidence={"processes": [{"pid": p.pid, "name": p.name, "bytes": p.used_memory_bytes} for p in procs]},
+                fix="Pick another GPU (CUDA_VISIBLE_DEVICES) or agree on GPU assignments with the other users.",
+                evidence={
+                    "processes": [
+                        {"pid": p.pid, "name": p.name, "uid": p.uid, "bytes": p.used_memory_bytes} for p in foreign
+                    ]
+                },
+                command=f"nvidia-smi -i {gpu.index} --query-compute-apps=pid,process_name,used_memory --format=csv",
+            )
+        elif own:
+            held = sum(p.used_memory_bytes or 0 for p in own)
+            yield Finding(
+                Severity.INFO,
+                f"{len(own)} of your own process(es) on the GPU, holding {fmt_bytes(held)}: "
+                + ", ".join(f"{p.name or '?'}[{p.pid}]" for p in own[:4]),
+                subject=gpu_subject([gpu]),
+                cost="Expected while you train; a leftover from a crashed run holds memory for nothing.",
+                fix="If no job of yours should be running, kill the stale processes.",
+                evidence={"processes": [{"pid": p.pid, "name": p.name, "bytes": p.used_memory_bytes} for p in own]},
                 command=f"nvidia-smi -i {gpu.index} --query-compute-apps=pid,process_name,used_memory --format=csv",
             )
         elif used > UNEXPLAINED_USED_BYTES:

@@ -8,6 +8,7 @@ from redline.doctor.context import Audit, gpu_subject
 from redline.doctor.engine import rule
 from redline.doctor.model import Area, Finding, Severity
 from redline.hw.kernel_log import CRITICAL_XIDS, XID_MEANINGS
+from redline.hw.snapshot import Gpu
 from redline.units import GB, fmt_bytes
 
 # NVML reports a little less than the marketing size (81559 MiB on an "80 GB" H100); a vGPU slice or
@@ -18,19 +19,28 @@ TRAIN_BYTES_PER_PARAM = 16
 # bf16 weights plus ~20% for KV cache and buffers (EleutherAI, Transformer Math 101)
 INFER_BYTES_PER_PARAM = 2 * 1.2
 PCIE_REPLAY_WARN = 100
-
-
-def nvml_mismatch(audit: Audit) -> bool:
-    error = audit.snapshot.gpu.error or ""
-    return "mismatch" in error.lower()
+# a remapped row (63) or a contained ECC error (94) is the GPU repairing itself: worth a reset, not an RMA
+WARN_XIDS = frozenset({63, 94})
+FAIL_XIDS = CRITICAL_XIDS - WARN_XIDS
 
 
 @rule("hardware.no-gpu", Area.HARDWARE, "No NVIDIA GPU is visible through NVML")
 def no_gpu(audit: Audit) -> Iterator[Finding]:
     section = audit.snapshot.gpu
-    if section.gpus or nvml_mismatch(audit):
+    if section.gpus or section.error_code == "driver_mismatch":  # software.driver-mismatch explains that
         return
+    torch = audit.snapshot.software.torch
     reason = section.error or "NVML found no devices"
+    if torch and torch.hip:
+        yield Finding(
+            Severity.INFO,
+            f"No NVIDIA GPU; PyTorch is a ROCm build (HIP {torch.hip})",
+            cost="This release audits NVIDIA GPUs only: AMD GPUs are not probed, so GPU rules are skipped.",
+            fix="Use rocm-smi and rocminfo to inspect AMD GPUs.",
+            evidence={"nvml_error": section.error, "torch_hip": torch.hip},
+            command="rocm-smi",
+        )
+        return
     yield Finding(
         Severity.WARN,
         f"No NVIDIA GPU found ({reason})",
@@ -58,6 +68,24 @@ def gpu_lost(audit: Audit) -> Iterator[Finding]:
         )
 
 
+@rule("hardware.nvml-errors", Area.HARDWARE, "NVML reports GPU health errors (InfoROM, reset, power, timeouts)")
+def nvml_errors(audit: Audit) -> Iterator[Finding]:
+    sick = [g for g in audit.gpus if g.health_errors]
+    if sick:
+        kinds = sorted({e for g in sick for e in g.health_errors.values()})
+        yield Finding(
+            Severity.FAIL,
+            "NVML calls fail with health errors: " + ", ".join(kinds),
+            subject=gpu_subject(sick),
+            cost="The GPU is in a degraded state (corrupted InfoROM, reset required, insufficient power, "
+            "unresponsive): jobs may crash or run slowly, and its readings cannot be trusted.",
+            fix="Drain the GPU; a reset or reboot clears RESET_REQUIRED; INSUFFICIENT_POWER means a loose or "
+            "missing power cable; CORRUPTED_INFOROM needs the provider (InfoROM reflash or replacement).",
+            evidence={g.index: g.health_errors for g in sick},
+            command="nvidia-smi -q",
+        )
+
+
 @rule("hardware.unknown-gpu", Area.HARDWARE, "GPU model is not in redline's catalog")
 def unknown_gpu(audit: Audit) -> Iterator[Finding]:
     unknown = [g for g in audit.gpus if audit.spec(g) is None]
@@ -68,7 +96,7 @@ def unknown_gpu(audit: Audit) -> Iterator[Finding]:
             f"GPU model not in the catalog: {', '.join(names)}",
             subject=gpu_subject(unknown),
             cost="Identity, power and peak-FLOP checks are skipped for these GPUs.",
-            fix="Run `redline bench compute` to measure the peak instead, or add the GPU to the catalog.",
+            fix="Add the GPU to the catalog (src/redline/specs/data/gpus.csv, with its datasheet as source).",
             evidence={"names": names},
             command="redline catalog gpus",
         )
@@ -113,7 +141,8 @@ def capacity(audit: Audit) -> Iterator[Finding]:
         f"{len(sizes)} GPU(s) with {fmt_bytes(per_gpu)} each: full training fits up to ~{train_one:.1f}B "
         f"parameters per GPU, ~{train_all:.1f}B sharded over all (FSDP/ZeRO-3), before activations",
         cost="Larger models need sharding, activation checkpointing, offload, or bigger GPUs.",
-        fix=f"bf16 inference fits ~{infer_one:.0f}B parameters per GPU; `redline plan` sizes a specific model.",
+        fix=f"bf16 inference fits ~{infer_one:.0f}B parameters per GPU; activations come on top, growing with "
+        "batch and sequence length.",
         evidence={
             "gpu_memory_bytes": per_gpu,
             "total_gpu_memory_gb": round(total / GB, 1),
@@ -173,7 +202,7 @@ def pcie_link_degraded(audit: Audit) -> Iterator[Finding]:
                 f"PCIe link idles at Gen{link.gen_current} (max Gen{link.gen_max})",
                 subject=gpu_subject([gpu]),
                 cost="None if it returns to full speed under load: idle GPUs lower the link speed to save power.",
-                fix="Re-check under load: `redline bench memory` or the command below while training runs.",
+                fix="Re-check under load: run the command below while a job keeps the GPU busy.",
                 evidence=evidence,
                 command=command,
             )
@@ -183,15 +212,16 @@ def pcie_link_degraded(audit: Audit) -> Iterator[Finding]:
 def pcie_slot_capped(audit: Audit) -> Iterator[Finding]:
     capped = [g for g in audit.gpus if g.pcie.gen_max and g.pcie.gen_gpu_max and g.pcie.gen_max < g.pcie.gen_gpu_max]
     if capped:
-        gpu = capped[0]
+        slots = sorted({g.pcie.gen_max for g in capped if g.pcie.gen_max})
+        gpus = sorted({g.pcie.gen_gpu_max for g in capped if g.pcie.gen_gpu_max})
         yield Finding(
             Severity.WARN,
-            f"Slot allows PCIe Gen{gpu.pcie.gen_max}, the GPU supports Gen{gpu.pcie.gen_gpu_max}",
+            f"Slots allow PCIe Gen{'/'.join(map(str, slots))}, the GPUs support Gen{'/'.join(map(str, gpus))}",
             subject=gpu_subject(capped),
             cost="Each generation step halves host-to-GPU bandwidth (x16: Gen3 15.75, Gen4 31.5, Gen5 63 GB/s).",
             fix="Check the BIOS PCIe speed setting and the riser; otherwise choose a server built for this GPU.",
             evidence={g.index: {"slot_max": g.pcie.gen_max, "gpu_max": g.pcie.gen_gpu_max} for g in capped},
-            command="nvidia-smi -q -d PERFORMANCE,PCIE | grep -A3 'Link'",
+            command="nvidia-smi -q | grep -A12 'GPU Link Info'",
         )
 
 
@@ -212,30 +242,52 @@ def pcie_replays(audit: Audit) -> Iterator[Finding]:
 
 @rule("hardware.xid", Area.HARDWARE, "NVIDIA Xid errors in the kernel log")
 def xid_errors(audit: Audit) -> Iterator[Finding]:
-    counts = audit.snapshot.gpu.xid_counts or {}
-    critical = {x: n for x, n in counts.items() if int(x) in CRITICAL_XIDS}
-    other = {x: n for x, n in counts.items() if int(x) not in CRITICAL_XIDS}
-
-    def describe(codes: dict[str, int]) -> str:
-        return ", ".join(
-            f"Xid {x} ({XID_MEANINGS.get(int(x), 'see NVIDIA Xid catalog')}) x{n}" for x, n in codes.items()
-        )
-
-    if critical:
-        yield Finding(
+    section = audit.snapshot.gpu
+    counts = section.xid_counts or {}
+    by_device = section.xid_by_device or {}
+    for severity, codes, what, fix in (
+        (
             Severity.FAIL,
-            f"Hardware Xid errors since boot: {describe(critical)}",
-            cost="These point at failing GPU memory, NVLink, PCIe or firmware: jobs crash or corrupt silently.",
-            fix="Drain the node and ask the provider to run field diagnostics (dcgmi diag -r 3) or replace the GPU.",
-            evidence={"xid_counts": critical},
-            command="dmesg | grep -i 'NVRM: Xid'",
-        )
-    if other:
-        yield Finding(
+            FAIL_XIDS,
+            "Hardware Xid errors",
+            "Drain the node and ask the provider to run field diagnostics (dcgmi diag -r 3) or replace the GPU.",
+        ),
+        (
+            Severity.WARN,
+            WARN_XIDS,
+            "Memory-repair Xid events",
+            "The GPU handled a memory fault; reset it when "
+            "convenient so a pending remap takes effect, and watch whether they recur.",
+        ),
+        (
             Severity.INFO,
-            f"Application-level Xid errors since boot: {describe(other)}",
-            cost="Usually a crashed program (bad memory access, illegal instruction), not the hardware.",
-            fix="Check the timestamps against your jobs' crashes; repeated ones on one GPU warrant diagnostics.",
-            evidence={"xid_counts": other},
+            None,
+            "Application-level Xid errors",
+            "Usually a crashed program (bad memory access, "
+            "illegal instruction), not the hardware; repeated ones on one GPU warrant diagnostics.",
+        ),
+    ):
+        hit = {x: n for x, n in counts.items() if (int(x) in codes if codes else int(x) not in CRITICAL_XIDS)}
+        if not hit:
+            continue
+        gpus = _gpus_at([dev for dev, seen in by_device.items() if set(seen) & set(hit)], audit)
+        yield Finding(
+            severity,
+            f"{what} in the kernel log: {_describe_xids(hit)}",
+            subject=gpu_subject(gpus) if gpus else None,
+            cost="These point at failing GPU memory, NVLink, PCIe or firmware: jobs crash or corrupt silently."
+            if severity is Severity.FAIL
+            else "Worth knowing when a job crashed; not by itself a sign of failing hardware.",
+            fix=fix,
+            evidence={"xid_counts": hit, "by_device": {d: c for d, c in by_device.items() if set(c) & set(hit)}},
             command="dmesg | grep -i 'NVRM: Xid'",
         )
+
+
+def _describe_xids(codes: dict[str, int]) -> str:
+    return ", ".join(f"Xid {x} ({XID_MEANINGS.get(int(x), 'see NVIDIA Xid catalog')}) x{n}" for x, n in codes.items())
+
+
+def _gpus_at(addresses: list[str], audit: Audit) -> list[Gpu]:
+    """Xid lines name a GPU as 'PCI:0000:3b:00', the bus id without the function number."""
+    return [g for g in audit.gpus if g.pci_bus_id and g.pci_bus_id.rsplit(".", 1)[0] in addresses]

@@ -29,14 +29,15 @@ def cpu_governor(audit: Audit) -> Iterator[Finding]:
         )
 
 
-@rule("host.swap", Area.HOST, "Swap on with high swappiness")
+@rule("host.swap", Area.HOST, "Swap in use with high swappiness")
 def swap(audit: Audit) -> Iterator[Finding]:
     host = audit.snapshot.host
-    if host.swap_total_bytes and host.swappiness is not None and host.swappiness > MAX_SWAPPINESS:
+    if host.swap_used_bytes and host.swappiness is not None and host.swappiness > MAX_SWAPPINESS:
         yield Finding(
             Severity.WARN,
-            f"Swap of {fmt_bytes(host.swap_total_bytes)} with vm.swappiness={host.swappiness}",
-            cost="The kernel pages out pinned-memory neighbours and dataloader buffers: stalls of seconds.",
+            f"{fmt_bytes(host.swap_used_bytes)} swapped out, vm.swappiness={host.swappiness}",
+            cost="The kernel pages out pageable memory of running jobs (the Python heap, DataLoader buffers) "
+            "and pays it back in stalls of seconds.",
             fix=f"sysctl -w vm.swappiness={MAX_SWAPPINESS} (or 1), or swapoff -a on a dedicated training node.",
             evidence={
                 "swap_total_bytes": host.swap_total_bytes,
@@ -154,16 +155,22 @@ def gpu_nic_numa(audit: Audit) -> Iterator[Finding]:
 
 @rule("host.iommu", Area.HOST, "IOMMU translating DMA on a multi-GPU server")
 def iommu(audit: Audit) -> Iterator[Finding]:
-    cmdline = audit.snapshot.host.kernel_cmdline or ""
-    args = cmdline.split()
-    enabled = any(a in ("intel_iommu=on", "amd_iommu=on") for a in args)
-    if enabled and "iommu=pt" not in args and len(audit.gpus) > 1:
+    host = audit.snapshot.host
+    if len(audit.gpus) < 2:
+        return
+    if host.iommu_mode is not None:
+        translated = host.iommu_mode == "translated"
+    else:  # no /sys/kernel/iommu_groups reading: judge by the boot options
+        args = (host.kernel_cmdline or "").split()
+        passthrough = "iommu=pt" in args or "iommu.passthrough=1" in args
+        translated = "intel_iommu=on" in args and not passthrough
+    if translated:
         yield Finding(
             Severity.WARN,
-            "IOMMU is on without passthrough (iommu=pt)",
+            "IOMMU translates device DMA (not in passthrough)",
             cost="Every GPU-to-GPU and NIC-to-GPU transfer goes through address translation: P2P is slow "
             "or fails, NCCL hangs are common.",
             fix="Add iommu=pt to the kernel command line (or disable the IOMMU) and reboot.",
-            evidence={"kernel_cmdline": cmdline},
-            command="cat /proc/cmdline",
+            evidence={"iommu_mode": host.iommu_mode, "kernel_cmdline": host.kernel_cmdline},
+            command="cat /sys/kernel/iommu_groups/*/type | sort | uniq -c; cat /proc/cmdline",
         )

@@ -16,22 +16,27 @@ def active_links(gpu: Gpu) -> int:
 
 @rule("multi_gpu.p2p-unavailable", Area.MULTI_GPU, "GPU pairs without peer-to-peer access")
 def p2p_unavailable(audit: Audit) -> Iterator[Finding]:
-    matrix = audit.snapshot.gpu.p2p
+    section = audit.snapshot.gpu
+    matrix, topology = section.p2p, section.topology
     if not matrix:
         return
-    pairs = {f"{i}-{j}": status for i, row in enumerate(matrix) for j, status in enumerate(row) if i < j}
-    # the GPU model itself lacks P2P (GeForce since the RTX 40 series): a fact of the hardware, not a fault
-    by_design = {pair: s for pair, s in pairs.items() if s == "not_supported"}
-    blocked = {pair: s for pair, s in pairs.items() if s not in ("ok", "self", "not_supported")}
-    if blocked:
-        statuses = sorted(set(blocked.values()))
+    pairs = {(i, j): status for i, row in enumerate(matrix) for j, status in enumerate(row) if i < j}
+    # the GPU model has no P2P (GeForce since the RTX 40 series): a fact of the hardware, not a fault
+    by_design = {p: s for p, s in pairs.items() if s == "gpu_not_supported"}
+    broken = {p: s for p, s in pairs.items() if s not in ("ok", "self", "gpu_not_supported")}
+    # across CPU sockets many PCIe platforms cannot do P2P at all; multi_gpu.cross-socket reports those
+    if topology and len(topology) == len(matrix):
+        broken = {(i, j): s for (i, j), s in broken.items() if topology[i][j] != "SYS"}
+    if broken:
+        statuses = sorted(set(broken.values()))
         yield Finding(
             Severity.FAIL,
-            f"P2P blocked between {len(blocked)} GPU pair(s) ({', '.join(statuses)})",
+            f"P2P blocked between {len(broken)} GPU pair(s) under one CPU socket ({', '.join(statuses)})",
             cost="NCCL falls back to copies through host memory: all-reduce bandwidth drops several-fold.",
-            fix="Usual causes: PCIe ACS enabled on switches/bridges (disable it in the BIOS or with setpci) or "
-            "an IOMMU not in passthrough (boot with iommu=pt); in a VM, the hypervisor must expose P2P.",
-            evidence={"pairs": blocked},
+            fix="disabled_by_regkey: a driver registry key (RmDisableP2P / NVreg) turns it off. Otherwise the "
+            "usual causes are PCIe ACS on switches/bridges (disable it in the BIOS or with setpci) or an IOMMU "
+            "that translates DMA (boot with iommu=pt); in a VM, the hypervisor must expose P2P.",
+            evidence={"pairs": {f"{i}-{j}": s for (i, j), s in broken.items()}},
             command="nvidia-smi topo -p2p r",
         )
     if by_design:
@@ -42,7 +47,7 @@ def p2p_unavailable(audit: Audit) -> Iterator[Finding]:
             "more CPU and PCIe load.",
             fix="Expect communication-bound multi-GPU training; prefer gradient accumulation, or GPUs with "
             "P2P/NVLink for large models.",
-            evidence={"pairs": by_design},
+            evidence={"pairs": {f"{i}-{j}": s for (i, j), s in by_design.items()}},
             command="nvidia-smi topo -p2p r",
         )
 
@@ -71,6 +76,18 @@ def nvlink_down(audit: Audit) -> Iterator[Finding]:
 @rule("multi_gpu.fabric-not-ready", Area.MULTI_GPU, "NVSwitch fabric registration not completed")
 def fabric_not_ready(audit: Audit) -> Iterator[Finding]:
     pending = [g for g in audit.gpus if g.fabric_state in ("not_started", "in_progress")]
+    failed = [g for g in audit.gpus if g.fabric_state == "completed" and g.fabric_status not in (None, "success")]
+    if failed:
+        yield Finding(
+            Severity.FAIL,
+            f"NVSwitch fabric registration failed ({failed[0].fabric_status})",
+            subject=gpu_subject(failed),
+            cost="The GPU is not part of the NVLink fabric: CUDA or NCCL fail, or traffic misses NVLink.",
+            fix="Check the fabric manager log (journalctl -u nvidia-fabricmanager) and that its version "
+            "matches the driver; restart it, then reset the GPUs.",
+            evidence={g.index: g.fabric_status for g in failed},
+            command="nvidia-smi -q | grep -A4 -i fabric",
+        )
     if pending:
         yield Finding(
             Severity.FAIL,
@@ -99,7 +116,8 @@ def cross_socket(audit: Audit) -> Iterator[Finding]:
         yield Finding(
             Severity.WARN,
             f"{len(pairs)} GPU pair(s) connect only across the CPU socket link (SYS)",
-            cost="P2P traffic crosses the inter-socket link: lower all-reduce bandwidth, P2P often disabled.",
+            cost="Traffic between them crosses the inter-socket link, and many platforms allow no P2P there: "
+            "NCCL stages it through host memory, at lower all-reduce bandwidth.",
             fix="Keep tightly coupled ranks on one socket (CUDA_VISIBLE_DEVICES), or use NVLink-connected GPUs.",
             evidence={"pairs": pairs},
             command="nvidia-smi topo -m",
@@ -117,7 +135,7 @@ def pcie_only(audit: Audit) -> Iterator[Finding]:
         cost="All-reduce over PCIe reaches tens of GB/s bus bandwidth, against hundreds over NVLink: "
         "data-parallel training of large models becomes communication-bound.",
         fix="Prefer gradient accumulation (fewer all-reduces), FSDP with larger buckets, or NVLink machines "
-        "for large models; `redline plan` weighs this.",
+        "for large models.",
         evidence={"gpus": len(gpus)},
         command="nvidia-smi topo -m",
     )

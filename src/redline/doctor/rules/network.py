@@ -52,19 +52,32 @@ def slow_nic(audit: Audit) -> Iterator[Finding]:
     )
 
 
-@rule("network.ib-port-down", Area.NETWORK, "InfiniBand/RoCE port present but not ACTIVE")
+@rule("network.ib-port-down", Area.NETWORK, "InfiniBand/RoCE port cabled but without link")
 def ib_port_down(audit: Audit) -> Iterator[Finding]:
-    down = [p for p in audit.snapshot.network.ib_ports if p.state and p.state != "ACTIVE"]
-    if down:
-        yield Finding(
+    ports = [p for p in audit.snapshot.network.ib_ports if p.state and p.state != "ACTIVE"]
+    # Polling: the port is enabled and looking for a peer (cable in, no link, or no subnet manager);
+    # a Disabled/Sleep port is usually just not cabled, like the spare port of a dual-port NIC
+    searching = [p for p in ports if p.phys_state in ("Polling", "LinkErrorRecovery") or p.state == "INIT"]
+    idle = [p for p in ports if p not in searching]
+    for severity, group, title, fix in (
+        (
             Severity.WARN,
-            f"{len(down)} InfiniBand/RoCE port(s) not active: "
-            + ", ".join(f"{p.device}/{p.port} {p.state}" for p in down),
-            cost="NCCL uses only active ports: fewer rails, or TCP sockets instead of RDMA.",
-            fix="Check the cable and switch port, and that a subnet manager runs (opensm / the switch's SM).",
-            evidence={f"{p.device}/{p.port}": {"state": p.state, "phys_state": p.phys_state} for p in down},
-            command="ibstat",
-        )
+            searching,
+            "without link",
+            "Check the cable and switch port, and that a subnet manager "
+            "runs (opensm or the switch's); state INIT means links are up but no subnet manager configured them.",
+        ),
+        (Severity.INFO, idle, "down (not cabled?)", "Nothing, if these ports are not meant to be cabled."),
+    ):
+        if group:
+            yield Finding(
+                severity,
+                f"{len(group)} InfiniBand/RoCE port(s) {title}: " + ", ".join(f"{p.device}/{p.port}" for p in group),
+                cost="NCCL uses only active ports: fewer rails, or TCP sockets instead of RDMA.",
+                fix=fix,
+                evidence={f"{p.device}/{p.port}": {"state": p.state, "phys_state": p.phys_state} for p in group},
+                command="ibstat",
+            )
 
 
 @rule("network.ib-disabled", Area.NETWORK, "InfiniBand/RoCE is up but NCCL is told not to use it")
@@ -83,7 +96,7 @@ def ib_disabled(audit: Audit) -> Iterator[Finding]:
             Severity.FAIL,
             "InfiniBand/RoCE is active but NCCL is forced onto TCP sockets",
             cost=f"Inter-node collectives run over sockets instead of {sum(rates):g} Gbit/s of RDMA.",
-            fix="Unset " + " and ".join(reasons) + " in the job environment.",
+            fix="Unset " + " and ".join(reasons) + " (seen in the environment redline ran in; check your job's too).",
             evidence={"env": reasons, "active_ports": len(rates), "rate_gbps": rates},
             command="NCCL_DEBUG=INFO torchrun ... 2>&1 | grep 'NET/'",
         )
@@ -94,14 +107,17 @@ def nccl_env(audit: Audit) -> Iterator[Finding]:
     env = audit.env
     bad = {name: why for name, (value, why) in TRANSPORT_KILLERS.items() if env.get(name, "").upper() == value}
     ifname = env.get("NCCL_SOCKET_IFNAME", "")
-    if ifname.lstrip("=^") in ("lo", "docker0"):
-        bad["NCCL_SOCKET_IFNAME"] = f"'{ifname}' is a loopback/bridge interface, not the real network"
+    # "^lo,docker" excludes them (the recommended setting); "lo" or "=docker0" selects them
+    names = [n for n in ifname.lstrip("=").split(",") if n]
+    if names and not ifname.startswith("^") and all(n.startswith(("lo", "docker")) for n in names):
+        bad["NCCL_SOCKET_IFNAME"] = f"'{ifname}' selects a loopback/bridge interface, not the real network"
     if bad:
         yield Finding(
             Severity.WARN,
             "NCCL transport disabled by environment: " + ", ".join(f"{k}={env[k]}" for k in bad),
             cost="; ".join(bad.values()) + ": collectives fall back to slower paths.",
-            fix="Unset these unless you are working around a known hang; NCCL picks the fastest path itself.",
+            fix="Unset these unless you are working around a known hang; NCCL picks the fastest path itself. "
+            "(Seen in the environment redline ran in: check your job's environment too.)",
             evidence={k: env[k] for k in bad},
             command="env | grep ^NCCL_",
         )

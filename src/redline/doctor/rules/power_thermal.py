@@ -18,6 +18,7 @@ HARDWARE_THROTTLE = {
 POWER_LIMIT_TOLERANCE = 0.98  # enforced limits are rounded by the driver
 TDP_TOLERANCE = 0.90
 NEAR_SLOWDOWN_C = 5
+APP_CLOCK_TOLERANCE = 0.95
 
 
 @rule("power_thermal.power-capped", Area.POWER_THERMAL, "Power limit below the default or the datasheet TDP")
@@ -32,16 +33,17 @@ def power_capped(audit: Audit) -> Iterator[Finding]:
         elif (spec := audit.spec(gpu)) and spec.tdp_w and p.enforced_limit_w < spec.tdp_w * TDP_TOLERANCE:
             low_sku.append(gpu)
     if lowered:
-        g = lowered[0]
+        worst = min(lowered, key=lambda g: (g.power.enforced_limit_w or 0) / (g.power.default_limit_w or 1))
+        limits = sorted({round(g.power.enforced_limit_w or 0) for g in lowered})
         yield Finding(
             Severity.WARN,
-            f"Power limit lowered to {g.power.enforced_limit_w:.0f} W (default {g.power.default_limit_w:.0f} W)",
+            f"Power limit lowered to {'-'.join(map(str, limits[:: max(1, len(limits) - 1)]))} W "
+            f"(default {worst.power.default_limit_w:.0f} W)",
             subject=gpu_subject(lowered),
             cost="Under heavy matmul load the GPU drops its clocks to stay under the cap: up to "
-            f"{1 - g.power.enforced_limit_w / g.power.default_limit_w:.0%} less power, typically a "
-            "similar or somewhat smaller loss of throughput.",
-            fix="Ask the provider to restore the default limit (nvidia-smi -pl needs root on the host); "
-            "compare `redline bench compute` against the catalog peak.",
+            f"{1 - (worst.power.enforced_limit_w or 0) / (worst.power.default_limit_w or 1):.0%} less power, "
+            "typically a similar or somewhat smaller loss of throughput.",
+            fix="Ask the provider to restore the default limit (nvidia-smi -pl needs root on the host).",
             evidence={
                 x.index: {"enforced_w": x.power.enforced_limit_w, "default_w": x.power.default_limit_w} for x in lowered
             },
@@ -58,7 +60,7 @@ def power_capped(audit: Audit) -> Iterator[Finding]:
             else "Board power limit below datasheet",
             subject=gpu_subject(low_sku),
             cost="This board ships configured below the maximum TDP: expect below-datasheet sustained clocks.",
-            fix="Measure with `redline bench compute`; if the provider sold the full-power SKU, ask them.",
+            fix="If the provider sold the full-power SKU, ask them; otherwise budget for the lower clocks.",
             evidence={x.index: x.power.enforced_limit_w for x in low_sku},
             command="nvidia-smi -q -d POWER",
         )
@@ -99,7 +101,16 @@ def power_cap_active(audit: Audit) -> Iterator[Finding]:
 
 @rule("power_thermal.app-clocks", Area.POWER_THERMAL, "Application clocks set below the maximum")
 def app_clocks(audit: Audit) -> Iterator[Finding]:
-    held = [g for g in audit.gpus if "applications_clocks_setting" in (g.clock_event_reasons or [])]
+    # the reason bit says the setting is what holds the clocks now; on parts whose default application
+    # clock is below max (V100: 1312 of 1530 MHz) auto boost normally lifts them, and the bit stays clear
+    held = [
+        g
+        for g in audit.gpus
+        if "applications_clocks_setting" in (g.clock_event_reasons or [])
+        and g.clocks.applications_sm_mhz
+        and g.clocks.sm_max_mhz
+        and g.clocks.applications_sm_mhz < g.clocks.sm_max_mhz * APP_CLOCK_TOLERANCE
+    ]
     if held:
         g = held[0]
         yield Finding(
@@ -107,8 +118,10 @@ def app_clocks(audit: Audit) -> Iterator[Finding]:
             f"Clocks held by an application-clock setting ({g.clocks.applications_sm_mhz} MHz SM, "
             f"max {g.clocks.sm_max_mhz} MHz)",
             subject=gpu_subject(held),
-            cost="The GPU will not boost to its maximum clocks.",
-            fix="Reset them: nvidia-smi -rac (needs root on the host).",
+            cost=f"The SMs run at most {g.clocks.applications_sm_mhz / g.clocks.sm_max_mhz:.0%} of their maximum "
+            "clock: compute-bound kernels slow down in proportion.",
+            fix=f"Raise them (needs root on the host): nvidia-smi -i {g.index} -ac "
+            f"{g.clocks.memory_max_mhz or '<mem MHz>'},{g.clocks.sm_max_mhz}; or nvidia-smi -rac for the defaults.",
             evidence={
                 x.index: {"applications_sm_mhz": x.clocks.applications_sm_mhz, "sm_max_mhz": x.clocks.sm_max_mhz}
                 for x in held

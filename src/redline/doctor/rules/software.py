@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from redline.doctor.context import Audit, gpu_subject
 from redline.doctor.engine import rule
 from redline.doctor.model import Area, Finding, Severity
+from redline.units import version_tuple
 
 MIN_NCCL = (2, 18)  # 2.18 (2023): NVLS and many hangs fixed; older versions lag on Hopper
 MIN_CUDNN = 8900  # 8.9: fused flash attention in cuDNN
@@ -17,20 +18,10 @@ SLOW_DEBUG_ENV = {
 }
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
 @rule("software.driver-mismatch", Area.SOFTWARE, "NVIDIA kernel module and user-space library differ")
 def driver_mismatch(audit: Audit) -> Iterator[Finding]:
     section, software = audit.snapshot.gpu, audit.snapshot.software
-    nvml_says = "mismatch" in (section.error or "").lower()
+    nvml_says = section.error_code == "driver_mismatch"
     differ = (
         software.nvidia_kernel_driver
         and section.driver_version
@@ -59,7 +50,7 @@ def torch_cuda_vs_driver(audit: Audit) -> Iterator[Finding]:
     driver_cuda = audit.snapshot.gpu.cuda_driver_version
     if torch is None or not torch.cuda or not driver_cuda:
         return
-    built, supported = _version_tuple(torch.cuda), _version_tuple(driver_cuda)
+    built, supported = version_tuple(torch.cuda), version_tuple(driver_cuda)
     if built[:2] <= supported[:2]:
         return
     major_gap = built[0] > supported[0]
@@ -80,7 +71,7 @@ def old_libraries(audit: Audit) -> Iterator[Finding]:
     if torch is None or not audit.gpus:
         return
     old = {}
-    if torch.nccl and _version_tuple(torch.nccl)[:2] < MIN_NCCL:
+    if torch.nccl and version_tuple(torch.nccl)[:2] < MIN_NCCL:
         old["nccl"] = torch.nccl
     if torch.cudnn and torch.cudnn < MIN_CUDNN:
         old["cudnn"] = torch.cudnn
@@ -101,7 +92,7 @@ def tf32_off(audit: Audit) -> Iterator[Finding]:
     torch = audit.snapshot.software.torch
     if torch is None or torch.matmul_allow_tf32 is not False or torch.float32_matmul_precision not in (None, "highest"):
         return
-    ampere = [g for g in audit.gpus if g.compute_capability and _version_tuple(g.compute_capability) >= (8, 0)]
+    ampere = [g for g in audit.gpus if g.compute_capability and version_tuple(g.compute_capability) >= (8, 0)]
     if not ampere:
         return
     spec = audit.spec(ampere[0])
@@ -115,8 +106,9 @@ def tf32_off(audit: Audit) -> Iterator[Finding]:
         Severity.INFO,
         "TF32 is off by default for fp32 matmuls" + speedup,
         subject=gpu_subject(ampere),
-        cost="Models trained in plain fp32 run their matmuls at the fp32 rate, several times below TF32.",
-        fix="torch.set_float32_matmul_precision('high') (redline.prepare does this), or train in bf16.",
+        cost="Models trained in plain fp32 run their matmuls at the fp32 rate, several times below TF32 "
+        "(this is PyTorch's default; your script may already change it).",
+        fix="torch.set_float32_matmul_precision('high') at the top of the training script, or train in bf16.",
         evidence={
             "matmul_allow_tf32": torch.matmul_allow_tf32,
             "float32_matmul_precision": torch.float32_matmul_precision,
@@ -150,7 +142,8 @@ def debug_env(audit: Audit) -> Iterator[Finding]:
             Severity.WARN,
             "Debug settings in the environment: " + ", ".join(f"{k}={env[k]}" for k in found),
             cost="; ".join(found.values()) + ".",
-            fix="Unset them outside debugging sessions (check ~/.bashrc, the container image, the job script).",
+            fix="Unset them outside debugging sessions (check ~/.bashrc, the container image, the job script); "
+            "seen in the environment redline ran in.",
             evidence={k: env[k] for k in found},
             command="env | grep -E 'CUDA_LAUNCH_BLOCKING|PYTORCH_NO_CUDA_MEMORY_CACHING|NCCL_DEBUG'",
         )

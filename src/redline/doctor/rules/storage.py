@@ -50,7 +50,7 @@ def network_mounts(audit: Audit) -> Iterator[Finding]:
             cost="If your dataset lives there, reads are far slower than local NVMe.",
             fix="Pass your dataset's path: `redline doctor --data PATH` checks where it lives.",
             evidence={m.mountpoint: m.fstype for m in remote},
-            command="findmnt -t nfs,nfs4,cifs,ceph,fuse",
+            command="findmnt -l -o TARGET,FSTYPE,SOURCE | grep -E 'nfs|cifs|smb|ceph|lustre|fuse'",
         )
 
 
@@ -85,7 +85,7 @@ def rotational(audit: Audit) -> Iterator[Finding]:
 
 @rule("storage.disk-full", Area.STORAGE, "A filesystem is nearly out of space or inodes")
 def disk_full(audit: Audit) -> Iterator[Finding]:
-    for m in audit.snapshot.storage.mounts:
+    for m in _one_mount_per_filesystem(audit.snapshot.storage.mounts):
         if m.fstype in SKIP_FULLNESS or m.mountpoint == "/dev/shm":
             continue
         used = {}
@@ -103,9 +103,20 @@ def disk_full(audit: Audit) -> Iterator[Finding]:
             subject=m.mountpoint,
             cost="Checkpoint writes fail part-way (a lost run), and caches and logs stop.",
             fix="Free space or point checkpoints, HF_HOME and TMPDIR at a larger volume.",
-            evidence={k: round(v, 3) for k, v in used.items()} | {"free_bytes": m.free_bytes},
+            evidence={k: round(v, 3) for k, v in used.items()} | {"free_bytes": m.free_bytes, "device": m.device},
             command=f"df -h {m.mountpoint}; df -i {m.mountpoint}",
         )
+
+
+def _one_mount_per_filesystem(mounts: list[Mount]) -> list[Mount]:
+    """Containers bind-mount one filesystem many times (/etc/hosts, /etc/resolv.conf...): keep the
+    shortest mountpoint of each device and size, so one full disk is one finding."""
+    best: dict[tuple[str, int | None], Mount] = {}
+    for m in mounts:
+        key = (m.device, m.total_bytes)
+        if key not in best or len(m.mountpoint) < len(best[key].mountpoint):
+            best[key] = m
+    return list(best.values())
 
 
 @rule("storage.nvme-link-degraded", Area.STORAGE, "NVMe drive's PCIe link below its capability")

@@ -46,7 +46,7 @@ def vgpu(audit: Audit) -> Iterator[Finding]:
             "GPU is passed through to a virtual machine",
             subject=gpu_subject(passthrough),
             cost="Usually full speed, but P2P between GPUs depends on the hypervisor exposing the PCIe topology.",
-            fix="Check the P2P matrix (multi_gpu.p2p-unavailable) and `redline bench memory` for P2P bandwidth.",
+            fix="Check the P2P matrix (nvidia-smi topo -p2p r) and the multi_gpu findings of this report.",
             evidence={"mode": "passthrough"},
             command="nvidia-smi topo -m",
         )
