@@ -79,12 +79,16 @@ class SysRoot:
         physical_id: int | None = 0,
         core_id: int | None = None,
         governor: str | None = None,
+        flags: str | None = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx lm",
     ) -> None:
-        """One logical CPU: a /proc/cpuinfo block, and a cpufreq governor if given."""
+        """One logical CPU: a /proc/cpuinfo block, and a cpufreq governor if given. The default flags are
+        a bare-metal x86 CPU's; add 'hypervisor' for a VM, or pass None for a CPU that lists none (ARM)."""
         block = [f"processor\t: {index}", f"model name\t: {model}"]
         if physical_id is not None:
             block.append(f"physical id\t: {physical_id}")
         block.append(f"core id\t\t: {index if core_id is None else core_id}")
+        if flags is not None:
+            block.append(f"flags\t\t: {flags}")
         self._cpuinfo.append("\n".join(block) + "\n")
         self.write("/proc/cpuinfo", "\n".join(self._cpuinfo))
         self.mkdir(f"/sys/devices/system/cpu/cpu{index}")
@@ -94,6 +98,11 @@ class SysRoot:
     def meminfo(self, **kb: int) -> None:
         """/proc/meminfo from keyword values in kB: meminfo(MemTotal=2048, SwapTotal=0)."""
         self.write("/proc/meminfo", "".join(f"{key}:{value:>16} kB\n" for key, value in kb.items()))
+
+    def add_process(self, pid: int, comm: str, uid: int) -> None:
+        """A process as /proc shows it: its name in comm, its real, effective, saved and fs uids in status."""
+        self.write(f"/proc/{pid}/comm", f"{comm}\n")
+        self.write(f"/proc/{pid}/status", f"Name:\t{comm}\nPid:\t{pid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
 
     def add_numa_node(self, node: int, cpulist: str, memory_kb: int | None = None) -> None:
         base = f"/sys/devices/system/node/node{node}"
@@ -110,6 +119,7 @@ class SysRoot:
         rotational: int | None = 0,
         sectors: int | None = 2_000_000,
         model: str | None = None,
+        vendor: str | None = None,
         link_speed: str | None = None,
         link_width: int | None = None,
         max_link_speed: str | None = None,
@@ -124,6 +134,8 @@ class SysRoot:
             self.write(f"{base}/size", sectors)
         if model is not None:
             self.write(f"{base}/device/model", f"{model}    \n")  # the kernel pads models with spaces
+        if vendor is not None:
+            self.write(f"{base}/device/vendor", f"{vendor:<8}\n")  # SCSI vendors are padded to 8
         pci = f"{base}/device/device"
         for file, value in [
             ("current_link_speed", link_speed),

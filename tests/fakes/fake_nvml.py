@@ -9,6 +9,9 @@ values in NVML's units (mW, MHz, percent, NVML enum values) and ``None`` in a fi
 reads it answer NOT_SUPPORTED, as naming the call in ``unsupported`` does; ``errors`` makes a call raise
 whatever it holds; ``lost`` makes every call on the GPU answer GPU_IS_LOST, as after Xid 79.
 ``FakeNvml(missing=...)`` hides functions or constants, to play an older nvidia-ml-py.
+
+NVML lists processes by pid only; their names and owners come from /proc, so a test that wants them
+writes them into its SysRoot (``SysRoot.add_process``) and passes that tree to ``probe_gpus(fs=...)``.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class FakeGpu:
     retired_pages_pending: bool | None = None
     nvlinks: list[tuple[bool, str | None]] | None = None  # per link: (active, remote bus id); None: no NVLink
     fabric_state: int | None = None  # pynvml.NVML_GPU_FABRIC_STATE_*
+    fabric_status: int = pynvml.NVML_SUCCESS  # what the fabric manager said once the state is COMPLETED
     numa_node: int | None = None  # NVML answers only where GPU memory is a NUMA node (Grace Hopper)
     cpu_affinity: list[int] | None = None
     processes: list[FakeProcess] = field(default_factory=list)
@@ -461,7 +465,7 @@ class FakeNvml:
         if gpu.fabric_state is None:
             return None
         info.state = gpu.fabric_state
-        info.status = pynvml.NVML_SUCCESS
+        info.status = gpu.fabric_status
         return pynvml.NVML_SUCCESS
 
     @_device_call

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from redline.hw.kernel_log import CRITICAL_XIDS, XID_MEANINGS, count_xids, iter_xids, read_kernel_log
+from redline.hw.kernel_log import (
+    CRITICAL_XIDS,
+    XID_MEANINGS,
+    count_xids,
+    count_xids_by_device,
+    iter_xids,
+    read_kernel_log,
+)
 
 DMESG = """\
 [    4.112233] nvidia: loading out-of-tree module taints kernel.
@@ -36,8 +43,24 @@ def test_each_xid_keeps_the_gpu_it_happened_on() -> None:
     assert events[-1] == ("0000:ab:00", 119)  # older drivers leave out "PCI:"
 
 
+def test_xids_are_counted_per_gpu() -> None:
+    """Keyed by the address as the line gives it, lower-cased: 0000:5D:00 and 0000:5d:00 are one GPU."""
+    assert count_xids_by_device(DMESG) == {
+        "0000:3b:00": {"13": 1, "31": 1},
+        "0000:5d:00": {"48": 1, "94": 2},
+        "0000:9a:00": {"79": 1},
+        "0000:ab:00": {"119": 1},
+    }
+
+
+def test_per_gpu_codes_are_in_numeric_order() -> None:
+    log = "NVRM: Xid (PCI:0000:3b:00): 119, x\nNVRM: Xid (PCI:0000:3b:00): 13, x\n"
+    assert list(count_xids_by_device(log)["0000:3b:00"]) == ["13", "119"]
+
+
 def test_a_quiet_log_has_no_xids() -> None:
     assert count_xids("") == {}
+    assert count_xids_by_device("") == {}
     assert count_xids("[    5.2] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15\n") == {}
 
 

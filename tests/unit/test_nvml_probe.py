@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
-import psutil
 import pynvml
 import pytest
 
@@ -22,8 +22,7 @@ from fakes.fake_nvml import (
     h100_sxm,
     rtx_4090,
 )
-from redline.hw import nvml as nvml_adapter
-from redline.hw.nvml import clock_event_reason_names, normalize_pci_bus_id, probe_gpus
+from redline.hw.nvml import clock_event_reason_names, error_name, normalize_pci_bus_id, probe_gpus
 from redline.hw.snapshot import (
     Gpu,
     GpuClocks,
@@ -35,19 +34,23 @@ from redline.hw.snapshot import (
     NvLink,
     PcieLink,
 )
+from redline.hw.sysfs import SysFs
+from sysroot import SysRoot
 
 NO_SUCH_PID = 2**22 + 4321  # above the kernel's largest pid_max
 
 
-@pytest.fixture(autouse=True)
-def host_with_224_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fake boards sit in a 224-CPU host; NVML sizes the affinity mask by the host's CPU count."""
-    monkeypatch.setattr(nvml_adapter, "_system_cpu_count", lambda: HOST_CPUS)
+@pytest.fixture
+def host(tmp_path: Path) -> SysRoot:
+    """The /proc and /sys of the 224-CPU host the fake boards sit in; NVML's affinity mask is sized by it."""
+    root = SysRoot(tmp_path)
+    root.write("/sys/devices/system/cpu/possible", f"0-{HOST_CPUS - 1}\n")
+    return root
 
 
-def probe(nvml: FakeNvml) -> tuple[list[Gpu], list[str]]:
+def probe(nvml: FakeNvml, fs: SysFs | None = None) -> tuple[list[Gpu], list[str]]:
     notes: list[str] = []
-    section = probe_gpus(nvml, errors=notes)
+    section = probe_gpus(nvml, errors=notes, fs=fs)
     assert section.nvml_available
     return section.gpus, notes
 
@@ -55,7 +58,8 @@ def probe(nvml: FakeNvml) -> tuple[list[Gpu], list[str]]:
 # ------------------------------------------------------------------------------------ healthy boards
 
 
-def test_a_healthy_h100_reads_back_every_field_in_redline_units() -> None:
+def test_a_healthy_h100_reads_back_every_field_in_redline_units(host: SysRoot) -> None:
+    host.add_process(4242, "python3", uid=1000)
     nvml = FakeNvml(
         [
             h100_sxm(
@@ -65,15 +69,15 @@ def test_a_healthy_h100_reads_back_every_field_in_redline_units() -> None:
                 utilization_pct=87,
                 clock_event_reasons=SW_POWER_CAP | HW_THERMAL,
                 power_draw_mw=612_345,
-                processes=[FakeProcess(os.getpid(), used_memory=1000 * MiB)],
+                processes=[FakeProcess(4242, used_memory=1000 * MiB)],
             )
         ]
     )
     notes: list[str] = []
-    section = probe_gpus(nvml, errors=notes)
+    section = probe_gpus(nvml, errors=notes, fs=host.sysfs())
 
     assert notes == []
-    assert section.nvml_available and section.error is None
+    assert section.nvml_available and section.error is None and section.error_code is None
     assert (section.driver_version, section.cuda_driver_version, section.nvml_version) == (
         "550.54.15",
         "12.4",
@@ -116,9 +120,11 @@ def test_a_healthy_h100_reads_back_every_field_in_redline_units() -> None:
             ),
             nvlinks=[NvLink(link=i, active=True, peer_pci_bus_id=bus) for i, bus in enumerate(switches)],
             fabric_state="completed",
+            fabric_status="success",
             numa_node=None,  # x86: NVML does not say; the caller reads /sys
             cpu_affinity=[*range(0, 56), *range(112, 168)],
-            processes=[GpuProcess(pid=os.getpid(), name=psutil.Process().name(), used_memory_bytes=1000 * MiB)],
+            processes=[GpuProcess(pid=4242, name="python3", used_memory_bytes=1000 * MiB, uid=1000)],
+            health_errors={},
         )
     ]
     assert section.p2p is None and section.topology is None  # one GPU: no pairs
@@ -133,7 +139,7 @@ def test_a_geforce_without_ecc_nvlink_or_remapping_reads_as_absent_not_as_errors
     assert gpu.ecc == GpuEcc()
     assert gpu.retirement == GpuRetirement()
     assert gpu.nvlinks is None
-    assert gpu.mig_mode is None and gpu.fabric_state is None
+    assert gpu.mig_mode is None and gpu.fabric_state is None and gpu.fabric_status is None
     assert gpu.clocks.applications_sm_mhz is None and gpu.clocks.sm_max_mhz == 3120
     assert gpu.power.max_limit_w == 600.0 and gpu.power.default_limit_w == 450.0
     assert gpu.pcie.gen_current == 1 and gpu.pcie.gen_max == 4
@@ -176,6 +182,25 @@ def test_nvml_enums_map_to_redline_names(overrides: dict, field: str, expected: 
     assert getattr(gpu, field) == expected
 
 
+@pytest.mark.parametrize(
+    ("state", "status", "expected"),
+    [
+        (pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, pynvml.NVML_SUCCESS, "success"),
+        # registered, but the fabric manager failed it: the GPU has no NVLink bandwidth
+        (pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES, "INSUFFICIENT_RESOURCES"),
+        (pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, pynvml.NVML_ERROR_UNKNOWN, "UNKNOWN"),
+        (pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, 4242, "ERROR_4242"),
+        # the status means nothing until registration completes
+        (pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS, pynvml.NVML_ERROR_NOT_READY, None),
+        (pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED, pynvml.NVML_SUCCESS, None),
+    ],
+)
+def test_fabric_status_is_read_once_registration_completes(state: int, status: int, expected: str | None) -> None:
+    [gpu], notes = probe(FakeNvml([h100_sxm(0, fabric_state=state, fabric_status=status)]))
+    assert gpu.fabric_status == expected
+    assert notes == [] and gpu.health_errors == {}  # the fabric manager's verdict is data, not a failed call
+
+
 @pytest.mark.parametrize(("cuda", "expected"), [(12040, "12.4"), (11080, "11.8"), (12080, "12.8"), (13000, "13.0")])
 def test_cuda_driver_version_is_decoded(cuda: int, expected: str) -> None:
     assert probe_gpus(FakeNvml([], cuda=cuda)).cuda_driver_version == expected
@@ -185,21 +210,22 @@ def test_cuda_driver_version_is_decoded(cuda: int, expected: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("error", "message"),
+    ("error", "code", "message"),
     [
-        (pynvml.NVMLError_LibraryNotFound, "NVML library not found (no NVIDIA driver)"),
-        (pynvml.NVMLError_DriverNotLoaded, "NVIDIA driver not loaded"),
-        (pynvml.NVMLError_LibRmVersionMismatch, "driver/library version mismatch"),
-        (pynvml.NVMLError_NoPermission, "no permission"),
-        (pynvml.NVMLError_Unknown, "NVML failed to start: Unknown Error"),
-        (OSError("libnvidia-ml.so.1: cannot open shared object file"), "NVML failed to start: OSError"),
+        (pynvml.NVMLError_LibraryNotFound, "library_not_found", "NVML library not found (no NVIDIA driver)"),
+        (pynvml.NVMLError_DriverNotLoaded, "driver_not_loaded", "NVIDIA driver not loaded"),
+        (pynvml.NVMLError_LibRmVersionMismatch, "driver_mismatch", "driver/library version mismatch"),
+        (pynvml.NVMLError_NoPermission, "no_permission", "no permission"),
+        (pynvml.NVMLError_Unknown, "other", "NVML failed to start: Unknown Error"),
+        (OSError("libnvidia-ml.so.1: cannot open shared object file"), "other", "NVML failed to start: OSError"),
     ],
 )
-def test_nvml_that_will_not_start_is_a_value_not_an_exception(error: object, message: str) -> None:
+def test_nvml_that_will_not_start_is_a_value_not_an_exception(error: object, code: str, message: str) -> None:
     nvml = FakeNvml([h100_sxm(0)], init_error=error)
     section = probe_gpus(nvml)
 
     assert not section.nvml_available
+    assert section.error_code == code
     assert section.error is not None and message in section.error
     assert section.gpus == []
     assert "nvmlShutdown" not in nvml.calls  # nothing to shut down
@@ -212,9 +238,12 @@ def test_the_version_mismatch_message_says_what_to_do() -> None:
 
 def test_a_failing_gpu_count_still_shuts_nvml_down() -> None:
     nvml = FakeNvml([h100_sxm(0)], errors={"nvmlDeviceGetCount": pynvml.NVMLError_Unknown()})
-    section = probe_gpus(nvml)
+    notes: list[str] = []
+    section = probe_gpus(nvml, errors=notes)
 
     assert section.nvml_available and section.error and section.gpus == []
+    assert section.error_code is None  # NVML started; error_code is for NVML that did not
+    assert notes == ["NVML: nvmlDeviceGetCount: Unknown Error"]
     assert nvml.active_inits == 0
 
 
@@ -232,8 +261,8 @@ def test_a_failing_shutdown_is_noted() -> None:
 def test_a_lost_gpu_is_marked_and_the_others_are_still_probed() -> None:
     gpus, notes = probe(eight_gpu_server(faults={3: {"lost": True}}))
 
-    assert notes == []
-    assert gpus[3] == Gpu(index=3, lost=True)
+    assert notes == ["GPU 3: nvmlDeviceGetName: GPU is lost"]
+    assert gpus[3] == Gpu(index=3, lost=True, health_errors={"nvmlDeviceGetName": "GPU_IS_LOST"})
     assert all(not g.lost and g.name == "NVIDIA H100 80GB HBM3" for i, g in enumerate(gpus) if i != 3)
     assert gpus[4].power.enforced_limit_w == 700.0
 
@@ -242,7 +271,8 @@ def test_a_gpu_lost_part_way_keeps_what_was_read_and_is_asked_nothing_more() -> 
     nvml = FakeNvml([h100_sxm(0, errors={"nvmlDeviceGetPowerUsage": pynvml.NVMLError_GpuIsLost()}), h100_sxm(1)])
     gpus, notes = probe(nvml)
 
-    assert notes == []
+    assert notes == ["GPU 0: nvmlDeviceGetPowerUsage: GPU is lost"]
+    assert gpus[0].health_errors == {"nvmlDeviceGetPowerUsage": "GPU_IS_LOST"}
     assert gpus[0].lost and gpus[0].name == "NVIDIA H100 80GB HBM3" and gpus[0].clocks.sm_max_mhz == 1980
     assert gpus[0].power == GpuPower() and gpus[0].thermal == GpuThermal() and gpus[0].nvlinks is None
     assert nvml.calls.count("nvmlDeviceGetTemperature") == 1  # GPU 1 only
@@ -263,9 +293,18 @@ def test_a_gpu_without_a_handle_is_listed_empty_with_a_note() -> None:
     notes: list[str] = []
     section = probe_gpus(nvml, errors=notes)
 
-    assert section.gpus[1] == Gpu(index=1)
+    # still listed, with the error, so the doctor sees a GPU that NVML counts but cannot open
+    assert section.gpus[1] == Gpu(index=1, health_errors={"nvmlDeviceGetHandleByIndex": "UNKNOWN"})
     assert notes == ["GPU 1: no NVML handle (Unknown Error); nothing else was read"]
     assert section.p2p == [["self", "unknown"], ["unknown", "self"]]
+
+
+def test_a_gpu_lost_before_its_handle_is_marked_lost() -> None:
+    nvml = FakeNvml([h100_sxm(0, errors={"nvmlDeviceGetHandleByIndex": pynvml.NVMLError_GpuIsLost()})])
+    [gpu], notes = probe(nvml)
+
+    assert gpu == Gpu(index=0, lost=True, health_errors={"nvmlDeviceGetHandleByIndex": "GPU_IS_LOST"})
+    assert notes == ["GPU 0: no NVML handle (GPU is lost); nothing else was read"]
 
 
 def test_an_unexpected_exception_from_a_call_becomes_none_and_a_note() -> None:
@@ -275,6 +314,7 @@ def test_an_unexpected_exception_from_a_call_becomes_none_and_a_note() -> None:
     assert read.power == GpuPower(draw_w=None, enforced_limit_w=700.0, default_limit_w=700.0, max_limit_w=700.0)
     assert read.thermal.temperature_c == 31  # the rest of the GPU is still read
     assert notes == ["GPU 0: nvmlDeviceGetPowerUsage: RuntimeError: SMBus read timed out"]
+    assert read.health_errors == {}  # a binding's surprise, not the GPU's health
 
 
 def test_an_nvml_error_that_says_something_about_health_is_noted_but_not_support_errors() -> None:
@@ -291,6 +331,77 @@ def test_an_nvml_error_that_says_something_about_health_is_noted_but_not_support
     assert read.ecc == GpuEcc(enabled=True)
     assert read.pcie.replay_count is None and read.power.draw_w is None
     assert notes == ["GPU 0: nvmlDeviceGetTotalEccErrors: Corrupted infoROM"] * 4
+    assert read.health_errors == {"nvmlDeviceGetTotalEccErrors": "CORRUPTED_INFOROM"}
+
+
+@pytest.mark.parametrize(
+    ("error", "name"),
+    [
+        (pynvml.NVMLError_ResetRequired, "RESET_REQUIRED"),
+        (pynvml.NVMLError_CorruptedInforom, "CORRUPTED_INFOROM"),
+        (pynvml.NVMLError_InsufficientPower, "INSUFFICIENT_POWER"),
+        (pynvml.NVMLError_IrqIssue, "IRQ_ISSUE"),
+        (pynvml.NVMLError_Timeout, "TIMEOUT"),
+        (pynvml.NVMLError_Unknown, "UNKNOWN"),
+        (pynvml.NVMLError_Memory, "MEMORY"),
+        (pynvml.NVMLError_InsufficientResources, "INSUFFICIENT_RESOURCES"),
+    ],
+)
+def test_health_errors_are_recorded_per_gpu_and_noted(error: type[Exception], name: str) -> None:
+    nvml = FakeNvml([h100_sxm(0), h100_sxm(1, errors={"nvmlDeviceGetTemperature": error()})])
+    gpus, notes = probe(nvml)
+
+    assert gpus[1].health_errors == {"nvmlDeviceGetTemperature": name}
+    assert gpus[1].thermal.temperature_c is None and gpus[1].thermal.slowdown_c == 90
+    assert notes == [f"GPU 1: nvmlDeviceGetTemperature: {error()}"]
+    assert gpus[0].health_errors == {}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pynvml.NVMLError_NotSupported,
+        pynvml.NVMLError_FunctionNotFound,
+        pynvml.NVMLError_NoPermission,
+        pynvml.NVMLError_InvalidArgument,
+        pynvml.NVMLError_NotFound,
+        pynvml.NVMLError_NoData,
+        pynvml.NVMLError_NotReady,
+        pynvml.NVMLError_ArgumentVersionMismatch,
+        pynvml.NVMLError_Deprecated,
+    ],
+)
+def test_cannot_answer_errors_are_silent(error: type[Exception]) -> None:
+    [gpu], notes = probe(FakeNvml([h100_sxm(0, errors={"nvmlDeviceGetTemperature": error()})]))
+    assert gpu.thermal.temperature_c is None
+    assert (notes, gpu.health_errors) == ([], {})
+
+
+def test_an_nvml_error_about_the_system_not_the_gpu_is_only_noted() -> None:
+    [gpu], notes = probe(
+        FakeNvml([h100_sxm(0, errors={"nvmlDeviceGetTemperature": pynvml.NVMLError_OperatingSystem()})])
+    )
+    assert notes == ["GPU 0: nvmlDeviceGetTemperature: The operating system has blocked the request."]
+    assert gpu.health_errors == {}
+
+
+@pytest.mark.parametrize(
+    ("error", "name"),
+    [
+        (pynvml.NVMLError_CorruptedInforom(), "CORRUPTED_INFOROM"),
+        (pynvml.NVMLError_LibRmVersionMismatch(), "LIB_RM_VERSION_MISMATCH"),
+        (pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST), "GPU_IS_LOST"),  # the binding picks the subclass
+        (pynvml.NVMLError(12345), "ERROR_12345"),  # a code newer than the binding
+        (RuntimeError("boom"), "RuntimeError"),
+    ],
+)
+def test_error_names_are_nvml_constants(error: BaseException, name: str) -> None:
+    assert error_name(error) == name
+
+
+def test_every_nvml_error_name_round_trips_to_its_constant() -> None:
+    for constant in (name for name in dir(pynvml) if name.startswith("NVML_ERROR_")):
+        assert "NVML_ERROR_" + error_name(pynvml.NVMLError(getattr(pynvml, constant))) == constant
 
 
 def test_a_value_of_an_unexpected_shape_loses_its_group_only() -> None:
@@ -328,7 +439,7 @@ def test_p2p_matrix_has_self_on_the_diagonal_and_the_disabled_pair() -> None:
     [
         (pynvml.NVML_P2P_STATUS_OK, "ok"),
         (pynvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED, "chipset_not_supported"),
-        (pynvml.NVML_P2P_STATUS_GPU_NOT_SUPPORTED, "not_supported"),
+        (pynvml.NVML_P2P_STATUS_GPU_NOT_SUPPORTED, "gpu_not_supported"),
         (pynvml.NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED, "topology_not_supported"),
         (pynvml.NVML_P2P_STATUS_DISABLED_BY_REGKEY, "disabled_by_regkey"),
         (pynvml.NVML_P2P_STATUS_NOT_SUPPORTED, "not_supported"),
@@ -338,6 +449,18 @@ def test_p2p_matrix_has_self_on_the_diagonal_and_the_disabled_pair() -> None:
 def test_p2p_statuses_map_to_redline_names(status: int, name: str) -> None:
     section = probe_gpus(FakeNvml([h100_sxm(0), h100_sxm(1)], p2p=lambda i, j: status))
     assert section.p2p == [["self", name], [name, "self"]]
+
+
+def test_no_two_p2p_statuses_share_a_name() -> None:
+    """Each status has its own fix (BIOS ACS, a GPU model without P2P, the topology, a registry key)."""
+    statuses = [getattr(pynvml, name) for name in dir(pynvml) if name.startswith("NVML_P2P_STATUS_")]
+    statuses = sorted(set(statuses))  # the misspelt CHIPSET_NOT_SUPPORED alias has the same value
+    gpus = [h100_sxm(i) for i in range(len(statuses) + 1)]
+    section = probe_gpus(FakeNvml(gpus, p2p=lambda i, j: statuses[max(i, j) - 1]))
+    assert section.p2p is not None
+    names = section.p2p[0][1:]
+    assert len(set(names)) == len(statuses) == 7
+    assert "unknown" in names and "self" not in names
 
 
 def test_topology_levels_map_to_nvidia_smi_names() -> None:
@@ -386,22 +509,44 @@ def test_nvlink_walk_stops_at_the_first_link_nvml_rejects() -> None:
     assert nvml.calls.count("nvmlDeviceGetNvLinkState") == 5  # links 0-3, then link 4's InvalidArgument
 
 
-def test_processes_with_unavailable_memory_and_unknown_pids() -> None:
+def test_processes_with_unavailable_memory_and_unknown_pids(host: SysRoot) -> None:
     not_available = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value  # what older bindings pass through
+    host.add_process(4242, "python3", uid=0)
+    host.add_process(5151, "Xorg", uid=1001)
     processes = [
-        FakeProcess(os.getpid(), used_memory=not_available),
+        FakeProcess(4242, used_memory=not_available),
         FakeProcess(NO_SUCH_PID, used_memory=None),  # a host PID seen from inside a container
-        FakeProcess(NO_SUCH_PID + 1, used_memory=512 * MiB, kind="graphics"),
-        FakeProcess(os.getpid(), used_memory=not_available, kind="graphics"),  # also has a graphics context
+        FakeProcess(5151, used_memory=512 * MiB, kind="graphics"),
+        FakeProcess(4242, used_memory=not_available, kind="graphics"),  # also has a graphics context
     ]
-    [gpu], notes = probe(FakeNvml([h100_sxm(0, processes=processes)]))
+    fs = host.sysfs()
+    [gpu], notes = probe(FakeNvml([h100_sxm(0, processes=processes)]), fs)
 
-    assert notes == []
+    assert notes == [] and fs.errors == []
     assert gpu.processes == [
-        GpuProcess(pid=os.getpid(), name=psutil.Process().name(), used_memory_bytes=None, kind="compute"),
-        GpuProcess(pid=NO_SUCH_PID, name=None, used_memory_bytes=None, kind="compute"),
-        GpuProcess(pid=NO_SUCH_PID + 1, name=None, used_memory_bytes=512 * MiB, kind="graphics"),
+        GpuProcess(pid=4242, name="python3", used_memory_bytes=None, kind="compute", uid=0),
+        GpuProcess(pid=NO_SUCH_PID, name=None, used_memory_bytes=None, kind="compute", uid=None),
+        GpuProcess(pid=5151, name="Xorg", used_memory_bytes=512 * MiB, kind="graphics", uid=1001),
     ]
+
+
+def test_a_process_status_without_a_number_for_uid_is_none_and_noted(host: SysRoot) -> None:
+    host.write("/proc/4242/comm", "python3\n")
+    host.write("/proc/4242/status", "Name:\tpython3\nUid:\tnobody\n")
+    fs = host.sysfs()
+    [gpu], _ = probe(FakeNvml([h100_sxm(0, processes=[FakeProcess(4242)])]), fs)
+
+    assert gpu.processes == [GpuProcess(pid=4242, name="python3", uid=None)]
+    assert fs.errors == ["/proc/4242/status: Uid 'nobody' is not a number"]
+
+
+def test_processes_on_this_machine_are_read_from_the_real_proc() -> None:
+    """The default SysFs is the real root: this test's own process is found with its name and owner."""
+    [gpu], _ = probe(FakeNvml([h100_sxm(0, processes=[FakeProcess(os.getpid())])]))
+    assert gpu.processes is not None
+    [process] = gpu.processes
+    assert process.uid == os.getuid()
+    assert process.name == Path(f"/proc/{os.getpid()}/comm").read_text().strip()
 
 
 def test_processes_are_none_when_nvml_cannot_list_them() -> None:
@@ -410,9 +555,26 @@ def test_processes_are_none_when_nvml_cannot_list_them() -> None:
     assert gpu.processes is None
 
 
-def test_cpu_affinity_mask_is_expanded_to_cpu_ids() -> None:
-    [gpu], _ = probe(FakeNvml([h100_sxm(0, cpu_affinity=[0, 63, 64, 130, 223])]))
+def test_cpu_affinity_mask_is_expanded_to_cpu_ids(host: SysRoot) -> None:
+    [gpu], _ = probe(FakeNvml([h100_sxm(0, cpu_affinity=[0, 63, 64, 130, 223])]), host.sysfs())
     assert gpu.cpu_affinity == [0, 63, 64, 130, 223]
+
+
+def test_the_affinity_mask_is_sized_by_the_possible_cpus_not_the_visible_ones(
+    host: SysRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a container limited to 8 CPUs, the mask must still cover CPU 223 on the host's second socket."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    [gpu], _ = probe(FakeNvml([h100_sxm(4)]), host.sysfs())
+    assert gpu.cpu_affinity == [*range(56, 112), *range(168, 224)]
+
+
+def test_without_sys_possible_the_affinity_mask_is_sized_by_os_cpu_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: HOST_CPUS)
+    [gpu], _ = probe(FakeNvml([h100_sxm(4)]), SysFs(tmp_path))
+    assert gpu.cpu_affinity == [*range(56, 112), *range(168, 224)]
 
 
 # ----------------------------------------------------------------- older drivers and bindings
@@ -445,7 +607,7 @@ def test_older_bindings_without_the_newer_calls_and_constants_still_read_everyth
     assert section.cuda_driver_version == "12.2"
     assert gpu.multiprocessor_count == 132
     assert gpu.memory_total_bytes == 81559 * MiB
-    assert gpu.fabric_state == "completed"
+    assert (gpu.fabric_state, gpu.fabric_status) == ("completed", "success")
     assert section.p2p == [["self", "chipset_not_supported"], ["chipset_not_supported", "self"]]
     assert "nvmlDeviceGetCurrentClocksThrottleReasons" in nvml.calls
 

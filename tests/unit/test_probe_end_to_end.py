@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fakes.fake_nvml import HW_THERMAL, eight_gpu_server
+import pynvml
+
+from fakes.fake_nvml import HW_THERMAL, FakeProcess, eight_gpu_server
 from redline.doctor.engine import run_rules
 from redline.hw.probe import take_snapshot
 from redline.hw.snapshot import snapshot_from_dict
@@ -26,6 +28,7 @@ def rented_server(tmp_path) -> SysRoot:
     root.write("/proc/sys/net/ipv4/tcp_wmem", "4096 16384 4194304")
     root.write("/proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar 5")
     root.write("/sys/bus/pci/devices/0000:18:00.0/numa_node", "garbage")
+    root.add_process(4021, "python", uid=1000)  # someone's training job, on GPU 1
     root.mkdir("/dev/shm")
     return root
 
@@ -38,6 +41,8 @@ def test_faulty_server_end_to_end(tmp_path):
             5: {"clock_event_reasons": HW_THERMAL},
             2: {"ecc_volatile_uncorrected": 4},
             6: {"errors": {"nvmlDeviceGetPowerUsage": RuntimeError("driver returned nonsense")}},
+            7: {"errors": {"nvmlDeviceGetEccMode": pynvml.NVMLError_CorruptedInforom()}},
+            1: {"processes": [FakeProcess(4021, used_memory=10 * GiB), FakeProcess(99999)]},
         },
         driver="550.54.15",
     )
@@ -54,7 +59,15 @@ def test_faulty_server_end_to_end(tmp_path):
     snapshot = snapshot_from_dict(snapshot.to_dict())
     assert len(snapshot.gpus) == 8
     assert snapshot.host.shm_total_bytes == 64 * MiB
-    assert snapshot.gpu.xid_counts == {"79": 1, "13": 1}
+    assert snapshot.gpu.xid_counts == {"13": 1, "79": 1}
+    assert snapshot.gpu.xid_by_device == {"0000:58:00": {"79": 1}, "0000:98:00": {"13": 1}}
+    assert snapshot.gpus[7].health_errors == {"nvmlDeviceGetEccMode": "CORRUPTED_INFOROM"}
+    assert all(not gpu.health_errors for gpu in snapshot.gpus[:7])
+    # the process table came from the same fake /proc as the rest of the snapshot
+    processes = snapshot.gpus[1].processes or []
+    assert [(p.pid, p.name, p.uid) for p in processes] == [(4021, "python", 1000), (99999, None, None)]
+    assert snapshot.host.hypervisor is False
+    assert snapshot.software.nvidia_open_kernel_module is False
     assert snapshot.gpus[6].power.draw_w is None  # the broken field, and only it, is missing
     assert snapshot.gpus[6].power.enforced_limit_w is not None
     assert any("nvmlDeviceGetPowerUsage" in e for e in snapshot.probe_errors)
@@ -81,8 +94,6 @@ def test_faulty_server_end_to_end(tmp_path):
 
 
 def test_no_driver_is_a_finding_not_a_crash(tmp_path):
-    import pynvml
-
     class NoDriver:
         NVMLError = pynvml.NVMLError
 
@@ -95,6 +106,7 @@ def test_no_driver_is_a_finding_not_a_crash(tmp_path):
     root = rented_server(tmp_path)
     snapshot = take_snapshot(fs=root.sysfs(), nvml=NoDriver(), environ={}, kernel_log=lambda: None)
     assert not snapshot.gpu.nvml_available
+    assert snapshot.gpu.error_code == "driver_not_loaded"
     rules = {f.rule for f in run_rules(snapshot).findings}
     assert "hardware.no-gpu" in rules
     assert snapshot.host.cpu_logical_cores == 16

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,10 @@ def test_gpu_server(gpu_server: SysRoot) -> None:
     assert host.numa_balancing is True
     assert host.kernel_cmdline == "BOOT_IMAGE=/vmlinuz root=/dev/nvme0n1p2 iommu=pt"
     assert host.loaded_modules == ["nvidia_peermem", "nvidia"]
+    assert host.hypervisor is False  # cpuinfo has flags, without "hypervisor": bare metal
+    assert host.iommu_mode is None  # no /sys/kernel/iommu_groups in this tree
+    assert host.probe_uid == os.getuid()
+    assert host.cpu_arch == platform.machine()
     assert fs.errors == []
 
 
@@ -77,6 +83,7 @@ def test_an_empty_tree_is_all_none(tmp_path: Path) -> None:
         "os_name", "cpu_model", "cpu_logical_cores", "cpu_physical_cores", "cpu_governors",
         "cgroup_cpu_limit_cores", "cgroup_memory_limit_bytes", "memory_total_bytes", "swap_used_bytes",
         "swappiness", "shm_total_bytes", "numa_nodes", "numa_balancing", "kernel_cmdline", "loaded_modules",
+        "hypervisor", "iommu_mode",
     ):  # fmt: skip
         assert getattr(host, name) is None, name
     assert fs.errors == []
@@ -147,6 +154,37 @@ def test_cpuinfo_without_topology_counts_logical_cores(tmp_path: Path) -> None:
     root.write("/proc/cpuinfo", "".join(f"processor\t: {n}\nBogoMIPS\t: 2000.00\n\n" for n in range(4)))
     host = probe_host(root.sysfs())
     assert (host.cpu_model, host.cpu_logical_cores, host.cpu_physical_cores) == (None, 4, 4)
+    assert host.hypervisor is None  # ARM lists 'Features', not 'flags': cannot say
+
+
+def test_a_vm_has_the_hypervisor_flag(tmp_path: Path) -> None:
+    root = SysRoot(tmp_path)
+    for cpu in range(2):
+        root.add_cpu(cpu, flags="fpu vme de pse tsc msr pae sse sse2 ht syscall nx lm hypervisor avx")
+    assert probe_host(root.sysfs()).hypervisor is True
+
+
+@pytest.mark.parametrize(
+    ("types", "mode"),
+    [
+        (None, None),  # no /sys/kernel/iommu_groups: the kernel has no IOMMU support built in
+        ([], "off"),  # the directory with no groups: IOMMU disabled
+        (["identity", "identity"], "passthrough"),  # iommu=pt
+        (["identity", "DMA-FQ"], "translated"),
+        (["DMA", "DMA"], "translated"),
+        (["identity", "unmanaged", "blocked"], "passthrough"),  # VFIO-owned groups say nothing of the host
+        (["", ""], None),  # groups without a type file (kernels before 5.11)
+    ],
+)
+def test_iommu_mode(tmp_path: Path, types: list[str] | None, mode: str | None) -> None:
+    root = SysRoot(tmp_path)
+    if types is not None:
+        root.mkdir("/sys/kernel/iommu_groups")
+    for group, kind in enumerate(types or []):
+        root.mkdir(f"/sys/kernel/iommu_groups/{group}/devices")
+        if kind:
+            root.write(f"/sys/kernel/iommu_groups/{group}/type", f"{kind}\n")
+    assert probe_host(root.sysfs()).iommu_mode == mode
 
 
 def test_memory_only_numa_node(tmp_path: Path) -> None:
@@ -188,6 +226,9 @@ def test_this_machine() -> None:
     assert host.memory_total_bytes is not None and host.memory_total_bytes > 0
     assert host.cpu_logical_cores is not None and host.cpu_logical_cores >= 1
     assert host.process_cpu_count is not None and host.process_cpu_count >= 1
+    assert host.process_cpus == sorted(os.sched_getaffinity(0))
+    assert len(host.process_cpus) == host.process_cpu_count
+    assert host.cpu_arch == platform.machine() and host.probe_uid == os.getuid()
     assert host.memlock_limit_bytes is not None and (host.memlock_limit_bytes == -1 or host.memlock_limit_bytes >= 0)
     assert host.swap_used_bytes is None or host.swap_used_bytes >= 0
     assert fs.errors == []

@@ -93,7 +93,14 @@ def test_nvidia_kernel_driver(root: SysRoot, text: str, version: str | None) -> 
 
 
 def test_no_driver_loaded(root: SysRoot) -> None:
-    assert probe_software(root.sysfs(), environ={}).nvidia_kernel_driver is None
+    info = probe_software(root.sysfs(), environ={})
+    assert (info.nvidia_kernel_driver, info.nvidia_open_kernel_module) == (None, None)
+
+
+@pytest.mark.parametrize(("text", "is_open"), [(PROPRIETARY, False), (OPEN, True)])
+def test_the_open_kernel_module_is_told_from_the_proprietary_one(root: SysRoot, text: str, is_open: bool) -> None:
+    root.write("/proc/driver/nvidia/version", text)
+    assert probe_software(root.sysfs(), environ={}).nvidia_open_kernel_module is is_open
 
 
 def test_torch_not_installed(root: SysRoot, monkeypatch: pytest.MonkeyPatch) -> None:

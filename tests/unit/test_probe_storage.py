@@ -108,6 +108,8 @@ def test_mounts(root: SysRoot, tmp_path: Path) -> None:
     assert (full.block_device, full.free_bytes, full.inodes_total, full.inodes_free) == ("sda", 0, 10, 0)
     nfs = mounts[str(datasets)]
     assert (nfs.network, nfs.fuse, nfs.block_device, nfs.device) == (True, False, None, "10.0.0.5:/export/datasets")
+    assert nfs.options == "rw,vers=4.2,rsize=1048576"
+    assert rootfs.options == "rw,relatime"
     s3 = mounts["/mnt/s3 bucket"]
     assert (s3.network, s3.fuse, s3.total_bytes, s3.inodes_free) == (True, True, None, None)
     assert mounts["/mnt/my data"].block_device == "nvme1n1"
@@ -172,7 +174,53 @@ def test_block_device_under_a_mount(root: SysRoot, device: str, disk: str | None
 
 def test_proc_mounts_is_the_fallback(root: SysRoot) -> None:
     root.write("/proc/mounts", "/dev/sda1 / ext4 rw 0 0\n")
-    assert [mount.mountpoint for mount in probe_storage(root.sysfs(), statvfs=fake_statvfs({})).mounts] == ["/"]
+    mounts = probe_storage(root.sysfs(), statvfs=fake_statvfs({})).mounts
+    assert [(mount.mountpoint, mount.options) for mount in mounts] == [("/", "rw")]
+
+
+def test_a_mount_line_without_options_has_none(root: SysRoot) -> None:
+    root.write("/proc/self/mounts", "/dev/sda1 / ext4\n")
+    (mount,) = probe_storage(root.sysfs(), statvfs=fake_statvfs({})).mounts
+    assert mount.options is None
+
+
+@pytest.mark.parametrize(
+    ("name", "vendor", "model", "rotational", "kind"),
+    [
+        ("sda", "Msft", "Virtual Disk", 1, "virtual"),  # Azure / Hyper-V
+        ("sdb", "Google", "PersistentDisk", 0, "virtual"),  # GCP persistent disk over SCSI
+        ("sdc", "QEMU", "QEMU HARDDISK", 1, "virtual"),  # QEMU SCSI
+        ("sdd", "ATA", "QEMU HARDDISK", 0, "virtual"),  # QEMU's emulated SATA: the vendor says ATA
+        ("sde", "VMware", "Virtual disk", 1, "virtual"),
+        ("sdf", "VMware,", "VMware Virtual S", 1, "virtual"),  # older VMware
+        ("nvme1n1", None, "Amazon Elastic Block Store", 0, "virtual"),  # EBS: network storage behind NVMe
+        ("nvme2n1", None, "nvme_card-pd", 0, "virtual"),  # GCP persistent disk over NVMe
+        ("nvme0n1", None, "Amazon EC2 NVMe Instance Storage", 0, "nvme"),  # AWS local NVMe: a real drive
+        ("nvme3n1", None, "nvme_card", 0, "nvme"),  # GCP local SSD
+        ("sdg", "ATA", "ST4000NM0035", 1, "hdd"),  # a real SATA HDD on bare metal
+        ("sdh", "ATA", "SAMSUNG MZ7LH3T8", 0, "ssd"),
+    ],
+)
+def test_cloud_and_hypervisor_disks_are_virtual(
+    root: SysRoot, name: str, vendor: str | None, model: str, rotational: int, kind: str
+) -> None:
+    root.add_block_device(name, vendor=vendor, model=model, rotational=rotational)
+    (disk,) = probe_storage(root.sysfs()).block_devices
+    assert disk.kind == kind
+
+
+@pytest.mark.parametrize(
+    ("hypervisor", "rotational", "kind"), [(True, 1, "virtual"), (False, 1, "hdd"), (True, 0, "ssd")]
+)
+def test_in_a_vm_a_disk_that_claims_to_spin_is_virtual(
+    root: SysRoot, hypervisor: bool, rotational: int, kind: str
+) -> None:
+    """Hypervisors report their virtual disks as rotational whatever sits underneath."""
+    flags = "fpu sse sse2 nx lm" + (" hypervisor" if hypervisor else "")
+    root.add_cpu(0, flags=flags)
+    root.add_block_device("sda", vendor="ATA", model="SomeVendor Disk", rotational=rotational)
+    (disk,) = probe_storage(root.sysfs()).block_devices
+    assert (disk.kind, disk.rotational) == (kind, rotational == 1)
 
 
 def test_a_hung_mount_times_out(root: SysRoot, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ tree. What the kernel does not expose (no cpufreq in a VM, no cgroup limit) come
 from __future__ import annotations
 
 import os
+import platform
 import re
 import resource
 import socket
@@ -27,6 +28,7 @@ def probe_host(fs: SysFs, statvfs: Callable[[str], os.statvfs_result] = os.statv
     meminfo = _read_meminfo(fs)
     swap_total, swap_free = meminfo.get("SwapTotal"), meminfo.get("SwapFree")
     shm = _shm_space(fs, statvfs)
+    process_cpus = _process_cpus()
     return HostInfo(
         hostname=_hostname(),
         kernel=os.uname().release,
@@ -35,7 +37,10 @@ def probe_host(fs: SysFs, statvfs: Callable[[str], os.statvfs_result] = os.statv
         cpu_logical_cores=len(cpus) or None,
         cpu_physical_cores=_physical_cores(cpus),
         cpu_governors=_cpu_governors(fs),
-        process_cpu_count=_process_cpu_count(),
+        cpu_arch=platform.machine() or None,
+        hypervisor=_hypervisor(cpus),
+        process_cpu_count=None if process_cpus is None else len(process_cpus),
+        process_cpus=process_cpus,
         cgroup_cpu_limit_cores=_cgroup_cpu_limit(fs),
         cgroup_memory_limit_bytes=_cgroup_memory_limit(fs),
         memory_total_bytes=meminfo.get("MemTotal"),
@@ -48,6 +53,8 @@ def probe_host(fs: SysFs, statvfs: Callable[[str], os.statvfs_result] = os.statv
         numa_nodes=_numa_nodes(fs),
         numa_balancing=_numa_balancing(fs),
         kernel_cmdline=fs.read("/proc/cmdline"),
+        iommu_mode=_iommu_mode(fs),
+        probe_uid=os.getuid(),
         memlock_limit_bytes=_memlock_limit(),
         loaded_modules=_loaded_modules(fs),
     )
@@ -128,10 +135,23 @@ def _cpu_governors(fs: SysFs) -> dict[str, int] | None:
     return dict(sorted(governors.items())) or None
 
 
-def _process_cpu_count() -> int | None:
+def under_hypervisor(fs: SysFs) -> bool | None:
+    """Whether this is a virtual machine, from the CPU flags in /proc/cpuinfo (see ``_hypervisor``)."""
+    return _hypervisor(_read_cpuinfo(fs))
+
+
+def _hypervisor(cpus: list[dict[str, str]]) -> bool | None:
+    """The x86 'hypervisor' CPU flag, which every hypervisor sets for its guests: a cloud VM, where
+    disks, NICs and GPUs may be virtual or passed through. None where cpuinfo lists no flags (ARM says
+    'Features' and has no such flag)."""
+    flags = next((cpu["flags"] for cpu in cpus if "flags" in cpu), None)
+    return None if flags is None else "hypervisor" in flags.split()
+
+
+def _process_cpus() -> list[int] | None:
     """The CPUs this process may use: a container or taskset can hide most of the machine's cores."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return None
 
@@ -270,6 +290,25 @@ def _node_memory(fs: SysFs, base: str) -> int | None:
         match = re.match(r"Node\s+\d+\s+MemTotal:\s+(.*)", line)
         if match:
             return _kb_to_bytes(fs, f"{base}/meminfo", "MemTotal", match.group(1))
+    return None
+
+
+def _iommu_mode(fs: SysFs) -> str | None:
+    """How the IOMMU treats the host's DMA: "translated" (any group of type DMA or DMA-FQ) costs
+    GPUDirect RDMA and NCCL P2P throughput; "passthrough" (identity, iommu=pt) and "off" (no groups) do
+    not. Groups handed to VFIO ("unmanaged") or blocked say nothing about the host and are skipped.
+    None where /sys/kernel/iommu_groups is absent, or no group says its type (kernels before 5.11)."""
+    base = "/sys/kernel/iommu_groups"
+    if not fs.exists(base):
+        return None
+    groups = fs.listdir(base)
+    if not groups:
+        return "off"
+    types = {fs.read(f"{base}/{group}/type") for group in groups}
+    if any(kind and kind.startswith("DMA") for kind in types):
+        return "translated"
+    if "identity" in types:
+        return "passthrough"
     return None
 
 

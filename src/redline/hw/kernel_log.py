@@ -48,7 +48,23 @@ def iter_xids(text: str) -> Iterator[tuple[str, int]]:
 
 def count_xids(text: str) -> dict[str, int]:
     """How many times each Xid code appears; keys are strings so the result is JSON as it stands."""
-    counts = Counter(str(code) for _, code in iter_xids(text))
+    return _by_code(Counter(str(code) for _, code in iter_xids(text)))
+
+
+def count_xids_by_device(text: str) -> dict[str, dict[str, int]]:
+    """The same counts per GPU: PCI address as the Xid line gives it ('0000:3b:00') -> code -> count.
+
+    An Xid 79 on one GPU of eight means "drain that GPU", not "drain the server"; the address joins with
+    ``Gpu.pci_bus_id`` by prefix (the line leaves out the function, '.0').
+    """
+    by_device: dict[str, Counter[str]] = {}
+    for pci, code in iter_xids(text):
+        by_device.setdefault(pci, Counter())[str(code)] += 1
+    return {pci: _by_code(counts) for pci, counts in sorted(by_device.items())}
+
+
+def _by_code(counts: Counter[str]) -> dict[str, int]:
+    """Codes in numeric order ('13' before '119'), as a plain dict."""
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 

@@ -5,11 +5,15 @@ ECC, a PCIe card no NVLink, anything before Hopper no fabric state), the driver 
 newer entry points) and the bindings (an old nvidia-ml-py lacks newer functions). Those answers are
 data, not failures, so every call goes through ``_Query``, which turns them into ``None`` the way
 nvitop's ``nvmlQuery(default=NA)`` does. Only two answers change the flow: NVML failing to start
-(reported in ``GpuSection.error``) and GPU_IS_LOST (the GPU fell off the bus: mark it ``lost`` and ask
-it nothing more). Anything else unexpected becomes ``None`` plus a one-line note for
-``Snapshot.probe_errors``.
+(reported in ``GpuSection.error`` and ``error_code``) and GPU_IS_LOST (the GPU fell off the bus: mark it
+``lost`` and ask it nothing more). Anything else unexpected becomes ``None`` plus a one-line note for
+``Snapshot.probe_errors``; an error that says something about the GPU itself (CORRUPTED_INFOROM,
+RESET_REQUIRED, TIMEOUT, UNKNOWN, GPU_IS_LOST, a handle NVML cannot give...) is also recorded in that
+GPU's ``health_errors``, so the doctor can judge it without parsing notes.
 
 This module never initialises CUDA: NVML is read-only and does not create contexts on the GPUs.
+What NVML names but does not describe (the processes on a GPU, the CPUs a mask covers) is read from
+/proc and /sys through the ``SysFs`` passed in, so tests can fake it.
 
 PCI bus ids are written the way Linux names the device under /sys/bus/pci/devices ("0000:3b:00.0":
 four-digit domain, lower-case hex), not NVML's "00000000:3B:00.0", so they join directly with /sys,
@@ -21,9 +25,11 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
+from redline.hw.host import parse_cpulist
 from redline.hw.snapshot import (
     Gpu,
     GpuClocks,
@@ -36,10 +42,9 @@ from redline.hw.snapshot import (
     NvLink,
     PcieLink,
 )
+from redline.hw.sysfs import SysFs
 
 # NVML errors that mean "this GPU, driver or binding cannot answer that": the field is simply absent.
-# Any other NVMLError (Timeout, CorruptedInforom, ResetRequired, InsufficientPower...) also leaves the
-# field absent but is noted, because it says something about the health of the GPU.
 _ABSENT_ERRORS = (
     "NVMLError_NotSupported",
     "NVMLError_FunctionNotFound",  # the driver is older than the call
@@ -48,9 +53,22 @@ _ABSENT_ERRORS = (
     "NVMLError_NotFound",
     "NVMLError_NoData",
     "NVMLError_NotReady",
-    "NVMLError_Unknown",
     "NVMLError_ArgumentVersionMismatch",  # a versioned struct newer than the driver
     "NVMLError_Deprecated",
+)
+# NVML errors that say something about the GPU's health: the field is absent, the error is noted and
+# also recorded in Gpu.health_errors. GPU_IS_LOST is one too, handled on its own (it ends the GPU's probe).
+# Any other error (a binding or OS problem: Uninitialized, InsufficientSize, OperatingSystem...) is only
+# noted.
+_HEALTH_ERRORS = (
+    "NVMLError_ResetRequired",
+    "NVMLError_CorruptedInforom",
+    "NVMLError_InsufficientPower",  # an external power cable missing or loose
+    "NVMLError_IrqIssue",
+    "NVMLError_Timeout",
+    "NVMLError_Unknown",  # what a GPU in trouble often answers; never evidence of "not supported"
+    "NVMLError_Memory",
+    "NVMLError_InsufficientResources",
 )
 
 # (pynvml constant, its value where an older binding lacks the name, what redline calls it)
@@ -73,11 +91,13 @@ _FABRIC_STATES = (
     ("NVML_GPU_FABRIC_STATE_IN_PROGRESS", 2, "in_progress"),
     ("NVML_GPU_FABRIC_STATE_COMPLETED", 3, "completed"),
 )
+# Each NVML status keeps its own name: "the chipset", "the GPU model", "the topology" and "a registry key"
+# each have a different fix, so none is folded into another.
 _P2P_STATUSES = (
     ("NVML_P2P_STATUS_OK", 0, "ok"),
-    # older bindings only have the misspelt NVML_P2P_STATUS_CHIPSET_NOT_SUPPORED; the value is the same
+    # older bindings only have the misspelt NVML_P2P_STATUS_CHIPSET_NOT_SUPPORED: the fallback value covers them
     ("NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED", 1, "chipset_not_supported"),
-    ("NVML_P2P_STATUS_GPU_NOT_SUPPORTED", 2, "not_supported"),
+    ("NVML_P2P_STATUS_GPU_NOT_SUPPORTED", 2, "gpu_not_supported"),
     ("NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED", 3, "topology_not_supported"),
     ("NVML_P2P_STATUS_DISABLED_BY_REGKEY", 4, "disabled_by_regkey"),
     ("NVML_P2P_STATUS_NOT_SUPPORTED", 5, "not_supported"),
@@ -116,26 +136,30 @@ class _GpuLost(Exception):
     """NVML answered GPU_IS_LOST: the GPU fell off the bus and every further call would say so again."""
 
 
-def probe_gpus(nvml: Any | None = None, errors: list[str] | None = None) -> GpuSection:
+def probe_gpus(nvml: Any | None = None, errors: list[str] | None = None, fs: SysFs | None = None) -> GpuSection:
     """What NVML can tell about this server's GPUs; never raises.
 
     ``nvml`` is the ``pynvml`` module, imported here rather than at import time so that ``import redline``
     works on machines without the bindings; tests pass a fake with the same surface. Anything that went
-    wrong part-way is appended to ``errors`` (the caller passes ``Snapshot.probe_errors``).
+    wrong part-way is appended to ``errors`` (the caller passes ``Snapshot.probe_errors``). ``fs`` reads
+    /proc and /sys (process names and owners, the CPU count); tests point it at a fake tree.
     """
     notes = errors if errors is not None else []
+    fs = fs or SysFs("/")
     if nvml is None:
         try:
             import pynvml as nvml
         except ImportError:
-            return GpuSection(nvml_available=False, error="nvidia-ml-py (pynvml) is not installed")
+            # the bindings, not the driver, are missing: "other", so no rule tells the user to install a driver
+            return GpuSection(nvml_available=False, error="nvidia-ml-py (pynvml) is not installed", error_code="other")
 
     try:
         nvml.nvmlInit()
     except Exception as exc:
-        return GpuSection(nvml_available=False, error=_init_error(nvml, exc))
+        code, message = _init_error(nvml, exc)
+        return GpuSection(nvml_available=False, error=message, error_code=code)
     try:
-        return _probe(nvml, notes)
+        return _probe(nvml, notes, fs)
     except Exception as exc:  # a bug in this module must not cost the rest of the snapshot
         notes.append(f"NVML probe failed: {type(exc).__name__}: {exc}")
         return GpuSection(nvml_available=True, error=f"the GPU probe failed part-way ({type(exc).__name__})")
@@ -183,13 +207,23 @@ def clock_event_reason_names(nvml: Any, mask: int) -> list[str]:
 
 
 class _Query:
-    """Calls NVML on behalf of one GPU (or the system) and turns every "cannot say" into None."""
+    """Calls NVML on behalf of one GPU (or the system) and turns every "cannot say" into None.
 
-    def __init__(self, nvml: Any, notes: list[str], where: str) -> None:
+    ``health`` is the GPU's ``health_errors``, where errors about the GPU's health are recorded; None for
+    system-wide and pair queries, which belong to no one GPU (those errors are only noted). ``fs`` reads
+    what NVML leaves to /proc and /sys.
+    """
+
+    def __init__(
+        self, nvml: Any, notes: list[str], where: str, fs: SysFs, health: dict[str, str] | None = None
+    ) -> None:
         self.nvml = nvml
         self.notes = notes
         self.where = where
-        self._absent = tuple(getattr(nvml, name) for name in _ABSENT_ERRORS if hasattr(nvml, name))
+        self.fs = fs
+        self.health = health
+        self._absent = _error_classes(nvml, _ABSENT_ERRORS)
+        self._health = _error_classes(nvml, _HEALTH_ERRORS)
 
     def __call__(self, fn_name: str, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self.nvml, fn_name, None)
@@ -197,14 +231,23 @@ class _Query:
             return None
         try:
             value = fn(*args, **kwargs)
-        except self.nvml.NVMLError_GpuIsLost:
+        except self.nvml.NVMLError_GpuIsLost as exc:
+            self._unhealthy(fn_name, exc)
             raise _GpuLost from None
         except self._absent:
+            return None
+        except self._health as exc:
+            self._unhealthy(fn_name, exc)
             return None
         except Exception as exc:
             self.note(f"{fn_name}: {_describe(self.nvml, exc)}")
             return None
         return _text(value)
+
+    def _unhealthy(self, fn_name: str, exc: BaseException) -> None:
+        self.note(f"{fn_name}: {_describe(self.nvml, exc)}")
+        if self.health is not None:
+            self.health.setdefault(fn_name, error_name(exc))
 
     def first(self, fn_names: tuple[str, ...], *args: Any) -> Any:
         """The first answer from equivalent calls, newest first (e.g. a _v2 and its original)."""
@@ -231,6 +274,26 @@ class _Query:
         self.notes.append(f"{self.where}: {text}")
 
 
+def error_name(exc: BaseException) -> str:
+    """NVML's name for an error, as in its header: NVMLError_CorruptedInforom -> 'CORRUPTED_INFOROM'.
+
+    pynvml names each NVMLError subclass by camel-casing the NVML_ERROR_* constant, so undoing that gives
+    the constant back without a table to keep in step with the bindings. An NVMLError with a code the
+    bindings do not know reads 'ERROR_<code>'; anything else is its class name ('RuntimeError').
+    """
+    name = type(exc).__name__
+    if name.startswith("NVMLError_"):
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", name.removeprefix("NVMLError_")).upper()
+    if name == "NVMLError":
+        return f"ERROR_{getattr(exc, 'value', '?')}"
+    return name
+
+
+def _error_classes(nvml: Any, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
+    """The binding's exception classes by name; an older binding may lack some."""
+    return tuple(getattr(nvml, name) for name in names if hasattr(nvml, name))
+
+
 def _describe(nvml: Any, exc: BaseException) -> str:
     if isinstance(exc, nvml.NVMLError):
         return str(exc)
@@ -252,29 +315,42 @@ def _is_enabled(q: _Query, state: int | None) -> bool | None:
     return None if state is None else state == q.const("NVML_FEATURE_ENABLED", 1)
 
 
-def _init_error(nvml: Any, exc: BaseException) -> str:
-    """What to tell the user when NVML will not start; the usual causes each have a known fix."""
-    messages = {
-        "NVMLError_LibraryNotFound": "NVML library not found (no NVIDIA driver)",
-        "NVMLError_DriverNotLoaded": "NVIDIA driver not loaded (the nvidia kernel module is not running)",
-        "NVMLError_LibRmVersionMismatch": (
-            "NVIDIA driver/library version mismatch: the driver was upgraded but the old kernel module "
-            "is still loaded; reboot or reload the nvidia kernel modules"
-        ),
-        "NVMLError_NoPermission": "no permission to use NVML (cannot open the /dev/nvidia* devices)",
-    }
-    for class_name, message in messages.items():
+# Why NVML will not start, for rules (GpuSection.error_code) and for the user: each has a known fix.
+_INIT_ERRORS = (
+    ("NVMLError_LibraryNotFound", "library_not_found", "NVML library not found (no NVIDIA driver)"),
+    (
+        "NVMLError_DriverNotLoaded",
+        "driver_not_loaded",
+        "NVIDIA driver not loaded (the nvidia kernel module is not running)",
+    ),
+    (
+        "NVMLError_LibRmVersionMismatch",
+        "driver_mismatch",
+        "NVIDIA driver/library version mismatch: the driver was upgraded but the old kernel module "
+        "is still loaded; reboot or reload the nvidia kernel modules",
+    ),
+    (
+        "NVMLError_NoPermission",
+        "no_permission",
+        "no permission to use NVML (cannot open the /dev/nvidia* devices)",
+    ),
+)
+
+
+def _init_error(nvml: Any, exc: BaseException) -> tuple[str, str]:
+    """(error_code, message) for an nvmlInit that failed."""
+    for class_name, code, message in _INIT_ERRORS:
         cls = getattr(nvml, class_name, None)
         if cls is not None and isinstance(exc, cls):
-            return message
-    return f"NVML failed to start: {_describe(nvml, exc)}"
+            return code, message
+    return "other", f"NVML failed to start: {_describe(nvml, exc)}"
 
 
 # ---------------------------------------------------------------------------------------- the probe
 
 
-def _probe(nvml: Any, notes: list[str]) -> GpuSection:
-    q = _Query(nvml, notes, where="NVML")
+def _probe(nvml: Any, notes: list[str], fs: SysFs) -> GpuSection:
+    q = _Query(nvml, notes, where="NVML", fs=fs)
     section = GpuSection(nvml_available=True)
     section.driver_version = q("nvmlSystemGetDriverVersion")
     section.nvml_version = q("nvmlSystemGetNVMLVersion")
@@ -291,7 +367,7 @@ def _probe(nvml: Any, notes: list[str]) -> GpuSection:
 
     handles = []
     for index in range(count):
-        gpu, handle = _probe_gpu(nvml, notes, index)
+        gpu, handle = _probe_gpu(nvml, notes, fs, index)
         section.gpus.append(gpu)
         handles.append(handle)
 
@@ -300,19 +376,19 @@ def _probe(nvml: Any, notes: list[str]) -> GpuSection:
     return section
 
 
-def _probe_gpu(nvml: Any, notes: list[str], index: int) -> tuple[Gpu, Any]:
+def _probe_gpu(nvml: Any, notes: list[str], fs: SysFs, index: int) -> tuple[Gpu, Any]:
     gpu = Gpu(index=index)
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
-    except nvml.NVMLError_GpuIsLost:
-        gpu.lost = True
-        return gpu, None
     except Exception as exc:
-        # what nvidia-smi reports as "Unable to determine the device handle": often a GPU in trouble
+        # What nvidia-smi reports as "Unable to determine the device handle": a GPU NVML counts but cannot
+        # open is a GPU in trouble, whatever the error, so it is listed with the error for the doctor.
+        gpu.lost = isinstance(exc, nvml.NVMLError_GpuIsLost)
+        gpu.health_errors["nvmlDeviceGetHandleByIndex"] = error_name(exc)
         notes.append(f"GPU {index}: no NVML handle ({_describe(nvml, exc)}); nothing else was read")
         return gpu, None
 
-    q = _Query(nvml, notes, where=f"GPU {index}")
+    q = _Query(nvml, notes, where=f"GPU {index}", fs=fs, health=gpu.health_errors)
     for what, read in _GPU_FIELD_GROUPS:
         try:
             read(q, handle, gpu)
@@ -508,7 +584,15 @@ def _read_fabric(q: _Query, h: Any, gpu: Gpu) -> None:
         info = nvml.c_nvmlGpuFabricInfo_t()
         if q("nvmlDeviceGetGpuFabricInfo", h, ctypes.byref(info)) is None:
             info = None
-    gpu.fabric_state = None if info is None else q.enum_name("fabric state", _FABRIC_STATES, info.state)
+    if info is None:
+        return
+    gpu.fabric_state = q.enum_name("fabric state", _FABRIC_STATES, info.state)
+    # Registration can complete and still fail: `status` is then the fabric manager's error (an NVML
+    # return code), and the GPU has no NVLink bandwidth to its peers.
+    if gpu.fabric_state == "completed":
+        ok = info.status == q.const("NVML_SUCCESS", 0)
+        # NVMLError(code) is the subclass named after the code, which error_name turns back into the name
+        gpu.fabric_status = "success" if ok else error_name(q.nvml.NVMLError(info.status))
 
 
 def _read_locality(q: _Query, h: Any, gpu: Gpu) -> None:
@@ -518,7 +602,7 @@ def _read_locality(q: _Query, h: Any, gpu: Gpu) -> None:
     node = q("nvmlDeviceGetNumaNodeId", h)
     gpu.numa_node = node if node is not None and node >= 0 else None
     # The caller sizes the mask: one 64-bit word per 64 CPUs of the whole system.
-    words = q("nvmlDeviceGetCpuAffinity", h, math.ceil(_system_cpu_count() / 64))
+    words = q("nvmlDeviceGetCpuAffinity", h, math.ceil(_system_cpu_count(q.fs) / 64))
     if words is not None:
         cpus = [64 * w + bit for w, word in enumerate(words) for bit in range(64) if word >> bit & 1]
         gpu.cpu_affinity = cpus or None
@@ -540,11 +624,13 @@ def _read_processes(q: _Query, h: Any, gpu: Gpu) -> None:
             # recent bindings turn NVML_VALUE_NOT_AVAILABLE (no per-process accounting: WDDM, some
             # vGPU and container setups) into None, older ones hand back the raw 2**64 - 1
             used = process.usedGpuMemory
+            # name and owner come from /proc, not NVML: None where the pid is not visible here (see _process_uid)
             by_pid[process.pid] = GpuProcess(
                 pid=process.pid,
-                name=_process_name(process.pid),
+                name=q.fs.read(f"/proc/{process.pid}/comm") or None,
                 used_memory_bytes=None if used is None or used >= sentinel else used,
                 kind=kind,
+                uid=_process_uid(q.fs, process.pid),
             )
     gpu.processes = list(by_pid.values())
 
@@ -566,18 +652,33 @@ _GPU_FIELD_GROUPS: tuple[tuple[str, Callable[[_Query, Any, Gpu], None]], ...] = 
 )
 
 
-def _system_cpu_count() -> int:
-    return os.cpu_count() or 1
+def _system_cpu_count(fs: SysFs) -> int:
+    """How many CPUs the kernel numbers, for sizing NVML's affinity mask.
 
-
-def _process_name(pid: int) -> str | None:
-    """The process's name, or None where it is gone or belongs to another PID namespace.
-
-    Inside a container NVML reports host PIDs, which name nothing (or, rarely, an unrelated process) here.
+    /sys/devices/system/cpu/possible ('0-223') covers every CPU id a mask can hold, including CPUs that
+    are offline or outside this container's cpuset; os.cpu_count() is the fallback where it is absent.
+    A mask sized too small silently drops the high CPUs (the whole second socket on a big host).
     """
-    import psutil
-
+    text = fs.read("/sys/devices/system/cpu/possible")
     try:
-        return psutil.Process(pid).name()
-    except (psutil.Error, OSError):
+        cpus = parse_cpulist(text or "")
+    except ValueError:
+        cpus = []
+    return max(cpus) + 1 if cpus else os.cpu_count() or 1
+
+
+def _process_uid(fs: SysFs, pid: int) -> int | None:
+    """The real uid of a process (first number of the 'Uid:' line of /proc/<pid>/status).
+
+    None where the pid is not visible here: inside a container NVML reports host PIDs, which name nothing
+    (or, rarely, an unrelated process) in this PID namespace.
+    """
+    path = f"/proc/{pid}/status"
+    uids = fs.read_kv(path, sep=":").get("Uid", "").split()
+    if not uids:
+        return None
+    try:
+        return int(uids[0])
+    except ValueError:
+        fs.errors.append(f"{path}: Uid {uids[0][:40]!r} is not a number")
         return None

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from redline.hw.host import probe_host
-from redline.hw.kernel_log import count_xids, read_kernel_log
+from redline.hw.kernel_log import count_xids, count_xids_by_device, read_kernel_log
 from redline.hw.network import probe_network
 from redline.hw.nvml import probe_gpus
 from redline.hw.snapshot import GpuSection, HostInfo, NetworkInfo, Snapshot, SoftwareInfo, StorageInfo
@@ -44,7 +44,7 @@ def take_snapshot(
             errors.append(f"{name} probe failed: {type(exc).__name__}: {exc}")
             return empty()
 
-    gpu = section("gpu", lambda: probe_gpus(nvml, errors), GpuSection)
+    gpu = section("gpu", lambda: probe_gpus(nvml, errors, fs), GpuSection)
     snapshot = Snapshot(
         taken_at=datetime.now(UTC).isoformat(timespec="seconds"),
         gpu=gpu,
@@ -56,7 +56,9 @@ def take_snapshot(
     if gpu.gpus:
         _numa_from_sysfs(gpu, fs)
         log = kernel_log()
-        gpu.xid_counts = count_xids(log) if log is not None else None
+        if log is not None:
+            gpu.xid_counts = count_xids(log)
+            gpu.xid_by_device = count_xids_by_device(log)
     snapshot.probe_errors = errors + fs.errors
     return snapshot
 

@@ -56,6 +56,7 @@ def probe_software(fs: SysFs, environ: Mapping[str, str] | None = None) -> Softw
         packages=_package_versions(),
         env=_gpu_env(os.environ if environ is None else environ),
         nvidia_kernel_driver=_nvidia_kernel_driver(fs),
+        nvidia_open_kernel_module=_nvidia_open_kernel_module(fs),
         import_errors=import_errors,
     )
 
@@ -150,3 +151,10 @@ def _nvidia_kernel_driver(fs: SysFs) -> str | None:
     text = fs.read("/proc/driver/nvidia/version")
     match = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)*)(?!\S)", text or "")
     return match.group(1) if match else None
+
+
+def _nvidia_open_kernel_module(fs: SysFs) -> bool | None:
+    """Whether the loaded module is the open one ('Open Kernel Module' on the NVRM line): GPUDirect RDMA
+    over DMA-BUF needs it, the proprietary module needs nvidia_peermem instead. None without a driver."""
+    text = fs.read("/proc/driver/nvidia/version")
+    return "Open Kernel Module" in text if text else None

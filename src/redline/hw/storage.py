@@ -1,8 +1,9 @@
 """Disks, mounts and the user's data paths: where training data comes from and how fast it can.
 
 Block devices come from /sys/block and mounts from /proc/self/mounts, both through the ``SysFs``
-passed in. Free space comes from ``statvfs`` on the mountpoints themselves (injectable for tests),
-each call bounded by a timeout because a hung NFS or FUSE mount blocks statvfs forever.
+passed in (as is /proc/cpuinfo, whose hypervisor flag helps tell a VM's virtual disks from real ones).
+Free space comes from ``statvfs`` on the mountpoints themselves (injectable for tests), each call
+bounded by a timeout because a hung NFS or FUSE mount blocks statvfs forever.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from redline.hw.host import under_hypervisor
 from redline.hw.snapshot import BlockDevice, DataPath, Mount, StorageInfo
 from redline.hw.sysfs import SysFs
 
@@ -51,6 +53,15 @@ _NETWORK_FUSE = frozenset(
     }
 )  # fmt: skip
 
+# Disks a hypervisor or cloud serves over its own storage stack, by /sys/block/<dev>/device/vendor
+# (SCSI and ATA disks; stripped of the kernel's padding): Hyper-V/Azure, GCP persistent disk, QEMU/KVM,
+# VMware (older versions write "VMware,").
+_VIRTUAL_VENDORS = frozenset({"Msft", "Google", "QEMU", "VMware", "VMware,"})
+# ...and by the start of device/model, for disks whose vendor says nothing (NVMe has no vendor file; QEMU's
+# emulated SATA says "ATA"). Network-backed NVMe looks like a local drive by name: AWS EBS, and GCP
+# persistent disk over NVMe ("nvme_card-pd"; GCP's local SSD is "nvme_card" and stays "nvme").
+_VIRTUAL_MODELS = ("Amazon Elastic Block Store", "nvme_card-pd", "QEMU HARDDISK")
+
 # PCIe transfer rate (GT/s) -> generation
 _PCIE_GEN_BY_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 
@@ -60,13 +71,15 @@ class _MountLine:
     device: str
     mountpoint: str
     fstype: str
+    options: str | None = None
 
 
 def probe_storage(fs: SysFs, data_paths: Sequence[str] = (), statvfs: StatVfs = os.statvfs) -> StorageInfo:
     """Block devices, the mounts that hold data, and which mount each of ``data_paths`` lives on."""
     lines = _read_mounts(fs)
+    hypervisor = under_hypervisor(fs) is True
     return StorageInfo(
-        block_devices=[_block_device(fs, name) for name in fs.listdir("/sys/block") if _is_disk(name)],
+        block_devices=[_block_device(fs, name, hypervisor) for name in fs.listdir("/sys/block") if _is_disk(name)],
         mounts=[_mount(fs, line, statvfs) for line in lines if _holds_data(line)],
         data_paths=[_data_path(path, lines) for path in data_paths],
     )
@@ -79,18 +92,20 @@ def _is_disk(name: str) -> bool:
     return not name.startswith(_SKIPPED_DEVICES)
 
 
-def _block_device(fs: SysFs, name: str) -> BlockDevice:
+def _block_device(fs: SysFs, name: str, hypervisor: bool) -> BlockDevice:
     base = f"/sys/block/{name}"
     rotational = fs.read_int(f"{base}/queue/rotational")
     sectors = fs.read_int(f"{base}/size")
+    model = fs.read(f"{base}/device/model") or None
+    vendor = fs.read(f"{base}/device/vendor") or None
     pci = f"{base}/device/device"  # namespace -> NVMe controller -> PCI function
     is_nvme = name.startswith("nvme")
     return BlockDevice(
         name=name,
-        kind=_disk_kind(name, rotational),
+        kind=_disk_kind(name, rotational, vendor, model, hypervisor),
         rotational=None if rotational is None else rotational == 1,
         size_bytes=None if sectors is None else sectors * 512,  # /sys counts 512-byte sectors, always
-        model=fs.read(f"{base}/device/model") or None,
+        model=model,
         pcie_gen_current=_pcie_gen(fs, f"{pci}/current_link_speed") if is_nvme else None,
         pcie_gen_max=_pcie_gen(fs, f"{pci}/max_link_speed") if is_nvme else None,
         pcie_width_current=fs.read_int(f"{pci}/current_link_width") if is_nvme else None,
@@ -98,15 +113,24 @@ def _block_device(fs: SysFs, name: str) -> BlockDevice:
     )
 
 
-def _disk_kind(name: str, rotational: int | None) -> str:
-    """nvme | ssd | hdd | virtual. virtio (vd*) and Xen (xvd*) disks are classed by name because many
-    hypervisors report them as rotational whatever sits underneath; md RAID and device-mapper volumes
-    sit on top of other disks."""
-    if name.startswith("nvme"):
-        return "nvme"
+def _disk_kind(name: str, rotational: int | None, vendor: str | None, model: str | None, hypervisor: bool) -> str:
+    """nvme | ssd | hdd | virtual.
+
+    "virtual" is a disk whose speed is the hypervisor's or the cloud's, not a drive's: virtio (vd*) and
+    Xen (xvd*) by name; md RAID and device-mapper volumes, which sit on other disks; a disk whose vendor
+    or model names a hypervisor or a cloud volume (Azure, GCP persistent disk, QEMU, VMware, AWS EBS over
+    NVMe); and, in a VM, any disk that claims to spin, because hypervisors report their virtual disks as
+    rotational whatever sits underneath and few clouds rent real HDDs.
+    """
     if name.startswith(("vd", "xvd", "md", "dm-")):
         return "virtual"
-    return "hdd" if rotational == 1 else "ssd"
+    if vendor in _VIRTUAL_VENDORS or (model or "").startswith(_VIRTUAL_MODELS):
+        return "virtual"
+    if name.startswith("nvme"):
+        return "nvme"
+    if rotational == 1:
+        return "virtual" if hypervisor else "hdd"
+    return "ssd"
 
 
 def _pcie_gen(fs: SysFs, path: str) -> int | None:
@@ -136,7 +160,8 @@ def _read_mounts(fs: SysFs) -> list[_MountLine]:
             continue
         mountpoint = _unescape(fields[1])
         mounts.pop(mountpoint, None)
-        mounts[mountpoint] = _MountLine(_unescape(fields[0]), mountpoint, fields[2])
+        options = fields[3] if len(fields) > 3 else None
+        mounts[mountpoint] = _MountLine(_unescape(fields[0]), mountpoint, fields[2], options)
     return list(mounts.values())
 
 
@@ -162,6 +187,7 @@ def _mount(fs: SysFs, line: _MountLine, statvfs: StatVfs) -> Mount:
         fstype=line.fstype,
         network=_is_network(line),
         fuse=_is_fuse(line),
+        options=line.options,
         total_bytes=space.f_blocks * space.f_frsize if space else None,
         free_bytes=space.f_bavail * space.f_frsize if space else None,  # what a non-root user may write
         inodes_total=space.f_files if space else None,

@@ -19,6 +19,7 @@ TRAIN_BYTES_PER_PARAM = 16
 # bf16 weights plus ~20% for KV cache and buffers (EleutherAI, Transformer Math 101)
 INFER_BYTES_PER_PARAM = 2 * 1.2
 PCIE_REPLAY_WARN = 100
+NOT_HEALTH = frozenset({"NO_PERMISSION", "NOT_SUPPORTED"})
 # a remapped row (63) or a contained ECC error (94) is the GPU repairing itself: worth a reset, not an RMA
 WARN_XIDS = frozenset({63, 94})
 FAIL_XIDS = CRITICAL_XIDS - WARN_XIDS
@@ -70,9 +71,11 @@ def gpu_lost(audit: Audit) -> Iterator[Finding]:
 
 @rule("hardware.nvml-errors", Area.HARDWARE, "NVML reports GPU health errors (InfoROM, reset, power, timeouts)")
 def nvml_errors(audit: Audit) -> Iterator[Finding]:
-    sick = [g for g in audit.gpus if g.health_errors]
+    # a container refused some GPUs answers NO_PERMISSION for their handles: access, not health
+    errors = {g.index: {f: e for f, e in g.health_errors.items() if e not in NOT_HEALTH} for g in audit.gpus}
+    sick = [g for g in audit.gpus if errors[g.index]]
     if sick:
-        kinds = sorted({e for g in sick for e in g.health_errors.values()})
+        kinds = sorted({e for g in sick for e in errors[g.index].values()})
         yield Finding(
             Severity.FAIL,
             "NVML calls fail with health errors: " + ", ".join(kinds),
@@ -81,7 +84,7 @@ def nvml_errors(audit: Audit) -> Iterator[Finding]:
             "unresponsive): jobs may crash or run slowly, and its readings cannot be trusted.",
             fix="Drain the GPU; a reset or reboot clears RESET_REQUIRED; INSUFFICIENT_POWER means a loose or "
             "missing power cable; CORRUPTED_INFOROM needs the provider (InfoROM reflash or replacement).",
-            evidence={g.index: g.health_errors for g in sick},
+            evidence={g.index: errors[g.index] for g in sick},
             command="nvidia-smi -q",
         )
 
