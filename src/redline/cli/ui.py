@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -14,6 +16,11 @@ from rich.text import Text
 
 from redline.errors import BadInput
 from redline.hw.snapshot import Gpu
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
+
+    from redline.bench.model import Measurement
 
 # markup is off: hostnames, paths, /sys contents and user arguments are printed as they are, never parsed
 # as rich markup ("[/]" in a path must not crash the error path). Styles go through Text.
@@ -90,3 +97,59 @@ def gpu_line(gpu: Gpu) -> Text:
         f"SM {gpu.clocks.sm_mhz}/{gpu.clocks.sm_max_mhz} MHz",
     ]
     return Text("  ".join(p for p in parts if p))
+
+
+@contextmanager
+def progress_bar(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
+    """A rich progress display for long work, driven as progress(description, completed, total).
+
+    Disabled (for --json, or when stderr is not a terminal) it is a no-op, so suites call it blindly.
+    """
+    if not enabled or not err_console.is_terminal:
+        yield lambda description, completed, total: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    tasks: dict[str, TaskID] = {}
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as progress:
+
+        def update(description: str, completed: int, total: int) -> None:
+            if description not in tasks:
+                tasks[description] = progress.add_task(description, total=total)
+            progress.update(tasks[description], completed=completed, total=total)
+
+        yield update
+
+
+def measurement_table(measurements: list[Measurement]) -> Table:
+    """Bench results: value, the peak it is compared with, and how far repeats scattered."""
+    table = Table(title="redline bench", title_justify="left")
+    for column, justify in (
+        ("suite", "left"),
+        ("measurement", "left"),
+        ("value", "right"),
+        ("peak", "right"),
+        ("of peak", "right"),
+        ("p10-p90", "right"),
+        ("method", "left"),
+    ):
+        table.add_column(column, justify=justify, overflow="fold")
+    for m in measurements:
+        spread = f"{m.spread.p10:.3g}-{m.spread.p90:.3g}" if m.spread else ""
+        table.add_row(
+            Text(m.suite),
+            Text(m.name),
+            Text(f"{m.value:.4g} {m.unit}"),
+            Text(f"{m.peak:.4g}" if m.peak else "n/a"),
+            Text(f"{m.ratio:.0%}" if m.ratio is not None else ""),
+            Text(spread),
+            Text(m.method + (f" (peak: {m.peak_source})" if m.peak_source else ""), style="dim"),
+        )
+    return table

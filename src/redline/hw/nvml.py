@@ -682,3 +682,61 @@ def _process_uid(fs: SysFs, pid: int) -> int | None:
     except ValueError:
         fs.errors.append(f"{path}: Uid {uids[0][:40]!r} is not a number")
         return None
+
+
+class ClockStateReader:
+    """The fast-changing state of some GPUs (clocks, power, temperature, clock-event reasons), read many
+    times while a benchmark runs: redline.bench.sampler polls it from a thread."""
+
+    def __init__(self, nvml: Any, handles: dict[int, Any]) -> None:
+        self.nvml = nvml
+        self.handles = handles
+        self.notes: list[str] = []
+        self._fs = SysFs("/")
+
+    @classmethod
+    def open(cls, indices: list[int], nvml: Any | None = None) -> ClockStateReader | None:
+        """A reader for these GPUs, or None where NVML cannot start (then nothing is sampled)."""
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError:
+                return None
+        try:
+            nvml.nvmlInit()
+        except Exception:
+            return None
+        try:
+            return cls(nvml, {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in indices})
+        except Exception:
+            nvml.nvmlShutdown()
+            return None
+
+    def read(self) -> list[dict[str, Any]]:
+        samples = []
+        for index, handle in self.handles.items():
+            gpu = Gpu(index=index)
+            q = _Query(self.nvml, self.notes, f"GPU {index}", self._fs)
+            try:
+                _read_clocks(q, handle, gpu)
+                _read_power(q, handle, gpu)
+                _read_thermal(q, handle, gpu)
+            except _GpuLost:
+                samples.append({"index": index, "lost": True})
+                continue
+            samples.append(
+                {
+                    "index": index,
+                    "sm_mhz": gpu.clocks.sm_mhz,
+                    "power_w": gpu.power.draw_w,
+                    "temperature_c": gpu.thermal.temperature_c,
+                    "reasons": gpu.clock_event_reasons,
+                }
+            )
+        return samples
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception as exc:
+            self.notes.append(f"nvmlShutdown failed: {_describe(self.nvml, exc)}")

@@ -1,0 +1,81 @@
+"""Where measurements live between runs, so the doctor and the planner can read what bench measured.
+
+Runs are saved per machine: ``$REDLINE_HOME/bench/<fingerprint>/<time>.json`` (default
+``~/.local/share/redline``). The fingerprint names the machine by what makes its figures comparable:
+hostname, CPU model, and the GPUs (model and UUID).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from redline.bench.model import BENCH_SCHEMA_VERSION, BenchRun, Measurement, Spread
+from redline.errors import BadInput
+from redline.hw.snapshot import Snapshot
+
+
+def home() -> Path:
+    base = os.environ.get("REDLINE_HOME") or os.path.join(
+        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "redline"
+    )
+    return Path(base)
+
+
+def fingerprint(snapshot: Snapshot) -> tuple[str, dict[str, Any]]:
+    """A short stable id of this machine, and the facts it was made from."""
+    machine = {
+        "hostname": snapshot.host.hostname,
+        "cpu_model": snapshot.host.cpu_model,
+        "cpu_logical_cores": snapshot.host.cpu_logical_cores,
+        "gpus": [{"name": g.name, "uuid": g.uuid} for g in snapshot.gpus],
+        "driver": snapshot.gpu.driver_version,
+        "torch": snapshot.software.torch.version if snapshot.software.torch else None,
+    }
+    identity = json.dumps([machine["hostname"], machine["cpu_model"], machine["gpus"]], sort_keys=True)
+    return hashlib.sha256(identity.encode()).hexdigest()[:12], machine
+
+
+def save(run: BenchRun) -> Path:
+    folder = home() / "bench" / run.fingerprint
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{run.taken_at.replace(':', '').replace('+0000', 'Z')}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(run.to_dict(), indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def latest(machine_fingerprint: str) -> Path | None:
+    folder = home() / "bench" / machine_fingerprint
+    runs = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    return runs[-1] if runs else None
+
+
+def load(path: Path) -> BenchRun:
+    """Read a saved run; a malformed file is bad input with the reason, never a traceback."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"cannot read bench results {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema_version") != BENCH_SCHEMA_VERSION:
+        raise BadInput(f"{path} is not a redline bench result of schema {BENCH_SCHEMA_VERSION}")
+    try:
+        measurements = [_measurement(m) for m in data["measurements"]]
+        return BenchRun(
+            fingerprint=data["fingerprint"],
+            machine=data["machine"],
+            taken_at=data["taken_at"],
+            measurements=measurements,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadInput(f"{path}: malformed bench result ({type(exc).__name__}: {exc})") from None
+
+
+def _measurement(data: dict[str, Any]) -> Measurement:
+    fields = {k: v for k, v in data.items() if k != "ratio"}
+    spread = fields.pop("spread", None)
+    return Measurement(**fields, spread=Spread(**spread) if spread else None)

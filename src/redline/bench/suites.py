@@ -1,0 +1,33 @@
+"""The bench suites, by name. Each is a module with ``run(ctx: BenchContext) -> list[Measurement]``,
+imported only when asked for (torch and friends load with it, not with `redline --help`)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from redline.bench.context import BenchContext
+from redline.bench.model import Measurement
+from redline.errors import BadInput
+
+SUITES: dict[str, str] = {
+    "compute": "matrix-multiply throughput per precision, against the catalog peak",
+    "memory": "device memory bandwidth, host<->device (pinned, pageable), GPU peer-to-peer",
+    "collective": "all_reduce, all_gather, reduce_scatter, broadcast, all_to_all busbw (nccl-tests rules)",
+    "storage": "sequential and random read throughput/IOPS of --path, many-small-files reads",
+    "network": "TCP throughput with 1..N streams, RTT and loss to a redline peer (--serve / --connect)",
+    "dataloader": "samples/s of a Dataset across num_workers / pin_memory / prefetch settings",
+}
+# what `redline bench` runs with no suite named: everything that needs no peer machine
+DEFAULT_SUITES = ["compute", "memory", "collective", "storage", "dataloader"]
+
+
+def resolve(names: list[str]) -> list[str]:
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise BadInput(f"unknown bench suite {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+    return names or DEFAULT_SUITES
+
+
+def runner(name: str) -> Callable[[BenchContext], list[Measurement]]:
+    return importlib.import_module(f"redline.bench.{name}").run

@@ -1,0 +1,87 @@
+"""`redline bench`: measure what this server really delivers, side by side with its physical peak."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import typer
+
+from redline.cli import ui
+
+SUITE_HELP = "Suites to run (default: all that need no peer): " + ", ".join(
+    ["compute", "memory", "collective", "storage", "network", "dataloader"]
+)
+
+
+def bench(
+    suites: list[str] = typer.Argument(None, help=SUITE_HELP, show_default=False),
+    quick: bool = typer.Option(False, "--quick", help="Small sizes and few repeats: a minute, not ten."),
+    json_out: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
+    save: bool = typer.Option(False, "--save", help="Keep the results for `redline doctor --bench`."),
+    device: str = typer.Option("auto", "--device", help="auto (GPUs when present), cpu, cuda or cuda:N."),
+    path: Path = typer.Option(Path("."), "--path", help="storage: directory to test (a dataset's disk)."),
+    serve: bool = typer.Option(False, "--serve", help="network: wait for a peer's --connect."),
+    connect: str | None = typer.Option(None, "--connect", help="network: the peer running --serve."),
+    port: int = typer.Option(5211, "--port", help="network: TCP port of the peer."),
+    streams: str = typer.Option("1,4,8,16", "--streams", help="network: parallel stream counts to try."),
+    ranks: int | None = typer.Option(None, "--ranks", help="collective: local ranks (default: one per GPU, or 2)."),
+    dataset: str | None = typer.Option(None, "--dataset", help="dataloader: 'module:factory' returning a Dataset."),
+) -> None:
+    """Measure compute, memory, collectives, storage, network and data loading, against their peaks."""
+    from redline.bench import store
+    from redline.bench.context import BenchContext
+    from redline.bench.model import BenchRun
+    from redline.bench.suites import resolve, runner
+    from redline.errors import BadInput
+    from redline.hw.probe import take_snapshot
+
+    names = resolve(suites or [])
+    try:
+        stream_counts = sorted({int(s) for s in streams.split(",") if s.strip()})
+    except ValueError:
+        raise BadInput(f"--streams takes comma-separated counts like 1,4,8, not {streams!r}") from None
+    if not stream_counts or stream_counts[0] < 1:
+        raise BadInput("--streams needs counts of at least 1")
+    if ranks is not None and ranks < 1:
+        raise BadInput("--ranks must be at least 1")
+
+    snapshot = take_snapshot()
+    resolved_device = _resolve_device(device, snapshot)
+    ctx = BenchContext(
+        quick=quick,
+        device=resolved_device,
+        snapshot=snapshot,
+        path=str(path),
+        serve=serve,
+        connect=connect,
+        port=port,
+        streams=stream_counts,
+        ranks=ranks or (len(snapshot.gpus) if resolved_device == "cuda" and len(snapshot.gpus) > 1 else 2),
+        dataset=dataset,
+    )
+    fingerprint, machine = store.fingerprint(snapshot)
+    run = BenchRun(fingerprint=fingerprint, machine=machine, taken_at=datetime.now(UTC).isoformat(timespec="seconds"))
+    with ui.progress_bar(enabled=not json_out) as progress:
+        ctx.progress = progress
+        for name in names:
+            run.measurements.extend(runner(name)(ctx))
+    saved = store.save(run) if save else None
+    if json_out:
+        ui.print_json(run.to_dict() | ({"saved_to": str(saved)} if saved else {}))
+        return
+    ui.console.print(ui.measurement_table(run.measurements))
+    if saved:
+        ui.console.print(ui.dim(f"saved to {saved}; `redline doctor --bench` reads it"))
+
+
+def _resolve_device(device: str, snapshot) -> str:
+    from redline.errors import BadInput
+
+    if device == "auto":
+        return "cuda" if snapshot.gpus else "cpu"
+    if device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if device.startswith("cuda") and not snapshot.gpus:
+            raise BadInput(f"--device {device}: no NVIDIA GPU found ({snapshot.gpu.error or 'NVML sees none'})")
+        return device
+    raise BadInput(f"--device takes auto, cpu, cuda or cuda:N, not {device!r}")
