@@ -12,10 +12,11 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, stdin: str | None = None, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `redline ARGS` as a user would: a separate process, real exit code, real stdout/stderr."""
-    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"}
-    env["COLUMNS"] = "120"
+    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {"COLUMNS": "120"} | (env or {})
     return subprocess.run(
         [sys.executable, "-m", "redline", *args],
         input=stdin,

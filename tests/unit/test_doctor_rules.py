@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from builders import H100_MEMORY_BYTES, healthy_server, mutate
+from redline.bench.model import BenchRun, Measurement
 from redline.doctor.engine import all_rules, run_rules
 from redline.doctor.model import Area, Severity
 from redline.hw.snapshot import BlockDevice, DataPath, GpuProcess, IbPort, Mount, NetInterface
@@ -171,7 +172,7 @@ def test_every_rule_is_covered_and_areas_are_all_used():
     ids = [r.id for r in rules]
     assert len(ids) == len(set(ids))
     assert len(rules) >= 30
-    covered = {case[0] for case in CASES} | {"hardware.capacity"}
+    covered = {case[0] for case in CASES} | {case[0] for case in MEASURED} | {"hardware.capacity"}
     assert set(ids) - covered == set(), "rules without a test case"
     assert {r.area for r in rules} == set(Area)
     for r in rules:
@@ -261,3 +262,77 @@ def test_stock_server_has_no_failures():
     findings = run_rules(stock).findings
     assert not [f for f in findings if f.severity is F]
     assert {f.rule for f in findings if f.severity is W} == {"network.tcp-buffers"}
+
+
+def _bench(*measurements: Measurement) -> BenchRun:
+    return BenchRun(
+        fingerprint="f" * 12, machine={}, taken_at="2026-11-29T12:00:00+00:00", measurements=list(measurements)
+    )
+
+
+def _gemm(value: float, reasons: list[str]) -> Measurement:
+    return Measurement(
+        "compute",
+        "matmul_bf16",
+        value,
+        "TFLOP/s",
+        "torch.matmul",
+        device="cuda:0",
+        peak=989.4,
+        peak_source="catalog H100-SXM5-80GB bf16",
+        extra={"gpu_state": {"0": {"clock_event_reasons": reasons}}},
+    )
+
+
+# (rule, severity, the bench run that should trigger it)
+MEASURED = [
+    ("power_thermal.gemm-below-peak", F, _bench(_gemm(420.0, ["hw_thermal_slowdown"]))),
+    ("power_thermal.gemm-below-peak", W, _bench(_gemm(420.0, ["sw_power_cap"]))),
+    (
+        "hardware.memory-bandwidth-low",
+        W,
+        _bench(
+            Measurement(
+                "memory", "h2d_pinned", 6.0, "GB/s", "copy_", device="cuda:0", peak=63.0, peak_source="PCIe Gen5 x16"
+            )
+        ),
+    ),
+    (
+        "multi_gpu.p2p-bandwidth-low",
+        W,
+        _bench(Measurement("memory", "p2p_0_1", 9.0, "GB/s", "copy_", peak=450.0, peak_source="NVLink")),
+    ),
+    (
+        "storage.read-throughput-low",
+        W,
+        _bench(Measurement("storage", "seq_read", 180.0, "MB/s", "preadv O_DIRECT", extra={"path": "/data"})),
+    ),
+    (
+        "network.streams-needed",
+        W,
+        _bench(
+            Measurement("network", "tcp_1_stream", 6.0, "Mbit/s", "tcp"),
+            Measurement("network", "tcp_8_streams", 41.0, "Mbit/s", "tcp"),
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("rule_id", "severity", "bench"), MEASURED, ids=[m[0] for m in MEASURED])
+def test_measured_rule_fires(rule_id, severity, bench):
+    report = run_rules(healthy_server(), bench=bench)
+    assert report.rule_errors == []
+    hits = [f for f in report.findings if f.rule == rule_id]
+    assert hits and hits[0].severity is severity and hits[0].evidence
+
+
+def test_measured_rules_are_quiet_on_good_figures_and_without_bench():
+    good = _bench(
+        _gemm(800.0, ["sw_power_cap"]),
+        Measurement("network", "tcp_1_stream", 90.0, "Mbit/s", "tcp"),
+        Measurement("network", "tcp_8_streams", 95.0, "Mbit/s", "tcp"),
+        Measurement("storage", "seq_read", 2500.0, "MB/s", "preadv"),
+    )
+    measured = {m[0] for m in MEASURED}
+    for bench in (good, None):
+        assert not measured & {f.rule for f in run_rules(healthy_server(), bench=bench).findings}

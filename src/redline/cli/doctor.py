@@ -19,6 +19,8 @@ def doctor(
     data: list[str] = typer.Option([], "--data", help="Dataset path to check (filesystem, disk); repeatable."),
     list_rules: bool = typer.Option(False, "--list-rules", help="List every rule and exit."),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when any finding is a fail."),
+    bench: bool = typer.Option(False, "--bench", help="Add findings from this machine's saved `bench --save` run."),
+    bench_file: Path | None = typer.Option(None, "--bench-file", help="Add findings from this saved bench run."),
 ) -> None:
     """Audit this server: findings grouped by area, worst first, each with evidence, cost and fix."""
     from redline.doctor.engine import all_rules, run_rules
@@ -39,7 +41,7 @@ def doctor(
 
         snapshot = take_snapshot(data_paths=check_data_paths(data))
 
-    report = run_rules(snapshot)
+    report = run_rules(snapshot, bench=_bench_run(snapshot, bench, bench_file))
     if html is not None:
         from redline.report.html import GENERATOR, render_html
 
@@ -62,6 +64,24 @@ def doctor(
             ui.console.print(ui.dim(f"HTML report written to {html}"))
     if strict and report.counts()["fail"]:
         raise typer.Exit(1)
+
+
+def _bench_run(snapshot, latest: bool, path: Path | None):
+    """The bench run to judge: a named file, or the newest saved for the machine the snapshot describes."""
+    if path is None and not latest:
+        return None
+    from redline.bench import store
+    from redline.errors import BadInput
+
+    if path is None:
+        fingerprint, _ = store.fingerprint(snapshot)
+        path = store.latest(fingerprint)
+        if path is None:
+            raise BadInput(
+                f"no saved bench results for this machine (fingerprint {fingerprint}); "
+                "run `redline bench --save` first, or pass --bench-file"
+            )
+    return store.load(path)
 
 
 def _print_rules(rules: list, json_out: bool) -> None:

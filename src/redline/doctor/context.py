@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from redline.hw.snapshot import Gpu, Snapshot
 from redline.specs.catalog import GpuSpec, match_gpu
+
+if TYPE_CHECKING:
+    from redline.bench.model import BenchRun, Measurement
 
 
 @dataclass
 class Audit:
     snapshot: Snapshot
+    # measurements from `redline bench --save`, when the user asked for `doctor --bench`
+    bench: BenchRun | None = None
     _specs: dict[int, GpuSpec | None] = field(default_factory=dict, repr=False)
 
     @cached_property
@@ -24,6 +30,9 @@ class Audit:
         if gpu.index not in self._specs:
             self._specs[gpu.index] = match_gpu(gpu.name, gpu.memory_total_bytes) if gpu.name else None
         return self._specs[gpu.index]
+
+    def measurements(self, suite: str) -> list[Measurement]:
+        return [m for m in self.bench.measurements if m.suite == suite] if self.bench else []
 
     @property
     def env(self) -> dict[str, str]:

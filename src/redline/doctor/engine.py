@@ -6,10 +6,14 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from redline.doctor.context import Audit
 from redline.doctor.model import Area, Finding, Rule
 from redline.hw.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from redline.bench.model import BenchRun
 
 _RULES: dict[str, Rule] = {}
 
@@ -66,8 +70,8 @@ class DoctorReport:
         return out
 
 
-def run_rules(snapshot: Snapshot, rules: Iterable[Rule] | None = None) -> DoctorReport:
-    audit = Audit(snapshot)
+def run_rules(snapshot: Snapshot, rules: Iterable[Rule] | None = None, bench: BenchRun | None = None) -> DoctorReport:
+    audit = Audit(snapshot, bench)
     findings: list[Finding] = []
     errors: list[str] = []
     checked = 0

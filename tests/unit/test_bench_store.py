@@ -1,0 +1,102 @@
+"""Saved bench runs: per-machine fingerprint, round trip, and `redline doctor --bench` reading them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from builders import healthy_server
+from conftest import FIXTURES, run_cli
+from redline.bench import store
+from redline.bench.model import BenchRun, Measurement, Spread
+from redline.errors import BadInput
+from redline.hw.snapshot import load_snapshot
+
+
+@pytest.fixture
+def redline_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_fingerprint_names_the_machine_not_the_moment():
+    a, _ = store.fingerprint(healthy_server())
+    b, machine = store.fingerprint(healthy_server())
+    assert a == b and len(a) == 12
+    other = healthy_server()
+    other.gpu.gpus[0].uuid = "GPU-replaced"
+    assert store.fingerprint(other)[0] != a
+    assert machine["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_save_load_round_trip(redline_home):
+    fingerprint, machine = store.fingerprint(healthy_server())
+    run = BenchRun(
+        fingerprint,
+        machine,
+        "2026-11-29T12:00:00+00:00",
+        [
+            Measurement(
+                "compute",
+                "matmul_bf16",
+                790.0,
+                "TFLOP/s",
+                "torch.matmul",
+                device="cuda:0",
+                repeats=20,
+                spread=Spread.of([780.0, 790.0, 795.0]),
+                peak=989.4,
+                peak_source="catalog",
+            )
+        ],
+    )
+    path = store.save(run)
+    assert path.parent == redline_home / "bench" / fingerprint
+    assert store.latest(fingerprint) == path
+    loaded = store.load(path)
+    assert loaded.measurements[0].spread.median == 790.0
+    assert loaded.measurements[0].ratio == pytest.approx(790 / 989.4)
+
+
+@pytest.mark.parametrize("content", ["not json", "[]", '{"schema_version": 1}', '{"schema_version": 7}'])
+def test_malformed_results_are_bad_input(tmp_path, content):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(BadInput):
+        store.load(bad)
+
+
+def test_doctor_bench_reads_the_run_saved_for_the_snapshots_machine(redline_home):
+    snapshot = load_snapshot(FIXTURES / "h100x8-faulty.json")
+    fingerprint, machine = store.fingerprint(snapshot)
+    gemm = Measurement(
+        "compute",
+        "matmul_bf16",
+        400.0,
+        "TFLOP/s",
+        "torch.matmul",
+        device="cuda:5",
+        peak=989.4,
+        peak_source="catalog",
+        extra={"gpu_state": {"5": {"clock_event_reasons": ["hw_thermal_slowdown"]}}},
+    )
+    store.save(BenchRun(fingerprint, machine, "2026-11-29T12:00:00+00:00", [gemm]))
+    proc = run_cli(
+        "doctor",
+        "--from",
+        str(FIXTURES / "h100x8-faulty.json"),
+        "--bench",
+        "--json",
+        env={"REDLINE_HOME": str(redline_home)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    rules = {f["rule"]: f for f in json.loads(proc.stdout)["findings"]}
+    assert rules["power_thermal.gemm-below-peak"]["severity"] == "fail"
+
+
+def test_doctor_bench_without_saved_results_is_bad_input(redline_home):
+    proc = run_cli(
+        "doctor", "--from", str(FIXTURES / "h100x8-faulty.json"), "--bench", env={"REDLINE_HOME": str(redline_home)}
+    )
+    assert proc.returncode == 2 and "redline bench --save" in proc.stderr and "Traceback" not in proc.stderr
