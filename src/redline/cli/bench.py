@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
 
 from redline.cli import ui
+from redline.errors import RedlineError
 
 SUITE_HELP = "Suites to run (default: all that need no peer): " + ", ".join(
     ["compute", "memory", "collective", "storage", "network", "dataloader"]
@@ -48,6 +50,9 @@ def bench(
 
     snapshot = take_snapshot()
     resolved_device = _resolve_device(device, snapshot)
+    if not suites and resolved_device != "cpu" and (resolved_device != "cuda" or len(snapshot.gpus) < 2):
+        # collectives need a peer rank: on one GPU (or a chosen cuda:N) the default run skips them
+        names = [n for n in names if n != "collective"]
     ctx = BenchContext(
         quick=quick,
         device=resolved_device,
@@ -62,17 +67,31 @@ def bench(
     )
     fingerprint, machine = store.fingerprint(snapshot)
     run = BenchRun(fingerprint=fingerprint, machine=machine, taken_at=datetime.now(UTC).isoformat(timespec="seconds"))
-    with ui.progress_bar(enabled=not json_out) as progress:
+    # under torchrun every rank runs this command; rank 0 alone reports (the collective suite gathers)
+    follower = os.environ.get("RANK", "0") != "0"
+    failures: list[RedlineError] = []
+    with ui.progress_bar(enabled=not (json_out or follower)) as progress:
         ctx.progress = progress
         for name in names:
-            run.measurements.extend(runner(name)(ctx))
-    saved = store.save(run) if save else None
+            try:
+                run.measurements.extend(runner(name)(ctx))
+            except RedlineError as exc:
+                if len(names) == 1:
+                    raise
+                # one suite's problem (no peer, too few GPUs) must not throw away the others' figures
+                ui.error(f"{name}: {exc}")
+                failures.append(exc)
+    if follower:
+        return
+    saved = store.save(run) if save and run.measurements else None
     if json_out:
         ui.print_json(run.to_dict() | ({"saved_to": str(saved)} if saved else {}))
-        return
-    ui.console.print(ui.measurement_table(run.measurements))
-    if saved:
-        ui.console.print(ui.dim(f"saved to {saved}; `redline doctor --bench` reads it"))
+    else:
+        ui.console.print(ui.measurement_table(run.measurements))
+        if saved:
+            ui.console.print(ui.dim(f"saved to {saved}; `redline doctor --bench` reads it"))
+    if failures:
+        raise typer.Exit(max(f.exit_code for f in failures))
 
 
 def _resolve_device(device: str, snapshot) -> str:
