@@ -14,10 +14,13 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 status=0
 
-step() {  # step NAME CMD...: run one check, keep its output, remember a failure, go on
+# every step's output goes into one log: the device tool brings back at most 8 files
+log="$out/log.txt"
+: >"$log"
+step() {  # step NAME CMD...: run one check, log its output, remember a failure, go on
     local name=$1; shift
-    echo "== $name"
-    if "$@" >"$out/$name.txt" 2>&1; then echo "   ok"; else echo "   FAILED (exit $?), see $out/$name.txt"; status=1; fi
+    echo "== $name" | tee -a "$log"
+    if "$@" >>"$log" 2>&1; then echo "   ok"; else echo "   FAILED (exit $?), see $log"; status=1; fi
 }
 
 step nvidia-smi nvidia-smi -q
@@ -25,6 +28,10 @@ step topology nvidia-smi topo -m
 step probe "$py" -m redline probe -o "$out/probe.json"
 step doctor bash -c '"$0" -m redline doctor --json --html "$1/doctor.html" >"$1/doctor.json"' "$py" "$out"
 step doctor-terminal env COLUMNS=120 "$py" -m redline doctor
+step bench-collective bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || { echo "skipped: needs 2 GPUs, one NCCL rank each"; exit 0; }; "$0" -m redline bench collective --json >"$1/bench-collective.json" && ! grep -q "WRONG RESULTS" "$1/bench-collective.json"' "$py" "$out"
+# compute (matmul per precision vs catalog peak), memory (HBM copy, H2D/D2H pinned+pageable, P2P) and the
+# DataLoader grid, full sizes, in one JSON (about two minutes on one GPU)
+step bench-gpu bash -c '"$0" -m redline bench compute memory dataloader --json >"$1/bench-gpu.json"' "$py" "$out"
 step pytest-gpu "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 
 echo
@@ -45,6 +52,5 @@ try:
 except Exception as exc:  # the step logs above say what broke
     print("summary unavailable:", exc)
 PY
-tail -3 "$out/pytest-gpu.txt"
-find "$out" -type f -empty -delete  # keep what comes back small
+tail -3 "$log"
 exit $status

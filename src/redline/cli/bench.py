@@ -29,6 +29,9 @@ def bench(
     streams: str = typer.Option("1,4,8,16", "--streams", help="network: parallel stream counts to try."),
     ranks: int | None = typer.Option(None, "--ranks", help="collective: local ranks (default: one per GPU, or 2)."),
     dataset: str | None = typer.Option(None, "--dataset", help="dataloader: 'module:factory' returning a Dataset."),
+    precision: str | None = typer.Option(
+        None, "--precision", help="compute: precisions to run, e.g. fp32,bf16 (default: all the device supports)."
+    ),
 ) -> None:
     """Measure compute, memory, collectives, storage, network and data loading, against their peaks."""
     from redline.bench import store
@@ -65,6 +68,8 @@ def bench(
         ranks=ranks or (len(snapshot.gpus) if resolved_device == "cuda" and len(snapshot.gpus) > 1 else 2),
         dataset=dataset,
     )
+    if precision:
+        ctx.extra["precisions"] = [p.strip() for p in precision.split(",") if p.strip()]
     fingerprint, machine = store.fingerprint(snapshot)
     run = BenchRun(fingerprint=fingerprint, machine=machine, taken_at=datetime.now(UTC).isoformat(timespec="seconds"))
     # under torchrun every rank runs this command; rank 0 alone reports (the collective suite gathers)

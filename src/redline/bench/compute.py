@@ -1,0 +1,387 @@
+"""Matrix-multiply throughput per precision, side by side with the catalog's dense peak.
+
+A GEMM of M x K by K x N does M·N·K multiply-adds, 2·M·N·K floating-point operations, so
+TFLOP/s = 2·M·N·K / t / 1e12 (the convention of cuBLAS, MAMF-finder and every MFU calculation).
+
+How it is measured, as the reference tools do (MAMF-finder, nvbandwidth):
+- square operands, dims a multiple of 128 so every tensor-core tile is full;
+- ``randn`` data, never zeros: predictable bits toggle fewer transistors, draw less power and run faster;
+- warm-up for a fixed time first (cuBLAS picks its kernel, lazy loading, clocks ramp up), then each call
+  timed with CUDA events on the stream (launches are asynchronous); the value is the median of repeats;
+- on a GPU, SM clock, power, temperature and clock-event reasons are sampled during the run and attached,
+  so "60% of peak with sw_power_cap set" reads as the power cap it is.
+
+GPU precisions: fp32 with TF32 off (``torch.set_float32_matmul_precision("highest")``), tf32 (the same
+fp32 tensors with ``"high"``), fp16, bf16, and fp8 (e4m3 operands through ``torch._scaled_mm``, bf16 out)
+on compute capability 8.9+. CPU: fp32 and bf16; a CPU has no catalog peak, so ``peak`` stays None.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from redline.bench.context import BenchContext
+from redline.bench.model import Measurement, Spread
+from redline.bench.timing import time_calls
+from redline.errors import BadInput
+
+if TYPE_CHECKING:
+    from redline.hw.snapshot import Gpu
+    from redline.specs.catalog import GpuSpec
+
+SUITE = "compute"
+GPU_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+CPU_PRECISIONS = ("fp32", "bf16")
+
+# square GEMM side. GPU: 8192 keeps every part of an H100/B200 busy (A, B, C are 128-256 MiB each, far
+# beyond any L2). CPU (measured on 2 cores of a cloud VM, torch 2.13): 2560 takes ~0.15 s in fp32 and
+# ~0.5 s in bf16 per call, 1536 ~0.03 s / ~0.1 s.
+GPU_SIZE = {False: 8192, True: 4096}
+CPU_SIZE = {False: 2560, True: 1536}
+# (minimum warm-up seconds, timed repeats)
+GPU_TIMING = {False: (1.0, 50), True: (0.3, 20)}
+CPU_TIMING = {False: (0.5, 10), True: (0.2, 5)}
+MAX_OPERAND_SETS = 3
+
+
+def tflops(m: int, n: int, k: int, seconds: float) -> float:
+    """Throughput of one M x K @ K x N product that took ``seconds``: 2·M·N·K / t / 1e12."""
+    return 2 * m * n * k / seconds / 1e12
+
+
+def require_torch(suite: str) -> None:
+    """torch is an optional dependency of redline: without it these suites say so instead of failing."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise BadInput(
+            f"the {suite} bench needs PyTorch: install the build that fits this machine (pip install torch)"
+        ) from None
+
+
+def run(ctx: BenchContext) -> list[Measurement]:
+    require_torch(SUITE)
+    requested = ctx.extra.get("precisions")
+    if ctx.device == "cpu":
+        return measure_cpu(ctx, requested)
+    return [m for index in cuda_indices(ctx.device) for m in measure_gpu(ctx, index, requested)]
+
+
+# ------------------------------------------------------------------------------------- precisions
+
+
+def unsupported_reason(precision: str, device: str, capability: tuple[int, int] | None = None) -> str | None:
+    """Why ``precision`` cannot be measured on this device, or None when it can."""
+    import torch
+
+    if precision not in GPU_PRECISIONS:
+        raise BadInput(f"unknown precision '{precision}'; choose from {', '.join(GPU_PRECISIONS)}")
+    if device == "cpu":
+        return None if precision in CPU_PRECISIONS else f"{precision} is measured on GPUs only"
+    major_minor = capability or (0, 0)
+    if precision in ("tf32", "bf16") and major_minor < (8, 0):
+        return f"{precision} tensor cores need compute capability 8.0+ (this GPU: {_cc(major_minor)})"
+    if precision == "fp8":
+        if major_minor < (8, 9):
+            return f"fp8 tensor cores need compute capability 8.9+ (this GPU: {_cc(major_minor)})"
+        if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+            return f"this torch ({torch.__version__}) has no torch._scaled_mm / float8_e4m3fn"
+    return None
+
+
+def select_precisions(
+    requested: list[str] | None, device: str, capability: tuple[int, int] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The precisions to measure and, for those left out, why.
+
+    With nothing requested every precision the device supports is measured and the others are skipped
+    quietly (noted in ``extra``); a precision the user asked for by name that this device lacks is an error.
+    """
+    default = CPU_PRECISIONS if device == "cpu" else GPU_PRECISIONS
+    chosen, skipped = [], {}
+    for precision in requested or default:
+        reason = unsupported_reason(precision, device, capability)
+        if reason is None:
+            chosen.append(precision)
+        elif requested:
+            raise BadInput(f"cannot measure {precision} on {device}: {reason}")
+        else:
+            skipped[precision] = reason
+    return chosen, skipped
+
+
+def _cc(capability: tuple[int, int]) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+@contextmanager
+def fp32_matmul_precision(precision: str) -> Iterator[None]:
+    """fp32 matmuls with TF32 off ("highest") or on ("high"), restored afterwards.
+
+    Only ``torch.set_float32_matmul_precision`` is used: since torch 2.9 mixing it with the legacy
+    ``torch.backends.cuda.matmul.allow_tf32`` flag makes torch refuse to read the flag back.
+    """
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+# --------------------------------------------------------------------------------------- operands
+
+
+def matmul_call(precision: str, size: int, device: str, operand_sets: int = 1) -> Callable[[], Any]:
+    """A closure that multiplies two ``size`` x ``size`` random matrices in ``precision`` on ``device``.
+
+    With ``operand_sets`` > 1 successive calls rotate among that many independent (A, B) pairs, so
+    operands small enough to stay in L2 are re-read from memory as in a real model.
+    """
+    import torch
+
+    if precision == "fp8":
+        return _fp8_call(size, device, operand_sets)
+    dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    sets = [
+        (torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype))
+        for _ in range(operand_sets)
+    ]
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    pairs = itertools.cycle(sets)
+
+    def call() -> Any:
+        a, b = next(pairs)
+        return torch.matmul(a, b, out=out)
+
+    return call
+
+
+def _fp8_call(size: int, device: str, operand_sets: int) -> Callable[[], Any]:
+    """fp8 e4m3 GEMM the way training frameworks run it: ``torch._scaled_mm`` with per-tensor scales,
+    A row-major and B column-major (cuBLASLt's fp8 layout requirement), bf16 output."""
+    import torch
+
+    def operand() -> Any:
+        return torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+
+    sets = [(operand(), operand().t()) for _ in range(operand_sets)]  # .t(): a column-major view
+    scale = torch.tensor(1.0, device=device)
+    pairs = itertools.cycle(sets)
+
+    def call() -> Any:
+        a, b = next(pairs)
+        return torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
+
+    return call
+
+
+def operand_sets_for(size: int, bytes_per_element: float, l2_bytes: int | None) -> int:
+    """How many (A, B) pairs to rotate among: one when A, B and C together overflow twice the L2."""
+    set_bytes = 3 * size * size * bytes_per_element
+    if not l2_bytes or set_bytes >= 2 * l2_bytes:
+        return 1
+    return min(MAX_OPERAND_SETS, math.ceil(2 * l2_bytes / set_bytes) + 1)
+
+
+def _bytes_per_element(precision: str) -> float:
+    return {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[precision]
+
+
+def timed_matmul(
+    precision: str, size: int, device: str, *, warmup_s: float, repeats: int, operand_sets: int = 1
+) -> tuple[list[float], int]:
+    """TFLOP/s of each of ``repeats`` timed calls, after warming up for at least ``warmup_s``.
+
+    Returns the samples and the number of warm-up calls made.
+    """
+    call = matmul_call(precision, size, device, operand_sets)
+    with fp32_matmul_precision(precision):
+        # one untimed call (the first is slow: kernel selection, lazy loading), one timed to size the warm-up
+        estimate_s = time_calls(call, warmup=1, repeats=1, device=device)[0]
+        warmup = max(2, min(1000, math.ceil(warmup_s / max(estimate_s, 1e-6))))
+        seconds = time_calls(call, warmup=warmup, repeats=repeats, device=device)
+    return [tflops(size, size, size, s) for s in seconds], warmup + 2
+
+
+# -------------------------------------------------------------------------------------------- CPU
+
+
+def measure_cpu(ctx: BenchContext, requested: list[str] | None = None, size: int | None = None) -> list[Measurement]:
+    import torch
+
+    precisions, skipped = select_precisions(requested, "cpu")
+    size = size or CPU_SIZE[ctx.quick]
+    warmup_s, repeats = CPU_TIMING[ctx.quick]
+    out = []
+    with ctx.task("compute: matmul on cpu", len(precisions)) as step:
+        for precision in precisions:
+            samples, warmup = timed_matmul(precision, size, "cpu", warmup_s=warmup_s, repeats=repeats)
+            spread = Spread.of(samples)
+            out.append(
+                Measurement(
+                    suite=SUITE,
+                    name=f"matmul_{precision}",
+                    value=spread.median,
+                    unit="TFLOP/s",
+                    method=f"torch.matmul {size}x{size}x{size} randn {precision}, 2*M*N*K/t, median of "
+                    f"{repeats} after {warmup} warm-up calls (perf_counter); no catalog peak for CPUs",
+                    device="cpu",
+                    size={"m": size, "n": size, "k": size, "dtype": precision},
+                    repeats=repeats,
+                    spread=spread,
+                    extra={
+                        "threads": torch.get_num_threads(),
+                        # which SIMD path ATen dispatched to: bf16 without AVX512-BF16/AMX is emulated
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                        "skipped_precisions": skipped,
+                    },
+                )
+            )
+            step()
+    return out
+
+
+# -------------------------------------------------------------------------------------------- GPU
+
+
+def cuda_indices(device: str) -> list[int]:
+    """torch device indices for ``ctx.device``: every visible GPU for "cuda", one for "cuda:N"."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BadInput(f"--device {device}: this torch ({torch.__version__}) cannot use CUDA here")
+    count = torch.cuda.device_count()
+    if device == "cuda":
+        return list(range(count))
+    index = int(device.removeprefix("cuda:"))
+    if index >= count:
+        raise BadInput(f"--device {device}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    return [index]
+
+
+def snapshot_gpu(ctx: BenchContext, index: int) -> Gpu | None:
+    """The probe's record of torch device ``index``, matched by PCI address.
+
+    torch numbers GPUs in CUDA's order (fastest first, after CUDA_VISIBLE_DEVICES), NVML in PCI order,
+    so the indices agree only by luck; the PCI address always does.
+    """
+    import torch
+
+    gpus = ctx.snapshot.gpus if ctx.snapshot else []
+    props = torch.cuda.get_device_properties(index)
+    address = tuple(getattr(props, f, None) for f in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+    if None not in address:
+        for gpu in gpus:
+            if pci_address(gpu.pci_bus_id) == address:
+                return gpu
+        return None
+    if "CUDA_VISIBLE_DEVICES" not in os.environ and index < len(gpus):
+        return gpus[index]
+    return None
+
+
+def pci_address(bus_id: str | None) -> tuple[int, int, int] | None:
+    """(domain, bus, device) of an NVML bus id such as "00000000:3B:00.0"."""
+    try:
+        domain, bus, rest = (bus_id or "").split(":")
+        return int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
+    except ValueError:
+        return None
+
+
+def catalog_spec(ctx: BenchContext, index: int) -> GpuSpec | None:
+    import torch
+
+    from redline.specs.catalog import match_gpu
+
+    gpu = snapshot_gpu(ctx, index)
+    if gpu is not None:
+        return match_gpu(gpu.name, gpu.memory_total_bytes)
+    props = torch.cuda.get_device_properties(index)
+    return match_gpu(props.name, props.total_memory)
+
+
+def measure_gpu(ctx: BenchContext, index: int, requested: list[str] | None = None) -> list[Measurement]:
+    """Every precision on GPU ``index``, with the GPU's state sampled during the whole run."""
+    import torch
+
+    from redline.bench.sampler import GpuSampler
+
+    device = f"cuda:{index}"
+    props = torch.cuda.get_device_properties(index)
+    capability = (props.major, props.minor)
+    precisions, skipped = select_precisions(requested, device, capability)
+    spec = catalog_spec(ctx, index)
+    gpu = snapshot_gpu(ctx, index)
+    size = GPU_SIZE[ctx.quick]
+    warmup_s, repeats = GPU_TIMING[ctx.quick]
+    l2_bytes = getattr(props, "L2_cache_size", None)
+    out = []
+    with torch.cuda.device(index), ctx.task(f"compute: matmul on {device}", len(precisions)) as step:
+        for precision in precisions:
+            sets = operand_sets_for(size, _bytes_per_element(precision), l2_bytes)
+            with GpuSampler([gpu.index] if gpu else []) as sampler:
+                try:
+                    samples, warmup = timed_matmul(
+                        precision, size, device, warmup_s=warmup_s, repeats=repeats, operand_sets=sets
+                    )
+                except torch.cuda.OutOfMemoryError:
+                    free_bytes, total_bytes = torch.cuda.mem_get_info(index)
+                    raise BadInput(
+                        f"{device}: no room for {size}x{size} {precision} operands ({free_bytes / 2**30:.1f} of "
+                        f"{total_bytes / 2**30:.1f} GiB free; see nvidia-smi for who holds the rest)"
+                    ) from None
+                except RuntimeError as exc:  # an fp8 kernel this torch/cuBLAS lacks: skip, say why
+                    if precision != "fp8":
+                        raise
+                    skipped[precision] = str(exc).strip().splitlines()[0]
+                    step()
+                    continue
+            spread = Spread.of(samples)
+            peak = spec.peak_tflops.get(precision) if spec else None
+            out.append(
+                Measurement(
+                    suite=SUITE,
+                    name=f"matmul_{precision}",
+                    value=spread.median,
+                    unit="TFLOP/s",
+                    method=f"{_kernel(precision)} {size}x{size}x{size} randn, 2*M*N*K/t, median of {repeats} "
+                    f"CUDA-event-timed calls after {warmup} warm-up calls",
+                    device=device,
+                    size={"m": size, "n": size, "k": size, "dtype": precision},
+                    repeats=repeats,
+                    spread=spread,
+                    peak=peak,
+                    peak_source=f"catalog {spec.key}: dense {precision} ({spec.source})" if peak else None,
+                    extra={
+                        "gpu_name": props.name,
+                        "compute_capability": _cc(capability),
+                        "operand_sets": sets,
+                        "operand_sets_why": f"A+B+C = {3 * size * size * _bytes_per_element(precision) / 2**20:.0f} "
+                        f"MiB vs L2 {(l2_bytes or 0) / 2**20:.0f} MiB: rotate only when they would stay in L2",
+                        "gpu_state": sampler.summary(),
+                        "skipped_precisions": skipped,
+                        **({} if spec else {"catalog": f"no catalog entry for {props.name}"}),
+                    },
+                )
+            )
+            step()
+    return out
+
+
+def _kernel(precision: str) -> str:
+    return {
+        "fp32": "torch.matmul fp32, TF32 off (set_float32_matmul_precision('highest')),",
+        "tf32": "torch.matmul fp32 with TF32 on (set_float32_matmul_precision('high')),",
+        "fp16": "torch.matmul fp16,",
+        "bf16": "torch.matmul bf16,",
+        "fp8": "torch._scaled_mm e4m3 x e4m3 -> bf16, per-tensor scale 1,",
+    }[precision]

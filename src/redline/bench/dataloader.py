@@ -1,0 +1,412 @@
+"""Samples/s a Dataset delivers through ``torch.utils.data.DataLoader``, across loader settings.
+
+A GPU waits on its input pipeline more often than on anything else, and the fix is usually a setting:
+more worker processes, a deeper prefetch queue, pinned batches. This suite runs the same Dataset through
+a grid of settings (num_workers 0, 1, 2, 4, ... up to the usable cores; prefetch_factor 2 and 4 with
+workers; pin_memory on and off where there is a GPU; persistent_workers on) and reports the best.
+
+Per setting: the first batch is timed apart (``startup_s``: forking workers, their first fetches), the
+batches the workers queued meanwhile are drained untimed, then a fixed number of batches is timed in equal
+windows; samples/s is the median over the windows. On a GPU
+each batch is also copied to it (``non_blocking``, as a training loop does), since that copy is what
+pin_memory speeds up. Every loader's workers are shut down before the next setting starts, also on error.
+
+The default Dataset (``SyntheticImages``) does the CPU work of a typical image pipeline per sample: draw
+a 3x256x256 uint8 "decoded" image, random-crop to 224, random flip, brightness/contrast jitter in float,
+back to uint8: a 150 KB tensor (3x224x224) and a label, ~1.5-2 ms of one core. A user's Dataset comes
+from ``--dataset module:factory`` (``factory()`` returns it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from redline.bench.context import BenchContext
+from redline.bench.model import Measurement, Spread
+from redline.errors import BadInput
+
+SUITE = "dataloader"
+BATCH_SIZE = 32
+# timed batches per setting, after the first: {quick: batches}; split into WINDOWS for the spread
+BATCHES = {False: 100, True: 20}
+WINDOWS = 5
+# a setting within this share of the best counts as just as good (then fewer workers win)
+GOOD_ENOUGH = 0.95
+
+
+# ---------------------------------------------------------------------------------------- dataset
+
+
+class SyntheticImages:
+    """An image-classification Dataset whose samples cost ~1.5-2 ms of CPU each, like JPEG decode plus
+    augmentation: deterministic per index, so every setting sees the same work."""
+
+    def __init__(self, length: int = 1_000_000, side: int = 256, crop: int = 224) -> None:
+        self.length, self.side, self.crop = length, side, crop
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        import torch
+
+        g = torch.Generator().manual_seed(index)
+        image = torch.randint(0, 256, (3, self.side, self.side), dtype=torch.uint8, generator=g)
+        top, left = (int(v) for v in torch.randint(0, self.side - self.crop + 1, (2,), generator=g))
+        x = image[:, top : top + self.crop, left : left + self.crop]
+        if torch.rand(1, generator=g).item() < 0.5:
+            x = x.flip(-1)
+        brightness, contrast = (torch.rand(2, generator=g) * 0.4 + 0.8).tolist()
+        x = x.float().div_(255).mul_(brightness)
+        mean = x.mean()
+        x = x.sub_(mean).mul_(contrast).add_(mean).clamp_(0, 1)
+        return x.mul_(255).to(torch.uint8), index % 1000
+
+
+def load_dataset(spec: str) -> Any:
+    """The Dataset ``factory()`` returns, for ``spec`` = "module:factory"; BadInput with one line otherwise.
+
+    The current directory is searched first, as `python -m` would, so ``--dataset mydata:build`` finds
+    ./mydata.py.
+    """
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute or ":" in attribute:
+        raise BadInput(f"--dataset takes 'module:factory' (e.g. mydata:build), not {spec!r}")
+    with _cwd_on_path():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                raise BadInput(f"--dataset {spec}: module {module_name!r} not found") from None
+            raise BadInput(f"--dataset {spec}: importing {module_name!r} failed: {exc}") from None
+        except Exception as exc:
+            raise BadInput(f"--dataset {spec}: importing {module_name!r} failed: {_one_line(exc)}") from None
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        raise BadInput(f"--dataset {spec}: module {module_name!r} has no attribute {attribute!r}")
+    if not callable(factory):
+        raise BadInput(f"--dataset {spec}: {attribute!r} is a {type(factory).__name__}, not callable")
+    try:
+        dataset = factory()
+    except Exception as exc:
+        raise BadInput(f"--dataset {spec}: {attribute}() raised {_one_line(exc)}") from None
+    if isinstance(dataset, (str, bytes)):
+        raise BadInput(f"--dataset {spec}: {attribute}() returned a {type(dataset).__name__}, not a Dataset")
+    missing = [m for m in ("__getitem__", "__len__") if not hasattr(dataset, m)]
+    if missing:
+        raise BadInput(
+            f"--dataset {spec}: {attribute}() returned a {type(dataset).__name__} without "
+            f"{' and '.join(missing)}; a map-style Dataset needs both"
+        )
+    if len(dataset) == 0:
+        raise BadInput(f"--dataset {spec}: {attribute}() returned an empty dataset")
+    return dataset
+
+
+@contextmanager
+def _cwd_on_path() -> Iterator[None]:
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line``; for an error re-raised from a DataLoader worker ("Caught ValueError in
+    DataLoader worker process 0. Original Traceback ..."), the original error's last line."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+        return lines[-1]
+    return f"{type(exc).__name__}: {lines[0]}"
+
+
+# ------------------------------------------------------------------------------------------- grid
+
+
+@dataclass(frozen=True)
+class Setting:
+    num_workers: int
+    prefetch_factor: int | None  # only with workers
+    pin_memory: bool
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        workers = self.num_workers > 0
+        return {
+            "num_workers": self.num_workers,
+            "prefetch_factor": self.prefetch_factor if workers else None,
+            "persistent_workers": workers,
+            "pin_memory": self.pin_memory,
+        }
+
+    def describe(self) -> str:
+        parts = [f"num_workers={self.num_workers}"]
+        if self.num_workers:
+            parts.append(f"prefetch_factor={self.prefetch_factor}")
+        parts.append(f"pin_memory={self.pin_memory}")
+        return ", ".join(parts)
+
+
+def usable_cores(ctx: BenchContext) -> int:
+    """Cores this process may really use: its CPU affinity, capped by a cgroup quota."""
+    host = ctx.snapshot.host if ctx.snapshot else None
+    cores = len(os.sched_getaffinity(0))
+    if host and host.cgroup_cpu_limit_cores:
+        cores = min(cores, max(1, int(host.cgroup_cpu_limit_cores)))
+    return max(1, cores)
+
+
+def worker_counts(cores: int, quick: bool) -> list[int]:
+    """0 (loading in the training process), then 1, 2, 4, ... and the core count itself."""
+    if quick:
+        return [0, min(2, cores)]
+    counts = [0]
+    n = 1
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    counts.append(cores)
+    return counts
+
+
+def grid(cores: int, quick: bool, cuda: bool) -> list[Setting]:
+    pins = (False, True) if cuda else (False,)
+    prefetches = (2,) if quick else (2, 4)
+    out = []
+    for workers in worker_counts(cores, quick):
+        for pin in pins:
+            for prefetch in prefetches if workers else (None,):
+                out.append(Setting(workers, prefetch, pin))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- measure
+
+
+@dataclass
+class Result:
+    setting: Setting
+    startup_s: float
+    windows_samples_per_s: list[float]
+    batch_bytes: int
+
+    @property
+    def samples_per_s(self) -> float:
+        return Spread.of(self.windows_samples_per_s).median
+
+
+def measure_setting(
+    dataset: Any, setting: Setting, *, batches: int, batch_size: int | None = None, device: str = "cpu"
+) -> Result:
+    """Time ``batches`` batches of ``dataset`` after the first, in WINDOWS equal windows.
+
+    An epoch that ends early starts the next (persistent workers carry on). The iterator's workers are shut
+    down when this returns or raises.
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size or BATCH_SIZE,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+        **setting.loader_kwargs(),
+    )
+    cuda = device.startswith("cuda")
+    it = None
+    try:
+        t0 = time.perf_counter()
+        it = iter(loader)
+        first = next(it)
+        startup_s = time.perf_counter() - t0
+        batch_bytes = _tensor_bytes(first)
+        # while the first batch was awaited the workers filled their queues: drain that backlog untimed,
+        # or the first window would count batches made during start-up
+        for _ in range(setting.num_workers * (setting.prefetch_factor or 0)):
+            it = _next_batch(loader, it)[1]
+        windows = max(1, min(WINDOWS, batches))
+        per_window = max(1, batches // windows)
+        rates = []
+        for _ in range(windows):
+            samples = 0
+            t0 = time.perf_counter()
+            for _ in range(per_window):
+                batch, it = _next_batch(loader, it)
+                if cuda:
+                    batch = _to(batch, device)
+                samples += _batch_len(batch)
+            if cuda:
+                torch.cuda.synchronize(device)
+            rates.append(samples / (time.perf_counter() - t0))
+        return Result(setting, startup_s, rates, batch_bytes)
+    finally:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:  # persistent workers outlive the iterator object unless told to stop
+            shutdown()
+        del it, loader
+
+
+def _next_batch(loader: Any, it: Any) -> tuple[Any, Any]:
+    """The next batch and the iterator to go on with: at the end of an epoch, the next epoch's."""
+    try:
+        return next(it), it
+    except StopIteration:
+        it = iter(loader)
+        return next(it), it
+
+
+def _to(batch: Any, device: str) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_to(b, device) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _tensors(batch: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple)):
+        for b in batch:
+            yield from _tensors(b)
+    elif isinstance(batch, dict):
+        for b in batch.values():
+            yield from _tensors(b)
+
+
+def _tensor_bytes(batch: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(batch))
+
+
+def _batch_len(batch: Any) -> int:
+    """Samples in a collated batch: the leading dimension of its first tensor."""
+    first = next(_tensors(batch), None)
+    return int(first.shape[0]) if first is not None and first.dim() else BATCH_SIZE
+
+
+def run(ctx: BenchContext) -> list[Measurement]:
+    from redline.bench.compute import require_torch
+
+    require_torch(SUITE)
+    if ctx.dataset:
+        dataset, source = load_dataset(ctx.dataset), f"--dataset {ctx.dataset}"
+    else:
+        dataset, source = SyntheticImages(), "synthetic images (3x224x224 uint8, ~1.5-2 ms CPU per sample)"
+    cuda = ctx.device != "cpu"
+    device = "cpu"
+    if cuda:
+        from redline.bench.compute import cuda_indices
+
+        device = f"cuda:{cuda_indices(ctx.device)[0]}"
+    cores = usable_cores(ctx)
+    settings = grid(cores, ctx.quick, cuda)
+    batches = BATCHES[ctx.quick]
+    results = []
+    with ctx.task("dataloader: settings", len(settings)) as step:
+        for setting in settings:
+            try:
+                results.append(measure_setting(dataset, setting, batches=batches, device=device))
+            except BadInput:
+                raise
+            except Exception as exc:  # the user's Dataset or collate failing: say so in one line
+                raise BadInput(
+                    f"dataloader ({setting.describe()}): loading {source} failed: {_one_line(exc)}"
+                ) from None
+            step()
+    return [summarize(ctx, results, source=source, batches=batches, cores=cores, device=device)]
+
+
+def summarize(
+    ctx: BenchContext, results: list[Result], *, source: str, batches: int, cores: int, device: str
+) -> Measurement:
+    best = max(results, key=lambda r: r.samples_per_s)
+    single = next((r for r in results if r.setting.num_workers == 0 and not r.setting.pin_memory), results[0])
+    # the cheapest setting (fewest workers, then shallowest prefetch) that is as good as the best
+    enough = min(
+        (r for r in results if r.samples_per_s >= GOOD_ENOUGH * best.samples_per_s),
+        key=lambda r: (r.setting.num_workers, r.setting.prefetch_factor or 0, r.setting.pin_memory),
+    )
+    speedup = enough.samples_per_s / single.samples_per_s
+    recommendation = f"{enough.setting.describe()}: {speedup:.1f}x the single-process loader"
+    if enough is not best:
+        recommendation += (
+            f" ({enough.samples_per_s / best.samples_per_s:.0%} of the best, {best.setting.describe()}, "
+            "with fewer processes)"
+        )
+    extra: dict[str, Any] = {
+        "dataset": source,
+        "best": best.setting.loader_kwargs(),
+        "recommendation": recommendation,
+        "single_process_samples_per_s": single.samples_per_s,
+        "usable_cores": cores,
+        "batch_size": BATCH_SIZE,
+        "batch_bytes": best.batch_bytes,
+        "startup_s": best.startup_s,
+        "grid": [
+            {
+                **r.setting.loader_kwargs(),
+                "samples_per_s": r.samples_per_s,
+                "startup_s": r.startup_s,
+            }
+            for r in results
+        ],
+    }
+    if device == "cpu":
+        extra["pin_memory"] = "skipped: no GPU (pinning only speeds host-to-GPU copies)"
+    extra.update(_shm_check(ctx, results))
+    spread = Spread.of(best.windows_samples_per_s)
+    return Measurement(
+        suite=SUITE,
+        name="samples_per_s",
+        value=spread.median,
+        unit="samples/s",
+        method=f"DataLoader over {source}, batch {BATCH_SIZE}, shuffle; best of {len(results)} settings; "
+        f"{batches} batches timed after the first (start-up apart), median of {WINDOWS} windows"
+        + ("; each batch copied to the GPU" if device != "cpu" else ""),
+        device=device,
+        size={"batch_size": BATCH_SIZE, "batches": batches},
+        repeats=len(best.windows_samples_per_s),
+        spread=spread,
+        extra=extra,
+    )
+
+
+def _shm_check(ctx: BenchContext, results: list[Result]) -> dict[str, Any]:
+    """Workers hand batches over in /dev/shm: up to workers x prefetch_factor batches wait there at once."""
+    from redline.doctor.rules.host import SHM_MIN_BYTES
+
+    shm = ctx.snapshot.host.shm_total_bytes if ctx.snapshot else None
+    with_workers = [r for r in results if r.setting.num_workers]
+    if shm is None or not with_workers:
+        return {}
+    in_flight = max(r.setting.num_workers * (r.setting.prefetch_factor or 2) * r.batch_bytes for r in with_workers)
+    out: dict[str, Any] = {"shm_total_bytes": shm, "shm_in_flight_bytes": in_flight}
+    if shm < max(SHM_MIN_BYTES, 2 * in_flight):
+        out["shm_warning"] = (
+            f"/dev/shm is {shm / 2**20:.0f} MiB while workers keep up to {in_flight / 2**20:.0f} MiB of batches "
+            "there: larger batches or more workers will crash with 'insufficient shared memory' "
+            "(docker --shm-size=16g or --ipc=host)"
+        )
+    return out
