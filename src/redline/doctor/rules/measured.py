@@ -112,8 +112,9 @@ def read_throughput_low(audit: Audit) -> Iterator[Finding]:
         return
     demand = loader.get("samples_per_s")
     need_mbps = None
-    if demand is not None and demand.extra.get("bytes_per_sample"):
-        need_mbps = demand.value * demand.extra["bytes_per_sample"] / 1e6
+    if demand is not None and demand.extra.get("batch_bytes") and demand.extra.get("batch_size"):
+        bytes_per_sample = demand.extra["batch_bytes"] / demand.extra["batch_size"]
+        need_mbps = demand.value * bytes_per_sample / 1e6
     if seq.value < SLOW_STORAGE_MBPS or (need_mbps and seq.value < need_mbps):
         yield Finding(
             Severity.WARN,
