@@ -308,6 +308,21 @@ MEASURED = [
         _bench(Measurement("storage", "seq_read", 180.0, "MB/s", "preadv O_DIRECT", extra={"path": "/data"})),
     ),
     (
+        "storage.read-throughput-low",
+        W,
+        _bench(
+            Measurement("storage", "seq_read", 900.0, "MB/s", "preadv O_DIRECT", extra={"path": "/data"}),
+            Measurement(
+                "dataloader",
+                "samples_per_s",
+                8000.0,
+                "samples/s",
+                "DataLoader",
+                extra={"batch_bytes": 64 * 150_528, "batch_size": 64},
+            ),
+        ),
+    ),
+    (
         "network.streams-needed",
         W,
         _bench(
