@@ -92,7 +92,7 @@ def bench(
     if json_out:
         ui.print_json(run.to_dict() | ({"saved_to": str(saved)} if saved else {}))
     else:
-        ui.console.print(ui.measurement_table(run.measurements))
+        ui.print_measurements(run.measurements)
         if saved:
             ui.console.print(ui.dim(f"saved to {saved}; `redline doctor --bench` reads it"))
     if failures:

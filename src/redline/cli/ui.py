@@ -128,8 +128,9 @@ def progress_bar(enabled: bool = True) -> Iterator[Callable[[str, int, int], Non
         yield update
 
 
-def measurement_table(measurements: list[Measurement]) -> Table:
-    """Bench results: value, the peak it is compared with, and how far repeats scattered."""
+def print_measurements(measurements: list[Measurement]) -> None:
+    """Bench results: value, the peak it is compared with, how far repeats scattered; how each was
+    measured follows the table as numbered notes, so the table stays readable on an 80-column terminal."""
     table = Table(title="redline bench", title_justify="left")
     for column, justify in (
         ("suite", "left"),
@@ -138,18 +139,23 @@ def measurement_table(measurements: list[Measurement]) -> Table:
         ("peak", "right"),
         ("of peak", "right"),
         ("p10-p90", "right"),
-        ("method", "left"),
+        ("how", "right"),
     ):
-        table.add_column(column, justify=justify, overflow="fold")
+        table.add_column(column, justify=justify)
+    methods: list[str] = []
     for m in measurements:
-        spread = f"{m.spread.p10:.3g}-{m.spread.p90:.3g}" if m.spread else ""
+        method = m.method + (f" Peak: {m.peak_source}." if m.peak_source else "")
+        if method not in methods:
+            methods.append(method)
         table.add_row(
             Text(m.suite),
-            Text(m.name),
+            Text(m.name + (f" {m.device}" if m.device != "cpu" else "")),
             Text(f"{m.value:.4g} {m.unit}"),
             Text(f"{m.peak:.4g}" if m.peak else "n/a"),
             Text(f"{m.ratio:.0%}" if m.ratio is not None else ""),
-            Text(spread),
-            Text(m.method + (f" (peak: {m.peak_source})" if m.peak_source else ""), style="dim"),
+            Text(f"{m.spread.p10:.3g}-{m.spread.p90:.3g}" if m.spread else ""),
+            Text(f"[{methods.index(method) + 1}]", style="dim"),
         )
-    return table
+    console.print(table)
+    for i, method in enumerate(methods, 1):
+        console.print(Text(f"[{i}] {method}", style="dim"))
