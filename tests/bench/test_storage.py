@@ -117,7 +117,9 @@ def test_sigint_while_threads_read_leaves_nothing(tmp_path):
         if description == "storage rand_read_4k" and completed == 0:
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
 
-    plan = Plan(file_bytes=16 * MiB, small_files=4, small_file_bytes=4 * KiB, jobs=2, repeats=3, pass_limit_s=1.0)
+    # 64 MiB of 4 KiB random reads is ~16k preads per pass: far longer than the 50 ms before the signal,
+    # even on a loaded machine, so it lands while the readers run
+    plan = Plan(file_bytes=64 * MiB, small_files=4, small_file_bytes=4 * KiB, jobs=2, repeats=3, pass_limit_s=5.0)
     with pytest.raises(KeyboardInterrupt):
         storage.measure(str(tmp_path), plan, BenchContext(progress=progress))
     assert _left_in(tmp_path) == []

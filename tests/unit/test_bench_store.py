@@ -53,7 +53,7 @@ def test_save_load_round_trip(redline_home):
     )
     path = store.save(run)
     assert path.parent == redline_home / "bench" / fingerprint
-    assert store.latest(fingerprint) == path
+    assert store.saved_runs(fingerprint) == [path]
     loaded = store.load(path)
     assert loaded.measurements[0].spread.median == 790.0
     assert loaded.measurements[0].ratio == pytest.approx(790 / 989.4)
@@ -100,3 +100,27 @@ def test_doctor_bench_without_saved_results_is_bad_input(redline_home):
         "doctor", "--from", str(FIXTURES / "h100x8-faulty.json"), "--bench", env={"REDLINE_HOME": str(redline_home)}
     )
     assert proc.returncode == 2 and "redline bench --save" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_latest_keeps_the_newest_figure_of_each_kind(redline_home):
+    fingerprint, machine = store.fingerprint(healthy_server())
+    old_gemm = Measurement("compute", "matmul_bf16", 500.0, "TFLOP/s", "m", device="cuda:0")
+    new_gemm = Measurement("compute", "matmul_bf16", 790.0, "TFLOP/s", "m", device="cuda:0")
+    disk = Measurement("storage", "seq_read", 2500.0, "MB/s", "m")
+    store.save(BenchRun(fingerprint, machine, "2026-11-29T10:00:00+00:00", [old_gemm]))
+    store.save(BenchRun(fingerprint, machine, "2026-11-29T11:00:00+00:00", [disk], quick=True))
+    store.save(BenchRun(fingerprint, machine, "2026-11-29T12:00:00+00:00", [new_gemm]))
+    merged = {m.name: m for m in store.latest(fingerprint).measurements}
+    assert merged["matmul_bf16"].value == 790.0
+    assert merged["seq_read"].value == 2500.0 and merged["seq_read"].extra["quick"] is True
+    assert merged["matmul_bf16"].extra["quick"] is False
+
+
+def test_quick_gemm_gets_no_verdict():
+    from redline.doctor.engine import run_rules
+
+    gemm = Measurement(
+        "compute", "matmul_bf16", 300.0, "TFLOP/s", "m", device="cuda:0", peak=989.4, extra={"quick": True}
+    )
+    run = BenchRun("f" * 12, {}, "2026-11-29T12:00:00+00:00", [gemm], quick=True)
+    assert "power_thermal.gemm-below-peak" not in {f.rule for f in run_rules(healthy_server(), bench=run).findings}

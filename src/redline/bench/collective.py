@@ -343,8 +343,16 @@ def _size_text(size_bytes: int) -> str:
 
 
 def measurements(result: dict[str, Any], plan: Plan) -> list[Measurement]:
-    """One Measurement per op: busbw at the largest size, the whole sweep in extra["rows"]."""
+    """One Measurement per op: busbw at the largest size, the whole sweep in extra["rows"].
+
+    Wrong results are an error, not a figure: a fast collective that corrupts data is a broken setup
+    (bad NCCL transport, faulty NVLink), and its bandwidth must not be saved or judged.
+    """
     world = result["world_size"]
+    wrong_ops = {op: sum(r["wrong"] for r in result["rows"] if r["op"] == op) for op in plan.ops}
+    if any(wrong_ops.values()):
+        bad = ", ".join(f"{op}: {n} wrong elements" for op, n in wrong_ops.items() if n)
+        raise RedlineError(f"collective results are WRONG ({bad}; {plan.backend} x{world}): check the transport")
     out = []
     for op in plan.ops:
         rows = [row for row in result["rows"] if row["op"] == op]

@@ -85,6 +85,8 @@ class BenchRun:
     machine: dict[str, Any]
     taken_at: str
     measurements: list[Measurement] = field(default_factory=list)
+    # --quick: small sizes that may not reach the device's peak; the doctor does not judge peaks from them
+    quick: bool = False
     schema_version: int = BENCH_SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,5 +95,6 @@ class BenchRun:
             "fingerprint": self.fingerprint,
             "machine": self.machine,
             "taken_at": self.taken_at,
+            "quick": self.quick,
             "measurements": [m.to_dict() for m in self.measurements],
         }

@@ -171,6 +171,7 @@ def _file_measurement(pattern: Pattern, rates: list[Rate], tf: TestFile, plan: P
         "O_DIRECT (page cache bypassed)"
         if tf.direct
         else f"buffered, page cache dropped with posix_fadvise(DONTNEED) before each pass (O_DIRECT: {tf.no_direct})"
+        + ("" if tf.cache_dropped else "; the drop could NOT be confirmed: figures may include cached reads")
     )
     return Measurement(
         suite="storage",

@@ -49,10 +49,31 @@ def save(run: BenchRun) -> Path:
     return path
 
 
-def latest(machine_fingerprint: str) -> Path | None:
+def saved_runs(machine_fingerprint: str) -> list[Path]:
+    """This machine's saved runs, oldest first (file names are UTC timestamps)."""
     folder = home() / "bench" / machine_fingerprint
-    runs = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    return runs[-1] if runs else None
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
+
+
+def latest(machine_fingerprint: str) -> BenchRun | None:
+    """Everything this machine has measured, newest figure of each kind: `bench compute --save` then
+    `bench storage --save` leaves both for the doctor, not only the storage run."""
+    paths = saved_runs(machine_fingerprint)
+    if not paths:
+        return None
+    newest: dict[tuple[str, str, str], Measurement] = {}
+    runs = [load(p) for p in paths]
+    for run in runs:  # oldest first, so newer figures replace older ones
+        for m in run.measurements:
+            newest[(m.suite, m.name, m.device)] = m
+    last = runs[-1]
+    return BenchRun(
+        fingerprint=last.fingerprint,
+        machine=last.machine,
+        taken_at=last.taken_at,
+        measurements=list(newest.values()),
+        quick=all(r.quick for r in runs),
+    )
 
 
 def load(path: Path) -> BenchRun:
@@ -64,12 +85,16 @@ def load(path: Path) -> BenchRun:
     if not isinstance(data, dict) or data.get("schema_version") != BENCH_SCHEMA_VERSION:
         raise BadInput(f"{path} is not a redline bench result of schema {BENCH_SCHEMA_VERSION}")
     try:
+        quick = bool(data.get("quick", False))
         measurements = [_measurement(m) for m in data["measurements"]]
+        for m in measurements:  # kept per figure, so a merge of quick and full runs still knows
+            m.extra.setdefault("quick", quick)
         return BenchRun(
             fingerprint=data["fingerprint"],
             machine=data["machine"],
             taken_at=data["taken_at"],
             measurements=measurements,
+            quick=quick,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadInput(f"{path}: malformed bench result ({type(exc).__name__}: {exc})") from None

@@ -19,12 +19,14 @@ def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int, device: str 
         import torch
 
         torch.cuda.synchronize(device)
+        # record on the measured device's stream: the current device may be another GPU
+        stream = torch.cuda.current_stream(device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
         for start, end in zip(starts, ends, strict=True):
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
         torch.cuda.synchronize(device)
         return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends, strict=True)]
     samples = []

@@ -41,7 +41,13 @@ def bench(
     from redline.errors import BadInput
     from redline.hw.probe import take_snapshot
 
-    names = resolve(suites or [])
+    names = resolve(list(dict.fromkeys(suites or [])))
+    # under torchrun every rank runs this command; rank 0 alone reports (the collective suite gathers)
+    follower = os.environ.get("RANK", "0") != "0"
+    if "RANK" in os.environ and names != ["collective"]:
+        raise BadInput(
+            "under torchrun only `redline bench collective` makes sense: other suites would run once per rank"
+        )
     try:
         stream_counts = sorted({int(s) for s in streams.split(",") if s.strip()})
     except ValueError:
@@ -65,16 +71,19 @@ def bench(
         connect=connect,
         port=port,
         streams=stream_counts,
-        ranks=ranks or (len(snapshot.gpus) if resolved_device == "cuda" and len(snapshot.gpus) > 1 else 2),
+        ranks=ranks or (_cuda_device_count() if resolved_device == "cuda" and len(snapshot.gpus) > 1 else 2),
         dataset=dataset,
     )
     if precision:
         ctx.extra["precisions"] = [p.strip() for p in precision.split(",") if p.strip()]
     fingerprint, machine = store.fingerprint(snapshot)
-    run = BenchRun(fingerprint=fingerprint, machine=machine, taken_at=datetime.now(UTC).isoformat(timespec="seconds"))
-    # under torchrun every rank runs this command; rank 0 alone reports (the collective suite gathers)
-    follower = os.environ.get("RANK", "0") != "0"
-    failures: list[RedlineError] = []
+    run = BenchRun(
+        fingerprint=fingerprint,
+        machine=machine,
+        taken_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        quick=quick,
+    )
+    failures: list[int] = []
     with ui.progress_bar(enabled=not (json_out or follower)) as progress:
         ctx.progress = progress
         for name in names:
@@ -85,25 +94,47 @@ def bench(
                     raise
                 # one suite's problem (no peer, too few GPUs) must not throw away the others' figures
                 ui.error(f"{name}: {exc}")
-                failures.append(exc)
+                failures.append(exc.exit_code)
+            except Exception as exc:  # a CUDA/driver error in one suite: report it, keep the rest
+                if len(names) == 1:
+                    raise
+                ui.error(f"{name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
+                failures.append(1)
     if follower:
         return
-    saved = store.save(run) if save and run.measurements else None
     if json_out:
-        ui.print_json(run.to_dict() | ({"saved_to": str(saved)} if saved else {}))
+        ui.print_json(run.to_dict())
     else:
         ui.print_measurements(run.measurements)
-        if saved:
-            ui.console.print(ui.dim(f"saved to {saved}; `redline doctor --bench` reads it"))
+    if save and run.measurements:
+        try:  # after printing: a full or read-only REDLINE_HOME must not cost the user the figures
+            saved = store.save(run)
+        except OSError as exc:
+            raise BadInput(f"could not save the results under {store.home()}: {exc.strerror or exc}") from None
+        ui.warn(f"saved to {saved}; `redline doctor --bench` reads it")
     if failures:
-        raise typer.Exit(max(f.exit_code for f in failures))
+        raise typer.Exit(max(failures))
+
+
+def _cuda_device_count() -> int:
+    """GPUs torch can use (CUDA_VISIBLE_DEVICES applied); NVML counts every GPU in the box."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _resolve_device(device: str, snapshot) -> str:
     from redline.errors import BadInput
 
     if device == "auto":
-        return "cuda" if snapshot.gpus else "cpu"
+        if not snapshot.gpus:
+            return "cpu"
+        if _cuda_device_count() == 0:  # NVML sees GPUs, torch cannot use them (CPU build, hidden devices)
+            ui.warn("GPUs present but PyTorch cannot use them (CPU build or CUDA_VISIBLE_DEVICES): benching the CPU")
+            return "cpu"
+        return "cuda"
     if device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
         if device.startswith("cuda") and not snapshot.gpus:
             raise BadInput(f"--device {device}: no NVIDIA GPU found ({snapshot.gpu.error or 'NVML sees none'})")

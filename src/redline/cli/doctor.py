@@ -73,15 +73,16 @@ def _bench_run(snapshot, latest: bool, path: Path | None):
     from redline.bench import store
     from redline.errors import BadInput
 
-    if path is None:
-        fingerprint, _ = store.fingerprint(snapshot)
-        path = store.latest(fingerprint)
-        if path is None:
-            raise BadInput(
-                f"no saved bench results for this machine (fingerprint {fingerprint}); "
-                "run `redline bench --save` first, or pass --bench-file"
-            )
-    return store.load(path)
+    if path is not None:
+        return store.load(path)
+    fingerprint, _ = store.fingerprint(snapshot)
+    run = store.latest(fingerprint)
+    if run is None:
+        raise BadInput(
+            f"no saved bench results for this machine (fingerprint {fingerprint}); "
+            "run `redline bench --save` first, or pass --bench-file"
+        )
+    return run
 
 
 def _print_rules(rules: list, json_out: bool) -> None:

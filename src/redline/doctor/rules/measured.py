@@ -32,7 +32,8 @@ def _reasons(measurement) -> set[str]:
 @rule("power_thermal.gemm-below-peak", Area.POWER_THERMAL, "Measured matmul throughput far below the catalog peak")
 def gemm_below_peak(audit: Audit) -> Iterator[Finding]:
     for m in audit.measurements("compute"):
-        if m.ratio is None or m.ratio >= GEMM_LOW_RATIO:
+        # --quick shapes are too small to reach a big GPU's peak: no verdict from them
+        if m.ratio is None or m.ratio >= GEMM_LOW_RATIO or m.extra.get("quick"):
             continue
         reasons = _reasons(m)
         hardware = sorted(reasons & set(HARDWARE_THROTTLE))
