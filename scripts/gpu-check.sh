@@ -32,6 +32,18 @@ step bench-collective bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || { 
 # compute (matmul per precision vs catalog peak), memory (HBM copy, H2D/D2H pinned+pageable, P2P) and the
 # DataLoader grid, full sizes, in one JSON (about two minutes on one GPU)
 step bench-gpu bash -c '"$0" -m redline bench compute memory dataloader --json >"$1/bench-gpu.json"' "$py" "$out"
+# a figure above its peak, or absurdly far below, is a measuring bug, not a slow GPU
+step bench-sanity "$py" - "$out/bench-gpu.json" <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1]))
+bad = [f"{m['name']} {m['device']}: {m['value']:.4g} {m['unit']} is {m['ratio']:.0%} of {m['peak']:.4g}"
+       for m in run["measurements"]
+       if m["ratio"] is not None and m["name"].startswith(("matmul_", "device_copy", "h2d_pinned", "d2h_pinned"))
+       and not 0.3 < m["ratio"] <= 1.05]
+print("\n".join(bad) or "every GPU figure within 30-105% of its peak")
+sys.exit(1 if bad else 0)
+PY
+step doctor-bench "$py" -m redline doctor --bench-file "$out/bench-gpu.json"
 step pytest-gpu "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 
 echo
