@@ -141,4 +141,5 @@ def test_agrees_with_torch_utils_benchmark(monkeypatch):
 
     ours, peer, ratio = compare("fp32", 768, rounds=3, repeats=15, min_run_time_s=0.2)
     assert ours > 0 and peer > 0
-    assert 0.67 < ratio < 1.5, f"redline {ours:.4f} vs torch.utils.benchmark {peer:.4f} TFLOP/s"
+    # a factor-of-2 mistake lands outside; a loaded 2-core runner has been seen at 0.6 and 1.6
+    assert 0.55 < ratio < 1.8, f"redline {ours:.4f} vs torch.utils.benchmark {peer:.4f} TFLOP/s"
