@@ -320,6 +320,8 @@ class TestFile:
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             self.cache_dropped = _none_cached(fd, self.size_bytes)
+            # a probe that misses may start readahead: evict whatever it brought in before the pass
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
@@ -392,7 +394,8 @@ def _none_cached(fd: int, size_bytes: int, probes: int = 32) -> bool | None:
         return None
     step = max(ALIGN_BYTES, size_bytes // probes // ALIGN_BYTES * ALIGN_BYTES)
     buf = bytearray(ALIGN_BYTES)
-    for offset in range(0, size_bytes - ALIGN_BYTES + 1, step):
+    # from the end backwards: readahead started by a miss runs forward, over offsets already probed
+    for offset in reversed(range(0, size_bytes - ALIGN_BYTES + 1, step)):
         try:
             if os.preadv(fd, [buf], offset, os.RWF_NOWAIT) > 0:
                 return False
