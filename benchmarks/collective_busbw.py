@@ -18,7 +18,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from redline.bench.collective import GIB, OPS, Plan, measurements, run_local, sweep_sizes
+from redline.bench.collective import OPS, GiB, Plan, measurements, run_local, sweep_sizes
 
 PEER_BINARY = {
     "all_reduce": "all_reduce_perf",
@@ -59,7 +59,7 @@ def redline_busbw(op: str, gpus: int, max_bytes: int) -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-bytes", type=int, default=1 * GIB)
+    parser.add_argument("--max-bytes", type=int, default=1 * GiB)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--nccl-tests", type=Path, help="directory holding the *_perf binaries")
     args = parser.parse_args()

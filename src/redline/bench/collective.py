@@ -46,20 +46,18 @@ from typing import Any
 from redline.bench.context import BenchContext
 from redline.bench.model import Measurement
 from redline.errors import BadInput, RedlineError
+from redline.units import GiB, KiB, MiB
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DTYPE = "float32"  # nccl-tests' default -d float
 ELEMENT_BYTES = 4
 
-KIB = 1024
-MIB = 1024 * KIB
-GIB = 1024 * MIB
 
 # nccl-tests' -e: quick stays small everywhere; a full GPU sweep reaches the sizes where NCCL peaks (>= 1-8 GB,
 # nccl-tests #149/#212); the worker lowers it to what fits in each GPU's memory
-QUICK_MAX_BYTES = 4 * MIB
-CPU_MAX_BYTES = 64 * MIB
-GPU_MAX_BYTES = 8 * GIB
+QUICK_MAX_BYTES = 4 * MiB
+CPU_MAX_BYTES = 64 * MiB
+GPU_MAX_BYTES = 8 * GiB
 
 # a rank that dies leaves the others waiting in a collective: the launcher kills them all after this
 # grace period, and the process group's own timeout bounds one collective under torchrun
@@ -336,7 +334,7 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def _size_text(size_bytes: int) -> str:
-    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if size_bytes >= scale:
             return f"{size_bytes / scale:g} {unit}"
     return f"{size_bytes} B"

@@ -23,14 +23,13 @@ from redline.bench.context import BenchContext
 from redline.bench.model import Measurement, Spread
 from redline.bench.timing import time_calls
 from redline.errors import BadInput
+from redline.units import GiB, MiB
 
 if TYPE_CHECKING:
     from redline.hw.snapshot import Gpu
     from redline.specs.catalog import GpuSpec
 
 SUITE = "memory"
-GiB = 2**30
-MiB = 2**20
 # bytes per buffer: {quick: size}
 DEVICE_COPY_BYTES = {False: 2 * GiB, True: 1 * GiB}
 MIN_DEVICE_COPY_BYTES = 256 * MiB  # on a GPU someone else has filled; still far beyond any L2

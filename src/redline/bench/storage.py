@@ -55,10 +55,8 @@ from redline.bench.model import Measurement, Spread
 from redline.errors import BadInput, RedlineError
 from redline.hw.snapshot import Snapshot
 from redline.hw.sysfs import SysFs
+from redline.units import GiB, KiB, MiB
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
 MB = 1e6  # throughput unit: MB/s means 10^6 bytes per second, as fio's "(MB/s)" and disk datasheets
 ALIGN_BYTES = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the logical block; 4 KiB covers all
 FILL_CHUNK_BYTES = 4 * MiB
