@@ -45,3 +45,41 @@ def version_tuple(text: str) -> tuple[int, ...]:
             break
         parts.append(int(digits.group()))
     return tuple(parts)
+
+
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """'7e9', '7B', '300b', '1.5T', '2M', '1_000' -> a number; ValueError with the reason otherwise."""
+    cleaned = text.strip().replace("_", "").replace(",", "")
+    match = re.fullmatch(r"([0-9.]+(?:e[+-]?\d+)?)\s*([kmbgt]?)", cleaned, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"'{text}' is not a count (examples: 7e9, 7B, 300B, 1.5T)")
+    value = float(match.group(1)) * _COUNT_SUFFIX[match.group(2).lower()]
+    if not value > 0:
+        raise ValueError(f"'{text}' must be positive")
+    return value
+
+
+def fmt_count(n: float) -> str:
+    """6738415616 -> '6.74B', 524288 -> '524k'."""
+    for suffix, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{suffix}"
+    return f"{n:.3g}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """Human durations: '850 ms', '42.0 s', '3.2 h', '12.5 d'."""
+    if seconds is None:
+        return "n/a"
+    if seconds < 1:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"

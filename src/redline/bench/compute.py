@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from redline import capability
 from redline.bench.context import BenchContext
 from redline.bench.model import Measurement, Spread
 from redline.bench.timing import time_calls
@@ -55,13 +56,7 @@ def tflops(m: int, n: int, k: int, seconds: float) -> float:
 
 
 def require_torch(suite: str) -> None:
-    """torch is an optional dependency of redline: without it these suites say so instead of failing."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise BadInput(
-            f"the {suite} bench needs PyTorch: install the build that fits this machine (pip install torch)"
-        ) from None
+    capability.require_torch(f"the {suite} bench")
 
 
 def run(ctx: BenchContext) -> list[Measurement]:

@@ -1,0 +1,165 @@
+"""Turn what the user typed (``--model SPEC`` or ``--params N``) into a WorkloadProfile.
+
+SPEC is, in this order: a preset name (``redline plan --list-models``), a Hugging Face ``config.json``
+(or a directory holding one), or ``package.module:factory`` returning an ``nn.Module``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from redline.capability import is_available, require_torch
+from redline.errors import BadInput
+from redline.workload.presets import PRESET_NAMES, preset_profile
+from redline.workload.profile import TransformerShape, WorkloadProfile
+
+# A bare parameter count gets a GPT-shaped stack: GPT-3's 6.7B and 13B, Llama's 7B and 13B all keep
+# about 128 model dimensions per layer (h = 128 L), so 12 L h^2 = N gives L = (N / (12 * 128^2))^(1/3).
+WIDTH_PER_LAYER = 128
+BARE_VOCAB = 32000
+BARE_SEQ_LEN = 2048
+
+
+def load_workload(
+    model: str | None,
+    *,
+    params: float | None = None,
+    seq_len: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
+) -> WorkloadProfile:
+    if seq_len is not None and seq_len < 1:
+        raise BadInput(f"--seq-len must be at least 1, not {seq_len}")
+    if (model is None) == (params is None):
+        raise BadInput(
+            "give the model as --model SPEC (a preset, a config.json, or package.module:factory) or --params N"
+        )
+    if params is not None:
+        return bare_params_profile(params, seq_len)
+    assert model is not None
+    if model.strip().lower() in PRESET_NAMES:
+        return preset_profile(model, seq_len)
+    path = Path(model).expanduser()
+    if path.suffix == ".json" or path.is_dir() or path.exists():
+        return config_profile(path, seq_len)
+    if ":" in model:
+        return factory_profile(model, input_shape)
+    raise BadInput(
+        f"unknown model '{model}': not a preset ({', '.join(PRESET_NAMES)}), not a config.json path, "
+        "not package.module:factory"
+    )
+
+
+def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
+    """A GPT-shaped transformer of about ``params`` parameters; the counts are scaled to ``params`` exactly
+    and the profile says the shape was assumed."""
+    from redline.workload.transformer import transformer_profile
+
+    if params < 1e6:
+        raise BadInput(f"--params {params:g} is too small for a transformer shape; give at least 1e6")
+    # round so that tensor-parallel degrees up to 8 divide the heads: layers to 4s, width to 1024s
+    layers = max(4, round((params / (12 * WIDTH_PER_LAYER**2)) ** (1 / 3) / 4) * 4)
+    width = math.sqrt(params / (12 * layers))
+    step = 1024 if width >= 1024 else WIDTH_PER_LAYER
+    hidden = max(step, round(width / step) * step)
+    shape = TransformerShape(
+        layers=layers,
+        hidden=hidden,
+        heads=hidden // WIDTH_PER_LAYER,
+        ffn_hidden=4 * hidden,
+        vocab=BARE_VOCAB,
+        seq_len=seq_len or BARE_SEQ_LEN,
+        tied_embeddings=False,
+        norm="rmsnorm",
+        bias=False,
+        dropout=False,
+    )
+    profile = transformer_profile(shape, name=f"{params:.3g} params", source="--params")
+    scale = params / profile.params_total
+    layers_scaled = tuple(
+        dataclasses.replace(
+            layer, params=round(layer.params * scale), forward_flops_per_sample=layer.forward_flops_per_sample * scale
+        )
+        for layer in profile.layers
+    )
+    return dataclasses.replace(
+        profile,
+        params_total=int(params),
+        params_trainable=int(params),
+        largest_module_params=round(profile.largest_module_params * scale),
+        forward_flops_per_sample=profile.forward_flops_per_sample * scale,
+        layers=layers_scaled,
+        notes=(
+            f"--params gives no layer structure: assumed a GPT-style shape of {layers} layers x {hidden} wide, "
+            f"vocabulary {BARE_VOCAB}, sequence {shape.seq_len}; give --model for exact activations",
+        ),
+    )
+
+
+def config_profile(path: Path, seq_len: int | None) -> WorkloadProfile:
+    """A Hugging Face config: the analytic shape, traced through transformers when it is installed."""
+    from redline.workload.hf import read_config, shape_from_config
+    from redline.workload.transformer import transformer_profile
+
+    config = read_config(path)
+    name = str(config.get("_name_or_path") or path.resolve().parent.name if path.is_file() else path.name)
+    shape: TransformerShape | None
+    try:
+        shape = shape_from_config(config, seq_len, origin=str(path))
+    except BadInput:
+        if not is_available("transformers"):
+            raise
+        shape = None
+    if not is_available("transformers") or not is_available("torch") or config["model_type"] == "t5":
+        # T5 needs decoder inputs to trace; its layout is known
+        if shape is None:
+            raise BadInput(f"{path}: cannot profile model_type '{config['model_type']}'")
+        return transformer_profile(shape, name=name, source=f"config {path} (analytic)")
+    return _trace_hf(config, path, name, shape, seq_len)
+
+
+def _trace_hf(
+    config: dict, path: Path, name: str, shape: TransformerShape | None, seq_len: int | None
+) -> WorkloadProfile:
+    import torch
+    import transformers
+
+    from redline.workload.trace import trace_module
+
+    try:
+        hf_config = transformers.AutoConfig.for_model(**config)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise BadInput(f"{path}: transformers cannot read this config: {exc}") from None
+    length = seq_len or (
+        shape.seq_len if shape else min(int(getattr(hf_config, "max_position_embeddings", 2048)), 8192)
+    )
+    vocab = int(getattr(hf_config, "vocab_size", 0)) or None
+    auto = transformers.AutoModel if shape is not None and not shape.lm_head else transformers.AutoModelForCausalLM
+
+    def build():
+        return auto.from_config(hf_config)
+
+    profile = trace_module(
+        build,
+        (length,),
+        name=name,
+        source=f"config {path} (traced with transformers {transformers.__version__})",
+        input_dtype=torch.long,
+        tokens_per_sample=length,
+        sample_unit="sequence",
+        vocab_size=vocab,
+    )
+    if shape is not None:
+        profile = dataclasses.replace(profile, transformer=shape.replace(seq_len=length))
+    return profile
+
+
+def factory_profile(spec: str, input_shape: tuple[int, ...] | None) -> WorkloadProfile:
+    require_torch(f"tracing {spec}")
+    from redline.workload.factory import load_factory
+
+    from redline.workload.trace import trace_module
+
+    build = load_factory(spec)
+    return trace_module(build, input_shape, name=spec, source=f"factory {spec}")

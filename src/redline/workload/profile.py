@@ -1,0 +1,129 @@
+"""What the planner needs to know about a model: a plain, JSON-ready profile.
+
+A ``WorkloadProfile`` comes from one of two places and reads the same either way:
+
+- the analytic formulas for transformers (``workload.transformer``), from a preset, a Hugging Face
+  ``config.json`` or a bare parameter count; or
+- tracing a real ``nn.Module`` on fake tensors (``workload.trace``): no memory is allocated, no GPU needed.
+
+Per-sample figures scale linearly with the micro-batch; the planner multiplies. A *sample* is one
+sequence of ``tokens_per_sample`` tokens for a language model and one image for a vision model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# How activations are stored: "16bit" under autocast to fp16/bf16 (and fp8, whose recipes keep 16-bit
+# copies for the backward pass), "fp32" without mixed precision.
+ActivationPrecision = Literal["16bit", "fp32"]
+ACTIVATION_PRECISIONS: tuple[ActivationPrecision, ...] = ("16bit", "fp32")
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The shape of a transformer, enough for the analytic formulas (Megatron/Korthikanti notation)."""
+
+    layers: int  # L: transformer blocks (encoder + decoder for an encoder-decoder model)
+    hidden: int  # h: model width
+    heads: int  # a: attention (query) heads
+    ffn_hidden: int  # f: MLP inner width (4h for GPT-2, 11008 for Llama-2-7B)
+    vocab: int  # V
+    seq_len: int  # s: the training sequence length the preset or config names
+    kv_heads: int | None = None  # G: key/value heads under grouped-query attention; None = heads
+    head_dim: int | None = None  # None = hidden // heads (T5-3B has 32 heads of 128 on a 1024 model)
+    gated_mlp: bool = False  # SwiGLU/GeGLU: three MLP matrices instead of two
+    tied_embeddings: bool = True  # the output projection reuses the input embedding
+    position_embeddings: int = 0  # learned absolute positions (GPT-2 1024, BERT 512); 0 for RoPE/relative
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    bias: bool = True  # linear layers carry biases (GPT-2, BERT) or not (Llama, T5)
+    dropout: bool = True  # dropout layers are active in training (they save 1-byte masks)
+    lm_head: bool = True  # ends in a projection onto the vocabulary (False for a bare encoder like BertModel)
+    final_norm: bool = True  # a norm after the last block (pre-norm models); BERT's post-norm blocks have none
+    decoder_layers: int = 0  # of ``layers``, how many are decoder blocks with cross-attention (T5)
+    extra_params: int = 0  # parameters outside the blocks and embeddings (BERT's pooler, type embeddings)
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransformerShape.{name} must be positive, not {getattr(self, name)}")
+        if self.kv_heads is not None and (self.kv_heads <= 0 or self.heads % self.kv_heads):
+            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}; give head_dim")
+        if not 0 <= self.decoder_layers <= self.layers:
+            raise ValueError(f"decoder_layers {self.decoder_layers} must be within 0..layers {self.layers}")
+
+    @property
+    def groups(self) -> int:
+        """G: key/value heads (equal to ``heads`` without grouped-query attention)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def query_width(self) -> int:
+        """q: width of the query projection, heads x head_dim (= hidden except in T5-style models)."""
+        return self.heads * self.dim_per_head
+
+    def replace(self, **changes: Any) -> TransformerShape:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One repeated block (or a non-repeated part such as the embedding) of the model."""
+
+    name: str  # "h.0", "layers.0", "embedding", "head"
+    kind: str  # module class or role: "GPT2Block", "LlamaDecoderLayer", "Bottleneck"
+    params: int
+    forward_flops_per_sample: float
+    # bytes saved for the backward pass, per sample, by activation precision
+    activation_bytes_per_sample: dict[str, float]
+    # bytes the block's input takes per sample in 16-bit: what full activation checkpointing keeps
+    input_bytes_per_sample: float = 0.0
+    is_block: bool = True  # a repeated block (checkpointed, split over pipeline stages) or a fixed part
+
+
+@dataclass(frozen=True)
+class WorkloadProfile:
+    """A model as the planner sees it. Counts are exact for traced modules, formula-based otherwise."""
+
+    name: str
+    source: str  # where it came from: "preset gpt2", "config.json path", "mypkg.models:build", "--params"
+    method: Literal["analytic", "traced"]
+    params_total: int
+    params_trainable: int
+    largest_module_params: int  # parameters of the largest single module (DeepSpeed's LL)
+    forward_flops_per_sample: float  # model FLOPs of one forward pass; backward is 2x (6ND rule)
+    layers: tuple[LayerProfile, ...]  # embedding, blocks in order, head
+    tokens_per_sample: int = 1  # sequence length for language models, 1 for images
+    sample_unit: str = "sequence"  # "sequence" or "image"
+    transformer: TransformerShape | None = None  # present when the analytic formulas apply
+    input_shape: tuple[int, ...] | None = None  # per-sample input shape a traced model was run with
+    # traced models: peak bytes of one fp32 Adam step at micro-batch 1 by category ("params", "grads",
+    # "optimizer_states", "activations", "temporary", "total", ...), from PyTorch's MemTracker; None without it
+    traced_peak_bytes: dict[str, int] | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def training_flops_per_sample(self) -> float:
+        """Forward + backward model FLOPs (3x forward: the backward pass costs twice the forward)."""
+        return 3.0 * self.forward_flops_per_sample
+
+    @property
+    def blocks(self) -> tuple[LayerProfile, ...]:
+        return tuple(layer for layer in self.layers if layer.is_block)
+
+    def activation_bytes_per_sample(self, precision: ActivationPrecision = "16bit") -> float:
+        return sum(layer.activation_bytes_per_sample[precision] for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["training_flops_per_sample"] = self.training_flops_per_sample
+        data["activation_bytes_per_sample"] = {p: self.activation_bytes_per_sample(p) for p in ACTIVATION_PRECISIONS}
+        return data
