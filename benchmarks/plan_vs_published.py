@@ -1,0 +1,124 @@
+"""redline plan's predicted throughput next to published large training runs.
+
+Each case fixes what the paper fixed (model shape, GPUs, tensor and pipeline degrees, global batch,
+recomputation) and lets the planner choose the rest (micro-batch, sharding); the figure compared is the
+paper's own: hardware TFLOP/s per GPU with recomputation counted (Narayanan et al. 2021, Smith et al.
+2022), or model FLOP/s utilisation (Llama 3). Hardware is the catalog's GPU with the paper's network.
+
+    python benchmarks/plan_vs_published.py [--json]
+
+Published figures (sources in each case):
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+
+from redline.plan.estimate import Goal
+from redline.plan.hardware import catalog_cluster
+from redline.plan.search import Constraints, search
+from redline.specs.catalog import find_gpu
+from redline.workload.profile import TransformerShape
+from redline.workload.transformer import narayanan_step_flops, transformer_profile
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    source: str
+    shape: TransformerShape
+    gpu: str
+    gpus: int
+    network_gbps: float  # per node of 8 GPUs
+    tensor: int
+    pipeline: int
+    global_batch: int
+    checkpointing: str | None  # None: the planner chooses
+    metric: str  # "hfu_tflops": TFLOP/s per GPU incl. recompute (Narayanan's count); "mfu"
+    published: float
+
+
+def gpt(hidden: int, layers: int, heads: int, seq_len: int = 2048) -> TransformerShape:
+    return TransformerShape(
+        layers=layers, hidden=hidden, heads=heads, ffn_hidden=4 * hidden, vocab=51200, seq_len=seq_len,
+        position_embeddings=seq_len, dropout=True,
+    )
+
+
+SELENE = 8 * 200.0  # DGX A100 nodes with 8 HDR InfiniBand 200 Gbit/s adapters (Narayanan et al. 2021, section 5)
+NARAYANAN = "Narayanan et al. 2021 (Megatron-LM PTD-P), Table 1"
+CASES = [
+    Case("GPT 145.6B, 1536 A100", NARAYANAN, gpt(12288, 80, 96), "a100-sxm4-80gb", 1536, SELENE, 8, 8, 2304, "full",
+         "hfu_tflops", 148.0),
+    Case("GPT 1T, 3072 A100", NARAYANAN, gpt(25600, 128, 160), "a100-sxm4-80gb", 3072, SELENE, 8, 64, 3072, "full",
+         "hfu_tflops", 163.0),
+    Case("GPT 175B, 384 A100", "Narayanan et al. 2021, Table 2 (PTD-P)", gpt(12288, 96, 96), "a100-sxm4-80gb", 384,
+         SELENE, 8, 8, 1536, "full", "hfu_tflops", 153.0),
+    Case("GPT 175B, 768 A100", "Narayanan et al. 2021, Table 2 (PTD-P)", gpt(12288, 96, 96), "a100-sxm4-80gb", 768,
+         SELENE, 8, 8, 1536, "full", "hfu_tflops", 149.0),
+    Case("GPT 175B, 1536 A100", "Narayanan et al. 2021, Table 2 (PTD-P)", gpt(12288, 96, 96), "a100-sxm4-80gb", 1536,
+         SELENE, 8, 8, 1536, "full", "hfu_tflops", 141.0),
+    Case("MT-NLG 530B, 2240 A100", "Smith et al. 2022 (MT-NLG), section 2.4", gpt(20480, 105, 128), "a100-sxm4-80gb",
+         2240, SELENE, 8, 35, 1920, "full", "hfu_tflops", 126.0),
+    Case("MT-NLG 530B, 3360 A100", "Smith et al. 2022 (MT-NLG), section 2.4", gpt(20480, 105, 128), "a100-sxm4-80gb",
+         3360, SELENE, 8, 35, 1920, "full", "hfu_tflops", 113.0),
+    Case(
+        "Llama 3 405B, 8192 H100", "Llama 3 paper (Dubey et al. 2024), Table 4",
+        TransformerShape(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256, seq_len=8192,
+                         gated_mlp=True, tied_embeddings=False, norm="rmsnorm", bias=False, dropout=False),
+        "h100-sxm", 8192, 8 * 400.0, 8, 16, 2048, None, "mfu", 0.43,
+    ),
+]
+
+
+def predict(case: Case) -> dict:
+    profile = transformer_profile(case.shape, name=case.name, source=case.source)
+    gpu = find_gpu(case.gpu)
+    cluster = catalog_cluster(gpu, 8, name=case.name, network_gbps=case.network_gbps).with_nodes(case.gpus // 8)
+    constraints = Constraints(tensor=case.tensor, pipeline=case.pipeline, checkpointing=case.checkpointing)
+    result = search(profile, cluster, Goal(case.global_batch), constraints)
+    if not result.ranked:
+        return {"case": case.name, "published": case.published, "predicted": None, "note": "nothing fits"}
+    best = result.ranked[0]
+    if case.metric == "hfu_tflops":
+        s = case.shape
+        flops = narayanan_step_flops(case.global_batch, s.seq_len, s.layers, s.hidden, s.vocab, recompute=True)
+        predicted = flops / best.time.total / case.gpus / 1e12
+    else:
+        predicted = best.mfu
+    return {
+        "case": case.name,
+        "source": case.source,
+        "metric": case.metric,
+        "published": case.published,
+        "predicted": predicted,
+        "ratio": predicted / case.published,
+        "strategy": best.strategy.label(),
+        "step_s": best.time.total,
+    }
+
+
+def main() -> None:
+    rows = [predict(case) for case in CASES]
+    if "--json" in sys.argv:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'case':28} {'metric':11} {'published':>9} {'predicted':>9} {'ratio':>6}  strategy")
+    for row in rows:
+        if row["predicted"] is None:
+            print(f"{row['case']:28} nothing fits")
+            continue
+        print(
+            f"{row['case']:28} {row['metric']:11} {row['published']:9.3g} {row['predicted']:9.3g} "
+            f"{row['ratio']:6.2f}  {row['strategy']}"
+        )
+    ratios = [row["ratio"] for row in rows if row["predicted"] is not None]
+    errors = [abs(r - 1) for r in ratios]
+    print(f"median ratio {statistics.median(ratios):.2f}; mean abs error {statistics.mean(errors):.1%}, max {max(errors):.1%}")
+
+
+if __name__ == "__main__":
+    main()

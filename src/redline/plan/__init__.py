@@ -1,0 +1,1 @@
+"""Pure models of memory, step time and cost per strategy, and the search over strategies and machines."""

@@ -1,0 +1,99 @@
+"""Everything the planner predicts for one strategy: memory, step time, throughput, MFU, time and cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redline.plan.hardware import Cluster
+from redline.plan.memory import MemoryBreakdown, memory_per_gpu
+from redline.plan.steptime import StepTime, step_time
+from redline.plan.strategy import Strategy
+from redline.workload.profile import WorkloadProfile
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What the user wants done: a global batch per step, and how much training in all."""
+
+    global_batch: int
+    tokens: float | None = None  # train on this many tokens
+    samples: float | None = None  # or on this many samples (epochs x dataset size)
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global batch must be at least 1, not {self.global_batch}")
+        for name in ("tokens", "samples"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, not {value}")
+
+
+def mfu_peak(cluster: Cluster, precision: str) -> float | None:
+    """MFU's denominator: the dense datasheet peak of the precision the matmuls run in (TF32 for fp32)."""
+    key = "tf32" if precision == "fp32" and "tf32" in cluster.peak_flops else precision
+    return cluster.peak_flops.get(key)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    strategy: Strategy
+    memory: MemoryBreakdown
+    time: StepTime
+    fits: bool
+    samples_per_s: float
+    tokens_per_s: float
+    mfu: float | None  # model FLOPs (3 x forward) per second over the GPUs' dense peak (PaLM's definition)
+    hfu: float | None  # the same with recomputation counted (hardware FLOPs)
+    time_to_train_s: float | None
+    cost_usd: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy.to_dict(),
+            "label": self.strategy.label(),
+            "fits": self.fits,
+            "memory_bytes": self.memory.to_dict(),
+            "step_time_s": self.time.to_dict(),
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "time_to_train_s": self.time_to_train_s,
+            "cost_usd": self.cost_usd,
+        }
+
+
+def estimate(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goal: Goal) -> Estimate:
+    memory = memory_per_gpu(profile, strategy, cluster.gpus_per_node)
+    time = step_time(profile, strategy, cluster)
+    step_s = time.total
+    samples_per_s = strategy.global_batch / step_s
+    tokens_per_s = samples_per_s * profile.tokens_per_sample
+    peak = mfu_peak(cluster, strategy.precision)
+    mfu = hfu = None
+    if peak:
+        model_flops = profile.training_flops_per_sample * samples_per_s
+        mfu = model_flops / (strategy.gpus * peak)
+        recomputed = sum(b.forward_flops_per_sample for b in profile.blocks) if strategy.checkpointing == "full" else 0
+        hfu = (model_flops + recomputed * samples_per_s) / (strategy.gpus * peak)
+    time_to_train = None
+    if goal.tokens is not None:
+        time_to_train = goal.tokens / tokens_per_s
+    elif goal.samples is not None:
+        time_to_train = goal.samples / samples_per_s
+    cost = None
+    if time_to_train is not None and cluster.price_usd_per_node_hour is not None:
+        cost = time_to_train / 3600 * cluster.nodes * cluster.price_usd_per_node_hour
+    return Estimate(
+        strategy=strategy,
+        memory=memory,
+        time=time,
+        fits=memory.device_total <= cluster.memory_bytes,
+        samples_per_s=samples_per_s,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
+        hfu=hfu,
+        time_to_train_s=time_to_train,
+        cost_usd=cost,
+    )

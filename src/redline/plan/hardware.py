@@ -1,0 +1,273 @@
+"""The machine a plan runs on: per-GPU memory and ceilings, links, node count and price.
+
+Ceilings come from the catalog by default, scaled by the efficiencies below, and from this machine's
+``redline bench --save`` figures when planning for ``local`` (each ceiling says which it used).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from redline.errors import BadInput
+from redline.plan.comm import Link
+from redline.specs.catalog import GpuSpec, find_gpu
+
+if TYPE_CHECKING:
+    from redline.bench.model import BenchRun
+    from redline.hw.snapshot import Snapshot
+
+# Fractions of a datasheet figure that well-written code reaches; used only when nothing was measured.
+# A large GEMM's share of the datasheet peak, what `redline bench compute` measures (and replaces this
+# with); PyTorch's torch/distributed/_tools/runtime_estimator.py uses 0.75 too.
+MATMUL_EFFICIENCY = 0.75
+HBM_EFFICIENCY = 0.85  # a device-to-device copy reaches about 85-90% of the datasheet bandwidth
+NVLINK_EFFICIENCY = 0.8  # all-reduce busbw over NVSwitch vs the per-direction NVLink rate (nccl-tests)
+PCIE_EFFICIENCY = 0.7  # without NVLink, NCCL rings cross PCIe (and often the CPU)
+NETWORK_EFFICIENCY = 0.9  # Calculon's InfiniBand efficiency
+# alpha per collective (Calculon, systems/a100_80g.json): 10 us over NVLink, 20 us over InfiniBand
+NVLINK_LATENCY_S = 10e-6
+PCIE_LATENCY_S = 15e-6
+NETWORK_LATENCY_S = 20e-6
+# per-direction PCIe x16 bandwidth by generation, GB/s (PCI-SIG: 8, 16, 32 GT/s per lane, 128b/130b)
+PCIE_X16_GBS = {3: 15.75, 4: 31.5, 5: 63.0, 6: 121.0}
+# inter-node bandwidth when the hardware names GPUs but not a network: a 400 Gbit/s NIC per node
+DEFAULT_NETWORK_GBPS = 400.0
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """A rate the plan divides by, and where it came from."""
+
+    value: float  # FLOP/s or bytes/s
+    source: str
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Identical nodes of identical devices."""
+
+    name: str  # as the user asked for it: "8xH100-SXM", "p5.48xlarge", "local"
+    device: str  # "NVIDIA H100 SXM5 80GB", or the CPU model
+    gpus_per_node: int
+    nodes: int
+    memory_bytes: int  # per device, what the job may allocate at most (before the CUDA context)
+    peak_flops: dict[str, float]  # dense datasheet peak per precision (empty for a CPU): MFU's denominator
+    matmul: dict[str, Ceiling]  # achievable dense matmul FLOP/s per precision
+    memory_bandwidth: Ceiling  # bytes/s for memory-bound work
+    intra: Link
+    inter: Link | None
+    price_usd_per_node_hour: float | None = None
+    price_source: str | None = None
+    gpu: GpuSpec | None = None
+    notes: tuple[str, ...] = field(default=())
+    is_cpu: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        return tuple(self.matmul)
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        if nodes < 1:
+            raise BadInput(f"--nodes must be at least 1, not {nodes}")
+        if nodes > 1 and self.inter is None:
+            raise BadInput(f"{self.name}: no inter-node network is known; pass --network-gbps")
+        return replace(self, nodes=nodes)
+
+    def with_network(self, gbps: float) -> Cluster:
+        if not gbps > 0:
+            raise BadInput(f"--network-gbps must be positive, not {gbps}")
+        return replace(self, inter=network_link(gbps, f"--network-gbps {gbps:g}"))
+
+
+def network_link(gbps: float, source: str) -> Link:
+    return Link(gbps / 8 * 1e9 * NETWORK_EFFICIENCY, NETWORK_LATENCY_S, f"{source} x {NETWORK_EFFICIENCY}")
+
+
+def intra_node_link(gpu: GpuSpec, link_gbs: float | None = None) -> Link:
+    """GPU-to-GPU inside a node: NVLink when the GPU has it (``nvlink_gbs`` counts both directions), else
+    PCIe of the GPU's generation."""
+    both_ways = link_gbs if link_gbs is not None else gpu.nvlink_gbs
+    if both_ways:
+        return Link(
+            both_ways / 2 * 1e9 * NVLINK_EFFICIENCY,
+            NVLINK_LATENCY_S,
+            f"catalog: {both_ways:g} GB/s NVLink / 2 directions x {NVLINK_EFFICIENCY}",
+        )
+    per_direction = PCIE_X16_GBS.get(gpu.pcie_gen, 15.75)
+    return Link(
+        per_direction * 1e9 * PCIE_EFFICIENCY,
+        PCIE_LATENCY_S,
+        f"catalog: PCIe Gen{gpu.pcie_gen} x16 {per_direction:g} GB/s x {PCIE_EFFICIENCY}",
+    )
+
+
+def catalog_cluster(gpu: GpuSpec, gpus_per_node: int, *, name: str, network_gbps: float | None = None) -> Cluster:
+    """Ceilings from the datasheet, scaled by the efficiencies above."""
+    matmul = {
+        precision: Ceiling(peak * 1e12 * MATMUL_EFFICIENCY, f"catalog {peak:g} TFLOP/s x {MATMUL_EFFICIENCY}")
+        for precision, peak in gpu.peak_tflops.items()
+        if precision in ("fp32", "tf32", "bf16", "fp16", "fp8")
+    }
+    if "tf32" in matmul:  # fp32 training runs its matmuls on TF32 tensor cores when allowed (redline's runtime does)
+        matmul["fp32"] = matmul.pop("tf32")
+    notes = ()
+    if network_gbps is None:
+        network_gbps = DEFAULT_NETWORK_GBPS
+        notes = (f"inter-node network assumed {DEFAULT_NETWORK_GBPS:g} Gbit/s per node (set --network-gbps)",)
+    return Cluster(
+        name=name,
+        device=gpu.name,
+        gpus_per_node=gpus_per_node,
+        nodes=1,
+        memory_bytes=gpu.memory_bytes,
+        peak_flops={p: v * 1e12 for p, v in gpu.peak_tflops.items()},
+        matmul=matmul,
+        memory_bandwidth=Ceiling(
+            gpu.memory_bandwidth_gbs * 1e9 * HBM_EFFICIENCY,
+            f"catalog {gpu.memory_bandwidth_gbs:g} GB/s x {HBM_EFFICIENCY}",
+        ),
+        intra=intra_node_link(gpu),
+        inter=network_link(network_gbps, f"{network_gbps:g} Gbit/s"),
+        gpu=gpu,
+        notes=notes,
+    )
+
+
+_COUNT_X_GPU = re.compile(r"\s*(\d+)\s*[x×*]\s*(.+)", re.IGNORECASE)
+
+
+def parse_hardware(text: str) -> Cluster:
+    """``8xH100-SXM`` / ``h100-sxm`` (one GPU) / a cloud instance name (``p5.48xlarge``). ``local`` is
+    handled by ``local_cluster`` because it probes the machine."""
+    match = _COUNT_X_GPU.fullmatch(text)
+    count, gpu_name = (int(match.group(1)), match.group(2)) if match else (1, text)
+    if count < 1:
+        raise BadInput(f"--hardware {text}: the GPU count must be at least 1")
+    try:
+        gpu = find_gpu(gpu_name.strip())
+    except BadInput as gpu_error:
+        if match:
+            raise
+        from redline.specs.instances import find_instance
+
+        try:
+            instance = find_instance(text)
+        except BadInput:
+            raise BadInput(
+                f"--hardware {text}: not a GPU (COUNTxGPU, e.g. 8xh100-sxm) nor a cloud instance; "
+                f"{gpu_error}; instances: redline catalog instances"
+            ) from None
+        return instance_cluster(instance)
+    return catalog_cluster(gpu, count, name=text)
+
+
+def instance_cluster(instance) -> Cluster:
+    """A cloud instance: its GPUs from the catalog, its links and network from the instance catalog."""
+    if instance.whole_gpus < 1:
+        raise BadInput(
+            f"{instance.name} has {instance.gpu_count:g} of a GPU (a partition); training plans need whole GPUs"
+        )
+    cluster = catalog_cluster(instance.gpu, instance.whole_gpus, name=instance.name, network_gbps=instance.network_gbps)
+    if instance.network_gbps is None:  # not verified: plan this instance as a single node only
+        cluster = replace(cluster, inter=None, notes=(f"{instance.name}: network not in the catalog; one node only",))
+    intra = cluster.intra
+    if instance.gpu_link_gbs and instance.gpu_interconnect in ("nvswitch", "nvlink"):
+        intra = intra_node_link(instance.gpu, instance.gpu_link_gbs)
+    return replace(
+        cluster,
+        intra=intra,
+        memory_bytes=min(cluster.memory_bytes, int(instance.gpu_memory_gb * 2**30)),
+        price_usd_per_node_hour=instance.price_usd_per_hour,
+        price_source=f"{instance.provider} on-demand {instance.region}, {instance.price_date}",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- local
+
+
+def local_cluster(snapshot: Snapshot, bench: BenchRun | None) -> Cluster:
+    """This machine: its GPUs as probed (or its CPU), with measured ceilings where bench saved them."""
+    from redline.specs.catalog import match_gpu
+
+    gpus = snapshot.gpus
+    if not gpus:
+        return _cpu_cluster(snapshot, bench)
+    first = gpus[0]
+    spec = match_gpu(first.name, first.memory_total_bytes)
+    if spec is None:
+        raise BadInput(f"local GPU '{first.name}' is not in the catalog; plan with --hardware COUNTxGPU")
+    cluster = catalog_cluster(spec, len(gpus), name="local")
+    if first.memory_total_bytes:
+        cluster = replace(cluster, memory_bytes=first.memory_total_bytes, device=first.name or spec.name)
+    if bench is not None:
+        cluster = _with_measurements(cluster, bench, device_prefix="cuda")
+    return cluster
+
+
+def _cpu_cluster(snapshot: Snapshot, bench: BenchRun | None) -> Cluster:
+    measured = {m.name: m for m in (bench.measurements if bench else []) if m.device == "cpu"}
+    matmul = {
+        name.removeprefix("matmul_"): Ceiling(m.value * 1e12, f"bench {m.name} {m.value:.3g} TFLOP/s")
+        for name, m in measured.items()
+        if name.startswith("matmul_") and m.suite == "compute"
+    }
+    copy = measured.get("host_copy")
+    if not matmul or copy is None:
+        raise BadInput(
+            "this machine has no GPU, and planning for its CPU needs measured ceilings: run "
+            "`redline bench compute memory --save` first, or plan for a named GPU (--hardware 8xh100-sxm)"
+        )
+    host = snapshot.host
+    memory = min((b for b in (host.memory_total_bytes, host.cgroup_memory_limit_bytes) if b), default=0)
+    cluster = Cluster(
+        name="local",
+        device=host.cpu_model or "CPU",
+        gpus_per_node=1,
+        nodes=1,
+        memory_bytes=memory,
+        peak_flops={},
+        matmul=matmul,
+        memory_bandwidth=Ceiling(copy.value * 1e9, f"bench host_copy {copy.value:.3g} GB/s"),
+        intra=Link(1e9, 1e-4, "gloo (one rank: unused)"),
+        inter=None,
+        is_cpu=True,
+        notes=("CPU: no datasheet peak, so no MFU; ceilings are this machine's bench figures",),
+    )
+    return cluster
+
+
+def _with_measurements(cluster: Cluster, bench: BenchRun, device_prefix: str) -> Cluster:
+    """Replace catalog ceilings by what bench measured on this machine's devices (median over devices)."""
+    import statistics
+
+    def values(suite: str, name: str) -> list[float]:
+        return [
+            m.value
+            for m in bench.measurements
+            if m.suite == suite and m.name == name and m.device.startswith(device_prefix)
+        ]
+
+    matmul = dict(cluster.matmul)
+    for precision in list(matmul):
+        found = values("compute", f"matmul_{precision}" if precision != "fp32" else "matmul_tf32") or values(
+            "compute", f"matmul_{precision}"
+        )
+        if found:
+            tflops = statistics.median(found)
+            matmul[precision] = Ceiling(tflops * 1e12, f"bench {bench.taken_at[:10]} {tflops:.4g} TFLOP/s")
+    memory_bandwidth = cluster.memory_bandwidth
+    if found := values("memory", "device_copy"):
+        gbs = statistics.median(found)
+        memory_bandwidth = Ceiling(gbs * 1e9, f"bench {bench.taken_at[:10]} device_copy {gbs:.4g} GB/s")
+    intra = cluster.intra
+    all_reduce = [m for m in bench.measurements if m.suite == "collective" and m.name == "all_reduce"]
+    if all_reduce:
+        gbs = all_reduce[-1].value
+        intra = Link(gbs * 1e9, intra.latency_s, f"bench {bench.taken_at[:10]} all_reduce busbw {gbs:.4g} GB/s")
+    return replace(cluster, matmul=matmul, memory_bandwidth=memory_bandwidth, intra=intra)

@@ -1,0 +1,222 @@
+"""Memory per GPU of one strategy, by component: pure arithmetic over a WorkloadProfile.
+
+``allocated`` is what ``torch.cuda.max_memory_allocated`` reports at the peak of a training step (the
+figure the GPU check compares with); ``device_total`` adds what the PyTorch allocator does not count or
+keeps in reserve (fragmentation, the CUDA context, NCCL's buffers) and must fit in the GPU's memory.
+
+The peak is taken as every component alive at once: gradients of a step coexist with activations under
+DDP (its buckets exist from the start) and under gradient accumulation, and counting them together errs
+on the side of not running out of memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from redline.plan.model_states import ZERO_STAGE, optimizer_state_bytes, pytorch_state_bytes
+from redline.plan.strategy import Strategy
+from redline.units import MiB
+from redline.workload.profile import LayerProfile, WorkloadProfile
+from redline.workload.transformer import block_activation_bytes
+
+DDP_BUCKET_BYTES = 25 * MiB  # DistributedDataParallel(bucket_cap_mb=25); two buckets in flight
+FRAGMENTATION = 0.05  # the caching allocator's reserved-over-allocated margin for a steady training loop
+CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernels with lazy loading (CUDA_MODULE_LOADING=LAZY)
+NCCL_BUFFER_BYTES = 256 * MiB  # NCCL's own cudaMalloc'd channels/buffers, outside PyTorch's allocator
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU on the busiest pipeline stage."""
+
+    weights: float  # parameters as stored (fp32), after sharding
+    grads: float  # fp32 gradients, after sharding
+    optimizer: float  # optimizer states (and master weights), after sharding
+    weight_copies: float  # 16-bit/fp8 copies of weights for compute: autocast's or FSDP's unsharded units
+    activations: float  # saved for backward, all micro-batches in flight
+    temporary: float  # the working set of one block's backward (and of its recomputation)
+    comm_buffers: float  # DDP buckets or FSDP's unsharded gradient of a unit
+    fragmentation: float
+    cuda_context: float
+    nccl: float
+
+    @property
+    def allocated(self) -> float:
+        """Compare with torch.cuda.max_memory_allocated()."""
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.weight_copies
+            + self.activations
+            + self.temporary
+            + self.comm_buffers
+        )
+
+    @property
+    def device_total(self) -> float:
+        """What must fit in the GPU's memory."""
+        return self.allocated + self.fragmentation + self.cuda_context + self.nccl
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"allocated": self.allocated, "device_total": self.device_total}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The layers one pipeline stage holds."""
+
+    blocks: tuple[LayerProfile, ...]
+    fixed: tuple[LayerProfile, ...]  # embedding on the first stage, head on the last
+    index: int  # 0 for the first stage
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in (*self.blocks, *self.fixed))
+
+
+def stages(profile: WorkloadProfile, pipeline: int) -> list[Stage]:
+    """Blocks split as evenly as they go (the first stages take the remainder); the layers before the
+    first block go with the first stage, the ones after the last block with the last."""
+    blocks = list(profile.blocks)
+    first_block = profile.layers.index(blocks[0]) if blocks else len(profile.layers)
+    head_start = profile.layers.index(blocks[-1]) + 1 if blocks else len(profile.layers)
+    before, after = profile.layers[:first_block], profile.layers[head_start:]
+    per_stage, extra = divmod(len(blocks), pipeline)
+    out: list[Stage] = []
+    start = 0
+    for index in range(pipeline):
+        count = per_stage + (1 if index < extra else 0)
+        fixed = (before if index == 0 else ()) + (after if index == pipeline - 1 else ())
+        out.append(Stage(tuple(blocks[start : start + count]), tuple(fixed), index=index))
+        start += count
+    return out
+
+
+def activation_value_bytes(strategy: Strategy) -> int:
+    return 4 if strategy.precision == "fp32" else 2
+
+
+def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: Strategy, *, decoder: bool) -> float:
+    """Bytes one block saves for backward for one micro-batch, without checkpointing.
+
+    Transformers use Korthikanti's formula for the strategy's tensor/sequence parallelism; for a traced
+    transformer the traced figure is scaled by the formula's ratio to its own unsplit value, so what the
+    trace saw (the real attention kernel, extra saved tensors) carries over.
+    """
+    key = "fp32" if strategy.precision == "fp32" else "16bit"
+    shape = profile.transformer
+    if shape is None:
+        return block.activation_bytes_per_sample[key] * strategy.micro_batch
+    value = activation_value_bytes(strategy)
+
+    def formula(t: int, sp: bool, selective: bool) -> float:
+        return block_activation_bytes(
+            shape,
+            profile.tokens_per_sample,
+            bytes_per_value=value,
+            tensor_parallel=t,
+            sequence_parallel=sp,
+            flash_attention=strategy.flash_attention,
+            selective_recompute=selective,
+            decoder=decoder,
+        )
+
+    split = formula(strategy.tensor, strategy.sequence_parallel, strategy.checkpointing == "selective")
+    if profile.method == "traced":
+        per_sample = block.activation_bytes_per_sample[key] * split / formula(1, False, False)
+    else:
+        per_sample = split
+    return per_sample * strategy.micro_batch
+
+
+def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> int:
+    """1F1B: stage i of p holds the activations of min(p - i, m) micro-batches, the first stage the most
+    (Narayanan et al. 2021); without a pipeline, micro-batches run one after the other."""
+    return min(strategy.pipeline - stage_index, strategy.accumulation)
+
+
+def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, gpus_per_node: int) -> MemoryBreakdown:
+    t = strategy.tensor
+    decoder_from = len(profile.blocks) - (profile.transformer.decoder_layers if profile.transformer else 0)
+    decoder_names = {b.name for b in profile.blocks[decoder_from:]}
+    params = stage.params / t
+
+    # model states: ZeRO's sharding (stage 1 optimizer, 2 gradients, 3 weights) of PyTorch's fp32 states
+    shape = profile.transformer
+    opt_bytes = optimizer_state_bytes(
+        strategy.optimizer, hidden=shape.hidden if shape else None, ffn_hidden=shape.ffn_hidden if shape else None
+    )
+    states = pytorch_state_bytes(strategy.precision, opt_bytes)
+    zero_stage = ZERO_STAGE[strategy.sharding]
+    shard = shard_degree(strategy, gpus_per_node)
+
+    def sharded(bytes_per_param: float, from_stage: int) -> float:
+        return params * bytes_per_param / (shard if zero_stage >= from_stage else 1)
+
+    weights = sharded(states.weights, 3)
+    grads = sharded(states.grads, 2)
+    optimizer = sharded(states.optimizer + states.master, 1)
+
+    # compute copies of the weights: bf16/fp16 (and an fp8 copy on top under fp8)
+    copy_bytes = {"fp32": 0, "bf16": 2, "fp16": 2, "fp8": 3}[strategy.precision]
+    largest_block = max((b.params for b in stage.blocks), default=0) / t
+    fixed_params = sum(layer.params for layer in stage.fixed) / t
+    if zero_stage >= 3:
+        # FSDP: the root unit (embedding, head) and two block units unsharded at once (prefetch), in the
+        # compute precision (fp32 units when there is no mixed precision)
+        unit_bytes = copy_bytes or 4
+        weight_copies = unit_bytes * (fixed_params + 2 * largest_block)
+        # the unsharded fp32 gradient of one unit before its reduce-scatter, plus its compute-precision form
+        comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
+    else:
+        weight_copies = copy_bytes * params  # autocast keeps every cast weight saved for backward
+        comm_buffers = 2 * DDP_BUCKET_BYTES if strategy.data > 1 else 0.0
+
+    # activations
+    per_block = [block_activation(profile, b, strategy, decoder=b.name in decoder_names) for b in stage.blocks]
+    value = activation_value_bytes(strategy)
+    sp_divisor = t if strategy.sequence_parallel else 1
+    if strategy.checkpointing == "full":
+        kept = sum(b.input_bytes_per_sample * value / 2 / sp_divisor * strategy.micro_batch for b in stage.blocks)
+    else:
+        kept = sum(per_block)
+    key = "fp32" if strategy.precision == "fp32" else "16bit"
+    fixed_acts = sum(layer.activation_bytes_per_sample[key] for layer in stage.fixed) * strategy.micro_batch / t
+    activations = (kept + fixed_acts) * in_flight_micro_batches(strategy, stage.index)
+    # backward of one block: its activation gradients, and under full checkpointing its recomputed activations
+    largest_act = max(per_block, default=0.0)
+    temporary = largest_act * (2 if strategy.checkpointing == "full" else 1)
+
+    allocated = weights + grads + optimizer + weight_copies + activations + temporary + comm_buffers
+    return MemoryBreakdown(
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        weight_copies=weight_copies,
+        activations=activations,
+        temporary=temporary,
+        comm_buffers=comm_buffers,
+        fragmentation=FRAGMENTATION * allocated,
+        cuda_context=CUDA_CONTEXT_BYTES,
+        nccl=NCCL_BUFFER_BYTES if strategy.gpus > 1 else 0.0,
+    )
+
+
+def shard_degree(strategy: Strategy, gpus_per_node: int) -> int:
+    """Ranks that share the sharded states: the data-parallel group, or under HSDP its part inside one
+    node (replicated across nodes)."""
+    if strategy.sharding == "hsdp":
+        return max(1, min(strategy.data, gpus_per_node // strategy.tensor))
+    return strategy.data
+
+
+def memory_per_gpu(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int) -> MemoryBreakdown:
+    """The busiest pipeline stage's memory (the first stage holds most activations; the last may hold a
+    large untied head)."""
+    candidates = [
+        stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node)
+        for stage in stages(profile, strategy.pipeline)
+    ]
+    return max(candidates, key=lambda m: m.device_total)

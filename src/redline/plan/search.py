@@ -1,0 +1,211 @@
+"""Enumerate the ways to run a model on a cluster, drop the ones that cannot run, rank the rest.
+
+The space: tensor degree (a divisor of the node size that divides the attention heads), pipeline degree
+(a divisor of what is left, no deeper than the model has blocks), data degree (the rest), what the data-
+parallel group shards, micro-batch (powers of two and the whole per-rank batch), the gradient
+accumulation that reaches the global batch, and activation checkpointing. Sequence parallelism is on
+whenever tensor parallelism is (it only saves memory). Everything is arithmetic: a 70B model over 64 GPUs
+is a few thousand candidates.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from redline.errors import BadInput
+from redline.plan.estimate import Estimate, Goal, estimate
+from redline.plan.hardware import Cluster
+from redline.plan.strategy import Strategy
+from redline.units import GiB
+from redline.workload.profile import WorkloadProfile
+
+OUT_OF_MEMORY = "does not fit in GPU memory"
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Parts of the strategy the user fixed; None leaves them to the search."""
+
+    precision: str | None = None
+    optimizer: str = "adamw"
+    sharding: str | None = None
+    tensor: int | None = None
+    pipeline: int | None = None
+    micro_batch: int | None = None
+    checkpointing: str | None = None
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]  # strategies that fit, best first
+    considered: int
+    excluded: Counter[str] = field(default_factory=Counter)  # reason -> how many
+    closest_misfit: Estimate | None = None  # the excluded strategy that came nearest to fitting
+
+    def exclusions(self) -> list[dict[str, Any]]:
+        return [{"reason": reason, "count": count} for reason, count in self.excluded.most_common()]
+
+
+def default_precision(cluster: Cluster) -> str:
+    """bf16 where the device has it, fp16 on Volta/Turing, fp32 otherwise (a CPU measured only in fp32)."""
+    for precision in ("bf16", "fp16", "fp32"):
+        if precision in cluster.matmul:
+            return precision
+    raise BadInput(f"{cluster.name}: no measured or catalog matmul rate for any training precision")
+
+
+def default_global_batch(profile: WorkloadProfile, cluster: Cluster) -> int:
+    """About half a million tokens per step for language models (GPT-3's smaller models used 0.5M), 256
+    images for vision models, rounded to a multiple of the GPU count."""
+    wanted = max(1, round(2**19 / profile.tokens_per_sample)) if profile.sample_unit == "sequence" else 256
+    gpus = cluster.gpus
+    return max(gpus, -(-wanted // gpus) * gpus)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_batches(per_rank: int) -> list[int]:
+    sizes = {b for b in (2**i for i in range(per_rank.bit_length())) if per_rank % b == 0}
+    sizes.add(per_rank)
+    return sorted(sizes)
+
+
+def candidates(
+    profile: WorkloadProfile, cluster: Cluster, goal: Goal, constraints: Constraints, excluded: Counter[str]
+) -> Iterator[Strategy]:
+    """Every strategy worth estimating; the ones impossible by construction are counted in ``excluded``."""
+    shape = profile.transformer
+    blocks = len(profile.blocks)
+    precision = constraints.precision or default_precision(cluster)
+    if precision not in cluster.matmul:
+        raise BadInput(
+            f"{cluster.device} has no {precision} rate (catalog or measured); try: {', '.join(cluster.matmul)}"
+        )
+    n = cluster.gpus
+    tensors = _divisors(cluster.gpus_per_node)
+    for t in tensors:
+        if constraints.tensor is not None and t != constraints.tensor:
+            continue
+        if t > 1 and shape is None:
+            excluded["tensor parallelism needs a transformer"] += 1
+            continue
+        if t > 1 and (shape.heads % t or shape.groups % t):
+            excluded[f"tensor degree {t} does not divide the attention heads"] += 1
+            continue
+        for p in _divisors(n // t):
+            if constraints.pipeline is not None and p != constraints.pipeline:
+                continue
+            if p > max(blocks, 1):
+                excluded["more pipeline stages than the model has blocks"] += 1
+                continue
+            dp = n // (t * p)
+            if goal.global_batch % dp:
+                excluded["global batch not divisible by the data-parallel degree"] += 1
+                continue
+            per_rank = goal.global_batch // dp
+            shardings = ["ddp"] if dp == 1 else ["ddp", "zero1", "zero2", "fsdp"]
+            if dp > 1 and cluster.nodes > 1 and p == 1 and dp > cluster.gpus_per_node // t:
+                shardings.append("hsdp")
+            for sharding in shardings:
+                if constraints.sharding is not None and sharding != constraints.sharding and dp > 1:
+                    continue
+                for b in _micro_batches(per_rank):
+                    if constraints.micro_batch is not None and b != constraints.micro_batch:
+                        continue
+                    for ckpt in ("none", "full") if blocks else ("none",):
+                        if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
+                            continue
+                        yield Strategy(
+                            data=dp,
+                            tensor=t,
+                            pipeline=p,
+                            sharding=sharding,
+                            precision=precision,
+                            micro_batch=b,
+                            accumulation=per_rank // b,
+                            checkpointing=ckpt,
+                            sequence_parallel=t > 1,
+                            optimizer=constraints.optimizer,
+                        )
+
+
+def search(
+    profile: WorkloadProfile,
+    cluster: Cluster,
+    goal: Goal,
+    constraints: Constraints | None = None,
+    *,
+    rank_by: str = "time",
+) -> SearchResult:
+    """Estimate every candidate; keep those that fit, fastest (or cheapest) first."""
+    constraints = constraints or Constraints()
+    excluded: Counter[str] = Counter()
+    fitting: list[Estimate] = []
+    closest: Estimate | None = None
+    considered = 0
+    for strategy in candidates(profile, cluster, goal, constraints, excluded):
+        considered += 1
+        result = estimate(profile, strategy, cluster, goal)
+        if result.fits:
+            fitting.append(result)
+            continue
+        excluded[OUT_OF_MEMORY] += 1
+        if closest is None or result.memory.device_total < closest.memory.device_total:
+            closest = result
+    if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
+        raise BadInput(f"{cluster.name} has no price; rank by time, or plan for a cloud instance")
+    # equal times (cost is time x price on one cluster): prefer the one with more memory to spare
+    fitting.sort(key=lambda e: (e.time.total, e.memory.device_total))
+    return SearchResult(ranked=fitting, considered=considered, excluded=excluded, closest_misfit=closest)
+
+
+def explain_no_fit(result: SearchResult, cluster: Cluster) -> str:
+    """Why nothing fits, in one line."""
+    if result.closest_misfit is None:
+        reasons = "; ".join(f"{r['reason']} ({r['count']})" for r in result.exclusions()) or "no candidates"
+        return f"no strategy can run on {cluster.name}: {reasons}"
+    best = result.closest_misfit
+    return (
+        f"nothing fits on {cluster.name}: the smallest footprint ({best.strategy.label()}) needs "
+        f"{best.memory.device_total / GiB:.1f} GiB per GPU of {cluster.memory_bytes / GiB:.1f} GiB"
+    )
+
+
+# the GPU counts tried when looking for the smallest hardware that fits: one node of 1-8, then whole nodes
+HARDWARE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def smallest_fitting(
+    profile: WorkloadProfile, goal: Goal, constraints: Constraints, *, limit: int = 3
+) -> list[tuple[Cluster, Estimate]]:
+    """For each catalog GPU, the fewest GPUs (8 per node) on which the model fits with its leanest
+    strategy (micro-batch 1, full checkpointing); the ``limit`` smallest by total GPU memory."""
+    from dataclasses import replace
+
+    from redline.plan.hardware import catalog_cluster
+    from redline.specs.catalog import gpu_catalog
+
+    lean = replace(constraints, micro_batch=1, checkpointing="full" if profile.blocks else None)
+    found: list[tuple[Cluster, Estimate]] = []
+    for gpu in gpu_catalog():
+        if gpu.vendor != "NVIDIA":
+            continue
+        for total in HARDWARE_SIZES:
+            per_node = min(total, 8)
+            cluster = catalog_cluster(gpu, per_node, name=f"{per_node}x{gpu.key}").with_nodes(total // per_node)
+            batch = max(goal.global_batch, total)
+            sized = replace(goal, global_batch=-(-batch // total) * total)
+            try:
+                result = search(profile, cluster, sized, lean)
+            except BadInput:
+                break  # this GPU lacks the precision
+            if result.ranked:
+                found.append((cluster, result.ranked[0]))
+                break
+    found.sort(key=lambda pair: (pair[0].gpus * pair[0].memory_bytes, pair[0].gpus))
+    return found[:limit]

@@ -1,0 +1,242 @@
+"""Time of one optimizer step of one strategy: compute, communication, pipeline bubble, optimizer.
+
+Compute is a roofline per micro-batch (``runtime_estimator.py`` in torch.distributed._tools does the same
+per operator): matmul FLOPs over the achievable matmul rate, plus the memory-bound work (norms,
+activations, elementwise ops), modelled as the activation bytes read and written ``ACTIVATION_TRAFFIC``
+times over the memory bandwidth. Communication uses the alpha-beta model of ``plan.comm`` with each
+strategy's volumes (ZeRO paper section 7, Megatron-LM, Narayanan et al. 2021); what can hide behind
+compute is subtracted, what cannot stays on the critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from redline.plan.comm import Link, collective_s, p2p_s, ring_s
+from redline.plan.hardware import Cluster
+from redline.plan.memory import DDP_BUCKET_BYTES, Stage, block_activation, shard_degree, stages
+from redline.plan.model_states import ZERO_STAGE, optimizer_state_bytes
+from redline.plan.strategy import Strategy
+from redline.workload.profile import WorkloadProfile
+
+# A training step's GEMMs (split by tensor parallelism, of many shapes) sustain less than one large GEMM:
+# 0.8 of the matmul ceiling brings the published runs of benchmarks/plan_vs_published.py to a median
+# predicted/published ratio of 1.0 (at 1.0 the planner over-predicted them by 23%).
+SUSTAINED_MATMUL_FRACTION = 0.8
+# Each activation byte is written in the forward pass, read in the backward pass, and its gradient is
+# written and read once: four passes over memory for the memory-bound (non-matmul) operators.
+ACTIVATION_TRAFFIC = 4.0
+# The optimizer step reads and writes every parameter, gradient and state it owns once (fused AdamW).
+OPTIMIZER_TRAFFIC = 2.0
+# Eager PyTorch launches each operator separately; a small micro-batch cannot hide the launch cost. A
+# transformer block runs about 20 kernels forward and twice that backward, each costing a few microseconds
+# of CPU-side launch time whatever its size.
+KERNELS_PER_BLOCK = 20
+LAUNCH_OVERHEAD_S = 5e-6
+GRAD_REDUCE_BYTES = 4  # gradients are reduced in fp32 (DDP on fp32 grads; FSDP2 reduce_dtype=float32)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by part; ``total`` is what a step takes."""
+
+    compute: float  # forward + backward (+ recomputation) of every micro-batch
+    bubble: float  # pipeline fill and drain
+    data_parallel_comm: float  # gradient reduction and parameter gathering left exposed
+    tensor_parallel_comm: float  # per-layer all-reduces (never overlapped)
+    pipeline_comm: float  # activations between stages
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.compute
+            + self.bubble
+            + self.data_parallel_comm
+            + self.tensor_parallel_comm
+            + self.pipeline_comm
+            + self.optimizer
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"total": self.total}
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Where the members of each parallel group sit (ranks: tensor innermost, then data, then pipeline)."""
+
+    dp_per_node: int
+    dp_nodes: int
+    pp_crosses_nodes: bool
+
+
+def groups(strategy: Strategy, cluster: Cluster) -> Groups:
+    per_node = max(1, cluster.gpus_per_node // strategy.tensor)
+    # some stage boundary crosses nodes once the whole pipeline does not fit in one node
+    pp_crosses = strategy.pipeline > 1 and strategy.gpus > cluster.gpus_per_node
+    if strategy.data <= per_node:
+        return Groups(strategy.data, 1, pp_crosses)
+    return Groups(per_node, strategy.data // per_node, pp_crosses)
+
+
+def _micro_batch_compute_s(
+    profile: WorkloadProfile, strategy: Strategy, stage: Stage, cluster: Cluster
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch on one stage; recomputation counts in backward."""
+    b, t = strategy.micro_batch, strategy.tensor
+    rate = cluster.matmul[strategy.precision].value * SUSTAINED_MATMUL_FRACTION
+    bandwidth = cluster.memory_bandwidth.value
+    decoder_from = len(profile.blocks) - (profile.transformer.decoder_layers if profile.transformer else 0)
+    decoders = {block.name for block in profile.blocks[decoder_from:]}
+    forward = backward = 0.0
+    for layer in (*stage.blocks, *stage.fixed):
+        flops = layer.forward_flops_per_sample * b / t
+        if layer.is_block:
+            acts = block_activation(profile, layer, strategy, decoder=layer.name in decoders)
+        else:
+            key = "fp32" if strategy.precision == "fp32" else "16bit"
+            acts = layer.activation_bytes_per_sample[key] * b / t
+        memory_s = ACTIVATION_TRAFFIC * acts / bandwidth
+        launches = KERNELS_PER_BLOCK * LAUNCH_OVERHEAD_S if layer.is_block else 0.0
+        # a kernel runs while the next is launched: the launch cost shows only where it exceeds the work
+        layer_forward = max(flops / rate + memory_s / 2, launches)
+        forward += layer_forward
+        backward += max(2 * flops / rate + memory_s / 2, 2 * launches)
+        if layer.is_block and strategy.checkpointing == "full":
+            backward += layer_forward
+    return forward, backward
+
+
+def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) -> StepTime:
+    """One optimizer step of ``strategy`` on ``cluster`` (1F1B pipeline; DDP/FSDP overlap as PyTorch does)."""
+    m, p, t = strategy.accumulation, strategy.pipeline, strategy.tensor
+    stage = max(stages(profile, p), key=lambda s: sum(layer.forward_flops_per_sample for layer in s.blocks + s.fixed))
+    forward, backward = _micro_batch_compute_s(profile, strategy, stage, cluster)
+    micro_batch_s = forward + backward
+    where = groups(strategy, cluster)
+    shape = profile.transformer
+
+    # tensor parallel: 4 all-reduces of b*s*h per block per micro-batch (2 forward, 2 backward), 6 with full
+    # recomputation; with sequence parallelism a reduce-scatter + all-gather pair of the same volume
+    tp_s = 0.0
+    if t > 1 and shape is not None:
+        value = 4 if strategy.precision == "fp32" else 2
+        size = strategy.micro_batch * profile.tokens_per_sample * shape.hidden * value
+        per_block = (6 if strategy.checkpointing == "full" else 4) * ring_s("all_reduce", size, t, cluster.intra)
+        tp_s = m * len(stage.blocks) * per_block
+
+    # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients)
+    pp_s = 0.0
+    if p > 1:
+        hidden = shape.hidden if shape else 0
+        size = strategy.micro_batch * profile.tokens_per_sample * hidden * 2 / t
+        if not size:  # a traced non-transformer: the largest block input
+            size = max(block.input_bytes_per_sample for block in stage.blocks) * strategy.micro_batch
+        link = _per_gpu_network(cluster) if where.pp_crosses_nodes and cluster.nodes > 1 else cluster.intra
+        pp_s = 2 * (m + p - 1) * p2p_s(size, link)
+
+    dp_s = _data_parallel_exposed_s(profile, strategy, cluster, stage, where, forward, backward)
+    optimizer_s = _optimizer_s(profile, strategy, cluster, stage)
+    return StepTime(
+        compute=m * micro_batch_s,
+        bubble=(p - 1) * micro_batch_s,
+        data_parallel_comm=dp_s,
+        tensor_parallel_comm=tp_s,
+        pipeline_comm=pp_s,
+        optimizer=optimizer_s,
+    )
+
+
+def _per_gpu_network(cluster: Cluster) -> Link:
+    assert cluster.inter is not None
+    return Link(cluster.inter.busbw_bytes_per_s / cluster.gpus_per_node, cluster.inter.latency_s, cluster.inter.source)
+
+
+def _data_parallel_exposed_s(
+    profile: WorkloadProfile,
+    strategy: Strategy,
+    cluster: Cluster,
+    stage: Stage,
+    where: Groups,
+    forward: float,
+    backward: float,
+) -> float:
+    """Gradient reduction and parameter gathering of the data-parallel group, minus what overlaps.
+
+    Volumes per step (ZeRO paper section 7): DDP all-reduces the gradients once per step (``no_sync``
+    during accumulation) behind the last backward pass, bucket by bucket, so only the last bucket is sure
+    to be exposed. ZeRO-1 adds an all-gather of the updated parameters after the step. ZeRO-2 reduce-
+    scatters every micro-batch's gradients behind its backward pass and gathers parameters once. FSDP
+    (ZeRO-3) gathers each unit before its forward and again before its backward and reduce-scatters its
+    gradients, every micro-batch, prefetching one unit ahead. HSDP does that inside a node and all-reduces
+    the sharded gradients across nodes once per step.
+    """
+    n = strategy.data
+    if n <= 1:
+        return 0.0
+    m = strategy.accumulation
+    params = stage.params / strategy.tensor
+    grads = params * GRAD_REDUCE_BYTES
+    compute_copy = 4 if strategy.precision == "fp32" else 2
+    units = max(1, len(stage.blocks))
+    zero = ZERO_STAGE[strategy.sharding]
+
+    def dp(kind, size: float, *, per_node: int = where.dp_per_node, nodes: int = where.dp_nodes) -> float:
+        return collective_s(
+            kind,
+            size,
+            ranks_per_node=per_node,
+            nodes=nodes,
+            intra=cluster.intra,
+            inter=cluster.inter,
+            gpus_per_node=cluster.gpus_per_node,
+        )
+
+    def last_bucket(kind) -> float:
+        return dp(kind, min(DDP_BUCKET_BYTES, grads))
+
+    if zero <= 1:
+        exposed = max(dp("all_reduce", grads) - backward, last_bucket("all_reduce"))
+        if zero == 1:
+            exposed += dp("all_gather", params * 4)
+        return exposed
+    if zero == 2:
+        per_micro = max(dp("reduce_scatter", grads) - backward, last_bucket("reduce_scatter"))
+        gather = max(dp("all_gather", params * compute_copy) - forward, dp("all_gather", params * compute_copy / units))
+        return m * per_micro + gather
+    if strategy.sharding == "hsdp":
+        shard = shard_degree(strategy, cluster.gpus_per_node)
+        replicas = n // shard
+        within = {"per_node": shard, "nodes": 1}
+        gather = dp("all_gather", params * compute_copy, **within)
+        scatter = dp("reduce_scatter", grads, **within)
+        per_micro = max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0)
+        per_micro += gather / units  # the first unit's gather has nothing to hide behind
+        across = collective_s(
+            "all_reduce",
+            grads / shard,
+            ranks_per_node=1,
+            nodes=replicas,
+            intra=cluster.intra,
+            inter=cluster.inter,
+            gpus_per_node=max(1, cluster.gpus_per_node // shard),
+        )
+        return m * per_micro + across
+    gather = dp("all_gather", params * compute_copy)
+    scatter = dp("reduce_scatter", grads)
+    per_micro = max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0) + gather / units
+    return m * per_micro
+
+
+def _optimizer_s(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, stage: Stage) -> float:
+    """A fused optimizer step is memory-bound: it streams the weights, gradients and states it owns
+    (its shard under ZeRO-1 and above)."""
+    shape = profile.transformer
+    opt_bytes = optimizer_state_bytes(
+        strategy.optimizer, hidden=shape.hidden if shape else None, ffn_hidden=shape.ffn_hidden if shape else None
+    )
+    shard = shard_degree(strategy, cluster.gpus_per_node) if ZERO_STAGE[strategy.sharding] >= 1 else 1
+    owned = stage.params / strategy.tensor / shard
+    return OPTIMIZER_TRAFFIC * owned * (4 + 4 + opt_bytes) / cluster.memory_bandwidth.value

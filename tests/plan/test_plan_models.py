@@ -1,0 +1,223 @@
+"""The planner's memory, step-time and search models: behaviour a user relies on, checked on presets."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from redline.errors import BadInput
+from redline.plan.estimate import Goal, estimate
+from redline.plan.hardware import catalog_cluster, parse_hardware
+from redline.plan.memory import block_activation, memory_per_gpu
+from redline.plan.search import Constraints, search, smallest_fitting
+from redline.plan.steptime import step_time
+from redline.plan.strategy import Strategy
+from redline.specs.catalog import find_gpu
+from redline.units import GiB
+from redline.workload.presets import preset_profile
+
+GPT2 = preset_profile("gpt2")
+LLAMA7 = preset_profile("llama-2-7b")
+H100X8 = parse_hardware("8xh100-sxm")
+
+
+def strategy(**fields) -> Strategy:
+    return Strategy(**({"data": 8, "precision": "bf16"} | fields))
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def test_ddp_model_states_are_pytorch_fp32_params_grads_and_adam() -> None:
+    memory = memory_per_gpu(LLAMA7, strategy(sharding="ddp"), gpus_per_node=8)
+    params = LLAMA7.params_total
+    assert memory.weights == pytest.approx(4 * params)
+    assert memory.grads == pytest.approx(4 * params)
+    assert memory.optimizer == pytest.approx(8 * params)
+    assert memory.weight_copies == pytest.approx(2 * params)  # autocast's bf16 copies
+
+
+@pytest.mark.parametrize(
+    ("sharding", "sharded"),
+    [("zero1", {"optimizer"}), ("zero2", {"optimizer", "grads"}), ("fsdp", {"optimizer", "grads", "weights"})],
+)
+def test_zero_stages_shard_what_the_zero_paper_says(sharding: str, sharded: set[str]) -> None:
+    ddp = memory_per_gpu(LLAMA7, strategy(sharding="ddp"), gpus_per_node=8)
+    zero = memory_per_gpu(LLAMA7, strategy(sharding=sharding), gpus_per_node=8)
+    for part in ("weights", "grads", "optimizer"):
+        expected = getattr(ddp, part) / (8 if part in sharded else 1)
+        assert getattr(zero, part) == pytest.approx(expected), part
+
+
+def test_fsdp_keeps_only_two_blocks_and_the_root_unsharded() -> None:
+    fsdp = memory_per_gpu(LLAMA7, strategy(sharding="fsdp"), gpus_per_node=8)
+    block = LLAMA7.blocks[0].params
+    root = sum(layer.params for layer in LLAMA7.layers if not layer.is_block)
+    assert fsdp.weight_copies == pytest.approx(2 * (root + 2 * block))
+
+
+def test_hsdp_shards_within_a_node_only() -> None:
+    hsdp = memory_per_gpu(LLAMA7, strategy(data=16, sharding="hsdp"), gpus_per_node=8)
+    fsdp8 = memory_per_gpu(LLAMA7, strategy(data=8, sharding="fsdp"), gpus_per_node=8)
+    assert hsdp.optimizer == pytest.approx(fsdp8.optimizer)
+
+
+def test_fp32_has_no_compute_copies_and_doubles_block_activations() -> None:
+    fp32 = strategy(data=1, precision="fp32")
+    assert memory_per_gpu(GPT2, fp32, gpus_per_node=8).weight_copies == 0
+    block = GPT2.blocks[0]
+    ratio = block_activation(GPT2, block, fp32, decoder=False) / block_activation(
+        GPT2, block, strategy(data=1), decoder=False
+    )
+    assert 1.9 < ratio < 2.0  # dropout masks stay one byte
+
+
+def test_full_checkpointing_keeps_block_inputs_only() -> None:
+    none = memory_per_gpu(LLAMA7, strategy(micro_batch=4), gpus_per_node=8)
+    full = memory_per_gpu(LLAMA7, strategy(micro_batch=4, checkpointing="full"), gpus_per_node=8)
+    shape = LLAMA7.transformer
+    inputs = 32 * 2 * shape.seq_len * shape.hidden * 4  # L blocks x 2 bytes x s x h x micro-batch
+    head = full.activations - inputs
+    assert head > 0
+    assert none.activations > 10 * full.activations
+    assert full.temporary == pytest.approx(2 * none.temporary)  # the recomputed block and its gradients
+
+
+def test_activations_grow_with_micro_batch_and_pipeline_in_flight() -> None:
+    one = memory_per_gpu(LLAMA7, strategy(micro_batch=1), gpus_per_node=8)
+    four = memory_per_gpu(LLAMA7, strategy(micro_batch=4), gpus_per_node=8)
+    assert four.activations == pytest.approx(4 * one.activations)
+    # 1F1B: the first of 4 stages holds 8/4 of the blocks for min(4, 16) micro-batches in flight
+    piped = memory_per_gpu(LLAMA7, strategy(data=2, pipeline=4, accumulation=16), gpus_per_node=8)
+    blocks = sum(layer.activation_bytes_per_sample["16bit"] for layer in LLAMA7.blocks[:8])
+    embedding = LLAMA7.layers[0].activation_bytes_per_sample["16bit"]
+    assert piped.activations == pytest.approx(4 * (blocks + embedding))
+
+
+def test_tensor_parallel_with_sequence_parallel_divides_activations() -> None:
+    one = memory_per_gpu(LLAMA7, strategy(data=1), gpus_per_node=8)
+    tp8 = memory_per_gpu(LLAMA7, strategy(data=1, tensor=8, sequence_parallel=True), gpus_per_node=8)
+    assert tp8.activations == pytest.approx(one.activations / 8)
+    assert tp8.weights == pytest.approx(one.weights / 8)
+
+
+# --------------------------------------------------------------------------------------- step time
+
+
+def test_step_time_parts() -> None:
+    single = step_time(LLAMA7, strategy(data=1, accumulation=8), H100X8)
+    assert single.data_parallel_comm == single.tensor_parallel_comm == single.bubble == 0
+    ddp = step_time(LLAMA7, strategy(sharding="ddp"), H100X8)
+    fsdp = step_time(LLAMA7, strategy(sharding="fsdp"), H100X8)
+    assert fsdp.data_parallel_comm > ddp.data_parallel_comm > 0  # 3 passes of the parameters vs 2
+    piped = step_time(LLAMA7, strategy(data=2, pipeline=4, accumulation=16), H100X8)
+    per_micro_batch = piped.compute / 16
+    assert piped.bubble == pytest.approx(3 * per_micro_batch)  # (p - 1) micro-batch slots
+    tp = step_time(LLAMA7, strategy(data=1, tensor=8, sequence_parallel=True), H100X8)
+    assert tp.tensor_parallel_comm > 0
+
+
+def test_compute_scales_with_the_work() -> None:
+    one = step_time(LLAMA7, strategy(micro_batch=2, accumulation=1), H100X8)
+    four = step_time(LLAMA7, strategy(micro_batch=2, accumulation=4), H100X8)
+    assert four.compute == pytest.approx(4 * one.compute)
+
+
+def test_full_recompute_costs_one_more_forward_of_the_blocks() -> None:
+    none = step_time(LLAMA7, strategy(micro_batch=4), H100X8)
+    full = step_time(LLAMA7, strategy(micro_batch=4, checkpointing="full"), H100X8)
+    # 4/3 of the blocks' matmuls; the memory-bound half of a forward is redone too, the head is not
+    assert 1.28 < full.compute / none.compute < 1.4
+
+
+def test_estimate_mfu_uses_the_dense_bf16_peak() -> None:
+    goal = Goal(global_batch=64, tokens=1e9)
+    result = estimate(LLAMA7, strategy(sharding="fsdp", micro_batch=1, accumulation=8), H100X8, goal)
+    assert 0.2 < result.mfu < 0.75
+    assert result.time_to_train_s == pytest.approx(1e9 / result.tokens_per_s)
+    assert result.cost_usd is None  # no price for a bare GPU count
+
+
+# ------------------------------------------------------------------------------------------ search
+
+
+def test_search_ranks_fitting_strategies_by_time() -> None:
+    result = search(LLAMA7, H100X8, Goal(global_batch=64))
+    times = [e.time.total for e in result.ranked]
+    assert times == sorted(times)
+    assert all(e.memory.device_total <= H100X8.memory_bytes for e in result.ranked)
+    assert result.excluded["does not fit in GPU memory"] > 0
+    assert result.closest_misfit is not None and not result.closest_misfit.fits
+
+
+def test_search_excludes_impossible_layouts_with_reasons() -> None:
+    # GPT-2 has 12 heads: tensor degree 8 cannot split them; a global batch of 12 cannot split over 8 ranks
+    result = search(GPT2, H100X8, Goal(global_batch=12))
+    reasons = set(result.excluded)
+    assert "tensor degree 8 does not divide the attention heads" in reasons
+    assert "global batch not divisible by the data-parallel degree" in reasons
+    assert all(e.strategy.global_batch == 12 for e in result.ranked)
+
+
+def test_constraints_fix_parts_of_the_strategy() -> None:
+    result = search(LLAMA7, H100X8, Goal(64), Constraints(sharding="fsdp", micro_batch=2, checkpointing="full"))
+    assert result.ranked
+    chosen = {(e.strategy.sharding, e.strategy.micro_batch, e.strategy.checkpointing) for e in result.ranked}
+    # without data parallelism (tensor x pipeline = 8) there is nothing to shard: those read "ddp dp1"
+    assert chosen - {("ddp", 2, "full")} == {("fsdp", 2, "full")}
+    assert all(e.strategy.data == 1 for e in result.ranked if e.strategy.sharding == "ddp")
+
+
+def test_unsupported_precision_is_bad_input() -> None:
+    v100 = parse_hardware("8xv100-sxm2-32gb")
+    with pytest.raises(BadInput, match="no bf16 rate"):
+        search(GPT2, v100, Goal(64), Constraints(precision="bf16"))
+
+
+def test_70b_over_64_gpus_searches_in_seconds() -> None:
+    profile = preset_profile("llama-2-70b")
+    cluster = parse_hardware("8xh100-sxm").with_nodes(8)
+    started = time.perf_counter()
+    result = search(profile, cluster, Goal(global_batch=512))
+    elapsed = time.perf_counter() - started
+    assert result.ranked
+    assert result.considered > 1000
+    assert elapsed < 15, f"search took {elapsed:.1f} s"
+
+
+def test_smallest_fitting_hardware_when_nothing_fits() -> None:
+    profile = preset_profile("llama-2-70b")
+    t4 = catalog_cluster(find_gpu("t4"), 1, name="1xt4")
+    assert not search(profile, t4, Goal(8)).ranked
+    options = smallest_fitting(profile, Goal(8), Constraints())
+    assert options
+    for cluster, best in options:
+        assert best.memory.device_total <= cluster.memory_bytes
+        assert cluster.gpus * cluster.memory_bytes >= 16 * profile.params_total / 8  # at least the sharded states
+
+
+def test_network_assumption_is_a_note_and_can_be_set() -> None:
+    assert any("assumed" in note for note in H100X8.notes)
+    faster = H100X8.with_network(3200)
+    assert faster.inter.busbw_bytes_per_s > H100X8.inter.busbw_bytes_per_s
+    with pytest.raises(BadInput):
+        H100X8.with_nodes(0)
+
+
+def test_strategy_checks_its_fields() -> None:
+    with pytest.raises(ValueError, match="sharding"):
+        Strategy(sharding="zero4")
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        Strategy(sequence_parallel=True)
+    with pytest.raises(ValueError, match="micro_batch"):
+        Strategy(micro_batch=0)
+    assert Strategy.from_dict(Strategy(data=4).to_dict()) == Strategy(data=4)
+
+
+def test_bigger_memory_gpu_fits_what_a_smaller_one_cannot() -> None:
+    profile = LLAMA7  # 18 bytes of states per parameter: 121 GB, more than 40 GB, less than 141 GB
+    a100_40 = parse_hardware("1xa100-sxm4-40gb")
+    h200 = parse_hardware("1xh200-sxm")
+    assert not search(profile, a100_40, Goal(8)).ranked
+    assert search(profile, h200, Goal(8)).ranked[0].memory.device_total < 141 * GiB
