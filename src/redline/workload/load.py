@@ -158,7 +158,6 @@ def _trace_hf(
 def factory_profile(spec: str, input_shape: tuple[int, ...] | None) -> WorkloadProfile:
     require_torch(f"tracing {spec}")
     from redline.workload.factory import load_factory
-
     from redline.workload.trace import trace_module
 
     build = load_factory(spec)

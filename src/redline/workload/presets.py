@@ -133,9 +133,8 @@ def preset_profile(name: str, seq_len: int | None = None) -> WorkloadProfile:
             shape = shape.replace(seq_len=seq_len)
         return transformer_profile(shape, name=key, source=f"preset {key}")
     if key in TRACED_PRESET_NAMES:
-        from redline.workload.trace import trace_module
-
         from redline.capability import require_torch
+        from redline.workload.trace import trace_module
 
         require_torch(f"the {key} preset is traced from a PyTorch module")
         preset = _traced_presets()[key]

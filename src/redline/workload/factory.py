@@ -1,0 +1,93 @@
+"""Load a user's model factory from a ``package.module:callable`` spec.
+
+The factory takes no arguments and returns an ``nn.Module``, or ``(module, example_input_shape)`` where the
+shape is one sample's, without the batch dimension. It is imported the way ``python -m`` would import it: the
+current directory comes first on ``sys.path``. Every way this can go wrong is a ``BadInput`` of one line that
+names the spec and the cause.
+
+``load_factory`` only imports; the returned ``build`` calls the factory, so that ``trace_module`` can call it
+under its fake-tensor mode and the model costs no memory::
+
+    trace_module(load_factory("mypkg.models:build"), None, name="build", source="mypkg.models:build")
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from redline.errors import BadInput
+
+_SPEC = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
+
+Build = Callable[[], tuple[Any, tuple[int, ...] | None]]
+
+
+def load_factory(spec: str) -> Build:
+    """Import ``spec``'s module and find its callable; return a ``build()`` that calls it and checks the result.
+
+    ``build()`` returns ``(module, input_shape or None)``. Raises ``BadInput`` for a malformed spec, a module
+    that does not import, a missing or non-callable attribute, and (from ``build``) a factory that raises or
+    returns something other than an ``nn.Module``.
+    """
+    match = _SPEC.match(spec.strip())
+    if match is None:
+        raise BadInput(f"bad factory spec {spec!r}: expected package.module:callable, e.g. mypkg.models:build")
+    spec = spec.strip()
+    module_name, attribute = match["module"], match["attribute"]
+    _cwd_importable()
+    try:
+        module = importlib.import_module(module_name)
+    except (Exception, SystemExit) as error:  # ImportError, SyntaxError, a script that calls sys.exit on import
+        raise BadInput(f"factory {spec}: cannot import {module_name}: {_describe(error)}") from error
+    factory: Any = module
+    for part in attribute.split("."):
+        try:
+            factory = getattr(factory, part)
+        except AttributeError:
+            raise BadInput(f"factory {spec}: {module_name} has no attribute {attribute}") from None
+    if not callable(factory):
+        raise BadInput(f"factory {spec}: {attribute} is a {type(factory).__name__}, not a callable")
+
+    def build() -> tuple[Any, tuple[int, ...] | None]:
+        try:
+            built = factory()
+        except BadInput:
+            raise
+        except Exception as error:
+            raise BadInput(f"factory {spec} raised {_describe(error)}") from error
+        return _check_result(spec, built)
+
+    return build
+
+
+def _check_result(spec: str, built: Any) -> tuple[Any, tuple[int, ...] | None]:
+    from torch import nn  # only once a factory has run: loading a spec should not pay for torch
+
+    shape = None
+    if isinstance(built, tuple):
+        if len(built) != 2 or not isinstance(built[0], nn.Module):
+            raise BadInput(f"factory {spec} returned a tuple; expected (nn.Module, input_shape)")
+        built, shape = built
+        if not isinstance(shape, tuple | list) or not all(isinstance(d, int) and d > 0 for d in shape):
+            raise BadInput(f"factory {spec} returned input shape {shape!r}; expected a tuple of positive integers")
+        shape = tuple(shape)
+    if not isinstance(built, nn.Module):
+        raise BadInput(f"factory {spec} returned {type(built).__name__}, not an nn.Module")
+    return built, shape
+
+
+def _cwd_importable() -> None:
+    """Put the current directory first on sys.path, as ``python -m`` does, unless it already is there."""
+    cwd = os.getcwd()
+    if not any(entry in ("", ".", cwd) for entry in sys.path):
+        sys.path.insert(0, cwd)
+
+
+def _describe(error: BaseException) -> str:
+    message = " ".join(str(error).split())
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__

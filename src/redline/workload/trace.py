@@ -1,0 +1,701 @@
+"""Profile a real ``nn.Module`` on fake tensors: exact parameters, FLOPs and saved activations, no memory, no GPU.
+
+The module is built and run under ``FakeTensorMode``: every tensor has a shape, a dtype and a (fake) storage but
+no data, so a 7B model costs no RAM and a forward pass costs only the Python overhead of its operators. Over
+that forward pass:
+
+- ``FlopCounterMode`` counts model FLOPs (2 per multiply-accumulate, as PyTorch's formulas count them);
+- ``saved_tensors_hooks`` sees every tensor autograd keeps for the backward pass; their storages, counted once
+  each and excluding parameters and buffers, are the activation memory (Korthikanti et al. 2022 count the same
+  thing by hand). It is measured in fp32 and under autocast to bfloat16 ("16bit");
+- forward hooks on the repeated blocks (GPT-2's ``h``, Llama's ``layers``, ResNet's Bottlenecks) split both
+  figures into the part before the blocks, each block, and the part after.
+
+Each figure is measured at two batch sizes and the per-sample value is the difference divided by the batch
+difference: what grows with the batch, without constant terms (a broadcast mask, autocast's bf16 copies of the
+weights) and without special cases a batch of 1 can take.
+
+Finally one Adam training step runs under PyTorch's private ``MemTracker`` for its peak memory by category; if
+that API is missing or fails the profile says so and the planner's analytic memory model stands alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils import flop_counter
+from torch.utils._pytree import tree_leaves
+
+from redline.errors import BadInput
+from redline.workload.profile import ActivationPrecision, LayerProfile, WorkloadProfile
+
+# Two batch sizes; per-sample figures are their slope. Neither is 1: some models squeeze a batch of one.
+BATCHES = (2, 4)
+# A group of repeated blocks whose parameters reach this share of the largest group's also counts as blocks
+# (an encoder-decoder's encoder and decoder layers are two classes).
+SECOND_GROUP_SHARE = 0.25
+MAX_MESSAGE_CHARS = 300
+
+_FAKE_TENSOR_LIMITS = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def trace_module(
+    build: Callable[[], Any],
+    input_shape: tuple[int, ...] | None,
+    *,
+    name: str,
+    source: str,
+    input_dtype: torch.dtype | None = None,
+    tokens_per_sample: int | None = None,
+    sample_unit: str | None = None,
+    vocab_size: int | None = None,
+) -> WorkloadProfile:
+    """Build ``build()`` on fake tensors, run it, and return its ``WorkloadProfile`` (method "traced").
+
+    ``build`` returns an ``nn.Module``, or ``(module, input_shape)`` as a factory may. ``input_shape`` is the
+    shape of one sample without the batch dimension: ``(3, 224, 224)`` for an image, ``(seq_len,)`` for token
+    ids; ``None`` takes the shape ``build`` returned. An integer ``input_dtype`` means token ids, drawn below
+    ``vocab_size``. Left out, they are inferred: token ids below its size when the model's first module with
+    parameters is an ``nn.Embedding`` (a language model), float32 otherwise; ``sample_unit`` is then
+    "sequence" (``tokens_per_sample`` the last input dimension) or "image" (1). Anything the module cannot do
+    on fake tensors raises ``BadInput`` as one line, "cannot trace NAME: ExcType: message".
+    """
+    started_s = time.perf_counter()
+    # Real tensors a module holds outside its parameters (constants made at import time) become fake on use.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        with _skipped_init():
+            module, built_shape = _guarded(name, lambda: _unpack_build(build(), name))
+        shape = _check_shape(name, input_shape if input_shape is not None else built_shape)
+        _make_fake(module)
+        module.train()  # dropout masks and batch-norm statistics are part of a training step
+        input_dtype, vocab_size, input_note = _input_kind(module, input_dtype, vocab_size)
+        token_ids = not input_dtype.is_floating_point and not input_dtype.is_complex
+        if sample_unit is None:
+            sample_unit = "sequence" if token_ids else "image"
+        if tokens_per_sample is None:
+            tokens_per_sample = shape[-1] if token_ids else 1
+        tracer = _Tracer(module, shape, input_dtype, vocab_size, name)
+        if input_note:
+            tracer.notes.insert(0, input_note)
+        tracer.measure()
+        peak_bytes, peak_note = _training_step_peak(tracer)
+    notes = [*tracer.notes, peak_note]
+    notes.append(
+        f"traced in {time.perf_counter() - started_s:.1f} s on fake tensors (batches {BATCHES[0]} and "
+        f"{BATCHES[1]}); the loss itself is not part of the figures"
+    )
+    return WorkloadProfile(
+        name=name,
+        source=source,
+        method="traced",
+        params_total=tracer.params_total,
+        params_trainable=tracer.params_trainable,
+        largest_module_params=tracer.largest_module_params,
+        forward_flops_per_sample=tracer.forward_flops_per_sample,
+        layers=tracer.layer_profiles(),
+        tokens_per_sample=tokens_per_sample,
+        sample_unit=sample_unit,
+        input_shape=shape,
+        traced_peak_bytes=peak_bytes,
+        notes=tuple(notes),
+    )
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+
+
+def _guarded(name: str, call: Callable[[], Any]) -> Any:
+    """Run the user's code; anything it raises becomes one line of BadInput naming the model."""
+    try:
+        return call()
+    except BadInput:
+        raise
+    except Exception as error:
+        raise _cannot_trace(name, error) from error
+
+
+def _cannot_trace(name: str, error: BaseException) -> BadInput:
+    message = " ".join(str(error).split()) or "(no message)"
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    if isinstance(error, _FAKE_TENSOR_LIMITS):
+        message += " (the model's code depends on tensor values, which fake tensors do not have)"
+    return BadInput(f"cannot trace {name}: {type(error).__name__}: {message}")
+
+
+def _unpack_build(built: Any, name: str) -> tuple[nn.Module, tuple[int, ...] | None]:
+    shape = None
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
+        built, shape = built
+    if not isinstance(built, nn.Module):
+        raise BadInput(f"cannot trace {name}: the builder returned {type(built).__name__}, not an nn.Module")
+    return built, shape
+
+
+def _check_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if shape is None:
+        raise BadInput(f"cannot trace {name}: no input shape (give one, or return (module, input_shape))")
+    try:
+        dims = tuple(int(dim) for dim in shape)
+    except (TypeError, ValueError):
+        raise BadInput(f"cannot trace {name}: input shape {shape!r} is not a tuple of integers") from None
+    if not dims or any(dim <= 0 for dim in dims):
+        raise BadInput(f"cannot trace {name}: input shape {shape!r} needs positive dimensions")
+    return dims
+
+
+# torch.nn.init's in-place initialisers; values mean nothing on fake tensors, and some need them (trunc_normal_
+# resamples until every value is in range, which a fake tensor cannot answer)
+_INITIALISERS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+@contextmanager
+def _skipped_init() -> Iterator[None]:
+    """Make torch.nn.init's initialisers no-ops while the model is built (what ``torch.nn.utils.skip_init`` and
+    Accelerate's ``init_empty_weights`` do for real tensors). Code that imported one by name still runs it."""
+
+    def skip(tensor: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS if hasattr(nn.init, name)}
+    try:
+        for name in saved:
+            setattr(nn.init, name, skip)
+        yield
+    finally:
+        for name, initialiser in saved.items():
+            setattr(nn.init, name, initialiser)
+
+
+def _input_kind(
+    module: nn.Module, input_dtype: torch.dtype | None, vocab_size: int | None
+) -> tuple[torch.dtype, int | None, str | None]:
+    """The input's dtype and the vocabulary to draw ids from, as given or inferred; a note when inferred."""
+    first = next((m for m in module.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    embedding = first if isinstance(first, nn.Embedding) else None
+    if input_dtype is None:
+        if embedding is None:
+            return torch.float32, vocab_size, None
+        input_dtype = torch.long
+        vocab_size = vocab_size or embedding.num_embeddings
+        return input_dtype, vocab_size, f"input: token ids below {vocab_size} (the model starts with an nn.Embedding)"
+    if vocab_size is None and embedding is not None:
+        vocab_size = embedding.num_embeddings
+    return input_dtype, vocab_size, None
+
+
+def _make_fake(module: nn.Module) -> None:
+    """Replace parameters and buffers built outside the fake mode (real, on meta, on another device) by fake
+    CPU tensors of the same shape, keeping tied parameters tied. Call under the fake mode."""
+    replaced: dict[int, torch.Tensor] = {}
+
+    def fake_like(tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, FakeTensor) and tensor.device.type == "cpu":
+            return tensor
+        if id(tensor) not in replaced:
+            fake = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
+            if isinstance(tensor, nn.Parameter):
+                fake = nn.Parameter(fake, requires_grad=tensor.requires_grad)
+            replaced[id(tensor)] = fake
+        return replaced[id(tensor)]
+
+    for owner in module.modules():
+        for slots in (owner._parameters, owner._buffers):
+            for key, tensor in slots.items():
+                if tensor is not None:
+                    slots[key] = fake_like(tensor)
+
+
+# --- the model's structure --------------------------------------------------------------------------------
+
+
+def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks: children of ``nn.ModuleList``/``nn.Sequential`` containers whose children all share
+    one class (not ``nn.ModuleList``, which has no forward), grouped by that class over the whole model. Of the
+    groups of two or more, the one with the most parameters, plus any other with at least
+    ``SECOND_GROUP_SHARE`` of that, minus blocks nested in chosen ones. In registration order."""
+    groups: dict[type, list[tuple[str, nn.Module]]] = {}
+    for prefix, container in module.named_modules():
+        if not isinstance(container, nn.ModuleList | nn.Sequential):
+            continue
+        children = list(container.named_children())
+        kinds = {type(child) for _, child in children}
+        # a stage may hold a single block (a ResNet of (2, 1, 1, 2)); the class must repeat across the model
+        if len(kinds) != 1 or kinds & {nn.ModuleList, nn.ModuleDict}:  # lists have no forward to hook
+            continue
+        for child_name, child in children:
+            groups.setdefault(type(child), []).append((f"{prefix}.{child_name}" if prefix else child_name, child))
+    sized = sorted(
+        ((_unique_params(m for _, m in members), members) for members in groups.values() if len(members) > 1),
+        key=lambda item: (-item[0], -len(item[1])),  # on a tie, the finer blocks (Bottlenecks, not stages)
+    )
+    chosen: list[tuple[str, nn.Module]] = []
+    inside: set[int] = set()  # ids of every module within a chosen block
+    for params, members in sized:
+        if params == 0 or params < SECOND_GROUP_SHARE * sized[0][0]:
+            break
+        for member_name, member in members:
+            if id(member) in inside or any(id(sub) in inside for sub in member.modules()):
+                continue
+            chosen.append((member_name, member))
+            inside.update(id(sub) for sub in member.modules())
+    order = {id(m): index for index, m in enumerate(module.modules())}
+    return sorted(chosen, key=lambda item: order[id(item[1])])
+
+
+def _unique_params(modules: Iterable[nn.Module]) -> int:
+    seen: dict[int, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+@dataclass
+class _Segment:
+    """A stretch of the forward pass: the part before the blocks, one block, or the part after."""
+
+    name: str
+    kind: str
+    is_block: bool
+    params: int = 0
+    # per batch size: FLOPs, bytes saved for backward per precision, elements of the input
+    flops: dict[int, float] = field(default_factory=dict)
+    saved_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
+    input_elements: dict[int, int] = field(default_factory=dict)
+    input_element_bytes: int = 2  # 16-bit for activations; integer inputs keep their width
+
+
+def _slope(values: dict[Any, float], key: Callable[[int], Any]) -> float:
+    small, large = BATCHES
+    return (values.get(key(large), 0.0) - values.get(key(small), 0.0)) / (large - small)
+
+
+def _first_tensor(*trees: Any) -> torch.Tensor | None:
+    for leaf in tree_leaves(trees):
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    return None
+
+
+def _loss(output: Any) -> torch.Tensor | None:
+    """A scalar to call backward on: the sum of every floating output that needs a gradient."""
+    parts = [
+        leaf.sum()
+        for leaf in tree_leaves(output)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad
+    ]
+    return torch.stack([part.float() for part in parts]).sum() if parts else None
+
+
+def _flop_formulas() -> dict[Any, Any]:
+    """FLOP formulas PyTorch lacks: its CPU flash attention, which the fake run takes where a GPU takes another
+    fused kernel (the same arithmetic)."""
+    aten = torch.ops.aten
+    formulas = {}
+    for op, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", "sdpa_flop"),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", "sdpa_backward_flop"),
+    ):
+        if hasattr(aten, op) and hasattr(flop_counter, formula):
+            formulas[getattr(aten, op)] = _as_raw(getattr(flop_counter, formula))
+    return formulas
+
+
+def _as_raw(formula: Callable[..., int]) -> Callable[..., int]:
+    """PyTorch's registered formulas already turn tensors into shapes; mark them so they are not wrapped twice."""
+
+    def raw(*args: Any, **kwargs: Any) -> int:
+        return formula(*args, **kwargs)
+
+    raw._get_raw = True  # type: ignore[attr-defined]
+    return raw
+
+
+def _sdpa_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    """F.scaled_dot_product_attention's signature, to read its arguments however they were passed."""
+    del enable_gqa  # the fused kernel's fake implementation takes fewer key/value heads as they come
+    return (query, key, value, dropout_p, is_causal), {"attn_mask": attn_mask, "scale": scale}
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Run ``F.scaled_dot_product_attention`` as a fused kernel, as it runs on a GPU.
+
+    On a CPU, PyTorch takes its math fallback whenever dropout is on, and that fallback upcasts 16-bit inputs to
+    fp32 and saves the s x s attention probabilities and dropout mask for the backward pass: activations a GPU
+    never holds (its flash and memory-efficient kernels keep the output and a log-sum-exp). Sending the call to
+    the CPU flash kernel, whose fake implementation needs no values, saves what a GPU saves; under autocast its
+    inputs are cast to 16 bits first, as CUDA's autocast does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0  # attention calls sent to the fused kernel
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        fused_args, fused_kwargs = _sdpa_arguments(*args, **kwargs)
+        query, key, value = fused_args[:3]
+        if any(t.dim() != 4 for t in (query, key, value)):
+            return func(*args, **kwargs)
+        self.calls += 1
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            fused_args = (query.to(dtype), key.to(dtype), value.to(dtype), *fused_args[3:])
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*fused_args, **fused_kwargs)[0]
+
+
+def _fused_attention() -> Any:
+    """The mode above where this PyTorch has the fused CPU kernel; otherwise nothing changes."""
+    fused = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    return _FusedAttention() if fused else nullcontext()
+
+
+class _Tracer:
+    """Runs the module on fake inputs and keeps what each segment did. Used under the fake mode."""
+
+    def __init__(
+        self, module: nn.Module, shape: tuple[int, ...], input_dtype: torch.dtype, vocab_size: int | None, name: str
+    ) -> None:
+        self.module = module
+        self.shape = shape
+        self.input_dtype = input_dtype
+        self.vocab_size = vocab_size
+        self.name = name
+        self.notes: list[str] = []
+        self.backward_flops: dict[int, float] = {}
+        self.total_flops: dict[int, float] = {}
+
+        params = {id(p): p for p in module.parameters()}  # parameters() yields a tied parameter once
+        self.params_total = sum(p.numel() for p in params.values())
+        self.params_trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+        self.largest_module_params = max(
+            (sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0
+        )
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()} - {"float32"})
+        if dtypes:
+            self.notes.append(f"parameters in {', '.join(dtypes)}: the fp32 figures keep them as they are")
+        self.blocks = find_blocks(module)
+        integer_input = not input_dtype.is_floating_point and not input_dtype.is_complex
+        if self.blocks:
+            first = _Segment("embedding" if integer_input else "stem", "embedding" if integer_input else "stem", False)
+            self.segments = [first]
+            self.segments += [_Segment(block_name, type(block).__name__, True) for block_name, block in self.blocks]
+            self.segments.append(_Segment("head", "head", False))
+        else:
+            self.segments = [_Segment("model", type(module).__name__, False)]
+            self.notes.append("no repeated blocks found: the model is one fixed part")
+        if integer_input:
+            self.segments[0].input_element_bytes = torch.empty((), dtype=input_dtype).element_size()
+
+        # parameter and buffer storages are not activations even when autograd saves them (a Linear's weight)
+        self.state_storages = {StorageWeakRef(t.untyped_storage()) for t in (*params.values(), *module.buffers())}
+        self.current = 0  # index of the running segment
+        self.block_depth = 0  # > 0 while a block runs (a block that calls another stays one segment)
+        self.first_segment: dict[int, int] = {}  # id(module) -> segment running when it was first called
+        self.between_blocks = False  # some FLOPs ran outside the blocks after the first one began
+        self.attention = _fused_attention()  # one instance, entered for every pass
+
+    # -- measuring
+
+    def make_input(self, batch: int) -> torch.Tensor:
+        if self.input_dtype.is_floating_point or self.input_dtype.is_complex:
+            return torch.randn((batch, *self.shape), dtype=self.input_dtype)
+        return torch.randint(0, self.vocab_size or 1, (batch, *self.shape), dtype=self.input_dtype)
+
+    def measure(self) -> None:
+        with self._segment_hooks(), self._first_call_hooks():
+            for batch in BATCHES:
+                self._run(batch, "fp32", count_flops=True)
+                self._run(batch, "16bit", count_flops=False)
+        self._assign_params()
+        self.forward_flops_per_sample = _slope(self.total_flops, lambda b: b)
+        self.backward_flops_per_sample = _slope(self.backward_flops, lambda b: b)
+        if self.forward_flops_per_sample > 0:
+            ratio = self.backward_flops_per_sample / self.forward_flops_per_sample
+            self.notes.append(
+                f"measured backward FLOPs per sample {self.backward_flops_per_sample:.4g}, {ratio:.2f}x the forward "
+                "(the profile's training FLOPs assume 2x)"
+            )
+        if self.between_blocks:
+            self.notes.append("work between blocks (outside any block) is counted in the head")
+        if getattr(self.attention, "calls", 0):
+            self.notes.append(
+                "scaled_dot_product_attention measured as a fused kernel, as on a GPU: no s x s matrices saved"
+            )
+
+    def _run(self, batch: int, precision: ActivationPrecision, count_flops: bool) -> None:
+        self.batch, self.precision = batch, precision
+        self.current, self.block_depth, self.flops_mark = 0, 0, 0.0
+        self.saved: set[StorageWeakRef] = set()
+        self.keep_alive: list[Any] = []  # saved storages stay alive so that no other can reuse their address
+        formulas = _flop_formulas()
+        self.counter = flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) if count_flops else None
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "16bit" else nullcontext()
+        x = self.make_input(batch)
+        self.segments[0].input_elements[batch] = x.numel()
+        with (
+            self.counter or nullcontext(),
+            self.attention,
+            autocast,
+            torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved),
+        ):
+            output = _guarded(self.name, lambda: self.module(x))
+            self._charge_flops()
+        if self.counter is not None:
+            self.total_flops[batch] = float(self.counter.get_total_flops())
+            self.backward_flops[batch] = self._backward(output, formulas)
+        self.counter = None
+        del output
+        self.saved.clear()
+        self.keep_alive.clear()
+
+    def _backward(self, output: Any, formulas: dict[Any, Any]) -> float:
+        loss = _guarded(self.name, lambda: _loss(output))
+        if loss is None:
+            if not any("no output needs a gradient" in note for note in self.notes):
+                self.notes.append("no output needs a gradient: backward FLOPs not measured")
+            return 0.0
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) as counter, self.attention:
+            _guarded(self.name, loss.backward)
+        # the gradients stay: the training-step measurement creates Adam's states from them
+        return float(counter.get_total_flops())
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts: count the tensor
+            self._charge_bytes(tensor.numel() * tensor.element_size())
+            return tensor
+        ref = StorageWeakRef(storage)
+        if ref not in self.state_storages and ref not in self.saved:
+            self.saved.add(ref)
+            self.keep_alive.append(storage)
+            self._charge_bytes(storage.nbytes())
+        return tensor
+
+    def _charge_bytes(self, nbytes: int) -> None:
+        saved = self.segments[self.current].saved_bytes
+        key = (self.batch, self.precision)
+        saved[key] = saved.get(key, 0) + nbytes
+
+    def _charge_flops(self) -> float:
+        """Give the FLOPs counted since the last boundary to the running segment; return them."""
+        if self.counter is None:
+            return 0.0
+        total = float(self.counter.get_total_flops())
+        flops = self.segments[self.current].flops
+        flops[self.batch] = flops.get(self.batch, 0.0) + total - self.flops_mark
+        charged, self.flops_mark = total - self.flops_mark, total
+        return charged
+
+    @contextmanager
+    def _segment_hooks(self) -> Iterator[None]:
+        handles = []
+        for index, (_, block) in enumerate(self.blocks, start=1):
+
+            def enter(_module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
+                self.block_depth += 1
+                if self.block_depth == 1:
+                    charged = self._charge_flops()
+                    if self.current == len(self.segments) - 1 and charged > 0:
+                        self.between_blocks = True
+                    self.current = index
+                    first = _first_tensor(args, kwargs)
+                    self.segments[index].input_elements[self.batch] = first.numel() if first is not None else 0
+
+            def leave(_module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+                self.block_depth -= 1
+                if self.block_depth == 0:
+                    self._charge_flops()
+                    self.current = len(self.segments) - 1  # whatever runs between or after blocks is the head
+                    last = _first_tensor(output)
+                    self.segments[-1].input_elements[self.batch] = last.numel() if last is not None else 0
+
+            handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
+            handles.append(block.register_forward_hook(leave, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextmanager
+    def _first_call_hooks(self) -> Iterator[None]:
+        """Note which segment each module first ran in: its own parameters belong there (an embedding that the
+        output layer reuses is the embedding's)."""
+
+        def called(submodule: nn.Module, _args: Any) -> None:
+            self.first_segment.setdefault(id(submodule), self.current)
+
+        handles = [m.register_forward_pre_hook(called) for m in self.module.modules()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _assign_params(self) -> None:
+        # hooks set the segment before a block's pre-hook, so blocks' own modules are placed by membership
+        segment_of: dict[int, int] = {}
+        for index, (_, block) in enumerate(self.blocks, start=1):
+            for sub in block.modules():
+                segment_of.setdefault(id(sub), index)
+        last = len(self.segments) - 1
+        owner: dict[int, tuple[int, int]] = {}  # id(param) -> (segment, numel)
+        for m in self.module.modules():
+            segment = segment_of.get(id(m), self.first_segment.get(id(m), last))
+            for p in m.parameters(recurse=False):
+                if id(p) not in owner or segment < owner[id(p)][0]:
+                    owner[id(p)] = (segment, p.numel())
+        for segment, numel in owner.values():
+            self.segments[segment].params += numel
+
+    # -- results
+
+    def layer_profiles(self) -> tuple[LayerProfile, ...]:
+        profiles = []
+        for segment in self.segments:
+            profiles.append(
+                LayerProfile(
+                    name=segment.name,
+                    kind=segment.kind,
+                    params=segment.params,
+                    forward_flops_per_sample=_slope(segment.flops, lambda b: b),
+                    activation_bytes_per_sample={
+                        precision: _slope(segment.saved_bytes, lambda b, p=precision: (b, p))
+                        for precision in ("16bit", "fp32")
+                    },
+                    input_bytes_per_sample=_slope(segment.input_elements, lambda b: b) * segment.input_element_bytes,
+                    is_block=segment.is_block,
+                )
+            )
+        return tuple(profiles)
+
+
+# --- one training step under MemTracker -------------------------------------------------------------------
+
+_CATEGORY_NAMES = {
+    "Parameter": "params",
+    "Buffer": "buffers",
+    "Gradient": "grads",
+    "Optstate": "optimizer_states",
+    "Activation": "activations",
+    "Temp": "temporary",
+    "Other": "other",
+    "Total": "total",
+}
+
+
+def _training_step_peak(tracer: _Tracer) -> tuple[dict[str, int] | None, str]:
+    """Peak memory of one training step (forward, backward, Adam step; fp32, micro-batch 1) by category, from
+    ``torch.distributed._tools.mem_tracker.MemTracker``. A private API: anything wrong with it gives None."""
+    fallback = "the analytic memory model stands alone"
+    try:
+        tracker_class = _peak_only_mem_tracker()
+    except Exception as error:  # ImportError, AttributeError: the private API moved
+        return None, f"MemTracker unavailable ({type(error).__name__}: {error}); {fallback}"
+    module = tracer.module
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if not trainable:
+        return None, f"no trainable parameters, so no training step to measure; {fallback}"
+    x = tracer.make_input(1)
+
+    def step() -> None:
+        with tracer.attention:
+            loss = _loss(module(x))
+        if loss is None:
+            raise RuntimeError("no output needs a gradient")
+        loss.backward()
+        del loss  # the graph is gone by now; the output would otherwise stay alive through the optimizer step
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        # foreach is Adam's default on GPUs. A step outside the tracker (on the gradients the FLOP count left, if
+        # any) creates its states, so the tracked step is a steady-state one: states present, gradients not yet.
+        optimizer = torch.optim.Adam(trainable, foreach=True)
+        if all(p.grad is not None for p in trainable):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            step()
+        tracker = tracker_class()
+        tracker.track_external(module, optimizer, x)
+        with tracker:
+            step()
+        snapshot = tracker.get_tracker_snapshot("peak")
+    except Exception as error:
+        return None, f"MemTracker failed on this model ({type(error).__name__}: {error}); {fallback}"
+    finally:
+        for p in trainable:
+            p.grad = None
+    peak: dict[str, int] = {}
+    for per_device in snapshot.values():
+        for category, nbytes in per_device.items():
+            key = getattr(category, "value", category)
+            key = _CATEGORY_NAMES.get(key, str(key).lower())
+            peak[key] = peak.get(key, 0) + int(nbytes)
+    total = peak.get("total", 0)
+    return peak, f"MemTracker: one Adam step (fp32, micro-batch 1) peaks at {total / 2**30:.2f} GiB"
+
+
+def _peak_only_mem_tracker() -> type:
+    """MemTracker keeping only the global peak. Its stock peak update walks every module's statistics on every
+    operator (quadratic: a 7B model's step takes half a minute); the global peak is all we read."""
+    from torch.distributed._tools import mem_tracker
+
+    total_key = mem_tracker._TOTAL_KEY
+    base = mem_tracker.MemTracker
+    for attribute in ("_update_peak_stats", "get_tracker_snapshot", "track_external"):
+        getattr(base, attribute)
+
+    class PeakOnlyMemTracker(base):  # type: ignore[misc, valid-type]
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for device, current in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < current[total_key]:
+                    self._peak_mem[device] = current[total_key]
+                    self._peak_mem_snap[device] = dict(current)
+
+    return PeakOnlyMemTracker
