@@ -44,6 +44,26 @@ print("\n".join(bad) or "every GPU figure within 30-105% of its peak")
 sys.exit(1 if bad else 0)
 PY
 step doctor-bench "$py" -m redline doctor --bench-file "$out/bench-gpu.json"
+# the planner on this machine (ceilings from the bench run above), then its predictions next to real
+# training steps: peak memory within 5% of torch.cuda.max_memory_allocated and never more than 3% under,
+# step time within 10% (the issue's targets; a miss is reported as a failure with the figures)
+step plan-local env COLUMNS=120 "$py" -m redline plan -m llama-2-7b --hardware local --global-batch 64
+step plan-vs-measured "$py" benchmarks/plan_vs_measured.py --out "$out"
+step plan-accuracy "$py" - "$out/plan_vs_measured.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+bad = []
+for r in rows:
+    memory = r.get("memory_ratio")
+    print(f"{r['model']:10} b={r['batch']:<4} step predicted/measured {r['step_ratio']:.3f}"
+          + (f"  memory {memory:.3f}" if memory else ""))
+    if memory is not None and not 0.97 <= memory <= 1.05:
+        bad.append(f"{r['model']}: memory ratio {memory:.3f} outside 0.97-1.05")
+    if not 0.9 <= r["step_ratio"] <= 1.1:
+        bad.append(f"{r['model']}: step-time ratio {r['step_ratio']:.3f} outside 0.9-1.1")
+print("\n".join(bad) or "all predictions within target")
+sys.exit(1 if bad else 0)
+PY
 step pytest-gpu "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 
 echo

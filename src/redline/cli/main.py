@@ -8,7 +8,7 @@ import sys
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, probe, ui
+from redline.cli import bench, catalog, doctor, plan, probe, ui
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -21,6 +21,7 @@ app = typer.Typer(
 app.command("probe")(probe.probe)
 app.command("doctor")(doctor.doctor)
 app.command("bench")(bench.bench)
+app.command("plan")(plan.plan)
 app.add_typer(catalog.app, name="catalog")
 
 

@@ -63,6 +63,7 @@ class Cluster:
     gpu: GpuSpec | None = None
     notes: tuple[str, ...] = field(default=())
     is_cpu: bool = False
+    network_assumed: bool = False  # the inter-node figure is DEFAULT_NETWORK_GBPS, not the machine's
 
     @property
     def gpus(self) -> int:
@@ -77,12 +78,15 @@ class Cluster:
             raise BadInput(f"--nodes must be at least 1, not {nodes}")
         if nodes > 1 and self.inter is None:
             raise BadInput(f"{self.name}: no inter-node network is known; pass --network-gbps")
-        return replace(self, nodes=nodes)
+        notes = self.notes
+        if nodes > 1 and self.network_assumed:
+            notes += (f"inter-node network assumed {DEFAULT_NETWORK_GBPS:g} Gbit/s per node (set --network-gbps)",)
+        return replace(self, nodes=nodes, notes=notes)
 
     def with_network(self, gbps: float) -> Cluster:
         if not gbps > 0:
             raise BadInput(f"--network-gbps must be positive, not {gbps}")
-        return replace(self, inter=network_link(gbps, f"--network-gbps {gbps:g}"))
+        return replace(self, inter=network_link(gbps, f"--network-gbps {gbps:g}"), network_assumed=False)
 
 
 def network_link(gbps: float, source: str) -> Link:
@@ -116,10 +120,9 @@ def catalog_cluster(gpu: GpuSpec, gpus_per_node: int, *, name: str, network_gbps
     }
     if "tf32" in matmul:  # fp32 training runs its matmuls on TF32 tensor cores when allowed (redline's runtime does)
         matmul["fp32"] = matmul.pop("tf32")
-    notes = ()
+    assumed = network_gbps is None
     if network_gbps is None:
         network_gbps = DEFAULT_NETWORK_GBPS
-        notes = (f"inter-node network assumed {DEFAULT_NETWORK_GBPS:g} Gbit/s per node (set --network-gbps)",)
     return Cluster(
         name=name,
         device=gpu.name,
@@ -135,7 +138,7 @@ def catalog_cluster(gpu: GpuSpec, gpus_per_node: int, *, name: str, network_gbps
         intra=intra_node_link(gpu),
         inter=network_link(network_gbps, f"{network_gbps:g} Gbit/s"),
         gpu=gpu,
-        notes=notes,
+        network_assumed=assumed,
     )
 
 

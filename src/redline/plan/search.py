@@ -87,6 +87,13 @@ def candidates(
             f"{cluster.device} has no {precision} rate (catalog or measured); try: {', '.join(cluster.matmul)}"
         )
     n = cluster.gpus
+    if constraints.tensor is not None and cluster.gpus_per_node % constraints.tensor:
+        raise BadInput(f"--tp {constraints.tensor} does not divide the {cluster.gpus_per_node} GPUs of a node")
+    if constraints.pipeline is not None:
+        if constraints.pipeline > max(blocks, 1):
+            raise BadInput(f"--pp {constraints.pipeline}: more pipeline stages than the model has blocks ({blocks})")
+        if n % constraints.pipeline:
+            raise BadInput(f"--pp {constraints.pipeline} does not divide the {n} GPUs")
     tensors = _divisors(cluster.gpus_per_node)
     for t in tensors:
         if constraints.tensor is not None and t != constraints.tensor:

@@ -1,0 +1,157 @@
+"""redline plan's predictions next to real training steps on this machine (CPU, or CUDA when present).
+
+Calibration is what `redline bench compute memory --save` measured here (matmul FLOP/s, memory
+bandwidth); the benchmark runs those suites into a scratch REDLINE_HOME first, plans each model for
+``--hardware local``, then trains the real module for a few steps and compares:
+
+- step time: median of timed steps vs the plan's ``step_time_s.total``;
+- peak memory (CUDA only): ``torch.cuda.max_memory_allocated`` vs the plan's ``allocated``.
+
+    python benchmarks/plan_vs_measured.py [--steps 5] [--json] [--out DIR]
+
+Models: ViT-B/16 and ResNet-50 from redline.workload.zoo, and GPT-2 small from transformers when it is
+installed. Sizes are kept small on a CPU so the whole run takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from redline.bench import store
+from redline.hw.probe import take_snapshot
+from redline.plan.estimate import Goal, estimate
+from redline.plan.hardware import local_cluster
+from redline.plan.strategy import Strategy
+from redline.workload import zoo
+from redline.workload.presets import preset_profile
+
+
+def calibrate(home: Path, device: str) -> None:
+    env = os.environ | {"REDLINE_HOME": str(home)}
+    suites = ["compute", "memory"]
+    cmd = [sys.executable, "-m", "redline", "bench", *suites, "--save", "--quick"]
+    if device != "cpu":
+        cmd += ["--device", device]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+
+
+def models(device: str) -> list[dict]:
+    cuda = device != "cpu"
+    out = [
+        {"name": "vit-b-16", "build": zoo.vit_b_16, "input": lambda b: torch.randn(b, 3, 224, 224),
+         "batch": 64 if cuda else 4},
+        {"name": "resnet50", "build": zoo.resnet50, "input": lambda b: torch.randn(b, 3, 224, 224),
+         "batch": 128 if cuda else 8},
+    ]
+    try:
+        import transformers
+    except ImportError:
+        return out
+    seq = 1024 if cuda else 256
+
+    def gpt2():
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=1024))
+
+    out.append({"name": "gpt2", "build": gpt2, "input": lambda b: torch.randint(0, 50257, (b, seq)),
+                "batch": 16 if cuda else 2, "seq_len": seq})
+    return out
+
+
+def measure(spec: dict, device: str, precision: str, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = spec["build"]().to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device != "cpu")
+    batch = spec["input"](spec["batch"]).to(device)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    autocast = torch.autocast(device.split(":")[0], dtype=dtype, enabled=precision != "fp32")
+    is_lm = "seq_len" in spec
+
+    def step() -> None:
+        with autocast:
+            out = model(batch, labels=batch) if is_lm else model(batch)
+            loss = out.loss if is_lm else out.float().logsumexp(-1).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    for _ in range(2):
+        step()
+    sync()
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device != "cpu" else None
+    del model, optimizer
+    return {"step_s": statistics.median(times), "steps": steps, "peak_allocated_bytes": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    precision = "bf16" if device != "cpu" else "fp32"
+    with tempfile.TemporaryDirectory() as home:
+        calibrate(Path(home), device)
+        os.environ["REDLINE_HOME"] = home
+        snapshot = take_snapshot()
+        cluster = local_cluster(snapshot, store.latest(store.fingerprint(snapshot)[0]))
+    if device != "cpu":
+        cluster = cluster.with_nodes(1)
+    rows = []
+    for spec in models(device):
+        profile = preset_profile(spec["name"], spec.get("seq_len"))
+        strategy = Strategy(data=1, precision=precision, micro_batch=spec["batch"])
+        predicted = estimate(profile, strategy, cluster, Goal(spec["batch"]))
+        measured = measure(spec, device, precision, args.steps)
+        row = {
+            "model": spec["name"],
+            "device": device,
+            "batch": spec["batch"],
+            "predicted_step_s": predicted.time.total,
+            "measured_step_s": measured["step_s"],
+            "step_ratio": predicted.time.total / measured["step_s"],
+            "predicted_allocated_bytes": predicted.memory.allocated,
+            "measured_peak_allocated_bytes": measured["peak_allocated_bytes"],
+            "ceilings": {p: c.source for p, c in cluster.matmul.items()},
+        }
+        if measured["peak_allocated_bytes"]:
+            row["memory_ratio"] = predicted.memory.allocated / measured["peak_allocated_bytes"]
+        rows.append(row)
+        if not args.json:
+            memory = f"  memory {row['memory_ratio']:.2f}" if "memory_ratio" in row else ""
+            print(
+                f"{row['model']:10} b={row['batch']:<4} predicted {row['predicted_step_s']:.3f} s  "
+                f"measured {row['measured_step_s']:.3f} s  ratio {row['step_ratio']:.2f}{memory}",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "plan_vs_measured.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

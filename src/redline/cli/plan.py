@@ -1,0 +1,449 @@
+"""`redline plan`: will the model fit, how should it run, how fast and at what cost.
+
+Predicts memory per GPU and step time for every way of running the model on the hardware (data, tensor
+and pipeline parallel degrees, ZeRO/FSDP sharding, micro-batch and accumulation, activation
+checkpointing), keeps those that fit, and ranks them. `-o plan.yaml` writes the best as the plan file the
+runtime reads. `--cloud` ranks cloud instances and node counts by cost and by time to finish.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.table import Table
+
+from redline.cli import ui
+from redline.errors import BadInput
+from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count
+
+
+def plan(
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="A preset (see --list-models), a Hugging Face config.json, or package.module:factory.",
+    ),
+    params: str | None = typer.Option(
+        None, "--params", help="Only a parameter count (7e9, 7B): a GPT shape is assumed."
+    ),
+    hardware: str = typer.Option(
+        "local", "--hardware", help="COUNTxGPU (8xh100-sxm), a cloud instance (p5.48xlarge), or local (this machine)."
+    ),
+    nodes: int = typer.Option(1, "--nodes", help="Identical nodes."),
+    network_gbps: float | None = typer.Option(None, "--network-gbps", help="Inter-node bandwidth per node, Gbit/s."),
+    global_batch: int | None = typer.Option(None, "--global-batch", help="Samples per optimizer step."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Training sequence length (language models)."),
+    input_shape: str | None = typer.Option(
+        None, "--input-shape", help="Per-sample input of a factory model: 3,224,224."
+    ),
+    tokens: str | None = typer.Option(None, "--tokens", help="Train on this many tokens (300B, 1e12)."),
+    epochs: float | None = typer.Option(None, "--epochs", help="... or this many epochs of --dataset-size samples."),
+    dataset_size: str | None = typer.Option(None, "--dataset-size", help="Samples in the dataset (1.28M)."),
+    precision: str | None = typer.Option(
+        None, "--precision", help="fp32 | bf16 | fp16 | fp8 (default: bf16 if the GPU has it)."
+    ),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | adam | sgd | adafactor | adam8bit."),
+    sharding: str | None = typer.Option(
+        None, "--sharding", help="Fix the sharding: ddp | zero1 | zero2 | fsdp | hsdp."
+    ),
+    tensor: int | None = typer.Option(None, "--tp", help="Fix the tensor-parallel degree."),
+    pipeline: int | None = typer.Option(None, "--pp", help="Fix the pipeline-parallel degree."),
+    micro_batch: int | None = typer.Option(None, "--micro-batch", help="Fix the micro-batch."),
+    checkpointing: str | None = typer.Option(
+        None, "--checkpointing", help="Fix activation checkpointing: none | full."
+    ),
+    top: int = typer.Option(5, "--top", help="How many strategies (or cloud options) to show."),
+    rank_by: str = typer.Option("time", "--rank", help="time | cost."),
+    cloud: bool = typer.Option(False, "--cloud", help="Rank cloud instances and node counts instead of one machine."),
+    max_nodes: int = typer.Option(8, "--max-nodes", help="With --cloud: try 1, 2, 4 ... up to this many nodes."),
+    provider: list[str] = typer.Option([], "--provider", help="With --cloud: only these providers (repeatable)."),
+    deadline: str | None = typer.Option(None, "--deadline", help="With --cloud: must finish within (36h, 7d)."),
+    list_models: bool = typer.Option(False, "--list-models", help="List the built-in model presets and exit."),
+    json_output: bool = typer.Option(False, "--json", help="Print the whole result as JSON."),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="Write the best plan as YAML (the runtime's input)."
+    ),
+) -> None:
+    """Predict memory, step time and cost of every way to run a model, and pick the best."""
+    from redline.plan.estimate import Goal
+    from redline.plan.search import Constraints
+    from redline.workload.load import load_workload
+    from redline.workload.presets import PRESET_NAMES
+
+    if list_models:
+        _list_models(PRESET_NAMES, json_output)
+        return
+    for name, value in (("--top", top), ("--max-nodes", max_nodes)):
+        if value < 1:
+            raise BadInput(f"{name} must be at least 1, not {value}")
+    if rank_by not in ("time", "cost"):
+        raise BadInput(f"--rank must be time or cost, not '{rank_by}'")
+    profile = load_workload(
+        model,
+        params=_count("--params", params),
+        seq_len=seq_len,
+        input_shape=_shape(input_shape),
+    )
+    constraints = _constraints(
+        Constraints, precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing
+    )
+    samples = None
+    if epochs is not None or dataset_size is not None:
+        if epochs is None or dataset_size is None or epochs <= 0:
+            raise BadInput("--epochs and --dataset-size go together (and epochs must be positive)")
+        samples = epochs * _count("--dataset-size", dataset_size)
+    tokens_total = _count("--tokens", tokens)
+    if tokens_total is not None and samples is not None:
+        raise BadInput("give --tokens or --epochs/--dataset-size, not both")
+    if cloud:
+        _cloud(
+            profile,
+            constraints,
+            global_batch,
+            tokens_total,
+            samples,
+            rank_by,
+            top,
+            max_nodes,
+            provider,
+            deadline,
+            json_output,
+        )
+        return
+
+    cluster = _cluster(hardware, nodes, network_gbps)
+    from redline.plan.search import default_global_batch, explain_no_fit, search, smallest_fitting
+
+    batch = global_batch if global_batch is not None else default_global_batch(profile, cluster)
+    try:
+        goal = Goal(batch, tokens=tokens_total, samples=samples)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    result = search(profile, cluster, goal, constraints, rank_by=rank_by)
+    if not result.ranked:
+        message = explain_no_fit(result, cluster)
+        if result.closest_misfit is not None:
+            smallest = smallest_fitting(profile, goal, constraints)
+            if smallest:
+                options = "; ".join(
+                    f"{c.gpus} x {c.gpu.key if c.gpu else c.device} ({e.strategy.label()})" for c, e in smallest
+                )
+                message += f". Smallest hardware that fits: {options}"
+            else:
+                message += ". It fits on no catalog GPU up to 1024 GPUs"
+        raise BadInput(message)
+
+    notes = [*profile.notes, *cluster.notes]
+    if global_batch is None:
+        notes.append(
+            f"global batch {batch} is a default (about 0.5M tokens or 256 images per step); set --global-batch"
+        )
+    from redline.plan.planfile import PLAN_MARKER, dump_plan, make_plan
+
+    best = make_plan(profile, cluster, goal, result.ranked[0], notes)
+    if output is not None:
+        ui.write_output(output, dump_plan(best), marker=PLAN_MARKER)
+    if json_output:
+        ui.print_json(
+            {
+                "plan": best.to_dict(),
+                "ranked": [e.to_dict() for e in result.ranked[:top]],
+                "considered": result.considered,
+                "excluded": result.exclusions(),
+                "profile": profile.to_dict() | {"layers": len(profile.layers)},
+            }
+        )
+        return
+    _render(profile, cluster, goal, result, top, notes)
+    if output is not None:
+        ui.console.print(ui.dim(f"plan written to {output}"))
+
+
+# ----------------------------------------------------------------------------------------- parsing
+
+
+def _count(option: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise BadInput(f"{option}: {exc}") from None
+
+
+def _shape(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise BadInput(f"--input-shape '{text}' is not a list of positive sizes like 3,224,224")
+    return shape
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    cleaned = text.strip().lower()
+    try:
+        # a bare number is hours
+        value = float(cleaned[:-1]) * units[cleaned[-1]] if cleaned[-1] in units else float(cleaned) * 3600
+    except (ValueError, IndexError):
+        raise BadInput(f"--deadline '{text}' is not a duration like 36h or 7d") from None
+    if not value > 0:
+        raise BadInput(f"--deadline '{text}' must be positive")
+    return value
+
+
+def _constraints(cls, precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing):
+    from redline.plan.model_states import OPTIMIZERS, PRECISIONS, SHARDINGS
+
+    for option, value, known in (
+        ("--precision", precision, PRECISIONS),
+        ("--optimizer", optimizer, OPTIMIZERS),
+        ("--sharding", sharding, SHARDINGS),
+        ("--checkpointing", checkpointing, ("none", "full")),
+    ):
+        if value is not None and value not in known:
+            raise BadInput(f"{option} '{value}' is not one of {', '.join(known)}")
+    for option, value in (("--tp", tensor), ("--pp", pipeline), ("--micro-batch", micro_batch)):
+        if value is not None and value < 1:
+            raise BadInput(f"{option} must be at least 1, not {value}")
+    return cls(
+        precision=precision,
+        optimizer=optimizer,
+        sharding=sharding,
+        tensor=tensor,
+        pipeline=pipeline,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+    )
+
+
+def _cluster(hardware: str, nodes: int, network_gbps: float | None):
+    from redline.plan.hardware import local_cluster, parse_hardware
+
+    if hardware.strip().lower() == "local":
+        from redline.bench import store
+        from redline.hw.probe import take_snapshot
+
+        snapshot = take_snapshot()
+        cluster = local_cluster(snapshot, store.latest(store.fingerprint(snapshot)[0]))
+    else:
+        cluster = parse_hardware(hardware)
+    if network_gbps is not None:
+        cluster = cluster.with_network(network_gbps)
+    return cluster.with_nodes(nodes)
+
+
+# ----------------------------------------------------------------------------------------- output
+
+
+def _list_models(names, json_output: bool) -> None:
+    from redline.workload.presets import TRANSFORMER_PRESETS
+    from redline.workload.transformer import count_params
+
+    rows = []
+    for name in names:
+        shape = TRANSFORMER_PRESETS.get(name)
+        rows.append(
+            {
+                "name": name,
+                "params": count_params(shape) if shape else None,
+                "kind": "transformer (analytic)" if shape else "traced from redline.workload.zoo",
+                "seq_len": shape.seq_len if shape else None,
+            }
+        )
+    if json_output:
+        ui.print_json(rows)
+        return
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    for column in ("preset", "params", "sequence", "profile"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["name"],
+            fmt_count(row["params"]) if row["params"] else "traced",
+            str(row["seq_len"] or "image"),
+            row["kind"],
+        )
+    ui.console.print(table)
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0%}"
+
+
+def _money(value: float | None) -> str:
+    return "—" if value is None else f"${value:,.0f}"
+
+
+def _render(profile, cluster, goal, result, top: int, notes: list[str]) -> None:
+    from redline.plan.estimate import mfu_peak
+
+    console = ui.console
+    per_step = goal.global_batch * profile.tokens_per_sample
+    console.print(
+        f"model     {profile.name} ({profile.method}, {profile.source}): {fmt_count(profile.params_total)} params, "
+        f"{fmt_count(profile.training_flops_per_sample)} training FLOPs per {profile.sample_unit}"
+    )
+    precision = result.ranked[0].strategy.precision
+    ceiling = cluster.matmul[precision]
+    console.print(
+        f"hardware  {cluster.gpus} x {cluster.device} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''}, "
+        f"{fmt_bytes(cluster.memory_bytes)} each)"
+    )
+    console.print(
+        f"ceilings  {precision} matmul {ceiling.value / 1e12:.4g} TFLOP/s ({ceiling.source}); "
+        f"memory {cluster.memory_bandwidth.value / 1e9:.4g} GB/s ({cluster.memory_bandwidth.source}); "
+        f"GPU-GPU {cluster.intra.busbw_bytes_per_s / 1e9:.4g} GB/s ({cluster.intra.source})"
+    )
+    goal_text = f"global batch {goal.global_batch}"
+    if profile.sample_unit == "sequence":
+        goal_text += f" x {profile.tokens_per_sample} tokens = {fmt_count(per_step)} tokens per step"
+    if goal.tokens:
+        goal_text += f"; {fmt_count(goal.tokens)} tokens in all"
+    elif goal.samples:
+        goal_text += f"; {fmt_count(goal.samples)} samples in all"
+    console.print(f"goal      {goal_text}")
+    if not mfu_peak(cluster, precision):
+        console.print(ui.dim("(no datasheet peak for this device: MFU is not shown)"))
+
+    table = Table(
+        box=box.SIMPLE_HEAD, show_edge=False, title=f"best of {len(result.ranked)} that fit", title_justify="left"
+    )
+    for column, justify in (
+        ("#", "right"),
+        ("strategy", "left"),
+        ("memory/GPU", "right"),
+        ("step", "right"),
+        ("tokens/s" if profile.sample_unit == "sequence" else "samples/s", "right"),
+        ("MFU", "right"),
+        ("time to train", "right"),
+        ("cost", "right"),
+    ):
+        table.add_column(column, justify=justify)
+    for index, e in enumerate(result.ranked[:top], 1):
+        rate = e.tokens_per_s if profile.sample_unit == "sequence" else e.samples_per_s
+        table.add_row(
+            str(index),
+            e.strategy.label(),
+            fmt_bytes(e.memory.device_total),
+            fmt_duration(e.time.total),
+            fmt_count(rate),
+            _pct(e.mfu),
+            fmt_duration(e.time_to_train_s) if e.time_to_train_s else "—",
+            _money(e.cost_usd),
+        )
+    console.print(table)
+    _breakdown(result.ranked[0], cluster)
+    excluded = ", ".join(f"{r['count']} {r['reason']}" for r in result.exclusions())
+    if excluded:
+        console.print(f"excluded  {excluded}")
+        if result.closest_misfit is not None:
+            miss = result.closest_misfit
+            console.print(
+                ui.dim(
+                    f"          nearest miss: {miss.strategy.label()} needs {fmt_bytes(miss.memory.device_total)} "
+                    f"of {fmt_bytes(cluster.memory_bytes)}"
+                )
+            )
+    for note in notes:
+        console.print(ui.dim(f"note: {note}"))
+
+
+def _breakdown(best, cluster) -> None:
+    memory, time = best.memory, best.time
+    parts = [
+        ("weights", memory.weights),
+        ("gradients", memory.grads),
+        ("optimizer", memory.optimizer),
+        ("compute copies", memory.weight_copies),
+        ("activations", memory.activations),
+        ("backward working set", memory.temporary),
+        ("comm buffers", memory.comm_buffers),
+        ("allocator margin", memory.fragmentation),
+        ("CUDA context + NCCL", memory.cuda_context + memory.nccl),
+    ]
+    ui.console.print(
+        f"memory of #1: {fmt_bytes(memory.device_total)} of {fmt_bytes(cluster.memory_bytes)} "
+        f"(torch max_memory_allocated ~ {fmt_bytes(memory.allocated)})"
+    )
+    width = 30
+    for name, value in parts:
+        if value <= 0:
+            continue
+        bar = "█" * max(1, round(width * value / memory.device_total))
+        ui.console.print(f"  {name:>22} {fmt_bytes(value):>10}  {bar}")
+    steps = [
+        ("compute", time.compute),
+        ("pipeline bubble", time.bubble),
+        ("data-parallel comm", time.data_parallel_comm),
+        ("tensor-parallel comm", time.tensor_parallel_comm),
+        ("pipeline comm", time.pipeline_comm),
+        ("optimizer step", time.optimizer),
+    ]
+    ui.console.print(f"step time of #1: {fmt_duration(time.total)} (exposed parts)")
+    for name, value in steps:
+        if value <= 0:
+            continue
+        bar = "█" * max(1, round(width * value / time.total))
+        ui.console.print(f"  {name:>22} {fmt_duration(value):>10}  {bar}")
+
+
+def _cloud(
+    profile, constraints, global_batch, tokens, samples, rank_by, top, max_nodes, providers, deadline, json_output
+):
+    from redline.plan import cloud as cloud_plan
+    from redline.plan.estimate import Goal
+
+    batch = global_batch or (
+        2 ** round(__import__("math").log2(max(1, 2**19 / profile.tokens_per_sample)))
+        if profile.sample_unit == "sequence"
+        else 256
+    )
+    goal = Goal(batch, tokens=tokens, samples=samples)
+    options = cloud_plan.cloud_options(profile, goal, constraints, max_nodes=max_nodes, providers=tuple(providers))
+    if not options:
+        raise BadInput(f"{profile.name} fits on no catalog instance with up to {max_nodes} nodes; raise --max-nodes")
+    deadline_s = _duration(deadline) if deadline else None
+    ranked = cloud_plan.rank(options, rank_by, deadline_s)
+    if json_output:
+        ui.print_json({"global_batch": batch, "ranked": [o.to_dict() for o in ranked[:top]], "options": len(options)})
+        return
+    if not ranked:
+        fastest = min(options, key=lambda o: o.time_s)
+        raise BadInput(
+            f"no option finishes within {deadline}: the fastest is {fastest.nodes} x {fastest.instance} "
+            f"in {fmt_duration(fastest.time_s)}; raise --max-nodes or the deadline"
+        )
+    title = f"{len(options)} instance/node options where {profile.name} fits, by {rank_by}"
+    if deadline_s:
+        title += f", finishing within {deadline}"
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title=title, title_justify="left")
+    for column in ("#", "provider", "instance", "nodes", "GPUs", "$/h", "strategy", "MFU", "time", "cost"):
+        table.add_column(column, justify="left" if column in ("provider", "instance", "strategy") else "right")
+    for index, o in enumerate(ranked[:top], 1):
+        table.add_row(
+            str(index),
+            o.provider,
+            o.instance,
+            str(o.nodes),
+            str(o.gpus),
+            f"{o.price_usd_per_hour:,.2f}",
+            o.best.strategy.label(),
+            _pct(o.best.mfu),
+            fmt_duration(o.time_s),
+            _money(o.cost_usd),
+        )
+    ui.console.print(table)
+    dates = sorted({o.price_date for o in options})
+    ui.console.print(
+        ui.dim(
+            f"on-demand prices as of {', '.join(dates)}; global batch {batch}; `redline catalog instances` for sources"
+        )
+    )

@@ -1,0 +1,179 @@
+"""`redline plan` as a user runs it: output, plan files, JSON, and one-line errors for bad requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import run_cli
+from redline.plan.planfile import load_plan
+
+
+def one_line_error(result, code: int = 2) -> str:
+    assert result.returncode == code, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+def test_plan_a_preset_on_named_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    result = run_cli("plan", "--model", "llama-2-7b", "--hardware", "8xh100-sxm", "--tokens", "1T", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for expected in ("llama-2-7b", "8 x NVIDIA H100 SXM5 80GB", "MFU", "time to train", "memory of #1", "step time"):
+        assert expected in text
+    plan = load_plan(out)
+    assert plan.strategy.gpus == 8
+    assert plan.goal["tokens"] == 1e12
+    assert plan.predicted["fits"] is True
+    assert plan.predicted["memory_bytes"]["device_total"] <= plan.hardware["memory_bytes"]
+    assert plan.hardware["ceilings"]["matmul_flops"]["bf16"]["source"].startswith("catalog")
+    # the file is YAML a person can read and edit, marked as redline's
+    assert yaml.safe_load(out.read_text())["redline_plan"] == 1
+
+
+def test_plan_json_ranks_and_explains_exclusions() -> None:
+    result = run_cli("plan", "-m", "gpt2", "--hardware", "8xa100-sxm4-80gb", "--global-batch", "64", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    times = [r["step_time_s"]["total"] for r in data["ranked"]]
+    assert times == sorted(times) and len(times) == 5
+    reasons = {e["reason"] for e in data["excluded"]}
+    assert "tensor degree 8 does not divide the attention heads" in reasons
+    assert data["plan"]["strategy"] == data["ranked"][0]["strategy"]
+
+
+def test_plan_does_not_overwrite_a_users_file(tmp_path: Path) -> None:
+    mine = tmp_path / "notes.yaml"
+    mine.write_text("my: notes\n")
+    result = run_cli("plan", "-m", "gpt2", "--hardware", "1xh100-sxm", "-o", str(mine))
+    one_line_error(result)
+    assert mine.read_text() == "my: notes\n"
+
+
+def test_plan_for_a_cloud_instance_has_a_cost() -> None:
+    result = run_cli("plan", "-m", "llama-2-7b", "--hardware", "p5.48xlarge", "--tokens", "10B", "--json")
+    assert result.returncode == 0, result.stderr
+    best = json.loads(result.stdout)["ranked"][0]
+    assert best["cost_usd"] > 0
+    hours = best["time_to_train_s"] / 3600
+    assert best["cost_usd"] == pytest.approx(hours * 55.04, rel=1e-6)
+
+
+def test_cloud_ranks_instances_and_meets_a_deadline() -> None:
+    result = run_cli(
+        "plan",
+        "-m",
+        "gpt2-xl",
+        "--cloud",
+        "--tokens",
+        "20B",
+        "--rank",
+        "cost",
+        "--max-nodes",
+        "2",
+        "--provider",
+        "aws",
+        "--deadline",
+        "2d",
+        "--json",
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    costs = [o["cost_usd"] for o in data["ranked"]]
+    assert costs == sorted(costs)
+    assert all(o["time_to_train_s"] <= 2 * 86400 for o in data["ranked"])
+    assert {o["provider"] for o in data["ranked"]} == {"aws"}
+
+
+def test_list_models() -> None:
+    result = run_cli("plan", "--list-models", "--json")
+    names = {row["name"] for row in json.loads(result.stdout)}
+    assert {"gpt2", "llama-2-70b", "llama-3-8b", "bert-large", "t5-3b", "resnet50", "vit-b-16"} <= names
+
+
+def test_bare_parameter_count_says_the_shape_is_assumed() -> None:
+    result = run_cli("plan", "--params", "1.3B", "--hardware", "8xa100-sxm4-40gb")
+    assert result.returncode == 0, result.stderr
+    assert "assumed a GPT-style shape" in result.stdout
+
+
+def test_hf_config_json(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 2048,
+                "intermediate_size": 5632,
+                "num_hidden_layers": 22,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 4,
+                "vocab_size": 32000,
+                "max_position_embeddings": 2048,
+            }
+        )
+    )
+    result = run_cli("plan", "-m", str(config), "--hardware", "1xa10g", "--global-batch", "32", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert 1.0e9 < data["plan"]["model"]["params"] < 1.2e9  # TinyLlama-1.1B's shape
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-m", "gpt5"], "unknown model 'gpt5'"),
+        (["-m", "gpt2", "--hardware", "8xh900"], "unknown GPU"),
+        (["-m", "gpt2", "--hardware", "not-a-machine"], "not a GPU"),
+        (
+            ["-m", "gpt2", "--hardware", "8xh100-sxm", "--global-batch", "7", "--tp", "1", "--pp", "1"],
+            "global batch not divisible",
+        ),
+        (["-m", "gpt2", "--hardware", "8xh100-sxm", "--pp", "16"], "more pipeline stages than the model has blocks"),
+        (["-m", "gpt2", "--precision", "int4"], "--precision 'int4'"),
+        (["-m", "gpt2", "--tokens", "lots"], "--tokens"),
+        (["-m", "gpt2", "--cloud"], "--cloud compares the cost"),
+        (["--params", "7B", "-m", "gpt2"], "give the model as"),
+        (["-m", "llama-2-7b", "--hardware", "1xh100-sxm", "--rank", "cost"], "has no price"),
+        (["-m", "gpt2", "--hardware", "8xv100-sxm2-16gb", "--precision", "bf16"], "no bf16 rate"),
+    ],
+)
+def test_impossible_or_malformed_requests_are_one_line(args: list[str], message: str) -> None:
+    assert message in one_line_error(run_cli("plan", *args))
+
+
+def test_a_model_that_fits_nowhere_names_the_smallest_hardware_that_would() -> None:
+    error = one_line_error(run_cli("plan", "-m", "llama-2-70b", "--hardware", "1xrtx-4090", timeout=180))
+    assert "nothing fits on 1xrtx-4090" in error
+    assert "Smallest hardware that fits:" in error
+
+
+def test_malformed_config_and_factory_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    assert "not valid JSON" in one_line_error(run_cli("plan", "-m", str(bad), "--hardware", "1xh100-sxm"))
+    (tmp_path / "mymodels.py").write_text("def build():\n    raise ValueError('no weights here')\n")
+    result = run_cli(
+        "plan",
+        "-m",
+        "mymodels:build",
+        "--input-shape",
+        "3,32,32",
+        "--hardware",
+        "1xh100-sxm",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert "no weights here" in one_line_error(result)
+
+
+def test_local_cpu_needs_measured_ceilings(tmp_path: Path) -> None:
+    result = run_cli("plan", "-m", "gpt2", "--hardware", "local", env={"REDLINE_HOME": str(tmp_path)})
+    # this machine may have a GPU (then it plans) or not (then it asks for bench figures, exit 2)
+    if result.returncode != 0:
+        assert "redline bench compute memory --save" in one_line_error(result)
