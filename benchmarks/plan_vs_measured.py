@@ -48,10 +48,18 @@ def calibrate(home: Path, device: str) -> None:
 def models(device: str) -> list[dict]:
     cuda = device != "cpu"
     out = [
-        {"name": "vit-b-16", "build": zoo.vit_b_16, "input": lambda b: torch.randn(b, 3, 224, 224),
-         "batch": 64 if cuda else 4},
-        {"name": "resnet50", "build": zoo.resnet50, "input": lambda b: torch.randn(b, 3, 224, 224),
-         "batch": 128 if cuda else 8},
+        {
+            "name": "vit-b-16",
+            "build": zoo.vit_b_16,
+            "input": lambda b: torch.randn(b, 3, 224, 224),
+            "batch": 64 if cuda else 4,
+        },
+        {
+            "name": "resnet50",
+            "build": zoo.resnet50,
+            "input": lambda b: torch.randn(b, 3, 224, 224),
+            "batch": 128 if cuda else 8,
+        },
     ]
     try:
         import transformers
@@ -62,8 +70,15 @@ def models(device: str) -> list[dict]:
     def gpt2():
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=1024))
 
-    out.append({"name": "gpt2", "build": gpt2, "input": lambda b: torch.randint(0, 50257, (b, seq)),
-                "batch": 16 if cuda else 2, "seq_len": seq})
+    out.append(
+        {
+            "name": "gpt2",
+            "build": gpt2,
+            "input": lambda b: torch.randint(0, 50257, (b, seq)),
+            "batch": 16 if cuda else 2,
+            "seq_len": seq,
+        }
+    )
     return out
 
 
@@ -100,7 +115,6 @@ def measure(spec: dict, device: str, precision: str, steps: int) -> dict:
         sync()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device != "cpu" else None
-    del model, optimizer
     return {"step_s": statistics.median(times), "steps": steps, "peak_allocated_bytes": peak}
 
 

@@ -4,9 +4,11 @@
 figure the GPU check compares with); ``device_total`` adds what the PyTorch allocator does not count or
 keeps in reserve (fragmentation, the CUDA context, NCCL's buffers) and must fit in the GPU's memory.
 
-The peak is taken as every component alive at once: gradients of a step coexist with activations under
-DDP (its buckets exist from the start) and under gradient accumulation, and counting them together errs
-on the side of not running out of memory.
+Gradients coexist with activations under DDP (its buckets hold every gradient from the start) and under
+gradient accumulation (the previous micro-batches' gradients wait for the next backward pass). Otherwise
+a step peaks either at the end of the forward pass (activations, no gradients yet) or in backward and the
+optimizer step (gradients, activations freed), whichever is larger. The optimizer is assumed fused
+(``fused=True``, as the runtime uses it), which needs no parameter-sized temporaries.
 """
 
 from __future__ import annotations
@@ -40,19 +42,9 @@ class MemoryBreakdown:
     fragmentation: float
     cuda_context: float
     nccl: float
-
-    @property
-    def allocated(self) -> float:
-        """Compare with torch.cuda.max_memory_allocated()."""
-        return (
-            self.weights
-            + self.grads
-            + self.optimizer
-            + self.weight_copies
-            + self.activations
-            + self.temporary
-            + self.comm_buffers
-        )
+    # the peak of the parts above as they come and go: compare with torch.cuda.max_memory_allocated()
+    allocated: float
+    grads_with_activations: bool  # DDP buckets or accumulation keep gradients through the forward pass
 
     @property
     def device_total(self) -> float:
@@ -60,7 +52,7 @@ class MemoryBreakdown:
         return self.allocated + self.fragmentation + self.cuda_context + self.nccl
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"allocated": self.allocated, "device_total": self.device_total}
+        return asdict(self) | {"device_total": self.device_total}
 
 
 @dataclass(frozen=True)
@@ -174,22 +166,48 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         weight_copies = copy_bytes * params  # autocast keeps every cast weight saved for backward
         comm_buffers = 2 * DDP_BUCKET_BYTES if strategy.data > 1 else 0.0
 
-    # activations
-    per_block = [block_activation(profile, b, strategy, decoder=b.name in decoder_names) for b in stage.blocks]
+    # activations kept per layer, in model order (the first stage keeps several micro-batches in flight)
+    key = "fp32" if strategy.precision == "fp32" else "16bit"
+    in_flight = in_flight_micro_batches(strategy, stage.index)
+    full_blocks = {
+        b.name: block_activation(profile, b, strategy, decoder=b.name in decoder_names) for b in stage.blocks
+    }
     value = activation_value_bytes(strategy)
     sp_divisor = t if strategy.sequence_parallel else 1
-    if strategy.checkpointing == "full":
-        kept = sum(b.input_bytes_per_sample * value / 2 / sp_divisor * strategy.micro_batch for b in stage.blocks)
-    else:
-        kept = sum(per_block)
-    key = "fp32" if strategy.precision == "fp32" else "16bit"
-    fixed_acts = sum(layer.activation_bytes_per_sample[key] for layer in stage.fixed) * strategy.micro_batch / t
-    activations = (kept + fixed_acts) * in_flight_micro_batches(strategy, stage.index)
+    kept: dict[str, float] = {}
+    for layer in (*stage.blocks, *stage.fixed):
+        if not layer.is_block:
+            kept[layer.name] = layer.activation_bytes_per_sample[key] * strategy.micro_batch / t
+        elif strategy.checkpointing == "full":  # the block's input, in the activation precision
+            kept[layer.name] = layer.input_bytes_per_sample * value / 2 / sp_divisor * strategy.micro_batch
+        else:
+            kept[layer.name] = full_blocks[layer.name]
+    activations = sum(kept.values()) * in_flight
     # backward of one block: its activation gradients, and under full checkpointing its recomputed activations
-    largest_act = max(per_block, default=0.0)
-    temporary = largest_act * (2 if strategy.checkpointing == "full" else 1)
+    temporary = max(full_blocks.values(), default=0.0) * (2 if strategy.checkpointing == "full" else 1)
+    if shape is not None and shape.lm_head and stage.index == strategy.pipeline - 1:
+        # the output projection's backward: the fp32 gradient of the logits (b x s x V) and the weight
+        # gradient it produces (V x h) before it is added into the parameter's .grad
+        head = (strategy.micro_batch * profile.tokens_per_sample + shape.hidden) * shape.vocab * 4 / t
+        temporary = max(temporary, head)
 
-    allocated = weights + grads + optimizer + weight_copies + activations + temporary + comm_buffers
+    coexist = strategy.accumulation > 1 or (strategy.data > 1 and zero_stage < 2) or strategy.pipeline > 1
+    forward_peak = weight_copies + activations + temporary
+    if coexist:
+        moving = forward_peak + grads
+    else:
+        # backward walks the layers from the last: while a layer runs, the gradients of it and every layer
+        # after it exist and its own and earlier activations are still held (a CNN peaks here: its big
+        # activations are early, its big parameters late)
+        grad_share = grads / max(1, stage.params)
+        order = [layer for layer in profile.layers if layer.name in kept]
+        backward_peak, grads_so_far, acts_left = 0.0, 0.0, activations
+        for layer in reversed(order):
+            grads_so_far += layer.params * grad_share
+            backward_peak = max(backward_peak, grads_so_far + acts_left)
+            acts_left -= kept[layer.name] * in_flight
+        moving = max(forward_peak, backward_peak + temporary)
+    allocated = weights + optimizer + comm_buffers + moving
     return MemoryBreakdown(
         weights=weights,
         grads=grads,
@@ -201,6 +219,8 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         fragmentation=FRAGMENTATION * allocated,
         cuda_context=CUDA_CONTEXT_BYTES,
         nccl=NCCL_BUFFER_BYTES if strategy.gpus > 1 else 0.0,
+        allocated=allocated,
+        grads_with_activations=coexist,
     )
 
 

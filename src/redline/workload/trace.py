@@ -655,7 +655,7 @@ def _training_step_peak(tracer: _Tracer) -> tuple[dict[str, int] | None, str]:
     try:
         # foreach is Adam's default on GPUs. A step outside the tracker (on the gradients the FLOP count left, if
         # any) creates its states, so the tracked step is a steady-state one: states present, gradients not yet.
-        optimizer = torch.optim.Adam(trainable, foreach=True)
+        optimizer = torch.optim.Adam(trainable, fused=True)
         if all(p.grad is not None for p in trainable):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
