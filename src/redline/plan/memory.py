@@ -71,9 +71,9 @@ class Stage:
 def stages(profile: WorkloadProfile, pipeline: int) -> list[Stage]:
     """Blocks split as evenly as they go (the first stages take the remainder); the layers before the
     first block go with the first stage, the ones after the last block with the last."""
-    blocks = list(profile.blocks)
-    first_block = profile.layers.index(blocks[0]) if blocks else len(profile.layers)
-    head_start = profile.layers.index(blocks[-1]) + 1 if blocks else len(profile.layers)
+    positions = [i for i, layer in enumerate(profile.layers) if layer.is_block]
+    blocks = [profile.layers[i] for i in positions]
+    first_block, head_start = (positions[0], positions[-1] + 1) if positions else (len(profile.layers),) * 2
     before, after = profile.layers[:first_block], profile.layers[head_start:]
     per_stage, extra = divmod(len(blocks), pipeline)
     out: list[Stage] = []
@@ -129,10 +129,25 @@ def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> int:
     return min(strategy.pipeline - stage_index, strategy.accumulation)
 
 
-def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, gpus_per_node: int) -> MemoryBreakdown:
-    t = strategy.tensor
+def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> dict[str, float]:
+    """Each block of the stage: bytes saved for backward per micro-batch without checkpointing. Identical
+    blocks (all of an analytic transformer's) are computed once."""
+    key = "fp32" if strategy.precision == "fp32" else "16bit"
     decoder_from = len(profile.blocks) - (profile.transformer.decoder_layers if profile.transformer else 0)
     decoder_names = {b.name for b in profile.blocks[decoder_from:]}
+    out: dict[str, float] = {}
+    same: dict[tuple[bool, float], float] = {}
+    for block in stage.blocks:
+        decoder = block.name in decoder_names
+        signature = (decoder, block.activation_bytes_per_sample[key])
+        if signature not in same:
+            same[signature] = block_activation(profile, block, strategy, decoder=decoder)
+        out[block.name] = same[signature]
+    return out
+
+
+def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, gpus_per_node: int) -> MemoryBreakdown:
+    t = strategy.tensor
     params = stage.params / t
 
     # model states: ZeRO's sharding (stage 1 optimizer, 2 gradients, 3 weights) of PyTorch's fp32 states
@@ -169,9 +184,7 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     # activations kept per layer, in model order (the first stage keeps several micro-batches in flight)
     key = "fp32" if strategy.precision == "fp32" else "16bit"
     in_flight = in_flight_micro_batches(strategy, stage.index)
-    full_blocks = {
-        b.name: block_activation(profile, b, strategy, decoder=b.name in decoder_names) for b in stage.blocks
-    }
+    full_blocks = block_activations(profile, strategy, stage)
     value = activation_value_bytes(strategy)
     sp_divisor = t if strategy.sequence_parallel else 1
     kept: dict[str, float] = {}
@@ -233,10 +246,9 @@ def shard_degree(strategy: Strategy, gpus_per_node: int) -> int:
 
 
 def memory_per_gpu(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int) -> MemoryBreakdown:
-    """The busiest pipeline stage's memory (the first stage holds most activations; the last may hold a
-    large untied head)."""
-    candidates = [
-        stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node)
-        for stage in stages(profile, strategy.pipeline)
-    ]
+    """The busiest pipeline stage's memory: the first stage holds the most micro-batches in flight, the last
+    the head (a large untied one, and the logits); a middle stage holds no more than the first."""
+    split = stages(profile, strategy.pipeline)
+    busiest = split[:1] + split[1:][-1:]
+    candidates = [stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node) for stage in busiest]
     return max(candidates, key=lambda m: m.device_total)

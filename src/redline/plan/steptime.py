@@ -15,7 +15,7 @@ from typing import Any
 
 from redline.plan.comm import Link, collective_s, p2p_s, ring_s
 from redline.plan.hardware import Cluster
-from redline.plan.memory import DDP_BUCKET_BYTES, Stage, block_activation, shard_degree, stages
+from redline.plan.memory import DDP_BUCKET_BYTES, Stage, block_activations, shard_degree, stages
 from redline.plan.model_states import ZERO_STAGE, optimizer_state_bytes
 from redline.plan.strategy import Strategy
 from redline.workload.profile import WorkloadProfile
@@ -88,13 +88,12 @@ def _micro_batch_compute_s(
     b, t = strategy.micro_batch, strategy.tensor
     rate = cluster.matmul[strategy.precision].value * SUSTAINED_MATMUL_FRACTION
     bandwidth = cluster.memory_bandwidth.value
-    decoder_from = len(profile.blocks) - (profile.transformer.decoder_layers if profile.transformer else 0)
-    decoders = {block.name for block in profile.blocks[decoder_from:]}
+    blocks = block_activations(profile, strategy, stage)
     forward = backward = 0.0
     for layer in (*stage.blocks, *stage.fixed):
         flops = layer.forward_flops_per_sample * b / t
         if layer.is_block:
-            acts = block_activation(profile, layer, strategy, decoder=layer.name in decoders)
+            acts = blocks[layer.name]
         else:
             key = "fp32" if strategy.precision == "fp32" else "16bit"
             acts = layer.activation_bytes_per_sample[key] * b / t

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from redline.capability import is_available, require_torch
 from redline.errors import BadInput
+from redline.units import fmt_count
 from redline.workload.presets import PRESET_NAMES, preset_profile
 from redline.workload.profile import TransformerShape, WorkloadProfile
 
@@ -75,7 +76,7 @@ def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
         bias=False,
         dropout=False,
     )
-    profile = transformer_profile(shape, name=f"{params:.3g} params", source="--params")
+    profile = transformer_profile(shape, name=f"{fmt_count(params)} params", source="--params")
     scale = params / profile.params_total
     layers_scaled = tuple(
         dataclasses.replace(
