@@ -39,6 +39,7 @@ class Case:
     checkpointing: str | None  # None: the planner chooses
     metric: str  # "hfu_tflops": TFLOP/s per GPU incl. recompute (Narayanan's count); "mfu"
     published: float
+    role: str = "held out"  # "fit": SUSTAINED_MATMUL_FRACTION was fitted on this case
 
 
 def gpt(hidden: int, layers: int, heads: int, seq_len: int = 2048) -> TransformerShape:
@@ -98,6 +99,7 @@ CASES = [
         "full",
         "hfu_tflops",
         153.0,
+        "fit",
     ),
     Case(
         "GPT 175B, 768 A100",
@@ -112,6 +114,7 @@ CASES = [
         "full",
         "hfu_tflops",
         149.0,
+        "fit",
     ),
     Case(
         "GPT 175B, 1536 A100",
@@ -126,6 +129,7 @@ CASES = [
         "full",
         "hfu_tflops",
         141.0,
+        "fit",
     ),
     Case(
         "MT-NLG 530B, 2240 A100",
@@ -204,6 +208,7 @@ def predict(case: Case) -> dict:
         "case": case.name,
         "source": case.source,
         "metric": case.metric,
+        "role": case.role,
         "published": case.published,
         "predicted": predicted,
         "ratio": predicted / case.published,
@@ -217,19 +222,19 @@ def main() -> None:
     if "--json" in sys.argv:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'case':28} {'metric':11} {'published':>9} {'predicted':>9} {'ratio':>6}  strategy")
+    print(f"{'case':28} {'role':8} {'metric':11} {'published':>9} {'predicted':>9} {'ratio':>6}  strategy")
     for row in rows:
         if row["predicted"] is None:
             print(f"{row['case']:28} nothing fits")
             continue
         print(
-            f"{row['case']:28} {row['metric']:11} {row['published']:9.3g} {row['predicted']:9.3g} "
+            f"{row['case']:28} {row['role']:8} {row['metric']:11} {row['published']:9.3g} {row['predicted']:9.3g} "
             f"{row['ratio']:6.2f}  {row['strategy']}"
         )
-    ratios = [row["ratio"] for row in rows if row["predicted"] is not None]
+    ratios = [row["ratio"] for row in rows if row["predicted"] is not None and row["role"] == "held out"]
     errors = [abs(r - 1) for r in ratios]
     print(
-        f"median ratio {statistics.median(ratios):.2f}; "
+        f"held out: median ratio {statistics.median(ratios):.2f}; "
         f"mean abs error {statistics.mean(errors):.1%}, max {max(errors):.1%}"
     )
 

@@ -56,9 +56,12 @@ def parse_count(text: str) -> float:
     match = re.fullmatch(r"([0-9.]+(?:e[+-]?\d+)?)\s*([kmbgt]?)", cleaned, re.IGNORECASE)
     if not match:
         raise ValueError(f"'{text}' is not a count (examples: 7e9, 7B, 300B, 1.5T)")
-    value = float(match.group(1)) * _COUNT_SUFFIX[match.group(2).lower()]
-    if not value > 0:
-        raise ValueError(f"'{text}' must be positive")
+    try:
+        value = float(match.group(1)) * _COUNT_SUFFIX[match.group(2).lower()]
+    except ValueError:  # "1.2.3"
+        raise ValueError(f"'{text}' is not a count (examples: 7e9, 7B, 300B, 1.5T)") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"'{text}' must be a positive, finite count")
     return value
 
 

@@ -177,3 +177,38 @@ def test_local_cpu_needs_measured_ceilings(tmp_path: Path) -> None:
     # this machine may have a GPU (then it plans) or not (then it asks for bench figures, exit 2)
     if result.returncode != 0:
         assert "redline bench compute memory --save" in one_line_error(result)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-m", "gpt2", "--cloud", "--tokens", "1B", "--global-batch", "-4"], "--global-batch must be at least 1"),
+        (["--params", "1e400"], "--params"),
+        (["--params", "1e30"], "--params"),
+        (["-m", "gpt2", "--tokens", "1e400"], "--tokens"),
+        (["-m", "gpt2", "--cloud", "--tokens", "1B", "--deadline", "abc"], "--deadline 'abc'"),
+        (["-m", "gpt2", "--cloud", "--tokens", "1B", "--provider", "nosuch"], "--provider nosuch"),
+        (["-m", "resnet50", "--tokens", "1B", "--hardware", "1xh100-sxm"], "not tokens"),
+        (["-m", "gpt2", "--deadline", "7d", "--hardware", "1xh100-sxm"], "--deadline goes with --cloud"),
+        (["-m", "gpt2", "--hardware", "8xh100-sxm", "--sharding", "hsdp"], "--nodes > 1"),
+        (["-m", "gpt2", "--hardware", "64xh100-sxm"], "at most 8 GPUs"),
+        (["-m", "gpt2", "--nodes", "abc"], "Invalid value for '--nodes'"),
+    ],
+)
+def test_more_bad_requests_are_one_line(args: list[str], message: str) -> None:
+    assert message in one_line_error(run_cli("plan", *args, timeout=60))
+
+
+@pytest.mark.parametrize(("field", "value"), [("n_layer", 0), ("n_embd", "abc")])
+def test_a_malformed_known_config_is_an_error_even_with_transformers(tmp_path: Path, field: str, value) -> None:
+    config = {
+        "model_type": "gpt2",
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_positions": 1024,
+        "vocab_size": 50257,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config | {field: value}))
+    one_line_error(run_cli("plan", "-m", str(path), "--hardware", "1xh100-sxm"))

@@ -40,14 +40,23 @@ def test_ddp_model_states_are_pytorch_fp32_params_grads_and_adam() -> None:
 
 @pytest.mark.parametrize(
     ("sharding", "sharded"),
-    [("zero1", {"optimizer"}), ("zero2", {"optimizer", "grads"}), ("fsdp", {"optimizer", "grads", "weights"})],
+    # ZeRO-2 as FSDP runs it (reshard_after_forward=False) shards the fp32 weights too and keeps whole 16-bit
+    # copies from forward to backward: the ZeRO paper's 2 + 14/N bytes per parameter, in PyTorch's form
+    [
+        ("zero1", {"optimizer"}),
+        ("zero2", {"optimizer", "grads", "weights"}),
+        ("fsdp", {"optimizer", "grads", "weights"}),
+    ],
 )
-def test_zero_stages_shard_what_the_zero_paper_says(sharding: str, sharded: set[str]) -> None:
+def test_zero_stages_shard_what_pytorch_shards(sharding: str, sharded: set[str]) -> None:
     ddp = memory_per_gpu(LLAMA7, strategy(sharding="ddp"), gpus_per_node=8)
     zero = memory_per_gpu(LLAMA7, strategy(sharding=sharding), gpus_per_node=8)
     for part in ("weights", "grads", "optimizer"):
         expected = getattr(ddp, part) / (8 if part in sharded else 1)
         assert getattr(zero, part) == pytest.approx(expected), part
+    copies = {"zero1": 2 * LLAMA7.params_total, "zero2": 2 * LLAMA7.params_total}
+    if sharding in copies:
+        assert zero.weight_copies == pytest.approx(copies[sharding])
 
 
 def test_fsdp_keeps_only_two_blocks_and_the_root_unsharded() -> None:
@@ -223,3 +232,65 @@ def test_bigger_memory_gpu_fits_what_a_smaller_one_cannot() -> None:
     h200 = parse_hardware("1xh200-sxm")
     assert not search(profile, a100_40, Goal(8)).ranked
     assert search(profile, h200, Goal(8)).ranked[0].memory.device_total < 141 * GiB
+
+
+# ------------------------------------------------------------------------------ review regressions
+
+
+def test_hsdp_all_reduce_across_nodes_shares_each_nodes_network() -> None:
+    from redline.plan.comm import network_share, ring_s
+
+    cluster = parse_hardware("8xh100-sxm").with_network(400).with_nodes(4)
+    hsdp = step_time(LLAMA7, Strategy(data=32, sharding="hsdp", micro_batch=1), cluster)
+    grads = LLAMA7.params_total * 4
+    # eight shard groups per node all-reduce their 1/8 across the 4 nodes at once, each on 1/8 of the NIC
+    across = ring_s("all_reduce", grads / 8, 4, network_share(cluster.inter, 8))
+    assert hsdp.data_parallel_comm >= across
+
+
+def test_data_parallel_groups_never_straddle_nodes_unevenly() -> None:
+    cluster = parse_hardware("8xh100-sxm").with_nodes(3)
+    result = search(LLAMA7, cluster, Goal(global_batch=48), Constraints(pipeline=2))
+    assert result.excluded["data-parallel groups would straddle nodes unevenly"] > 0
+    for e in result.ranked:
+        per_node = 8 // e.strategy.tensor
+        assert e.strategy.data <= per_node or e.strategy.data % per_node == 0
+
+
+def test_more_gpus_than_a_node_holds_must_be_nodes() -> None:
+    with pytest.raises(BadInput, match="--nodes 8"):
+        parse_hardware("64xh100-sxm")
+
+
+def test_pcie_cards_ring_over_pcie_unless_bridged() -> None:
+    assert "PCIe" in parse_hardware("8xa100-pcie-80gb").intra.source
+    assert "NVLink" in parse_hardware("2xa100-pcie-80gb").intra.source  # one NVLink bridge joins a pair
+    assert "NVLink" in parse_hardware("8xa100-sxm4-80gb").intra.source
+
+
+def test_catalog_memory_is_what_a_job_can_allocate() -> None:
+    assert parse_hardware("1xh100-sxm").memory_bytes < 81920 * 2**20
+    assert parse_hardware("1xh100-sxm").memory_bytes >= 81400 * 2**20
+
+
+def test_fixed_sharding_without_data_parallelism_is_excluded_not_ignored() -> None:
+    result = search(LLAMA7, H100X8, Goal(global_batch=64), Constraints(sharding="fsdp"))
+    assert result.ranked and all(e.strategy.sharding == "fsdp" for e in result.ranked)
+    assert any("--sharding fsdp" in reason for reason in result.excluded)
+    with pytest.raises(BadInput, match="hsdp"):
+        search(LLAMA7, H100X8, Goal(global_batch=64), Constraints(sharding="hsdp"))
+
+
+def test_a_micro_batch_that_does_not_divide_is_a_reason() -> None:
+    result = search(GPT2, H100X8, Goal(global_batch=64), Constraints(micro_batch=3))
+    assert not result.ranked
+    assert any("--micro-batch 3" in reason for reason in result.excluded)
+
+
+def test_pipeline_remainder_goes_to_later_stages_and_a_tied_head_is_copied() -> None:
+    from redline.plan.memory import stages
+
+    split = stages(GPT2, 5)  # 12 blocks over 5 stages
+    assert [len(s.blocks) for s in split] == [2, 2, 2, 3, 3]
+    last = memory_per_gpu(GPT2, strategy(data=1, pipeline=2, accumulation=4), gpus_per_node=8)
+    assert last.weights > 4 * GPT2.params_total / 2  # the last stage also holds the tied word embedding

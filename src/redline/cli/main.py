@@ -41,7 +41,16 @@ def _root(
 def main() -> None:
     """Entry point: errors become one line on stderr and an exit code; REDLINE_DEBUG=1 shows tracebacks."""
     try:
-        app()
+        # standalone_mode=False: usage errors reach us as exceptions, so they too are one line
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        ui.error("interrupted")
+        sys.exit(130)
+    except typer.TyperException as exc:  # a usage error: unknown option, a value of the wrong type
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        if message:  # empty after `redline` alone, whose help is already printed
+            ui.error(message)
+        sys.exit(getattr(exc, "exit_code", 2))
     except RedlineError as exc:
         ui.error(str(exc))
         sys.exit(exc.exit_code)
@@ -53,6 +62,8 @@ def main() -> None:
             raise
         ui.error(f"internal error: {type(exc).__name__}: {exc} (set REDLINE_DEBUG=1 for the traceback)")
         sys.exit(1)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

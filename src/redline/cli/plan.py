@@ -98,6 +98,22 @@ def plan(
     tokens_total = _count("--tokens", tokens)
     if tokens_total is not None and samples is not None:
         raise BadInput("give --tokens or --epochs/--dataset-size, not both")
+    if profile.sample_unit != "sequence":
+        if tokens_total is not None:
+            raise BadInput(
+                f"{profile.name} trains on {profile.sample_unit}s, not tokens: give --epochs and --dataset-size"
+            )
+        if seq_len is not None:
+            raise BadInput(f"--seq-len applies to language models; {profile.name} takes {profile.sample_unit}s")
+    if global_batch is not None and global_batch < 1:
+        raise BadInput(f"--global-batch must be at least 1, not {global_batch}")
+    if cloud:
+        if hardware != "local" or nodes != 1 or network_gbps is not None:
+            raise BadInput("--cloud picks the hardware itself: drop --hardware, --nodes and --network-gbps")
+    else:
+        for option, given in (("--deadline", deadline), ("--provider", provider), ("--max-nodes", max_nodes != 8)):
+            if given:
+                raise BadInput(f"{option} goes with --cloud")
     if cloud:
         _cloud(
             profile,
@@ -117,12 +133,11 @@ def plan(
     cluster = _cluster(hardware, nodes, network_gbps)
     from redline.plan.search import default_global_batch, explain_no_fit, search, smallest_fitting
 
-    batch = global_batch if global_batch is not None else default_global_batch(profile, cluster)
-    try:
-        goal = Goal(batch, tokens=tokens_total, samples=samples)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
-    result = search(profile, cluster, goal, constraints, rank_by=rank_by)
+    if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
+        raise BadInput(f"{cluster.name} has no price: rank by time, or plan for a cloud instance (or --cloud)")
+    batch = global_batch if global_batch is not None else default_global_batch(profile, cluster.gpus)
+    goal = Goal(batch, tokens=tokens_total, samples=samples)
+    result = search(profile, cluster, goal, constraints)
     if not result.ranked:
         message = explain_no_fit(result, cluster)
         if result.closest_misfit is not None:
@@ -400,27 +415,29 @@ def _cloud(
 ):
     from redline.plan import cloud as cloud_plan
     from redline.plan.estimate import Goal
+    from redline.plan.search import default_global_batch
+    from redline.specs.instances import instance_catalog
 
-    batch = global_batch or (
-        2 ** round(__import__("math").log2(max(1, 2**19 / profile.tokens_per_sample)))
-        if profile.sample_unit == "sequence"
-        else 256
-    )
+    known = sorted({i.provider for i in instance_catalog()})
+    unknown = [p for p in providers if p not in known]
+    if unknown:
+        raise BadInput(f"--provider {unknown[0]} is not in the catalog; known: {', '.join(known)}")
+    deadline_s = _duration(deadline) if deadline else None
+    batch = global_batch if global_batch is not None else default_global_batch(profile)
     goal = Goal(batch, tokens=tokens, samples=samples)
     options = cloud_plan.cloud_options(profile, goal, constraints, max_nodes=max_nodes, providers=tuple(providers))
     if not options:
         raise BadInput(f"{profile.name} fits on no catalog instance with up to {max_nodes} nodes; raise --max-nodes")
-    deadline_s = _duration(deadline) if deadline else None
     ranked = cloud_plan.rank(options, rank_by, deadline_s)
-    if json_output:
-        ui.print_json({"global_batch": batch, "ranked": [o.to_dict() for o in ranked[:top]], "options": len(options)})
-        return
     if not ranked:
         fastest = min(options, key=lambda o: o.time_s)
         raise BadInput(
             f"no option finishes within {deadline}: the fastest is {fastest.nodes} x {fastest.instance} "
             f"in {fmt_duration(fastest.time_s)}; raise --max-nodes or the deadline"
         )
+    if json_output:
+        ui.print_json({"global_batch": batch, "ranked": [o.to_dict() for o in ranked[:top]], "options": len(options)})
+        return
     title = f"{len(options)} instance/node options where {profile.name} fits, by {rank_by}"
     if deadline_s:
         title += f", finishing within {deadline}"

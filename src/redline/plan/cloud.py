@@ -82,7 +82,7 @@ def cloud_options(
                 cluster = base.with_nodes(nodes)
                 result = search(profile, cluster, goal, constraints)
             except BadInput:
-                break  # a precision the GPU lacks, or no network to reach more nodes
+                continue  # a precision the GPU lacks, no network to more nodes, a --tp/--pp this size cannot take
             if result.ranked:
                 options.append(
                     CloudOption(

@@ -8,8 +8,12 @@ Yuan 2009), each rank sends and receives
 
 so with ``busbw`` the per-rank bandwidth that nccl-tests reports (NVIDIA/nccl-tests doc/PERFORMANCE.md),
 ``t = alpha + factor(n) x S / busbw``. Calculon's constants for alpha: 10 us over NVLink, 20 us over
-InfiniBand. Across nodes we assume NCCL's hierarchical pattern: the intra-node part over NVLink/PCIe and
-the inter-node part over each GPU's share of the node's network (rail-optimised NICs).
+InfiniBand. Alpha is charged once per collective, as Calculon does, not 2(n-1) times as a textbook ring
+would: NCCL pipelines a collective's steps and its LL/LL128 protocols hide most per-hop latency, and at
+the message sizes training moves (megabytes) the bandwidth term dominates either way.
+
+Across nodes we assume NCCL's hierarchical pattern: the intra-node part over NVLink/PCIe and the
+inter-node part over each GPU's share of the node's network (rail-optimised NICs).
 """
 
 from __future__ import annotations
@@ -60,13 +64,13 @@ def collective_s(
     if nodes > 1:
         if inter is None:
             raise ValueError("a collective across nodes needs an inter-node link")
-        per_gpu_network = Link(
-            busbw_bytes_per_s=inter.busbw_bytes_per_s / gpus_per_node,
-            latency_s=inter.latency_s,
-            source=inter.source,
-        )
-        time += ring_s(kind, size_bytes / ranks_per_node, nodes, per_gpu_network)
+        time += ring_s(kind, size_bytes / ranks_per_node, nodes, network_share(inter, gpus_per_node))
     return time
+
+
+def network_share(inter: Link, gpus_per_node: int) -> Link:
+    """One GPU's share of a node's network: every GPU of the node drives its own share at once."""
+    return Link(inter.busbw_bytes_per_s / gpus_per_node, inter.latency_s, inter.source)
 
 
 def p2p_s(size_bytes: float, link: Link) -> float:

@@ -30,8 +30,12 @@ class Goal:
 
 
 def mfu_peak(cluster: Cluster, precision: str) -> float | None:
-    """MFU's denominator: the dense datasheet peak of the precision the matmuls run in (TF32 for fp32)."""
-    key = "tf32" if precision == "fp32" and "tf32" in cluster.peak_flops else precision
+    """MFU's denominator: the dense datasheet peak of the precision the matmuls run in (TF32 for fp32),
+    and the bf16 peak for fp8 runs, as the Llama 3 paper reports fp8-era MFU (fp8 recipes keep attention
+    and the output layer in bf16, so the fp8 peak would understate them)."""
+    key = {"fp32": "tf32", "fp8": "bf16"}.get(precision, precision)
+    if key not in cluster.peak_flops:
+        key = precision
     return cluster.peak_flops.get(key)
 
 

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from redline.bench.model import BenchRun
     from redline.hw.snapshot import Snapshot
 
+# What a job can allocate of the nominal size: NVML shows an "80GB" H100 as 81559 MiB of 81920, an H200 as
+# 143771 of 144384 (99.6%); 99.5% keeps the planner on the safe side where the catalog is all it has.
+USABLE_MEMORY = 0.995
 # Fractions of a datasheet figure that well-written code reaches; used only when nothing was measured.
 # A large GEMM's share of the datasheet peak, what `redline bench compute` measures (and replaces this
 # with); PyTorch's torch/distributed/_tools/runtime_estimator.py uses 0.75 too.
@@ -32,6 +35,8 @@ PCIE_LATENCY_S = 15e-6
 NETWORK_LATENCY_S = 20e-6
 # per-direction PCIe x16 bandwidth by generation, GB/s (PCI-SIG: 8, 16, 32 GT/s per lane, 128b/130b)
 PCIE_X16_GBS = {3: 15.75, 4: 31.5, 5: 63.0, 6: 121.0}
+# the largest NVLink domain of one server (HGX/DGX boards); more GPUs are more nodes
+MAX_GPUS_PER_NODE = 8
 # inter-node bandwidth when the hardware names GPUs but not a network: a 400 Gbit/s NIC per node
 DEFAULT_NETWORK_GBPS = 400.0
 
@@ -62,16 +67,11 @@ class Cluster:
     price_source: str | None = None
     gpu: GpuSpec | None = None
     notes: tuple[str, ...] = field(default=())
-    is_cpu: bool = False
     network_assumed: bool = False  # the inter-node figure is DEFAULT_NETWORK_GBPS, not the machine's
 
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
-
-    @property
-    def precisions(self) -> tuple[str, ...]:
-        return tuple(self.matmul)
 
     def with_nodes(self, nodes: int) -> Cluster:
         if nodes < 1:
@@ -93,11 +93,17 @@ def network_link(gbps: float, source: str) -> Link:
     return Link(gbps / 8 * 1e9 * NETWORK_EFFICIENCY, NETWORK_LATENCY_S, f"{source} x {NETWORK_EFFICIENCY}")
 
 
-def intra_node_link(gpu: GpuSpec, link_gbs: float | None = None) -> Link:
-    """GPU-to-GPU inside a node: NVLink when the GPU has it (``nvlink_gbs`` counts both directions), else
-    PCIe of the GPU's generation."""
+# NVLink bridges on PCIe cards join this many of them (H200 NVL: 4-way; A100/H100 PCIe, RTX: pairs)
+BRIDGE_GPUS = {"h200-nvl": 4}
+
+
+def intra_node_link(gpu: GpuSpec, gpus_per_node: int, link_gbs: float | None = None) -> Link:
+    """GPU-to-GPU inside a node: NVLink on SXM/OAM boards (an NVSwitch or full mesh joins all of them) and
+    on PCIe cards whose bridges join every GPU of the node; else PCIe of the GPU's generation, which
+    bounds a ring as soon as one hop crosses it. ``nvlink_gbs`` counts both directions."""
     both_ways = link_gbs if link_gbs is not None else gpu.nvlink_gbs
-    if both_ways:
+    bridged = gpus_per_node <= BRIDGE_GPUS.get(gpu.key, 2)
+    if both_ways and (gpu.form_factor.upper().startswith(("SXM", "OAM")) or bridged):
         return Link(
             both_ways / 2 * 1e9 * NVLINK_EFFICIENCY,
             NVLINK_LATENCY_S,
@@ -128,14 +134,14 @@ def catalog_cluster(gpu: GpuSpec, gpus_per_node: int, *, name: str, network_gbps
         device=gpu.name,
         gpus_per_node=gpus_per_node,
         nodes=1,
-        memory_bytes=gpu.memory_bytes,
+        memory_bytes=int(gpu.memory_bytes * USABLE_MEMORY),
         peak_flops={p: v * 1e12 for p, v in gpu.peak_tflops.items()},
         matmul=matmul,
         memory_bandwidth=Ceiling(
             gpu.memory_bandwidth_gbs * 1e9 * HBM_EFFICIENCY,
             f"catalog {gpu.memory_bandwidth_gbs:g} GB/s x {HBM_EFFICIENCY}",
         ),
-        intra=intra_node_link(gpu),
+        intra=intra_node_link(gpu, gpus_per_node),
         inter=network_link(network_gbps, f"{network_gbps:g} Gbit/s"),
         gpu=gpu,
         network_assumed=assumed,
@@ -152,6 +158,11 @@ def parse_hardware(text: str) -> Cluster:
     count, gpu_name = (int(match.group(1)), match.group(2)) if match else (1, text)
     if count < 1:
         raise BadInput(f"--hardware {text}: the GPU count must be at least 1")
+    if count > MAX_GPUS_PER_NODE:
+        raise BadInput(
+            f"--hardware {text}: a node holds at most {MAX_GPUS_PER_NODE} GPUs; "
+            f"give the node and --nodes, e.g. {MAX_GPUS_PER_NODE}x{gpu_name.strip()} --nodes {-(-count // 8)}"
+        )
     try:
         gpu = find_gpu(gpu_name.strip())
     except BadInput as gpu_error:
@@ -181,11 +192,18 @@ def instance_cluster(instance) -> Cluster:
         cluster = replace(cluster, inter=None, notes=(f"{instance.name}: network not in the catalog; one node only",))
     intra = cluster.intra
     if instance.gpu_link_gbs and instance.gpu_interconnect in ("nvswitch", "nvlink"):
-        intra = intra_node_link(instance.gpu, instance.gpu_link_gbs)
+        intra = intra_node_link(instance.gpu, instance.whole_gpus, instance.gpu_link_gbs)
+    elif instance.gpu_link_gbs and instance.gpu_interconnect == "pcie":  # the catalog's figure counts both directions
+        per_direction = instance.gpu_link_gbs / 2
+        intra = Link(
+            per_direction * 1e9 * PCIE_EFFICIENCY,
+            PCIE_LATENCY_S,
+            f"{instance.name}: PCIe {per_direction:g} GB/s x {PCIE_EFFICIENCY}",
+        )
     return replace(
         cluster,
         intra=intra,
-        memory_bytes=min(cluster.memory_bytes, int(instance.gpu_memory_gb * 2**30)),
+        memory_bytes=min(cluster.memory_bytes, int(instance.gpu_memory_gb * 2**30 * USABLE_MEMORY)),
         price_usd_per_node_hour=instance.price_usd_per_hour,
         price_source=f"{instance.provider} on-demand {instance.region}, {instance.price_date}",
     )
@@ -239,7 +257,6 @@ def _cpu_cluster(snapshot: Snapshot, bench: BenchRun | None) -> Cluster:
         memory_bandwidth=Ceiling(copy.value * 1e9, f"bench host_copy {copy.value:.3g} GB/s"),
         intra=Link(1e9, 1e-4, "gloo (one rank: unused)"),
         inter=None,
-        is_cpu=True,
         notes=("CPU: no datasheet peak, so no MFU; ceilings are this machine's bench figures",),
     )
     return cluster
@@ -269,7 +286,11 @@ def _with_measurements(cluster: Cluster, bench: BenchRun, device_prefix: str) ->
         gbs = statistics.median(found)
         memory_bandwidth = Ceiling(gbs * 1e9, f"bench {bench.taken_at[:10]} device_copy {gbs:.4g} GB/s")
     intra = cluster.intra
-    all_reduce = [m for m in bench.measurements if m.suite == "collective" and m.name == "all_reduce"]
+    all_reduce = [
+        m
+        for m in bench.measurements
+        if m.suite == "collective" and m.name == "all_reduce" and m.device.startswith(device_prefix)
+    ]
     if all_reduce:
         gbs = all_reduce[-1].value
         intra = Link(gbs * 1e9, intra.latency_s, f"bench {bench.taken_at[:10]} all_reduce busbw {gbs:.4g} GB/s")

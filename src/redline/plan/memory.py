@@ -69,8 +69,9 @@ class Stage:
 
 
 def stages(profile: WorkloadProfile, pipeline: int) -> list[Stage]:
-    """Blocks split as evenly as they go (the first stages take the remainder); the layers before the
-    first block go with the first stage, the ones after the last block with the last."""
+    """Blocks split as evenly as they go; the layers before the first block go with the first stage, the
+    ones after the last block with the last. The remainder goes to the last stages: the first already
+    holds the embedding and the most micro-batches in flight (Megatron likewise lightens the first)."""
     positions = [i for i, layer in enumerate(profile.layers) if layer.is_block]
     blocks = [profile.layers[i] for i in positions]
     first_block, head_start = (positions[0], positions[-1] + 1) if positions else (len(profile.layers),) * 2
@@ -79,7 +80,7 @@ def stages(profile: WorkloadProfile, pipeline: int) -> list[Stage]:
     out: list[Stage] = []
     start = 0
     for index in range(pipeline):
-        count = per_stage + (1 if index < extra else 0)
+        count = per_stage + (1 if index >= pipeline - extra else 0)
         fixed = (before if index == 0 else ()) + (after if index == pipeline - 1 else ())
         out.append(Stage(tuple(blocks[start : start + count]), tuple(fixed), index=index))
         start += count
@@ -87,7 +88,21 @@ def stages(profile: WorkloadProfile, pipeline: int) -> list[Stage]:
 
 
 def activation_value_bytes(strategy: Strategy) -> int:
+    """Bytes of one activation value: fp32 without mixed precision, 16-bit under autocast (and fp8)."""
     return 4 if strategy.precision == "fp32" else 2
+
+
+def activation_key(strategy: Strategy) -> str:
+    """Which of a LayerProfile's activation figures applies: "fp32" or "16bit"."""
+    return "fp32" if strategy.precision == "fp32" else "16bit"
+
+
+def optimizer_bytes(profile: WorkloadProfile, strategy: Strategy) -> float:
+    """The strategy's optimizer state bytes per parameter, for this model's matrix shapes."""
+    shape = profile.transformer
+    return optimizer_state_bytes(
+        strategy.optimizer, hidden=shape.hidden if shape else None, ffn_hidden=shape.ffn_hidden if shape else None
+    )
 
 
 def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: Strategy, *, decoder: bool) -> float:
@@ -97,7 +112,7 @@ def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: St
     transformer the traced figure is scaled by the formula's ratio to its own unsplit value, so what the
     trace saw (the real attention kernel, extra saved tensors) carries over.
     """
-    key = "fp32" if strategy.precision == "fp32" else "16bit"
+    key = activation_key(strategy)
     shape = profile.transformer
     if shape is None:
         return block.activation_bytes_per_sample[key] * strategy.micro_batch
@@ -132,7 +147,7 @@ def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> int:
 def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> dict[str, float]:
     """Each block of the stage: bytes saved for backward per micro-batch without checkpointing. Identical
     blocks (all of an analytic transformer's) are computed once."""
-    key = "fp32" if strategy.precision == "fp32" else "16bit"
+    key = activation_key(strategy)
     decoder_from = len(profile.blocks) - (profile.transformer.decoder_layers if profile.transformer else 0)
     decoder_names = {b.name for b in profile.blocks[decoder_from:]}
     out: dict[str, float] = {}
@@ -147,14 +162,20 @@ def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage
 
 
 def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, gpus_per_node: int) -> MemoryBreakdown:
+    """Memory of one GPU of ``stage`` at the peak of a step, by component (see the module docstring)."""
     t = strategy.tensor
-    params = stage.params / t
-
-    # model states: ZeRO's sharding (stage 1 optimizer, 2 gradients, 3 weights) of PyTorch's fp32 states
     shape = profile.transformer
-    opt_bytes = optimizer_state_bytes(
-        strategy.optimizer, hidden=shape.hidden if shape else None, ffn_hidden=shape.ffn_hidden if shape else None
-    )
+    stage_params = stage.params
+    last = stage.index == strategy.pipeline - 1
+    if last and strategy.pipeline > 1 and shape is not None and shape.lm_head and shape.tied_embeddings:
+        stage_params += shape.vocab * shape.hidden  # the last stage keeps its own copy of the tied embedding
+    params = stage_params / t
+
+    # model states: PyTorch keeps fp32 weights and gradients (autocast adds no master copy). ZeRO-1
+    # (ZeroRedundancyOptimizer) shards the optimizer states; ZeRO-2 as FSDP runs it
+    # (reshard_after_forward=False) also the gradients and the fp32 weights, keeping the 16-bit copies
+    # whole between forward and backward; FSDP/ZeRO-3 shards everything.
+    opt_bytes = optimizer_bytes(profile, strategy)
     states = pytorch_state_bytes(strategy.precision, opt_bytes)
     zero_stage = ZERO_STAGE[strategy.sharding]
     shard = shard_degree(strategy, gpus_per_node)
@@ -162,7 +183,7 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     def sharded(bytes_per_param: float, from_stage: int) -> float:
         return params * bytes_per_param / (shard if zero_stage >= from_stage else 1)
 
-    weights = sharded(states.weights, 3)
+    weights = sharded(states.weights, 2)
     grads = sharded(states.grads, 2)
     optimizer = sharded(states.optimizer + states.master, 1)
 
@@ -177,12 +198,17 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         weight_copies = unit_bytes * (fixed_params + 2 * largest_block)
         # the unsharded fp32 gradient of one unit before its reduce-scatter, plus its compute-precision form
         comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
+    elif zero_stage == 2:
+        # the unsharded units stay from forward to backward (fp32 units without mixed precision)
+        weight_copies = (copy_bytes or 4) * params
+        comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
     else:
         weight_copies = copy_bytes * params  # autocast keeps every cast weight saved for backward
+        # DDP with gradient_as_bucket_view=True (the runtime sets it): gradients live in the buckets
         comm_buffers = 2 * DDP_BUCKET_BYTES if strategy.data > 1 else 0.0
 
     # activations kept per layer, in model order (the first stage keeps several micro-batches in flight)
-    key = "fp32" if strategy.precision == "fp32" else "16bit"
+    key = activation_key(strategy)
     in_flight = in_flight_micro_batches(strategy, stage.index)
     full_blocks = block_activations(profile, strategy, stage)
     value = activation_value_bytes(strategy)

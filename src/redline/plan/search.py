@@ -10,6 +10,7 @@ is a few thousand candidates.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,11 +58,13 @@ def default_precision(cluster: Cluster) -> str:
     raise BadInput(f"{cluster.name}: no measured or catalog matmul rate for any training precision")
 
 
-def default_global_batch(profile: WorkloadProfile, cluster: Cluster) -> int:
-    """About half a million tokens per step for language models (GPT-3's smaller models used 0.5M), 256
-    images for vision models, rounded to a multiple of the GPU count."""
-    wanted = max(1, round(2**19 / profile.tokens_per_sample)) if profile.sample_unit == "sequence" else 256
-    gpus = cluster.gpus
+def default_global_batch(profile: WorkloadProfile, gpus: int = 1) -> int:
+    """About half a million tokens per step for language models (GPT-3's smaller models used 0.5M), as a
+    power of two; 256 images for vision models; rounded up to a multiple of ``gpus``."""
+    if profile.sample_unit == "sequence":
+        wanted = 2 ** max(0, round(math.log2(2**19 / profile.tokens_per_sample)))
+    else:
+        wanted = 256
     return max(gpus, -(-wanted // gpus) * gpus)
 
 
@@ -94,6 +97,8 @@ def candidates(
             raise BadInput(f"--pp {constraints.pipeline}: more pipeline stages than the model has blocks ({blocks})")
         if n % constraints.pipeline:
             raise BadInput(f"--pp {constraints.pipeline} does not divide the {n} GPUs")
+    if constraints.sharding == "hsdp" and cluster.nodes == 1:
+        raise BadInput("--sharding hsdp shards inside a node and replicates across nodes: it needs --nodes > 1")
     tensors = _divisors(cluster.gpus_per_node)
     for t in tensors:
         if constraints.tensor is not None and t != constraints.tensor:
@@ -111,19 +116,30 @@ def candidates(
                 excluded["more pipeline stages than the model has blocks"] += 1
                 continue
             dp = n // (t * p)
+            per_node = cluster.gpus_per_node // t
+            if dp > per_node and dp % per_node:
+                excluded["data-parallel groups would straddle nodes unevenly"] += 1
+                continue
             if goal.global_batch % dp:
                 excluded["global batch not divisible by the data-parallel degree"] += 1
                 continue
             per_rank = goal.global_batch // dp
             shardings = ["ddp"] if dp == 1 else ["ddp", "zero1", "zero2", "fsdp"]
-            if dp > 1 and cluster.nodes > 1 and p == 1 and dp > cluster.gpus_per_node // t:
-                shardings.append("hsdp")
-            for sharding in shardings:
-                if constraints.sharding is not None and sharding != constraints.sharding and dp > 1:
+            if dp > per_node and p == 1:
+                shardings.append("hsdp")  # shard inside each node, replicate across nodes
+            if constraints.sharding is not None:
+                if constraints.sharding not in shardings:
+                    excluded[f"--sharding {constraints.sharding} needs data parallelism across this layout"] += 1
                     continue
-                for b in _micro_batches(per_rank):
-                    if constraints.micro_batch is not None and b != constraints.micro_batch:
-                        continue
+                shardings = [constraints.sharding]
+            micro_batches = _micro_batches(per_rank)
+            if constraints.micro_batch is not None:
+                if per_rank % constraints.micro_batch:
+                    excluded[f"--micro-batch {constraints.micro_batch} does not divide the per-rank batch"] += 1
+                    continue
+                micro_batches = [constraints.micro_batch]
+            for sharding in shardings:
+                for b in micro_batches:
                     for ckpt in ("none", "full") if blocks else ("none",):
                         if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
                             continue
@@ -146,8 +162,6 @@ def search(
     cluster: Cluster,
     goal: Goal,
     constraints: Constraints | None = None,
-    *,
-    rank_by: str = "time",
 ) -> SearchResult:
     """Estimate every candidate; keep those that fit, fastest (or cheapest) first."""
     constraints = constraints or Constraints()
@@ -164,9 +178,7 @@ def search(
         excluded[OUT_OF_MEMORY] += 1
         if closest is None or result.memory.device_total < closest.memory.device_total:
             closest = result
-    if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
-        raise BadInput(f"{cluster.name} has no price; rank by time, or plan for a cloud instance")
-    # equal times (cost is time x price on one cluster): prefer the one with more memory to spare
+    # on one cluster cost is time x price, so one order serves both; equal times: more memory to spare first
     fitting.sort(key=lambda e: (e.time.total, e.memory.device_total))
     return SearchResult(ranked=fitting, considered=considered, excluded=excluded, closest_misfit=closest)
 
@@ -210,7 +222,7 @@ def smallest_fitting(
             try:
                 result = search(profile, cluster, sized, lean)
             except BadInput:
-                break  # this GPU lacks the precision
+                continue  # this size cannot take the user's --tp/--pp (or the GPU lacks the precision)
             if result.ranked:
                 found.append((cluster, result.ranked[0]))
                 break

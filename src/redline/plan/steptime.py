@@ -13,17 +13,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from redline.plan.comm import Link, collective_s, p2p_s, ring_s
+from redline.plan.comm import collective_s, network_share, p2p_s, ring_s
 from redline.plan.hardware import Cluster
-from redline.plan.memory import DDP_BUCKET_BYTES, Stage, block_activations, shard_degree, stages
-from redline.plan.model_states import ZERO_STAGE, optimizer_state_bytes
+from redline.plan.memory import (
+    DDP_BUCKET_BYTES,
+    Stage,
+    activation_key,
+    activation_value_bytes,
+    block_activations,
+    optimizer_bytes,
+    shard_degree,
+    stages,
+)
+from redline.plan.model_states import ZERO_STAGE
 from redline.plan.strategy import Strategy
 from redline.workload.profile import WorkloadProfile
 
-# A training step's GEMMs (split by tensor parallelism, of many shapes) sustain less than one large GEMM:
-# 0.8 of the matmul ceiling brings the published runs of benchmarks/plan_vs_published.py to a median
-# predicted/published ratio of 1.0 (at 1.0 the planner over-predicted them by 23%).
-SUSTAINED_MATMUL_FRACTION = 0.8
+# A training step's GEMMs (split by tensor parallelism, of many shapes) sustain less than one large GEMM.
+# 0.79 of the matmul ceiling is fitted on Narayanan et al.'s three 175B runs (Table 2, 384-1536 A100) and
+# checked on the held-out cases of benchmarks/plan_vs_published.py (at 1.0 the planner over-predicted
+# the published runs by a median 23%).
+SUSTAINED_MATMUL_FRACTION = 0.79
 # Each activation byte is written in the forward pass, read in the backward pass, and its gradient is
 # written and read once: four passes over memory for the memory-bound (non-matmul) operators.
 ACTIVATION_TRAFFIC = 4.0
@@ -95,8 +105,7 @@ def _micro_batch_compute_s(
         if layer.is_block:
             acts = blocks[layer.name]
         else:
-            key = "fp32" if strategy.precision == "fp32" else "16bit"
-            acts = layer.activation_bytes_per_sample[key] * b / t
+            acts = layer.activation_bytes_per_sample[activation_key(strategy)] * b / t
         memory_s = ACTIVATION_TRAFFIC * acts / bandwidth
         launches = KERNELS_PER_BLOCK * LAUNCH_OVERHEAD_S if layer.is_block else 0.0
         # a kernel runs while the next is launched: the launch cost shows only where it exceeds the work
@@ -109,48 +118,49 @@ def _micro_batch_compute_s(
 
 
 def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) -> StepTime:
-    """One optimizer step of ``strategy`` on ``cluster`` (1F1B pipeline; DDP/FSDP overlap as PyTorch does)."""
+    """One optimizer step of ``strategy`` on ``cluster``.
+
+    The slowest pipeline stage sets the pace. With 1F1B over p stages and m micro-batches a step takes
+    m + p - 1 micro-batch slots, the p - 1 extra being the bubble (Narayanan et al. 2021, section 2.2);
+    a slot is a micro-batch's compute plus its tensor-parallel all-reduces, which nothing hides.
+    """
     m, p, t = strategy.accumulation, strategy.pipeline, strategy.tensor
     stage = max(stages(profile, p), key=lambda s: sum(layer.forward_flops_per_sample for layer in s.blocks + s.fixed))
     forward, backward = _micro_batch_compute_s(profile, strategy, stage, cluster)
     micro_batch_s = forward + backward
     where = groups(strategy, cluster)
     shape = profile.transformer
+    value = activation_value_bytes(strategy)
 
-    # tensor parallel: 4 all-reduces of b*s*h per block per micro-batch (2 forward, 2 backward), 6 with full
-    # recomputation; with sequence parallelism a reduce-scatter + all-gather pair of the same volume
-    tp_s = 0.0
+    # tensor parallel (Megatron-LM): 4 all-reduces of b*s*h per block per micro-batch (2 forward, 2 backward),
+    # 6 with full recomputation; sequence parallelism swaps each for a reduce-scatter + all-gather of the
+    # same volume (Korthikanti et al. 2022, section 4.2)
+    tp_micro_s = 0.0
     if t > 1 and shape is not None:
-        value = 4 if strategy.precision == "fp32" else 2
         size = strategy.micro_batch * profile.tokens_per_sample * shape.hidden * value
         per_block = (6 if strategy.checkpointing == "full" else 4) * ring_s("all_reduce", size, t, cluster.intra)
-        tp_s = m * len(stage.blocks) * per_block
+        tp_micro_s = len(stage.blocks) * per_block
 
-    # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients)
+    # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients),
+    # b*s*h values split t ways (Megatron's scatter/gather optimisation)
     pp_s = 0.0
     if p > 1:
-        hidden = shape.hidden if shape else 0
-        size = strategy.micro_batch * profile.tokens_per_sample * hidden * 2 / t
-        if not size:  # a traced non-transformer: the largest block input
-            size = max(block.input_bytes_per_sample for block in stage.blocks) * strategy.micro_batch
-        link = _per_gpu_network(cluster) if where.pp_crosses_nodes and cluster.nodes > 1 else cluster.intra
+        if shape is not None:
+            size = strategy.micro_batch * profile.tokens_per_sample * shape.hidden * value / t
+        else:  # a traced model: the input of the stage's first block, in the activation precision
+            size = stage.blocks[0].input_bytes_per_sample * value / 2 * strategy.micro_batch
+        crossing = where.pp_crosses_nodes and cluster.nodes > 1 and cluster.inter is not None
+        link = network_share(cluster.inter, cluster.gpus_per_node) if crossing else cluster.intra
         pp_s = 2 * (m + p - 1) * p2p_s(size, link)
 
-    dp_s = _data_parallel_exposed_s(profile, strategy, cluster, stage, where, forward, backward)
-    optimizer_s = _optimizer_s(profile, strategy, cluster, stage)
     return StepTime(
         compute=m * micro_batch_s,
-        bubble=(p - 1) * micro_batch_s,
-        data_parallel_comm=dp_s,
-        tensor_parallel_comm=tp_s,
+        bubble=(p - 1) * (micro_batch_s + tp_micro_s),
+        data_parallel_comm=_data_parallel_exposed_s(profile, strategy, cluster, stage, where, forward, backward),
+        tensor_parallel_comm=m * tp_micro_s,
         pipeline_comm=pp_s,
-        optimizer=optimizer_s,
+        optimizer=_optimizer_s(profile, strategy, cluster, stage),
     )
-
-
-def _per_gpu_network(cluster: Cluster) -> Link:
-    assert cluster.inter is not None
-    return Link(cluster.inter.busbw_bytes_per_s / cluster.gpus_per_node, cluster.inter.latency_s, cluster.inter.source)
 
 
 def _data_parallel_exposed_s(
@@ -164,13 +174,14 @@ def _data_parallel_exposed_s(
 ) -> float:
     """Gradient reduction and parameter gathering of the data-parallel group, minus what overlaps.
 
-    Volumes per step (ZeRO paper section 7): DDP all-reduces the gradients once per step (``no_sync``
-    during accumulation) behind the last backward pass, bucket by bucket, so only the last bucket is sure
-    to be exposed. ZeRO-1 adds an all-gather of the updated parameters after the step. ZeRO-2 reduce-
-    scatters every micro-batch's gradients behind its backward pass and gathers parameters once. FSDP
-    (ZeRO-3) gathers each unit before its forward and again before its backward and reduce-scatters its
-    gradients, every micro-batch, prefetching one unit ahead. HSDP does that inside a node and all-reduces
-    the sharded gradients across nodes once per step.
+    Volumes (ZeRO paper section 7, as PyTorch implements each): DDP all-reduces the gradients once per step
+    (``no_sync`` during accumulation) behind the last backward pass, bucket by bucket, so only the last
+    bucket is sure to be exposed. ZeRO-1 (DDP + ZeroRedundancyOptimizer) adds an all-gather of the updated
+    fp32 parameters after the step, which nothing hides. ZeRO-2 (FSDP ``reshard_after_forward=False``)
+    gathers the parameters before each micro-batch's forward (prefetched one unit ahead) and reduce-scatters
+    its gradients behind its backward. FSDP (ZeRO-3) gathers each unit before its forward and again before
+    its backward and reduce-scatters its gradients, every micro-batch. HSDP does FSDP inside a node and
+    all-reduces the sharded gradients across nodes once per step.
     """
     n = strategy.data
     if n <= 1:
@@ -178,9 +189,8 @@ def _data_parallel_exposed_s(
     m = strategy.accumulation
     params = stage.params / strategy.tensor
     grads = params * GRAD_REDUCE_BYTES
-    compute_copy = 4 if strategy.precision == "fp32" else 2
+    gathered = params * activation_value_bytes(strategy)  # parameters are gathered in the compute precision
     units = max(1, len(stage.blocks))
-    zero = ZERO_STAGE[strategy.sharding]
 
     def dp(kind, size: float, *, per_node: int = where.dp_per_node, nodes: int = where.dp_nodes) -> float:
         return collective_s(
@@ -193,49 +203,42 @@ def _data_parallel_exposed_s(
             gpus_per_node=cluster.gpus_per_node,
         )
 
-    def last_bucket(kind) -> float:
-        return dp(kind, min(DDP_BUCKET_BYTES, grads))
-
-    if zero <= 1:
-        exposed = max(dp("all_reduce", grads) - backward, last_bucket("all_reduce"))
-        if zero == 1:
+    if strategy.sharding in ("ddp", "zero1"):
+        last_bucket = dp("all_reduce", min(DDP_BUCKET_BYTES, grads))
+        exposed = max(dp("all_reduce", grads) - backward, last_bucket)
+        if strategy.sharding == "zero1":
             exposed += dp("all_gather", params * 4)
         return exposed
-    if zero == 2:
-        per_micro = max(dp("reduce_scatter", grads) - backward, last_bucket("reduce_scatter"))
-        gather = max(dp("all_gather", params * compute_copy) - forward, dp("all_gather", params * compute_copy / units))
-        return m * per_micro + gather
+    if strategy.sharding == "zero2":
+        gather, scatter = dp("all_gather", gathered), dp("reduce_scatter", grads)
+        per_micro = max(gather - forward, 0.0) + gather / units + max(scatter - backward, scatter / units)
+        return m * per_micro
     if strategy.sharding == "hsdp":
         shard = shard_degree(strategy, cluster.gpus_per_node)
-        replicas = n // shard
         within = {"per_node": shard, "nodes": 1}
-        gather = dp("all_gather", params * compute_copy, **within)
-        scatter = dp("reduce_scatter", grads, **within)
-        per_micro = max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0)
-        per_micro += gather / units  # the first unit's gather has nothing to hide behind
+        gather, scatter = dp("all_gather", gathered, **within), dp("reduce_scatter", grads, **within)
         across = collective_s(
             "all_reduce",
             grads / shard,
             ranks_per_node=1,
-            nodes=replicas,
+            nodes=n // shard,
             intra=cluster.intra,
             inter=cluster.inter,
-            gpus_per_node=max(1, cluster.gpus_per_node // shard),
+            gpus_per_node=cluster.gpus_per_node,
         )
-        return m * per_micro + across
-    gather = dp("all_gather", params * compute_copy)
-    scatter = dp("reduce_scatter", grads)
+    else:  # fsdp
+        gather, scatter = dp("all_gather", gathered), dp("reduce_scatter", grads)
+        across = 0.0
+    # forward hides the gathers, backward the second gathers and the reduce-scatters; the first unit's
+    # gather has nothing to hide behind
     per_micro = max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0) + gather / units
-    return m * per_micro
+    return m * per_micro + across
 
 
 def _optimizer_s(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, stage: Stage) -> float:
     """A fused optimizer step is memory-bound: it streams the weights, gradients and states it owns
     (its shard under ZeRO-1 and above)."""
-    shape = profile.transformer
-    opt_bytes = optimizer_state_bytes(
-        strategy.optimizer, hidden=shape.hidden if shape else None, ffn_hidden=shape.ffn_hidden if shape else None
-    )
+    opt_bytes = optimizer_bytes(profile, strategy)
     shard = shard_degree(strategy, cluster.gpus_per_node) if ZERO_STAGE[strategy.sharding] >= 1 else 1
     owned = stage.params / strategy.tensor / shard
     return OPTIMIZER_TRAFFIC * owned * (4 + 4 + opt_bytes) / cluster.memory_bandwidth.value

@@ -18,6 +18,7 @@ from redline.workload.profile import TransformerShape
 DEFAULT_SEQ_CAP = 8192
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+KNOWN_MODEL_TYPES = ("gpt2", *LLAMA_LIKE, "bert", "t5")
 
 
 def read_config(path: Path) -> dict[str, Any]:

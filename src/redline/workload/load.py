@@ -21,6 +21,7 @@ from redline.workload.profile import TransformerShape, WorkloadProfile
 WIDTH_PER_LAYER = 128
 BARE_VOCAB = 32000
 BARE_SEQ_LEN = 2048
+MAX_BARE_PARAMS = 1e15
 
 
 def load_workload(
@@ -57,8 +58,8 @@ def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
     and the profile says the shape was assumed."""
     from redline.workload.transformer import transformer_profile
 
-    if params < 1e6:
-        raise BadInput(f"--params {params:g} is too small for a transformer shape; give at least 1e6")
+    if not 1e6 <= params <= MAX_BARE_PARAMS:
+        raise BadInput(f"--params {params:g} is outside what a GPT shape can stand for (1e6 to {MAX_BARE_PARAMS:g})")
     # round so that tensor-parallel degrees up to 8 divide the heads: layers to 4s, width to 1024s
     layers = max(4, round((params / (12 * WIDTH_PER_LAYER**2)) ** (1 / 3) / 4) * 4)
     width = math.sqrt(params / (12 * layers))
@@ -100,18 +101,15 @@ def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
 
 def config_profile(path: Path, seq_len: int | None) -> WorkloadProfile:
     """A Hugging Face config: the analytic shape, traced through transformers when it is installed."""
-    from redline.workload.hf import read_config, shape_from_config
+    from redline.workload.hf import KNOWN_MODEL_TYPES, read_config, shape_from_config
     from redline.workload.transformer import transformer_profile
 
     config = read_config(path)
-    name = str(config.get("_name_or_path") or path.resolve().parent.name if path.is_file() else path.name)
-    shape: TransformerShape | None
-    try:
+    name = str(config.get("_name_or_path") or (path.resolve().parent.name if path.is_file() else path.name))
+    shape: TransformerShape | None = None
+    if config["model_type"] in KNOWN_MODEL_TYPES or not is_available("transformers"):
+        # a known layout is checked here even when transformers could trace it: a malformed config is an error
         shape = shape_from_config(config, seq_len, origin=str(path))
-    except BadInput:
-        if not is_available("transformers"):
-            raise
-        shape = None
     if not is_available("transformers") or not is_available("torch") or config["model_type"] == "t5":
         # T5 needs decoder inputs to trace; its layout is known
         if shape is None:
@@ -130,8 +128,9 @@ def _trace_hf(
 
     try:
         hf_config = transformers.AutoConfig.for_model(**config)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise BadInput(f"{path}: transformers cannot read this config: {exc}") from None
+    except Exception as exc:  # transformers raises its own validation errors, version by version
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadInput(f"{path}: transformers cannot read this config: {message}") from None
     length = seq_len or (
         shape.seq_len if shape else min(int(getattr(hf_config, "max_position_embeddings", 2048)), 8192)
     )
