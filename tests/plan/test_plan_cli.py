@@ -151,7 +151,7 @@ def test_impossible_or_malformed_requests_are_one_line(args: list[str], message:
 def test_a_model_that_fits_nowhere_names_the_smallest_hardware_that_would() -> None:
     error = one_line_error(run_cli("plan", "-m", "llama-2-70b", "--hardware", "1xrtx-4090", timeout=180))
     assert "nothing fits on 1xrtx-4090" in error
-    assert "Smallest hardware that fits:" in error
+    assert "Smallest hardware that fits (micro-batch 1, full checkpointing):" in error
 
 
 def test_malformed_config_and_factory_errors(tmp_path: Path) -> None:

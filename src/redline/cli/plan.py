@@ -146,7 +146,7 @@ def plan(
                 options = "; ".join(
                     f"{c.gpus} x {c.gpu.key if c.gpu else c.device} ({e.strategy.label()})" for c, e in smallest
                 )
-                message += f". Smallest hardware that fits: {options}"
+                message += f". Smallest hardware that fits (micro-batch 1, full checkpointing): {options}"
             else:
                 message += ". It fits on no catalog GPU up to 1024 GPUs"
         raise BadInput(message)

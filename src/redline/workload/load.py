@@ -94,7 +94,8 @@ def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
         layers=layers_scaled,
         notes=(
             f"--params gives no layer structure: assumed a GPT-style shape of {layers} layers x {hidden} wide, "
-            f"vocabulary {BARE_VOCAB}, sequence {shape.seq_len}; give --model for exact activations",
+            f"vocabulary {BARE_VOCAB}, sequence {shape.seq_len} (activations and tensor-parallel traffic come from "
+            "that shape, parameters and FLOPs are scaled to the count); give --model for exact figures",
         ),
     )
 
