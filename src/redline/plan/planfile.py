@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from redline.errors import BadInput
+from redline.errors import BadInput, read_user_file
 from redline.plan.estimate import Estimate, Goal
 from redline.plan.hardware import Cluster
 from redline.plan.strategy import Strategy
@@ -98,12 +98,9 @@ def load_plan(path: Path) -> Plan:
     """Read a plan file; anything malformed is one line of BadInput naming the file and the problem."""
     import yaml
 
+    text = read_user_file(path, "plan file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BadInput(f"no such plan file: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"cannot read {path}: {exc}") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from redline.errors import BadInput
+from redline.errors import BadInput, read_user_file
 from redline.workload.profile import TransformerShape
 
 # past this many positions (Llama 3.1 declares 131072) the default training length is capped; --seq-len wins
@@ -25,12 +25,9 @@ def read_config(path: Path) -> dict[str, Any]:
     """The config.json at ``path`` (a file or a model directory); BadInput with the reason otherwise."""
     if path.is_dir():
         path = path / "config.json"
+    text = read_user_file(path, "config file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BadInput(f"no such config file: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"cannot read {path}: {exc}") from None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadInput(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
     if not isinstance(data, dict) or "model_type" not in data:

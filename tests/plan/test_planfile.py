@@ -1,0 +1,62 @@
+"""The plan file round-trips, and a broken one is a one-line error naming the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from redline.errors import BadInput
+from redline.plan.estimate import Goal
+from redline.plan.hardware import parse_hardware
+from redline.plan.planfile import dump_plan, load_plan, make_plan
+from redline.plan.search import search
+from redline.workload.presets import preset_profile
+
+
+@pytest.fixture
+def plan_path(tmp_path: Path) -> Path:
+    profile = preset_profile("gpt2")
+    cluster = parse_hardware("8xa100-sxm4-80gb")
+    goal = Goal(global_batch=64, tokens=1e9)
+    best = search(profile, cluster, goal).ranked[0]
+    path = tmp_path / "plan.yaml"
+    path.write_text(dump_plan(make_plan(profile, cluster, goal, best, ["a note"])))
+    return path
+
+
+def test_round_trip(plan_path: Path) -> None:
+    plan = load_plan(plan_path)
+    assert plan.strategy.global_batch == 64
+    assert plan.model["name"] == "gpt2"
+    assert plan.predicted["step_time_s"]["total"] > 0
+    assert plan.notes == ("a note",)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.pop("redline_plan"), "not a redline plan"),
+        (lambda d: d.update(redline_plan=99), "plan schema 99"),
+        (lambda d: d["strategy"].update(warp_drive=True), "unknown strategy fields: warp_drive"),
+        (lambda d: d["strategy"].update(micro_batch=0), "micro_batch must be a positive integer"),
+        (lambda d: d.pop("strategy"), "malformed plan"),
+    ],
+)
+def test_broken_plans_are_one_line(plan_path: Path, mutate, message: str) -> None:
+    data = yaml.safe_load(plan_path.read_text())
+    mutate(data)
+    plan_path.write_text(yaml.safe_dump(data))
+    with pytest.raises(BadInput, match=message) as caught:
+        load_plan(plan_path)
+    assert "\n" not in str(caught.value)
+
+
+def test_not_yaml_or_missing(tmp_path: Path) -> None:
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("strategy: [unclosed\n")
+    with pytest.raises(BadInput, match="not valid YAML at line"):
+        load_plan(bad)
+    with pytest.raises(BadInput, match="no such plan file"):
+        load_plan(tmp_path / "missing.yaml")
