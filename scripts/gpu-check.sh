@@ -30,8 +30,8 @@ step doctor bash -c '"$0" -m redline doctor --json --html "$1/doctor.html" >"$1/
 step doctor-terminal env COLUMNS=120 "$py" -m redline doctor
 step bench-collective bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || { echo "skipped: needs 2 GPUs, one NCCL rank each"; exit 0; }; "$0" -m redline bench collective --json >"$1/bench-collective.json" && ! grep -q "WRONG RESULTS" "$1/bench-collective.json"' "$py" "$out"
 # compute (matmul per precision vs catalog peak), memory (HBM copy, H2D/D2H pinned+pageable, P2P) and the
-# DataLoader grid, full sizes, in one JSON (about two minutes on one GPU)
-step bench-gpu bash -c '"$0" -m redline bench compute memory dataloader --json >"$1/bench-gpu.json"' "$py" "$out"
+# DataLoader grid, full sizes, in one JSON (about two minutes on one GPU); saved, so `plan --hardware local` uses them
+step bench-gpu bash -c '"$0" -m redline bench compute memory dataloader --json --save >"$1/bench-gpu.json"' "$py" "$out"
 # a figure above its peak, or absurdly far below, is a measuring bug, not a slow GPU
 step bench-sanity "$py" - "$out/bench-gpu.json" <<'PY'
 import json, sys
