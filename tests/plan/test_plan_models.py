@@ -79,7 +79,8 @@ def test_fp32_has_no_compute_copies_and_doubles_block_activations() -> None:
     ratio = block_activation(GPT2, block, fp32, decoder=False) / block_activation(
         GPT2, block, strategy(data=1), decoder=False
     )
-    assert 1.9 < ratio < 2.0  # dropout masks stay one byte
+    # not quite 2x: dropout masks stay one byte, and autocast's norms save fp32 inputs in both
+    assert 1.6 < ratio < 1.9
 
 
 def test_full_checkpointing_keeps_block_inputs_only() -> None:

@@ -118,6 +118,7 @@ def block_activation_bytes(
     seq_len: int,
     *,
     bytes_per_value: int = 2,
+    norm_input_bytes: int | None = None,
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     flash_attention: bool = True,
@@ -138,6 +139,8 @@ def block_activation_bytes(
       which flash attention replaces by a log-sum-exp of a*s fp32 values and selective recompute drops.
 
     ``bytes_per_value`` is 2 for fp16/bf16 activations, 4 for fp32; masks stay one byte.
+    ``norm_input_bytes`` (default: ``bytes_per_value``) is 4 under PyTorch autocast, which keeps the
+    residual stream, and so what each norm saves, in fp32 (Megatron's bf16 residual is the paper's case).
     """
     s, h, a, q, f = seq_len, shape.hidden, shape.heads, shape.query_width, shape.ffn_hidden
     t = tensor_parallel
@@ -145,7 +148,8 @@ def block_activation_bytes(
     value = bytes_per_value
     mask = 1 if shape.dropout else 0
 
-    replicated = value * 4 * s * h + mask * 2 * s * h  # 2 norm inputs, attention and MLP inputs, masks
+    norm = norm_input_bytes or value
+    replicated = (2 * norm + 2 * value) * s * h + mask * 2 * s * h  # 2 norm inputs, attention and MLP inputs, masks
     split = value * s * (q + 2 * kv + q)  # Q, K, V, attention output
     split += value * s * f * (4 if shape.gated_mlp else 2)
     if flash_attention:
@@ -156,7 +160,7 @@ def block_activation_bytes(
         core = (2 * value + mask) * a * s * s  # softmax output, dropout output, dropout mask
     split += core
     if decoder:  # cross-attention: its norm input, Q, K, V of the encoder output, output, mask
-        replicated += value * s * h + mask * s * h
+        replicated += norm * s * h + mask * s * h
         split += value * s * 4 * q + core
     if sequence_parallel:
         return (replicated + split) / t
@@ -204,7 +208,8 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
                 params=block_params(shape, decoder=decoder),
                 forward_flops_per_sample=block_forward_flops(shape, s, decoder=decoder),
                 activation_bytes_per_sample={
-                    "16bit": block_activation_bytes(shape, s, decoder=decoder),
+                    # as PyTorch runs it under autocast: fp32 residual stream, so 4-byte norm inputs
+                    "16bit": block_activation_bytes(shape, s, norm_input_bytes=4, decoder=decoder),
                     "fp32": block_activation_bytes(shape, s, bytes_per_value=4, decoder=decoder),
                 },
                 input_bytes_per_sample=block_input_bytes(shape, s),
