@@ -89,6 +89,7 @@ def test_cloud_ranks_instances_and_meets_a_deadline() -> None:
     assert costs == sorted(costs)
     assert all(o["time_to_train_s"] <= 2 * 86400 for o in data["ranked"])
     assert {o["provider"] for o in data["ranked"]} == {"aws"}
+    assert all(o["price_verified"] for o in data["ranked"])  # AWS rows carry no UNVERIFIED flag
 
 
 def test_list_models() -> None:

@@ -291,3 +291,10 @@ def test_cli_no_match_is_one_line_exit_2():
     _assert_one_line_error(run_cli("catalog", "instances", "--gpu", "b300", "--max-price", "0.1"), "--gpu b300")
     _assert_one_line_error(run_cli("catalog", "instances", "--provider", "oracle"), "unknown provider 'oracle'")
     _assert_one_line_error(run_cli("catalog", "instances", "--max-price", "0"), "--max-price")
+
+
+def test_unverified_prices_are_flagged() -> None:
+    from redline.specs.instances import find_instance
+
+    assert not find_instance("a3-highgpu-8g").price_verified  # its notes say why
+    assert find_instance("p5.48xlarge").price_verified

@@ -451,13 +451,15 @@ def _cloud(
             o.instance,
             str(o.nodes),
             str(o.gpus),
-            f"{o.price_usd_per_hour:,.2f}",
+            f"{o.price_usd_per_hour:,.2f}" + ("" if o.price_verified else "*"),
             o.best.strategy.label(),
             _pct(o.best.mfu),
             fmt_duration(o.time_s),
             _money(o.cost_usd),
         )
     ui.console.print(table)
+    if not all(o.price_verified for o in ranked[:top]):
+        ui.console.print(ui.dim("* the catalog flags this price as unverified: check it with the provider"))
     dates = sorted({o.price_date for o in options})
     ui.console.print(
         ui.dim(

@@ -26,6 +26,7 @@ class CloudOption:
     price_usd_per_hour: float  # all nodes together
     price_date: str
     best: Estimate
+    price_verified: bool = True
 
     @property
     def time_s(self) -> float:
@@ -45,6 +46,7 @@ class CloudOption:
             "gpus": self.gpus,
             "price_usd_per_hour": self.price_usd_per_hour,
             "price_date": self.price_date,
+            "price_verified": self.price_verified,
             "time_to_train_s": self.time_s,
             "cost_usd": self.cost_usd,
             "best": self.best.to_dict(),
@@ -93,6 +95,7 @@ def cloud_options(
                         price_usd_per_hour=instance.price_usd_per_hour * nodes,
                         price_date=instance.price_date,
                         best=result.ranked[0],
+                        price_verified=instance.price_verified,
                     )
                 )
     return options

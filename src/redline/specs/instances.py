@@ -121,6 +121,11 @@ class InstanceSpec:
         return int(self.gpu_count) if float(self.gpu_count).is_integer() else 0
 
     @property
+    def price_verified(self) -> bool:
+        """False where the catalog row's notes flag the price as UNVERIFIED (it disagrees with other sources)."""
+        return "UNVERIFIED" not in self.notes.upper()
+
+    @property
     def price_per_gpu_hour(self) -> float:
         """Price of one whole GPU's worth per hour; for a partition, what a whole GPU would cost at its rate."""
         return self.price_usd_per_hour / self.gpu_count
