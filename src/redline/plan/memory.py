@@ -228,9 +228,10 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     # backward of one block: its activation gradients, and under full checkpointing its recomputed activations
     temporary = max(full_blocks.values(), default=0.0) * (2 if strategy.checkpointing == "full" else 1)
     if shape is not None and shape.lm_head and stage.index == strategy.pipeline - 1:
-        # the output projection's backward: the fp32 gradient of the logits (b x s x V) and the weight
-        # gradient it produces (V x h) before it is added into the parameter's .grad
-        head = (strategy.micro_batch * profile.tokens_per_sample + shape.hidden) * shape.vocab * 4 / t
+        # the loss's backward: the fp32 gradient of the log-softmax input and the gradient of the logits in
+        # the compute precision, b x s x V each (the head's weight gradient comes in the backward walk)
+        tokens = strategy.micro_batch * profile.tokens_per_sample
+        head = (4 + activation_value_bytes(strategy)) * tokens * shape.vocab / t
         temporary = max(temporary, head)
 
     coexist = strategy.accumulation > 1 or (strategy.data > 1 and zero_stage < 2) or strategy.pipeline > 1

@@ -309,8 +309,21 @@ def _first_tensor(*trees: Any) -> torch.Tensor | None:
     return None
 
 
-def _loss(output: Any) -> torch.Tensor | None:
-    """A scalar to call backward on: the sum of every floating output that needs a gradient."""
+def _loss(output: Any, inputs: torch.Tensor | None = None, vocab_size: int | None = None) -> torch.Tensor | None:
+    """A scalar to call backward on. For a language model (token ids in, an output whose last dimension is
+    the vocabulary) the loss it trains with: cross-entropy on fp32-upcast logits, as Hugging Face models
+    compute it, so the memory that loss keeps is measured too. Otherwise the sum of every floating output
+    that needs a gradient."""
+    if inputs is not None and vocab_size and not inputs.is_floating_point():
+        for leaf in tree_leaves(output):
+            if (
+                isinstance(leaf, torch.Tensor)
+                and leaf.is_floating_point()
+                and leaf.requires_grad
+                and leaf.shape[-1] == vocab_size
+                and leaf.shape[:-1] == inputs.shape
+            ):
+                return torch.nn.functional.cross_entropy(leaf.float().flatten(0, -2), inputs.flatten())
     parts = [
         leaf.sum()
         for leaf in tree_leaves(output)
@@ -483,16 +496,17 @@ class _Tracer:
         ):
             output = _guarded(self.name, lambda: self.module(x))
             self._charge_flops()
+            # the loss (an LM's cross-entropy) runs after the last block: what it saves counts with the head
+            loss = _guarded(self.name, lambda out=output: _loss(out, x, self.vocab_size))
         if self.counter is not None:
             self.total_flops[batch] = float(self.counter.get_total_flops())
-            self.backward_flops[batch] = self._backward(output, formulas)
+            self.backward_flops[batch] = self._backward(loss, formulas)
         self.counter = None
-        del output
+        del output, loss
         self.saved.clear()
         self.keep_alive.clear()
 
-    def _backward(self, output: Any, formulas: dict[Any, Any]) -> float:
-        loss = _guarded(self.name, lambda: _loss(output))
+    def _backward(self, loss: torch.Tensor | None, formulas: dict[Any, Any]) -> float:
         if loss is None:
             if not any("no output needs a gradient" in note for note in self.notes):
                 self.notes.append("no output needs a gradient: backward FLOPs not measured")
@@ -644,7 +658,7 @@ def _training_step_peak(tracer: _Tracer) -> tuple[dict[str, int] | None, str]:
 
     def step() -> None:
         with tracer.attention:
-            loss = _loss(module(x))
+            loss = _loss(module(x), x, tracer.vocab_size)
         if loss is None:
             raise RuntimeError("no output needs a gradient")
         loss.backward()

@@ -167,12 +167,27 @@ def block_activation_bytes(
     return replicated + split / t
 
 
-def logits_activation_bytes(shape: TransformerShape, seq_len: int, *, tensor_parallel: int = 1) -> float:
-    """Final norm input and the fp32 logits the cross-entropy keeps: 4sh(1 + V/h), all divided by t
-    (Megatron-LM ``theoretical_memory_usage.py``, last pipeline stage)."""
+def logits_activation_bytes(
+    shape: TransformerShape,
+    seq_len: int,
+    *,
+    tensor_parallel: int = 1,
+    fused_cross_entropy: bool = True,
+    bytes_per_value: int = 2,
+) -> float:
+    """Final norm input and what the cross-entropy keeps, all divided by t.
+
+    Megatron's fused vocab-parallel cross-entropy keeps the fp32 logits: 4sh(1 + V/h) (Megatron-LM
+    ``theoretical_memory_usage.py``, last pipeline stage). PyTorch's ``F.cross_entropy`` on logits upcast
+    to fp32, as Hugging Face models call it, keeps the logits in the compute precision and the fp32
+    log-softmax it saves: 4sh + (bytes_per_value + 4)sV (``fused_cross_entropy=False``).
+    """
     if not shape.lm_head:
         return 0.0
-    return 4 * seq_len * shape.hidden * (1 + shape.vocab / shape.hidden) / tensor_parallel
+    s, h, v = seq_len, shape.hidden, shape.vocab
+    if fused_cross_entropy:
+        return 4 * s * h * (1 + v / h) / tensor_parallel
+    return (4 * s * h + (bytes_per_value + 4) * s * v) / tensor_parallel
 
 
 def block_input_bytes(shape: TransformerShape, seq_len: int, *, bytes_per_value: int = 2) -> float:
@@ -215,14 +230,16 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
                 input_bytes_per_sample=block_input_bytes(shape, s),
             )
         )
-    logits = logits_activation_bytes(shape, s)
+    # as PyTorch computes the loss: F.cross_entropy on fp32-upcast logits
+    logits_16 = logits_activation_bytes(shape, s, fused_cross_entropy=False, bytes_per_value=2)
+    logits_32 = logits_activation_bytes(shape, s, fused_cross_entropy=False, bytes_per_value=4)
     layers.append(
         LayerProfile(
             name="head",
             kind="lm head" if shape.lm_head else "final norm",
             params=head_params(shape),
             forward_flops_per_sample=logits_forward_flops(shape, s),
-            activation_bytes_per_sample={"16bit": logits, "fp32": logits},
+            activation_bytes_per_sample={"16bit": logits_16, "fp32": logits_32},
             is_block=False,
         )
     )
