@@ -1,0 +1,496 @@
+"""Checkpoint and resume: model and optimizer through ``torch.distributed.checkpoint`` (DCP), the rest per rank.
+
+One checkpoint is one directory::
+
+    <directory>/
+      step-00000100/
+        .metadata, __0_0.distcp, ...   model and optimizer, written by DCP (sharded under FSDP)
+        rank-00000.pt, ...             per rank: RNG states, GradScaler, LR scheduler, ``extra``
+        COMPLETE                       JSON (step, world size, redline version, time), written last
+
+A save writes ``step-00000100.partial/``; when every rank has written its part, rank 0 writes ``COMPLETE``
+and renames the directory to ``step-00000100/`` (atomic on one filesystem). A process killed at any point
+leaves the previous complete checkpoint as it was; the next save removes the ``.partial`` leftovers. After a
+save the newest ``keep`` complete checkpoints stay and older ones are deleted; so are any of a later step
+than the one saved (left by a run this one did not resume from), with a warning, or a resume would pick them.
+
+Model and optimizer states go through DCP's ``get_state_dict``/``set_state_dict``, so the same code serves a
+plain module, a DDP-wrapped one and an FSDP2 (``fully_shard``) one, whose parameters and optimizer states are
+saved sharded, each rank writing its shards. Loading with another world size:
+
+- DDP (replicated): the model and optimizer load whatever the world size (DCP keeps one copy of a replicated
+  tensor); a single process can load a checkpoint written by 8 ranks and the other way round.
+- FSDP2: DCP reshards on load: each rank reads the slices of the saved shards its new shard covers, so
+  8 ranks can resume what 4 wrote (or a single unsharded process can read it).
+- ZeRO-1 (``ZeroRedundancyOptimizer``, whose state DCP's state_dict API cannot read): the model goes
+  through DCP, each rank's optimizer shard into its own file; it loads with the same world size only.
+- per-rank state: with the same world size each rank gets its own RNG states and ``extra`` back; with
+  another one every rank reads rank 0's file (scaler, scheduler, ``extra``) and the RNG states are left as
+  the caller seeded them (with a warning), since the ranks' random streams no longer correspond.
+
+Collectives: ``save`` and ``load_latest`` must be called by every rank (they barrier); ``latest_step`` only
+reads the directory and may be called by any rank alone. The directory must be on a filesystem every rank
+sees (a shared one across nodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from redline import __version__
+from redline.errors import BadInput, RedlineError
+
+MARKER = "COMPLETE"
+FORMAT = 1  # of the COMPLETE marker and the per-rank files
+# A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
+# test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
+SLOW_SAVE_ENV = "REDLINE_TEST_SLOW_SAVE_S"
+
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+_OURS = re.compile(r"step-\d{8,}(\.partial|\.trash)?")
+_RANK_FILE_KEYS = frozenset(
+    ("optimizer_state_saved", "zero_optimizer_shard", "rng", "scaler", "scheduler", "extra_json")
+)
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped or part of one not restored; training goes on."""
+
+
+class Checkpointer:
+    """Save and restore a training run's state under ``directory``, keeping the newest ``keep`` checkpoints.
+
+    Rank and world size come from ``torch.distributed`` when a process group is initialised (read at each
+    call), else 0 and 1.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
+        if keep < 1:
+            raise BadInput(f"a checkpointer keeps at least 1 checkpoint, not {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if _distributed() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if _distributed() else 1
+
+    # ------------------------------------------------------------------------------------------- save
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any = None,
+        scheduler: Any = None,
+        extra: dict | None = None,
+    ) -> Path:
+        """Write the checkpoint of ``step`` (every rank calls this) and return its directory.
+
+        ``extra`` is a plain JSON-serialisable dict kept per rank (data position, epoch, micro-batch ...);
+        ``load_latest`` returns it as ``json.loads`` reads it back. A checkpoint of the same step replaces the
+        old one; complete checkpoints of later steps (from a run this one did not resume) are removed with a
+        warning, since a resume would otherwise pick them over this run's.
+        """
+        if step < 0:
+            raise BadInput(f"a checkpoint step is 0 or more, not {step}")
+        try:
+            extra_json = json.dumps(extra or {})
+        except (TypeError, ValueError) as exc:
+            raise BadInput(f"checkpoint extra must be a JSON-serialisable dict: {exc}") from None
+        self._check_layout()
+        rank, world = self.rank, self.world_size
+        final = self.directory / _dir_name(step)
+        partial = final.with_name(final.name + ".partial")
+
+        if rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._remove_leftovers()
+        _barrier()  # no rank writes into a .partial directory rank 0 is still removing
+        partial.mkdir(parents=True, exist_ok=True)
+
+        had_optimizer_state = bool(optimizer.state)
+        zero_shard = None
+        if _is_zero(optimizer):
+            state = {"model": get_model_state_dict(model)}
+            zero_shard = optimizer.optim.state_dict()  # this rank's shard of the optimizer states
+        else:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            if not had_optimizer_state:
+                # get_state_dict initialises an empty optimizer's state with a zero-gradient step (Adam's step
+                # count becomes 1); a save must not change the run, so the state goes back to empty, saved so
+                optimizer.state = defaultdict(dict)
+                optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
+            state = {"model": model_state, "optim": optim_state}
+        try:
+            with _single_process_quiet():
+                dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
+        except CheckpointException as exc:  # raised on every rank; a BaseException, which user code rarely catches
+            raise RedlineError(f"checkpoint {partial} not saved: {_one_line(exc)}") from exc
+
+        per_rank = {
+            "format": FORMAT,
+            "step": step,
+            "rank": rank,
+            "world_size": world,
+            "optimizer_state_saved": had_optimizer_state,
+            "zero_optimizer_shard": zero_shard,
+            "rng": _rng_states(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra_json": extra_json,
+        }
+        error = None
+        try:
+            _write_synced(partial / _rank_file(rank), lambda f: torch.save(per_rank, f))
+        except OSError as exc:  # a full disk on one rank must not leave the others waiting below
+            error = _one_line(exc)
+        _pause_for_tests()
+        # also the barrier that puts every rank's files on disk before COMPLETE says so
+        error = _first_error_of_all_ranks(error)
+        if error is not None:
+            raise RedlineError(f"checkpoint {partial} not saved: {error}")
+
+        if rank == 0:
+            try:
+                self._commit(step, world, partial, final)
+            except OSError as exc:
+                error = _one_line(exc)
+        # also the barrier that keeps every rank from returning (and perhaps loading) before the rename
+        error = _first_error_of_all_ranks(error)
+        if error is not None:
+            raise RedlineError(f"checkpoint {partial} not saved: {error}")
+        return final
+
+    def _commit(self, step: int, world: int, partial: Path, final: Path) -> None:
+        """Rank 0, once every rank's files are on disk: COMPLETE, the rename, then the older checkpoints go."""
+        marker = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": world,
+            "redline_version": __version__,
+            "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        _write_synced(partial / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
+        replaced = final.with_name(final.name + ".trash")
+        if final.exists():  # the same step saved again
+            final.rename(replaced)
+        partial.rename(final)  # the commit point
+        _sync_dir(self.directory)
+        shutil.rmtree(replaced, ignore_errors=True)
+        self._prune(step)
+
+    def _remove_leftovers(self) -> None:
+        for path in self.directory.iterdir():
+            if path.is_dir() and path.suffix in (".partial", ".trash") and _OURS.fullmatch(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _prune(self, saved_step: int) -> None:
+        """Keep ``saved_step`` and the newest ``keep - 1`` complete checkpoints before it; delete the rest."""
+        older = [(s, p) for s, p in self._step_dirs() if s < saved_step and _read_marker(p, s) is not None]
+        kept = {saved_step} | {s for s, _ in sorted(older, reverse=True)[: self.keep - 1]}
+        for s, path in self._step_dirs():
+            if s in kept:
+                continue
+            if s > saved_step:
+                warnings.warn(
+                    f"removing checkpoint {path}: it is newer than step {saved_step}, which this run just saved",
+                    CheckpointWarning,
+                    stacklevel=4,
+                )
+            # renamed first, so a kill during the deletion leaves no half-deleted checkpoint under a valid name
+            trash = path.with_name(path.name + ".trash")
+            path.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------- load
+
+    def latest_step(self) -> int | None:
+        """The step of the newest checkpoint with a valid COMPLETE marker, None when there is none.
+        Reads the directory only (no collective, no check that the files load)."""
+        self._check_layout()
+        for step, path in sorted(self._step_dirs(), reverse=True):
+            if _read_marker(path, step) is not None:
+                return step
+        return None
+
+    def load_latest(
+        self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None, scheduler: Any = None
+    ) -> tuple[int, dict] | None:
+        """Restore the newest checkpoint that loads, in place (every rank calls this); return its
+        ``(step, extra)``, or None when the directory holds no checkpoint.
+
+        A checkpoint that fails to load (a missing COMPLETE marker, a truncated file, a state that does not
+        fit the model) is skipped with a CheckpointWarning and the one before it is tried; BadInput when none
+        loads. A failed attempt may have overwritten some parameters before failing; the next attempt
+        overwrites them all.
+        """
+        self._check_layout()
+        candidates = sorted(self._step_dirs(), reverse=True) if self.rank == 0 else []
+        if _distributed():
+            # every rank tries the same checkpoints in the same order, whatever each one's view of the directory
+            box = [candidates]
+            dist.broadcast_object_list(box, src=0)
+            candidates = box[0]
+        if not candidates:
+            return None
+        failures = []
+        for step, path in candidates:
+            error = self._try_load(step, Path(path), model, optimizer, scaler, scheduler)
+            if isinstance(error, tuple):
+                return error
+            failures.append(f"{Path(path).name}: {error}")
+            if self.rank == 0:
+                warnings.warn(
+                    f"checkpoint {path} does not load ({error}); falls back to the one before it",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+        raise BadInput(f"no checkpoint in {self.directory} loads ({'; '.join(failures)})")
+
+    def _try_load(self, step, path, model, optimizer, scaler, scheduler) -> tuple[int, dict] | str:
+        """``(step, extra)`` once everything is restored, else why not (the same answer on every rank)."""
+        marker, per_rank, error = self._read_own_file(step, path, optimizer)
+        # agreed before dcp.load, a collective: a rank that skipped it would leave the others waiting in it
+        error = _first_error_of_all_ranks(error)
+        if error is not None:
+            return error
+        same_world = marker["world_size"] == self.world_size
+        zero = per_rank["zero_optimizer_shard"] is not None
+        try:
+            if zero:
+                state = {"model": get_model_state_dict(model)}
+            else:
+                model_state, optim_state = get_state_dict(model, optimizer)
+                if not per_rank["optimizer_state_saved"]:
+                    optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
+                state = {"model": model_state, "optim": optim_state}
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        except (Exception, CheckpointException) as exc:
+            error = _one_line(exc)
+        error = _first_error_of_all_ranks(error)
+        if error is not None:
+            return error
+
+        if zero:
+            set_model_state_dict(model, state["model"])
+            optimizer.optim.load_state_dict(per_rank["zero_optimizer_shard"])
+            # the outer parameter groups are what a scheduler sets and what step() copies into the shard
+            for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
+                outer.update({key: value for key, value in inner.items() if key != "params"})
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            if not per_rank["optimizer_state_saved"]:
+                optimizer.state = defaultdict(dict)
+        if scaler is not None and per_rank["scaler"]:  # a disabled GradScaler saves {}
+            scaler.load_state_dict(per_rank["scaler"])
+        if scheduler is not None and per_rank["scheduler"] is not None:
+            scheduler.load_state_dict(per_rank["scheduler"])
+        if same_world:
+            _set_rng_states(per_rank["rng"])
+        elif self.rank == 0:
+            warnings.warn(
+                f"checkpoint {path} was written by {marker['world_size']} ranks and is loaded by {self.world_size}: "
+                "model and optimizer restored, RNG states not (every rank uses rank 0's scaler, scheduler and extra)",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+        return step, json.loads(per_rank["extra_json"])
+
+    def _read_own_file(self, step, path, optimizer) -> tuple[dict | None, dict | None, str | None]:
+        """(COMPLETE marker, this rank's file, None), or why they cannot be used; reads nothing collective."""
+        marker = _read_marker(path, step)
+        if marker is None:
+            return None, None, f"no valid {MARKER} marker"
+        same_world = marker["world_size"] == self.world_size
+        name = _rank_file(self.rank if same_world else 0)
+        try:
+            per_rank = torch.load(path / name, weights_only=True)
+            missing = sorted(_RANK_FILE_KEYS - per_rank.keys())
+            if missing:
+                return marker, None, f"its {name} lacks {', '.join(missing)}"
+            json.loads(per_rank["extra_json"])
+        except Exception as exc:
+            return marker, None, _one_line(exc)
+        zero = per_rank["zero_optimizer_shard"] is not None
+        if zero != _is_zero(optimizer):
+            kinds = ("a ZeroRedundancyOptimizer", "another optimizer")
+            return marker, None, f"saved with {kinds[not zero]}, loaded into {kinds[zero]}"
+        if zero and not same_world:
+            return marker, None, f"its ZeroRedundancyOptimizer shards are for {marker['world_size']} ranks"
+        return marker, per_rank, None
+
+    # ------------------------------------------------------------------------------------------- layout
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for path in self.directory.iterdir():
+            match = _STEP_DIR.fullmatch(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+        return found
+
+    def _check_layout(self) -> None:
+        """BadInput when ``directory`` is not ours: a file, or a directory of things none of which is a
+        checkpoint of ours (hidden files aside)."""
+        if self.directory.exists() and not self.directory.is_dir():
+            raise BadInput(f"checkpoint directory {self.directory} is a file")
+        if not self.directory.is_dir():
+            return
+        names = [p.name for p in self.directory.iterdir() if not p.name.startswith(".")]
+        if names and not any(_OURS.fullmatch(name) for name in names):
+            raise BadInput(f"{self.directory} is not a redline checkpoint directory (it holds {names[0]!r} ...)")
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    # not imported here: torch.distributed.optim scripts its optimizers with TorchScript on import (slow, and
+    # deprecation warnings); when nobody imported it, the optimizer is not one of its classes
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def _dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def _read_marker(path: Path, step: int) -> dict | None:
+    """The COMPLETE marker of ``path`` when it is valid JSON and names ``step``, else None."""
+    try:
+        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("step") != step:
+        return None
+    if not isinstance(marker.get("world_size"), int) or marker["world_size"] < 1:
+        return None
+    return marker
+
+
+def _write_synced(path: Path, write) -> None:
+    """Write through ``write(file)`` and fsync, so a rename after it never publishes a file still in cache."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    """fsync a directory, so a rename in it survives a power loss (not just a killed process)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _pause_for_tests() -> None:
+    seconds = float(os.environ.get(SLOW_SAVE_ENV) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns at every call in a single process that it assumes one; that is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        yield
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one short line; DCP's CheckpointException carries each rank's error and traceback."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _first_error_of_all_ranks(error: str | None) -> str | None:
+    """The first rank's error when any rank failed, on every rank, so all fall back together."""
+    if not _distributed():
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+
+
+def _rng_states() -> dict[str, Any]:
+    """Python's, torch's CPU and (when CUDA is in use) current-device generators, numpy's legacy global one.
+
+    Only the current CUDA device: asking every rank for all devices' states would create a CUDA context on
+    every GPU from every rank.
+    """
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+    except ImportError:
+        return states
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    # as a tensor, so the file loads with torch.load(weights_only=True)
+    states["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian)
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    if "numpy" in states:
+        with contextlib.suppress(ImportError):
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached_gaussian = states["numpy"]
+            np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
