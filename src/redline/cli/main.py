@@ -8,7 +8,7 @@ import sys
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, plan, probe, ui
+from redline.cli import bench, catalog, doctor, plan, probe, run, ui
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -22,6 +22,7 @@ app.command("probe")(probe.probe)
 app.command("doctor")(doctor.doctor)
 app.command("bench")(bench.bench)
 app.command("plan")(plan.plan)
+app.command("run", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(run.run)
 app.add_typer(catalog.app, name="catalog")
 
 

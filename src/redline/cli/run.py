@@ -1,0 +1,106 @@
+"""`redline run`: launch a training script that calls `redline.prepare()`, alone or through torchrun.
+
+Everything after the script is the script's own arguments. The plan goes to the script in REDLINE_PLAN and
+is checked first: it must load, and its world size (data x tensor x pipeline) must equal the processes
+launched. One process on one node runs as `python SCRIPT ARGS` would; more, several nodes or
+--max-restarts go through torchrun, which restarts the worker group when a worker dies (elastic).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from redline.cli import ui
+
+if TYPE_CHECKING:
+    from redline.runtime.launch import Launch
+
+
+def run(
+    ctx: typer.Context,
+    script: str = typer.Argument(
+        ..., metavar="SCRIPT [ARGS]...", help="The training script, then its own arguments.", show_default=False
+    ),
+    plan: Path | None = typer.Option(
+        None,
+        "--plan",
+        envvar="REDLINE_PLAN",  # the variable the script's prepare() reads (launch.PLAN_ENV)
+        help="The plan file (`redline plan -o plan.yaml`); without one prepare() uses its defaults.",
+    ),
+    nproc_per_node: str = typer.Option(
+        "auto",
+        "--nproc-per-node",
+        help="Processes per node, or auto: one per CUDA GPU; without GPUs the plan's count; else 1.",
+    ),
+    nnodes: str = typer.Option("1", "--nnodes", help="Nodes: N, or MIN:MAX for an elastic range."),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node (several nodes)."
+    ),
+    rdzv_id: str | None = typer.Option(None, "--rdzv-id", help="Rendezvous id, the same on every node."),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="Restart the workers this many times when one fails (torchrun, elastic)."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment, run nothing."),
+    json_out: bool = typer.Option(False, "--json", help="With --dry-run: the launch as JSON."),
+) -> None:
+    """Run a training script with a plan: one process as plain python, or N per node through torchrun."""
+    from redline.capability import require_torch
+    from redline.errors import BadInput
+    from redline.plan.planfile import load_plan
+    from redline.runtime import launch as launcher
+
+    if json_out and not dry_run:
+        raise BadInput("--json describes the launch and goes with --dry-run; a run's output is the script's")
+    nodes = launcher.parse_nodes(nnodes)
+    strategy = plan_path = None
+    if plan is not None:
+        plan_path = str(plan.resolve())
+        strategy = load_plan(plan).strategy
+    nproc, why = launcher.resolve_nproc_per_node(nproc_per_node, nodes, strategy, launcher.visible_cuda_gpus)
+    if strategy is not None:
+        launcher.check_world_size(strategy, nproc, nodes, str(plan))
+    spec = launcher.build_launch(
+        script,
+        list(ctx.args),
+        nproc_per_node=nproc,
+        nodes=nodes,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
+        plan_path=plan_path,
+    )
+    if spec.torchrun:
+        require_torch("a launch of more than one process (torchrun)")
+    if dry_run:
+        if json_out:
+            ui.print_json(spec.to_dict() | {"nproc_per_node_from": why})
+        else:
+            ui.console.print(spec.shell_line(), highlight=False, soft_wrap=True)
+        return
+    ui.warn(_describe(spec, why, strategy.label() if strategy else None))
+    if nodes.elastic and strategy is not None:
+        ui.warn(
+            f"--nnodes {nodes} is elastic: the plan is laid out for all {nodes.max} nodes ({spec.world_size} "
+            "processes); with fewer, the world is smaller than planned and only data parallelism can shrink"
+        )
+    outcome = launcher.execute(spec)
+    if outcome.signal is not None:
+        ui.error(f"interrupted ({outcome.signal}): the script was stopped")
+    if outcome.exit_code:
+        raise typer.Exit(outcome.exit_code)
+
+
+def _describe(spec: Launch, why: str, plan_label: str | None) -> str:
+    """One line before the launch: what runs, as how many processes, with which plan."""
+    count = f"{spec.world_size} process{'es' if spec.world_size != 1 else ''}"
+    if spec.torchrun:
+        how = f"torchrun, {spec.nproc_per_node} per node ({why}) x {spec.nodes} node(s)"
+        if spec.max_restarts:
+            how += f", up to {spec.max_restarts} restart(s)"
+    else:
+        how = "plain python"
+    plan = f"plan {spec.plan_path} ({plan_label})" if spec.plan_path else "no plan (prepare() uses its defaults)"
+    return f"running {spec.script} as {count} ({how}) with {plan}"

@@ -1,0 +1,305 @@
+"""`redline run`: the plan reaches the script, the launch matches the plan, torchrun runs the ranks and restarts
+them when one dies, exit codes and signals pass through. Real processes on the CPU (gloo), each bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from redline.errors import BadInput
+from redline.plan.estimate import Goal
+from redline.plan.hardware import parse_hardware
+from redline.plan.planfile import dump_plan, make_plan
+from redline.plan.search import search
+from redline.plan.strategy import Strategy
+from redline.runtime.launch import (
+    Launch,
+    Nodes,
+    build_launch,
+    check_world_size,
+    execute,
+    parse_nodes,
+    resolve_nproc_per_node,
+)
+from redline.workload.presets import preset_profile
+
+
+def _plan(tmp_path: Path, hardware: str) -> Path:
+    profile = preset_profile("gpt2")
+    cluster = parse_hardware(hardware)
+    goal = Goal(global_batch=32, tokens=1e9)
+    path = tmp_path / f"plan-{hardware}.yaml"
+    path.write_text(dump_plan(make_plan(profile, cluster, goal, search(profile, cluster, goal).ranked[0])))
+    return path
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+@pytest.fixture
+def plan1(tmp_path: Path) -> Path:
+    return _plan(tmp_path, "1xh100-sxm")
+
+
+@pytest.fixture
+def plan2(tmp_path: Path) -> Path:
+    return _plan(tmp_path, "2xh100-sxm")
+
+
+# --- deciding the launch (pure) ---
+
+
+def test_nodes_and_nproc_resolution() -> None:
+    assert parse_nodes("2") == Nodes(2, 2) and str(parse_nodes("1:4")) == "1:4" and parse_nodes("1:4").elastic
+    for bad in ("0", "3:2", "x", "1:2:3"):
+        with pytest.raises(BadInput, match="--nnodes takes N or MIN:MAX"):
+            parse_nodes(bad)
+    dp8 = Strategy(data=8)
+
+    def no_gpus() -> int:
+        return 0
+
+    assert resolve_nproc_per_node("4", Nodes(), dp8, no_gpus)[0] == 4
+    assert resolve_nproc_per_node("auto", Nodes(), dp8, lambda: 2) == (2, "auto: 2 CUDA GPUs")
+    assert resolve_nproc_per_node("auto", Nodes(2, 2), dp8, no_gpus)[0] == 4  # the plan's count, per node
+    assert resolve_nproc_per_node("auto", Nodes(), None, no_gpus)[0] == 1
+    with pytest.raises(BadInput, match="positive number or auto"):
+        resolve_nproc_per_node("0", Nodes(), None, no_gpus)
+
+
+def test_world_size_checks() -> None:
+    layout = Strategy(data=4, tensor=2)  # 8 processes in tensor groups of 2
+    check_world_size(layout, 4, Nodes(2, 2), "p.yaml")
+    check_world_size(layout, 2, Nodes(2, 4), "p.yaml")  # elastic: the maximum matches, the minimum holds groups
+    with pytest.raises(BadInput, match=r"laid out for 8 processes .* 4 per node x 1 node = 4"):
+        check_world_size(layout, 4, Nodes(), "p.yaml")
+    with pytest.raises(BadInput, match="cannot hold whole tensor x pipeline groups of 2"):
+        check_world_size(Strategy(data=3, tensor=2), 1, Nodes(1, 6), "p.yaml")
+
+
+def test_torchrun_command_lines(tmp_path: Path) -> None:
+    script = str(_script(tmp_path, "train.py", "pass\n"))
+    alone = build_launch(script, ["-x"], nproc_per_node=1, nodes=Nodes(), python="py")
+    assert alone.argv == ("py", script, "-x") and not alone.torchrun and alone.env == {}
+    restarts = build_launch(script, [], nproc_per_node=1, nodes=Nodes(), max_restarts=2, python="py")
+    assert restarts.torchrun and "--standalone" in restarts.argv  # restarts need torchrun's agent
+    elastic = build_launch(
+        script, ["a"], nproc_per_node=8, nodes=Nodes(1, 2), rdzv_endpoint="h:29400", rdzv_id="job", python="py"
+    )
+    assert elastic.argv == (
+        *("py", "-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "1:2"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--rdzv-id", "job", "--max-restarts", "0"),
+        *(script, "a"),
+    )
+    for kwargs, message in (
+        ({"nodes": Nodes(2, 2)}, "needs --rdzv-endpoint"),
+        ({"rdzv_id": "job"}, "--rdzv-id goes with --rdzv-endpoint"),
+        ({"rdzv_endpoint": "host"}, "HOST:PORT"),
+        ({"max_restarts": -1}, "0 or more"),
+    ):
+        with pytest.raises(BadInput, match=message):
+            build_launch(script, [], **({"nproc_per_node": 1, "nodes": Nodes()} | kwargs))
+
+
+# --- the command ---
+
+
+def test_one_process_gets_the_plan_its_arguments_and_gives_its_exit_code(tmp_path: Path, plan1: Path) -> None:
+    script = _script(
+        tmp_path,
+        "train.py",
+        """
+        import json, os, sys
+        print(json.dumps({"plan": os.environ["REDLINE_PLAN"], "args": sys.argv[1:], "rank": os.environ.get("RANK")}))
+        sys.exit(3)
+        """,
+    )
+    # options after the script are the script's, even those redline also has
+    result = run_cli("run", "--plan", str(plan1), "--nproc-per-node", "1", str(script), "--foo", "1", "--plan", "x")
+    assert result.returncode == 3, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen == {"plan": str(plan1.resolve()), "args": ["--foo", "1", "--plan", "x"], "rank": None}
+    assert result.stderr.startswith("redline: running") and "1 process (plain python)" in result.stderr
+
+
+def test_two_ranks_through_torchrun_all_reduce(tmp_path: Path, plan2: Path) -> None:
+    out = tmp_path / "result.json"
+    script = _script(
+        tmp_path,
+        "train.py",
+        """
+        import json, os, sys
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        total = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(total)
+        if dist.get_rank() == 0:
+            result = {"sum": total.item(), "world": dist.get_world_size(), "plan": os.environ["REDLINE_PLAN"]}
+            open(sys.argv[1], "w").write(json.dumps(result))
+        dist.destroy_process_group()
+        """,
+    )
+    result = run_cli("run", "--plan", str(plan2), "--nproc-per-node", "2", str(script), str(out), timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(out.read_text()) == {"sum": 3.0, "world": 2, "plan": str(plan2.resolve())}
+    assert "as 2 processes (torchrun, 2 per node (as given) x 1 node(s))" in result.stderr
+
+
+def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path: Path) -> None:
+    log = tmp_path / "attempts.log"
+    script = _script(
+        tmp_path,
+        "train.py",
+        """
+        import os, signal, sys
+        rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+        with open(sys.argv[1], "a") as log:
+            log.write(f"{rank} {attempt}\\n")
+        if rank == "1" and attempt == "0":
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-run
+        """,
+    )
+    result = run_cli("run", "--nproc-per-node", "2", "--max-restarts", "1", str(script), str(log), timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    attempts = sorted(log.read_text().split("\n")[:-1])
+    assert "1 0" in attempts and {"0 1", "1 1"} <= set(attempts)  # the whole group ran again, as restart 1
+    assert max(int(line.split()[1]) for line in attempts) == 1
+
+
+def test_bad_launches_are_one_line_and_exit_2(tmp_path: Path, plan2: Path) -> None:
+    script = _script(tmp_path, "train.py", "pass\n")
+    bad_plan = tmp_path / "bad.yaml"
+    bad_plan.write_text("strategy: [unclosed\n")
+    for args, message in (
+        (("--plan", str(plan2), "--nproc-per-node", "1", str(script)), "laid out for 2 processes"),
+        (("--nproc-per-node", "1", str(tmp_path / "missing.py")), "no such script"),
+        (("--plan", str(bad_plan), "--nproc-per-node", "1", str(script)), "not valid YAML"),
+        (("--json", str(script)), "goes with --dry-run"),
+    ):
+        result = run_cli("run", *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_dry_run_prints_the_launch(tmp_path: Path, plan2: Path) -> None:
+    script = _script(tmp_path, "train.py", "raise SystemExit('must not run')\n")
+    shell = run_cli("run", "--dry-run", "--plan", str(plan2), "--nproc-per-node", "2", str(script), "--lr", "1e-3")
+    assert shell.returncode == 0, shell.stderr
+    line = shell.stdout.strip()
+    assert line.startswith(f"REDLINE_PLAN={plan2.resolve()} {sys.executable} -m torch.distributed.run")
+    assert line.endswith(f"--standalone --max-restarts 0 {script} --lr 1e-3")
+    as_json = run_cli("run", "--dry-run", "--json", "--plan", str(plan2), "--nproc-per-node", "2", str(script))
+    launch = json.loads(as_json.stdout)
+    assert launch["world_size"] == 2 and launch["launcher"] == "torchrun"
+    assert launch["env"] == {"REDLINE_PLAN": str(plan2.resolve())}
+
+
+# --- signals ---
+
+
+def test_sigterm_reaches_the_script_and_exits_143(tmp_path: Path) -> None:
+    stopped = tmp_path / "stopped"
+    script = _script(
+        tmp_path,
+        "train.py",
+        f"""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: (open({str(stopped)!r}, "w").close(), sys.exit(0)))
+        print("ready", flush=True)
+        time.sleep(60)
+        """,
+    )
+    # no terminal: the signal reaches redline alone, as from a scheduler
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "redline", "run", "--nproc-per-node", "1", str(script)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 143
+        assert stopped.exists()
+        assert "interrupted (SIGTERM)" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_ctrl_c_at_the_terminal_interrupts_the_script_once_and_exits_130(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "train.py",
+        """
+        import time
+        print("ready", flush=True)
+        try:
+            time.sleep(30)
+        except KeyboardInterrupt:
+            time.sleep(0.5)  # clean-up that a second interrupt would cut short
+            print("cleaned up", flush=True)
+            raise
+        """,
+    )
+    pid, terminal = pty.fork()  # redline in the foreground of a terminal of its own, as a user runs it
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-m", "redline", "run", "--nproc-per-node", "1", str(script)])
+    seen, sent, status = b"", False, None
+    deadline = time.monotonic() + 30
+    try:
+        while status is None and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):  # the terminal closes when redline exits
+                    seen += os.read(terminal, 4096)
+            if b"ready" in seen and not sent:
+                time.sleep(0.3)  # into the script's sleep, past its print
+                os.write(terminal, b"\x03")  # Ctrl-C: the terminal signals its whole foreground group
+                sent = True
+            done, code = os.waitpid(pid, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(code) if done else None
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(terminal)
+    text = seen.decode(errors="replace")
+    assert status == 130, text
+    assert "cleaned up" in text and "interrupted (SIGINT)" in text
+
+
+def test_a_script_that_ignores_the_signal_is_killed_after_the_grace() -> None:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)"
+    launch = Launch(argv=(sys.executable, "-c", code))
+    # SIGTERM to this process while execute() holds the handlers; execute passes it on, then kills
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    started = time.monotonic()
+    timer.start()
+    try:
+        outcome = execute(launch, stop_grace_s=1.0)
+    finally:
+        timer.cancel()
+    assert outcome.exit_code == 143 and outcome.signal == "SIGTERM"
+    assert time.monotonic() - started < 10
