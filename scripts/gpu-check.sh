@@ -2,6 +2,7 @@
 # Every GPU check redline has, in one run, for a machine with an NVIDIA GPU.
 #
 #   bash scripts/gpu-check.sh            # results in ./gpu-check-out/ (or $OUT when set)
+#   ONLY="probe plan-vs-measured plan-accuracy" bash scripts/gpu-check.sh   # some steps only
 #
 # It runs the product (probe, doctor: terminal, JSON, HTML) against the real driver, records what
 # nvidia-smi says for comparison, and runs the tests marked `gpu`. It changes nothing on the GPU:
@@ -19,6 +20,8 @@ log="$out/log.txt"
 : >"$log"
 step() {  # step NAME CMD...: run one check, log its output, remember a failure, go on
     local name=$1; shift
+    # ONLY="probe plan-local ...": run just these steps (a short device session)
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
     echo "== $name" | tee -a "$log"
     if "$@" >>"$log" 2>&1; then echo "   ok"; else echo "   FAILED (exit $?), see $log"; status=1; fi
 }
@@ -64,6 +67,9 @@ for r in rows:
 print("\n".join(bad) or "all predictions within target")
 sys.exit(1 if bad else 0)
 PY
+# the training runtime on the GPU: an example with bf16 autocast and step metrics (the gpu-marked tests
+# below also cover fp16 + GradScaler, torch.compile and out-of-memory adaptation on the real allocator)
+step runtime-example "$py" examples/train_gpt.py --epochs 1
 step pytest-gpu "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 
 echo

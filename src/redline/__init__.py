@@ -5,3 +5,10 @@ CUDA (tests/unit/test_import.py keeps it so). The parts load what they need when
 """
 
 __version__ = "0.1.0"
+
+
+def prepare(*args, **kwargs):  # the signature and documentation live in redline.runtime.prepare
+    """Apply a plan to your model, optimizer and DataLoader: see ``redline.runtime.prepare.prepare``."""
+    from redline.runtime.prepare import prepare as _prepare
+
+    return _prepare(*args, **kwargs)

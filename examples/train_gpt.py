@@ -1,0 +1,82 @@
+"""A small GPT-style language model on synthetic tokens: a plain PyTorch loop with redline's few lines.
+
+    python examples/train_gpt.py                                  # one process, CPU or GPU, defaults
+    redline plan --params 20M --hardware local -o plan.yaml       # or plan it first ...
+    redline run --plan plan.yaml examples/train_gpt.py            # ... and run the plan
+    redline run --nproc-per-node 2 examples/train_gpt.py --steps 50
+
+The lines marked `# redline` are all that differs from the same loop without redline.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import redline  # redline
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+        return x + self.mlp(self.norm2(x))
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab: int = 512, width: int = 128, layers: int = 4, heads: int = 4, seq: int = 64) -> None:
+        super().__init__()
+        self.embed, self.position = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def synthetic_tokens(samples: int, seq: int, vocab: int) -> torch.utils.data.TensorDataset:
+    """Sequences with structure to learn: each token is the previous one plus a fixed step, modulo vocab."""
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randint(0, vocab, (samples, 1), generator=generator)
+    step = torch.randint(1, 4, (samples, 1), generator=generator)
+    tokens = (start + step * torch.arange(seq + 1)) % vocab
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--checkpoint-dir")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = Gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = torch.utils.data.DataLoader(synthetic_tokens(2048, 64, 512), batch_size=args.batch, shuffle=True)
+
+    run = redline.prepare(model, optimizer, loader, checkpoint_dir=args.checkpoint_dir)  # redline
+    for tokens, targets in run.micro_batches(epochs=args.epochs):  # redline: was `for ... in loader`
+        with run.accumulate():  # redline
+            logits = run.model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            run.backward(loss)  # redline: was loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training runtime: apply a plan to the user's loop, measure it, checkpoint it."""

@@ -1,0 +1,529 @@
+"""``redline.prepare()``: apply a plan to the user's own model, optimizer and DataLoader.
+
+The user's loop changes by a handful of lines::
+
+    run = redline.prepare(model, optimizer, loader, plan="plan.yaml")
+    for x, y in run.micro_batches():          # was: for x, y in loader
+        with run.accumulate():                 # autocast, no gradient sync until the last micro-batch
+            loss = loss_fn(run.model(x), y)
+            run.backward(loss)                 # was: loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+What is applied, in this order (torchtitan's order; each step is a no-op when the plan does not ask for
+it, so the loop has one code path):
+
+1. process group (``WORLD_SIZE`` > 1) and device (``cuda:LOCAL_RANK``, else the CPU); the plan's world size
+   must match the ranks that exist;
+2. numerics: TF32 and ``cudnn.benchmark`` on GPUs;
+3. activation checkpointing of each block (``checkpointing: full``);
+4. ``torch.compile`` of each block (``compile``);
+5. data parallelism: DDP (bucket size, static graph, gradients as bucket views, a compression hook),
+   ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``), or FSDP2 ``fully_shard`` per block then the root
+   (ZeRO-2: ``reshard_after_forward=False``; FSDP: True), with bf16/fp16 parameters and fp32 reductions;
+6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave,
+   or rebuilt from the ready optimizer's class and settings;
+7. precision: autocast to bf16/fp16 around each micro-batch, a GradScaler for fp16;
+8. data: a DistributedSampler (deterministic shuffling per epoch, also on one rank, so a resumed run sees
+   the same order), the plan's per-rank batch, DataLoader workers and pinning; each loaded batch is split
+   into the plan's micro-batches;
+9. checkpoints (resume from the newest on start) and step metrics.
+
+Out of memory: a CUDA OOM inside ``accumulate()`` halves the micro-batch and doubles the accumulation (the
+per-rank batch, and so the result, is unchanged) and replays the current batch. All ranks agree first, over
+one tiny all-reduce per micro-batch, so none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from redline.errors import BadInput, RedlineError
+from redline.runtime.config import RunConfig, default_config, from_plan_file
+
+log = logging.getLogger("redline.runtime")
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+# a test hook: "STEP:RANK" raises an out-of-memory error at that optimizer step on that rank, once
+OOM_HOOK_ENV = "REDLINE_TEST_OOM_AT"
+
+
+class OutOfMemoryAtMinimum(RedlineError):
+    """Even a micro-batch of one sample does not fit."""
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | OptimizerFactory,
+    data: torch.utils.data.DataLoader,
+    *,
+    plan: str | Path | RunConfig | None = None,
+    scheduler: Any = None,
+    **overrides: Any,
+) -> Run:
+    """Apply ``plan`` (a plan file, a RunConfig, ``$REDLINE_PLAN``, or defaults for this machine) and
+    return the ``Run`` whose ``model``, ``optimizer`` and ``micro_batches()`` the loop uses. ``overrides``
+    set RunConfig fields (``checkpoint_dir=...``, ``metrics_path=...``)."""
+    return Run(model, optimizer, data, plan=plan, scheduler=scheduler, **overrides)
+
+
+class Run:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        data: torch.utils.data.DataLoader,
+        *,
+        plan: str | Path | RunConfig | None,
+        scheduler: Any,
+        **overrides: Any,
+    ) -> None:
+        self.world_size, self.rank, self.local_rank = _init_distributed()
+        self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        self.config = self._resolve_config(plan, data, overrides)
+        strategy = self.config.strategy
+        if strategy.data != self.world_size:
+            raise BadInput(
+                f"the plan is for {strategy.data} data-parallel ranks but {self.world_size} are running; "
+                f"launch with `redline run --nproc-per-node {strategy.data}` or re-plan"
+            )
+        self.precision = strategy.precision
+        self._check_precision()
+        self.micro_batch = strategy.micro_batch
+        self.accumulation = strategy.accumulation
+        self._apply_numerics()
+        self.model = self._wrap(model.to(self.device))
+        self.optimizer = self._build_optimizer(optimizer)
+        self.scheduler = scheduler
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.loader = self._prepare_loader(data)
+
+        from redline.runtime.metrics import StepMetrics, peak_flops
+
+        catalog, measured = peak_flops(self.device, self.precision)
+        self.metrics = StepMetrics(
+            device=self.device,
+            world_size=self.world_size,
+            rank=self.rank,
+            flops_per_sample=self.config.training_flops_per_sample,
+            tokens_per_sample=self.config.tokens_per_sample,
+            peak_flops_catalog=catalog,
+            peak_flops_measured=measured,
+            path=self.config.metrics_path,
+            interval_s=self.config.metrics_interval_s,
+        )
+        self.checkpointer = None
+        if self.config.checkpoint_dir:
+            from redline.runtime.checkpoint import Checkpointer
+
+            self.checkpointer = Checkpointer(self.config.checkpoint_dir)
+
+        self.step = 0  # optimizer steps done
+        self.epoch = 0
+        self.batch_in_epoch = 0  # per-rank batches of this epoch already trained on
+        self.oom_events: list[dict[str, Any]] = []
+        self._micro_index = 0
+        self._retry = False
+        self._loss_sum = 0.0
+        self._oom_hook = _parse_oom_hook(os.environ.get(OOM_HOOK_ENV))
+        self._resume()
+
+    # ----------------------------------------------------------------------------------- configuration
+
+    def _resolve_config(self, plan: Any, data: torch.utils.data.DataLoader, overrides: dict) -> RunConfig:
+        if isinstance(plan, RunConfig):
+            return plan.replace(**overrides) if overrides else plan
+        path = plan if plan is not None else os.environ.get("REDLINE_PLAN")
+        if path:
+            return from_plan_file(path, **overrides)
+        batch = data.batch_size or 1
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        config = default_config(self.world_size, batch, cuda=torch.cuda.is_available(), bf16=bf16)
+        return config.replace(**overrides) if overrides else config
+
+    def _check_precision(self) -> None:
+        if self.device.type == "cuda" and self.precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise BadInput(f"{torch.cuda.get_device_name(self.device)} has no bf16: plan with --precision fp16")
+        if self.device.type == "cpu" and self.precision == "fp16":
+            raise BadInput("fp16 autocast with loss scaling needs a GPU; on the CPU plan with bf16 or fp32")
+
+    def _apply_numerics(self) -> None:
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = self.config.tf32
+            torch.backends.cudnn.allow_tf32 = self.config.tf32
+            torch.backends.cudnn.benchmark = self.config.cudnn_benchmark
+
+    # ------------------------------------------------------------------------------------------ wrapping
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        from redline.workload.trace import find_blocks
+
+        blocks = find_blocks(model)
+        strategy = self.config.strategy
+        if strategy.checkpointing != "none":
+            if not blocks:
+                raise BadInput("the plan checkpoints activations per block, but this model has no repeated blocks")
+            for _, block in blocks:
+                block.forward = _checkpointed(block.forward)
+        if self.config.compile:
+            for _, block in blocks or [("", model)]:
+                block.compile()
+        if self.world_size == 1:
+            return model
+        if strategy.sharding in ("ddp", "zero1"):
+            return self._ddp(model)
+        return self._fully_shard(model, [block for _, block in blocks])
+
+    def _ddp(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+            bucket_cap_mb=self.config.ddp_bucket_cap_mb,
+            static_graph=self.config.ddp_static_graph,
+            gradient_as_bucket_view=True,
+        )
+        hook = self.config.comm_hook
+        if hook in ("fp16", "bf16"):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(
+                None, default_hooks.fp16_compress_hook if hook == "fp16" else default_hooks.bf16_compress_hook
+            )
+        elif hook == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=self.config.powersgd_rank)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return ddp
+
+    def _fully_shard(self, model: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        strategy = self.config.strategy
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        mesh = None
+        if strategy.sharding == "hsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            mesh = init_device_mesh(self.device.type, (self.world_size // per_node, per_node))
+        reshard = strategy.sharding != "zero2"
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        return model
+
+    def _build_optimizer(self, optimizer: torch.optim.Optimizer | OptimizerFactory) -> torch.optim.Optimizer:
+        """The factory's optimizer over the wrapped model's parameters. A ready optimizer is kept where its
+        parameters are still the model's (one rank, DDP); under FSDP2 and ZeRO-1 it is rebuilt from its
+        class and settings, which needs a single parameter group."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        sharded = self.world_size > 1 and self.config.strategy.sharding != "ddp"
+        if isinstance(optimizer, torch.optim.Optimizer) and not sharded:
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if owned != {id(p) for p in params}:
+                raise BadInput("the optimizer does not hold exactly the model's trainable parameters")
+            return optimizer
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            factory = optimizer
+        else:
+            if len(optimizer.param_groups) > 1:
+                raise BadInput(
+                    "the optimizer has several parameter groups; pass a factory instead: "
+                    "prepare(model, lambda params: MyOptimizer(...), loader)"
+                )
+            cls, defaults = type(optimizer), dict(optimizer.defaults)
+
+            def factory(ps: Any) -> torch.optim.Optimizer:
+                return cls(ps, **defaults)
+
+        if self.world_size > 1 and self.config.strategy.sharding == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            probe = factory([torch.zeros(1, requires_grad=True)])
+            return ZeroRedundancyOptimizer(params, optimizer_class=type(probe), **probe.defaults)
+        return factory(params)
+
+    def _prepare_loader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
+        """The user's DataLoader, rebuilt with the plan's per-rank batch and a DistributedSampler."""
+        from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+        shuffle = isinstance(loader.sampler, RandomSampler)
+        # every step takes the plan's global batch: a short last batch is dropped (as Megatron does), so
+        # accumulation and the loss scaling stay exact
+        sampler = DistributedSampler(
+            loader.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.config.seed
+        )
+        workers = self.config.num_workers if self.config.num_workers is not None else loader.num_workers
+        settings: dict[str, Any] = {
+            "batch_size": self.config.per_rank_batch,
+            "sampler": sampler,
+            "num_workers": workers,
+            "collate_fn": loader.collate_fn,
+            "drop_last": True,
+            # seeded per epoch (micro_batches): worker seeds come from it, not from the global RNG, so
+            # making an iterator does not shift the model's random stream and a resumed run sees the same
+            "generator": torch.Generator(),
+            "pin_memory": self.config.pin_memory if self.config.pin_memory is not None else loader.pin_memory,
+        }
+        if workers > 0:
+            settings["persistent_workers"] = (
+                self.config.persistent_workers
+                if self.config.persistent_workers is not None
+                else loader.persistent_workers
+            )
+            settings["prefetch_factor"] = self.config.prefetch_factor or loader.prefetch_factor
+        if loader.batch_size not in (None, self.config.per_rank_batch) and self.rank == 0:
+            log.info(
+                "loader batch size %s replaced by the plan's per-rank batch %s (micro-batch %s x accumulation %s)",
+                loader.batch_size,
+                self.config.per_rank_batch,
+                self.micro_batch,
+                self.accumulation,
+            )
+        return DataLoader(loader.dataset, **settings)
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def micro_batches(self, epochs: int = 1) -> Iterator[Any]:
+        """Micro-batches on the device, ``accumulation`` per optimizer step, for ``epochs`` epochs (counted
+        from the start of the run, so a resumed run finishes the same epochs)."""
+        while self.epoch < epochs:
+            self.loader.sampler.set_epoch(self.epoch)
+            self.loader.generator.manual_seed(self.config.seed + self.epoch)
+            batches = iter(self.loader)
+            for _ in range(self.batch_in_epoch):  # resumed: skip what the checkpoint already trained on
+                next(batches)
+            while True:
+                with self.metrics.data_wait():
+                    batch = next(batches, None)
+                if batch is None:
+                    break
+                batch = _to_device(batch, self.device)
+                while True:  # replays the batch, split finer, after an agreed out-of-memory
+                    self._retry = False
+                    for index, micro in enumerate(_split(batch, self.accumulation)):
+                        self._micro_index = index
+                        yield micro
+                        if self._retry:
+                            break
+                    if not self._retry:
+                        break
+                self.batch_in_epoch += 1
+                if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+                    self.save_checkpoint()
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        self.close()
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """One micro-batch: autocast, no gradient sync before the last of the step, then the optimizer step."""
+        boundary = self._micro_index == self.accumulation - 1
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        failed = False
+        with self.metrics.compute():
+            try:
+                with self._no_sync(boundary), torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                    yield
+            except torch.OutOfMemoryError:
+                failed = True
+        if self._any_rank(failed):
+            self._shrink_micro_batch()
+            return
+        if boundary:
+            self._optimizer_step()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
+        self._maybe_raise_test_oom()
+        self._loss_sum = self._loss_sum + loss.detach()  # a tensor: reading it would sync the GPU every micro-batch
+        with torch.autocast(self.device.type, enabled=False):
+            self.scaler.scale(loss / self.accumulation).backward()
+
+    def _no_sync(self, boundary: bool) -> contextlib.AbstractContextManager:
+        if self.world_size == 1:
+            return contextlib.nullcontext()
+        if hasattr(self.model, "no_sync"):  # DDP: skip the all-reduce until the last micro-batch
+            return self.model.no_sync() if not boundary else contextlib.nullcontext()
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(boundary)
+        return contextlib.nullcontext()
+
+    def _optimizer_step(self) -> None:
+        with self.metrics.optimizer():
+            skipped = False
+            if self.config.grad_clip_norm is not None:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+            scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if scale is not None and self.scaler.get_scale() < scale:
+                skipped = True  # inf/nan gradients: GradScaler skipped the step and lowered the scale
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scheduler is not None and not skipped:
+                self.scheduler.step()
+        self.step += 1
+        self.metrics.end_step(
+            samples=self.micro_batch * self.accumulation,
+            loss=self._loss_sum / self.accumulation,
+            micro_batch=self.micro_batch,
+            accumulation=self.accumulation,
+            skipped=skipped,
+        )
+        self._loss_sum = 0.0
+
+    # ----------------------------------------------------------------------------------- out of memory
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether any rank hit out-of-memory in this micro-batch: every rank asks, so all decide alike."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def _shrink_micro_batch(self) -> None:
+        if self.micro_batch == 1:
+            raise OutOfMemoryAtMinimum("out of memory with a micro-batch of 1: the plan does not fit this GPU")
+        self.optimizer.zero_grad(set_to_none=True)
+        self._loss_sum = 0.0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.micro_batch //= 2
+        self.accumulation *= 2
+        event = {"step": self.step, "micro_batch": self.micro_batch, "accumulation": self.accumulation}
+        self.oom_events.append(event)
+        if self.rank == 0:
+            log.warning(
+                "out of memory at step %d: micro-batch now %d x %d accumulation (per-rank batch unchanged)",
+                self.step,
+                self.micro_batch,
+                self.accumulation,
+            )
+        self._retry = True
+
+    def _maybe_raise_test_oom(self) -> None:
+        """The REDLINE_TEST_OOM_AT hook: an out-of-memory error in the first micro-batch's backward."""
+        if self._oom_hook == (self.step, self.rank) and self._micro_index == 0:
+            self._oom_hook = None
+            raise torch.OutOfMemoryError(f"{OOM_HOOK_ENV}: simulated out of memory at step {self.step}")
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self) -> Path | None:
+        if self.checkpointer is None:
+            return None
+        return self.checkpointer.save(
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            scheduler=self.scheduler,
+            extra=self._position(),
+        )
+
+    def _position(self) -> dict[str, int]:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "micro_batch": self.micro_batch,
+            "accumulation": self.accumulation,
+        }
+
+    def _resume(self) -> None:
+        if self.checkpointer is None:
+            return
+        restored = self.checkpointer.load_latest(
+            model=self.model, optimizer=self.optimizer, scaler=self.scaler, scheduler=self.scheduler
+        )
+        if restored is None:
+            return
+        _, extra = restored
+        self.step = int(extra["step"])
+        self.epoch = int(extra["epoch"])
+        self.batch_in_epoch = int(extra["batch_in_epoch"])
+        self.micro_batch = int(extra["micro_batch"])
+        self.accumulation = int(extra["accumulation"])
+        if self.rank == 0:
+            log.warning("resumed from step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_in_epoch)
+
+    def close(self) -> None:
+        """End of training: a last checkpoint, the metrics summary against the plan."""
+        if self.checkpointer is not None and self.checkpointer.latest_step() != self.step:
+            self.save_checkpoint()
+        self.summary = self.metrics.summary(self.config.predicted)
+        self.metrics.close(self.config.predicted)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _init_distributed() -> tuple[int, int, int]:
+    """(world size, rank, local rank): from an initialised process group, else from torchrun's environment
+    (initialising the group: NCCL on GPUs, gloo on CPUs), else a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        return dist.get_world_size(), dist.get_rank(), local
+    return 1, 0, 0
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+def _split(batch: Any, parts: int) -> list[Any]:
+    """``parts`` micro-batches along the first dimension of every tensor in the batch."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % parts:
+            raise BadInput(f"a batch of {batch.shape[0]} samples does not split into {parts} micro-batches")
+        return list(batch.chunk(parts))
+    if isinstance(batch, tuple | list):
+        columns = [_split(item, parts) for item in batch]
+        return [type(batch)(column[i] for column in columns) for i in range(parts)]
+    if isinstance(batch, dict):
+        columns = {key: _split(value, parts) for key, value in batch.items()}
+        return [{key: column[i] for key, column in columns.items()} for i in range(parts)]
+    return [batch] * parts
+
+
+def _parse_oom_hook(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    step, _, rank = text.partition(":")
+    return int(step), int(rank or 0)

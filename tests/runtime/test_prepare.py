@@ -1,0 +1,206 @@
+"""redline.prepare() on the CPU: the plan is applied exactly, and the numbers come out as without it.
+
+Multi-rank cases run real processes (gloo over localhost), each calling prepare() as a user's script would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from redline.errors import BadInput
+from redline.plan.strategy import Strategy
+from redline.runtime.config import RunConfig
+from redline.runtime.prepare import prepare
+
+SAMPLES = 64
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.Tanh(), nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), nn.Linear(32, 4)
+    )
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(
+        torch.randn(SAMPLES, 16, generator=generator), torch.randn(SAMPLES, 4, generator=generator)
+    )
+
+
+def train(config: RunConfig, epochs: int = 1, **overrides) -> nn.Module:
+    model = make_model()
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=config.per_rank_batch)
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, plan=config, **overrides)
+    for x, y in run.micro_batches(epochs=epochs):
+        with run.accumulate():
+            run.backward(nn.functional.mse_loss(run.model(x), y))
+    return model
+
+
+def config(**strategy) -> RunConfig:
+    return RunConfig(strategy=Strategy(**({"precision": "fp32"} | strategy)))
+
+
+def weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_accumulation_matches_one_large_batch() -> None:
+    whole = train(config(micro_batch=16, accumulation=1))
+    split = train(config(micro_batch=4, accumulation=4))
+    torch.testing.assert_close(weights(split), weights(whole), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_autocast_runs_and_learns() -> None:
+    before = weights(make_model())
+    after = weights(train(config(micro_batch=8, accumulation=2, precision="bf16")))
+    assert torch.isfinite(after).all() and not torch.equal(before, after)
+
+
+def test_fp16_needs_a_gpu_and_fp8_is_refused() -> None:
+    with pytest.raises(BadInput, match="fp16"):
+        train(config(micro_batch=8, precision="fp16"))
+    with pytest.raises(BadInput, match="fp8"):
+        RunConfig(strategy=Strategy(precision="fp8"))
+
+
+def test_a_plan_for_other_ranks_is_refused_before_training() -> None:
+    with pytest.raises(BadInput, match="plan is for 8 data-parallel ranks but 1 are running"):
+        train(config(data=8, micro_batch=2))
+    with pytest.raises(BadInput, match="tensor degree 2"):
+        RunConfig(strategy=Strategy(data=1, tensor=2, sequence_parallel=True))
+
+
+def test_out_of_memory_halves_the_micro_batch_and_keeps_the_result(monkeypatch) -> None:
+    reference = train(config(micro_batch=16, accumulation=1))
+    monkeypatch.setenv("REDLINE_TEST_OOM_AT", "1:0")  # at the second optimizer step, on rank 0
+    model = make_model()
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=16)
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, plan=config(micro_batch=16))
+    for x, y in run.micro_batches():
+        with run.accumulate():
+            run.backward(nn.functional.mse_loss(run.model(x), y))
+    assert run.oom_events == [{"step": 1, "micro_batch": 8, "accumulation": 2}]
+    assert (run.micro_batch, run.accumulation) == (8, 2)
+    torch.testing.assert_close(weights(model), weights(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_activation_checkpointing_changes_nothing_numerically() -> None:
+    plain = train(config(micro_batch=8, accumulation=2))
+    checkpointed = train(config(micro_batch=8, accumulation=2, checkpointing="full"))
+    torch.testing.assert_close(weights(checkpointed), weights(plain), rtol=1e-5, atol=1e-6)
+
+
+def test_a_ready_optimizer_must_hold_the_models_parameters() -> None:
+    model = make_model()
+    other = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=8)
+    with pytest.raises(BadInput, match="optimizer does not hold"):
+        prepare(model, other, loader, plan=config(micro_batch=8))
+
+
+# -------------------------------------------------------------------------------------- two ranks
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from torch import nn
+    sys.path.insert(0, {tests!r})
+    from test_prepare import dataset, make_model, weights
+    from redline.plan.strategy import Strategy
+    from redline.runtime.config import RunConfig
+    from redline.runtime.prepare import prepare
+
+    strategy = Strategy(**json.loads(os.environ["STRATEGY"]))
+    # a file rendezvous: no port to race for; prepare() finds the group already initialised
+    torch.distributed.init_process_group(
+        "gloo", init_method="file://" + os.environ["STORE"], rank=int(os.environ["RANK"]), world_size=2
+    )
+    model = make_model()
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=4)
+    run = prepare(model, lambda params: torch.optim.SGD(params, lr=0.1), loader, plan=RunConfig(strategy=strategy))
+    for x, y in run.micro_batches():
+        with run.accumulate():
+            run.backward(nn.functional.mse_loss(run.model(x), y))
+    full = {{
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()  # FSDP2 parameters are DTensors
+        for name, p in run.model.named_parameters()
+    }}
+    if int(os.environ["RANK"]) == 0:
+        torch.save(full, os.environ["OUT"])
+    torch.distributed.destroy_process_group()
+    """
+)
+
+
+def two_ranks(tmp_path: Path, strategy: dict) -> dict[str, torch.Tensor]:
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    out = tmp_path / "weights.pt"
+    procs = []
+    for rank in range(2):
+        env = os.environ | {
+            "STORE": str(tmp_path / "store"),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "STRATEGY": json.dumps(strategy),
+            "OUT": str(out),
+        }
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True))
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+    finally:
+        for proc in procs:
+            proc.kill()
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "zero1", "fsdp", "zero2"])
+def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path: Path, sharding: str) -> None:
+    # two ranks x micro-batch 4 x accumulation 2 = one process x 16 samples per step
+    ranks = two_ranks(
+        tmp_path, {"data": 2, "micro_batch": 4, "accumulation": 2, "sharding": sharding, "precision": "fp32"}
+    )
+    single = train(config(micro_batch=16, accumulation=1))
+    ranks = {name.removeprefix("module."): value for name, value in ranks.items()}  # DDP's wrapper prefix
+    for name, param in single.named_parameters():
+        torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_resume_from_a_checkpoint_finishes_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    plan = config(micro_batch=4, accumulation=2)
+
+    def loop(checkpoints: Path, stop_at: int | None, seed: int) -> nn.Module:
+        torch.manual_seed(seed)  # a different initialisation: the checkpoint must restore everything
+        model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(dataset(), batch_size=8, shuffle=True)
+        run = prepare(model, optimizer, loader, plan=plan, checkpoint_dir=str(checkpoints), checkpoint_every=1)
+        for x, y in run.micro_batches(epochs=2):
+            if stop_at is not None and run.step == stop_at:
+                break  # as if killed here: the step's checkpoint is on disk
+            with run.accumulate():
+                run.backward(nn.functional.mse_loss(run.model(x), y))
+        return model
+
+    whole = loop(tmp_path / "a", None, seed=0)
+    loop(tmp_path / "b", stop_at=3, seed=0)
+    resumed = loop(tmp_path / "b", None, seed=123)
+    assert torch.equal(weights(resumed), weights(whole))
