@@ -204,3 +204,47 @@ def test_resume_from_a_checkpoint_finishes_like_an_uninterrupted_run(tmp_path: P
     loop(tmp_path / "b", stop_at=3, seed=0)
     resumed = loop(tmp_path / "b", None, seed=123)
     assert torch.equal(weights(resumed), weights(whole))
+
+
+def test_a_scheduler_factory_is_built_on_the_optimizer_in_use() -> None:
+    model = make_model()
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=16)
+    run = prepare(
+        model,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        loader,
+        plan=config(micro_batch=16),
+        scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0),
+    )
+    assert run.scheduler.optimizer is run.optimizer
+    before = weights(model)
+    for x, y in run.micro_batches():
+        with run.accumulate():
+            run.backward(nn.functional.mse_loss(run.model(x), y))
+    # LambdaLR sets lr to 0.1 x 0 from the start: the optimizer in use obeys it, so nothing moves
+    assert run.optimizer.param_groups[0]["lr"] == 0.0 and torch.equal(before, weights(model))
+
+
+def test_selective_checkpointing_is_refused_rather_than_run_as_full() -> None:
+    with pytest.raises(BadInput, match="selective"):
+        train(config(micro_batch=8, checkpointing="selective"))
+
+
+def test_stopping_early_still_checkpoints_and_summarises(tmp_path: Path) -> None:
+    model = make_model()
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=8)
+    run = prepare(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loader,
+        plan=config(micro_batch=8),
+        checkpoint_dir=str(tmp_path),
+    )
+    batches = run.micro_batches(epochs=3)
+    for x, y in batches:
+        with run.accumulate():
+            run.backward(nn.functional.mse_loss(run.model(x), y))
+        if run.step == 2:
+            break
+    batches.close()  # what leaving the loop does once the generator is dropped
+    assert run.summary and run.checkpointer.latest_step() == 2

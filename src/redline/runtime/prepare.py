@@ -28,13 +28,16 @@ it, so the loop has one code path):
 9. checkpoints (resume from the newest on start) and step metrics.
 
 Out of memory: a CUDA OOM inside ``accumulate()`` halves the micro-batch and doubles the accumulation (the
-per-rank batch, and so the result, is unchanged) and replays the current batch. All ranks agree first, over
-one tiny all-reduce per micro-batch, so none is left waiting in a collective.
+per-rank batch, and so the result, is unchanged) and replays the current batch. With several ranks all
+agree first, over one tiny all-reduce per micro-batch; that is only safe where no gradient collective is in
+flight, i.e. under DDP on the micro-batches before the synchronising one. Elsewhere (DDP's last micro-batch,
+FSDP2) the OOM ends the process and the elastic launcher restarts from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -101,7 +104,7 @@ class Run:
         self._apply_numerics()
         self.model = self._wrap(model.to(self.device))
         self.optimizer = self._build_optimizer(optimizer)
-        self.scheduler = scheduler
+        self.scheduler = self._build_scheduler(scheduler)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.loader = self._prepare_loader(data)
 
@@ -167,7 +170,11 @@ class Run:
 
         blocks = find_blocks(model)
         strategy = self.config.strategy
-        if strategy.checkpointing != "none":
+        if strategy.checkpointing == "selective":
+            raise BadInput(
+                "selective activation checkpointing is not applied by the runtime yet: plan with none or full"
+            )
+        if strategy.checkpointing == "full":
             if not blocks:
                 raise BadInput("the plan checkpoints activations per block, but this model has no repeated blocks")
             for _, block in blocks:
@@ -242,17 +249,36 @@ class Run:
                     "the optimizer has several parameter groups; pass a factory instead: "
                     "prepare(model, lambda params: MyOptimizer(...), loader)"
                 )
-            cls, defaults = type(optimizer), dict(optimizer.defaults)
+            # the group's current settings: a scheduler or the user may have changed lr after construction
+            cls = type(optimizer)
+            settings = {k: v for k, v in optimizer.param_groups[0].items() if k not in ("params", "initial_lr")}
 
             def factory(ps: Any) -> torch.optim.Optimizer:
-                return cls(ps, **defaults)
+                return cls(ps, **settings)
 
         if self.world_size > 1 and self.config.strategy.sharding == "zero1":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            probe = factory([torch.zeros(1, requires_grad=True)])
-            return ZeroRedundancyOptimizer(params, optimizer_class=type(probe), **probe.defaults)
+            built = factory(params)
+            if len(built.param_groups) > 1:
+                raise BadInput("ZeRO-1 takes one parameter group: the optimizer factory made several")
+            settings = {k: v for k, v in built.param_groups[0].items() if k != "params"}
+            return ZeroRedundancyOptimizer(params, optimizer_class=type(built), **settings)
         return factory(params)
+
+    def _build_scheduler(self, scheduler: Any) -> Any:
+        """A ready LR scheduler must drive the optimizer in use; where that was rebuilt (FSDP2, ZeRO-1), pass
+        a factory (``scheduler=lambda optimizer: ...``) so it is built on the new one."""
+        if scheduler is None:
+            return None
+        if not hasattr(scheduler, "step"):
+            return scheduler(self.optimizer)
+        if getattr(scheduler, "optimizer", self.optimizer) is not self.optimizer:
+            raise BadInput(
+                "the optimizer was rebuilt after sharding, so the scheduler would drive the old one: "
+                "pass scheduler=lambda optimizer: YourScheduler(optimizer, ...)"
+            )
+        return scheduler
 
     def _prepare_loader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         """The user's DataLoader, rebuilt with the plan's per-rank batch and a DistributedSampler."""
@@ -298,32 +324,40 @@ class Run:
     def micro_batches(self, epochs: int = 1) -> Iterator[Any]:
         """Micro-batches on the device, ``accumulation`` per optimizer step, for ``epochs`` epochs (counted
         from the start of the run, so a resumed run finishes the same epochs)."""
-        while self.epoch < epochs:
-            self.loader.sampler.set_epoch(self.epoch)
-            self.loader.generator.manual_seed(self.config.seed + self.epoch)
-            batches = iter(self.loader)
-            for _ in range(self.batch_in_epoch):  # resumed: skip what the checkpoint already trained on
-                next(batches)
-            while True:
-                with self.metrics.data_wait():
-                    batch = next(batches, None)
-                if batch is None:
-                    break
-                batch = _to_device(batch, self.device)
-                while True:  # replays the batch, split finer, after an agreed out-of-memory
-                    self._retry = False
-                    for index, micro in enumerate(_split(batch, self.accumulation)):
-                        self._micro_index = index
-                        yield micro
-                        if self._retry:
-                            break
-                    if not self._retry:
+        try:
+            while self.epoch < epochs:
+                self.loader.sampler.set_epoch(self.epoch)
+                # per epoch and rank: workers on different ranks must not draw the same augmentations
+                self.loader.generator.manual_seed(self.config.seed + 1_000_003 * self.epoch + self.rank)
+                batches = iter(self.loader)
+                for _ in range(self.batch_in_epoch):  # resumed: skip what the checkpoint already trained on
+                    next(batches)
+                while True:
+                    with self.metrics.data_wait():
+                        batch = next(batches, None)
+                    if batch is None:
                         break
-                self.batch_in_epoch += 1
-                if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
-                    self.save_checkpoint()
-            self.epoch += 1
-            self.batch_in_epoch = 0
+                    batch = _to_device(batch, self.device)
+                    while True:  # replays the batch, split finer, after an agreed out-of-memory
+                        self._retry = False
+                        for index, micro in enumerate(_split(batch, self.accumulation)):
+                            self._micro_index = index
+                            yield micro
+                            if self._retry:
+                                break
+                        if not self._retry:
+                            break
+                    self.batch_in_epoch += 1
+                    if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+                        self.save_checkpoint()
+                self.epoch += 1
+                self.batch_in_epoch = 0
+        except GeneratorExit:  # the loop stopped early (a break), on every rank alike
+            self.close()
+            raise
+        except BaseException:  # an error, perhaps on this rank only: no collective checkpoint, just the summary
+            self.close(checkpoint=False)
+            raise
         self.close()
 
     @contextlib.contextmanager
@@ -337,6 +371,11 @@ class Run:
                 with self._no_sync(boundary), torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
                     yield
             except torch.OutOfMemoryError:
+                if self.world_size > 1 and (boundary or self.config.strategy.sharding != "ddp"):
+                    # the other ranks are inside a gradient collective (DDP's sync step, FSDP2's gathers and
+                    # reduce-scatters): no agreement is possible, so fail and let the launcher restart from
+                    # the last checkpoint
+                    raise
                 failed = True
         if self._any_rank(failed):
             self._shrink_micro_batch()
@@ -399,6 +438,7 @@ class Run:
             raise OutOfMemoryAtMinimum("out of memory with a micro-batch of 1: the plan does not fit this GPU")
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_sum = 0.0
+        gc.collect()  # the failed micro-batch's frames and activations
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.micro_batch //= 2
@@ -460,9 +500,9 @@ class Run:
         if self.rank == 0:
             log.warning("resumed from step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_in_epoch)
 
-    def close(self) -> None:
+    def close(self, *, checkpoint: bool = True) -> None:
         """End of training: a last checkpoint, the metrics summary against the plan."""
-        if self.checkpointer is not None and self.checkpointer.latest_step() != self.step:
+        if checkpoint and self.checkpointer is not None and self.checkpointer.latest_step() != self.step:
             self.save_checkpoint()
         self.summary = self.metrics.summary(self.config.predicted)
         self.metrics.close(self.config.predicted)
