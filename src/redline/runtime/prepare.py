@@ -36,6 +36,7 @@ FSDP2) the OOM ends the process and the elastic launcher restarts from the last 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
@@ -522,8 +523,16 @@ def _init_distributed() -> tuple[int, int, int]:
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # a group left alive at interpreter exit can abort in its threads' destructors ("terminate called
+        # without an active exception"): the group redline made, redline tears down
+        atexit.register(_destroy_process_group)
         return dist.get_world_size(), dist.get_rank(), local
     return 1, 0, 0
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
