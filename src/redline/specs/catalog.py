@@ -28,6 +28,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -144,41 +145,69 @@ def parse_gpu_csv(text: str, origin: str = "gpus.csv") -> list[GpuSpec]:
     return specs
 
 
-def _parse_row(row: dict[str, str | None], where: str) -> GpuSpec:
-    def cell(column: str) -> str:
-        value = row.get(column)
+class CsvRow:
+    """One row of a catalog CSV, read cell by cell; every bad cell is a CatalogError naming line and column."""
+
+    def __init__(self, row: dict[str, str | None], where: str) -> None:
+        self.row = row
+        self.where = where  # "gpus.csv line 7"
+
+    def error(self, column: str, message: str) -> CatalogError:
+        return CatalogError(f"{self.where}: column '{column}': {message}")
+
+    def cell(self, column: str) -> str:
+        value = self.row.get(column)
         if value is None:  # a short row: csv.DictReader fills missing cells with None
-            raise CatalogError(f"{where}: column '{column}' is missing")
+            raise CatalogError(f"{self.where}: column '{column}' is missing")
         return value.strip()
 
-    def text(column: str) -> str:
-        value = cell(column)
+    def text(self, column: str) -> str:
+        value = self.cell(column)
         if not value:
-            raise CatalogError(f"{where}: column '{column}' is empty")
+            raise CatalogError(f"{self.where}: column '{column}' is empty")
         return value
 
-    def number(column: str) -> float | None:
-        value = cell(column)
+    def choice(self, column: str, allowed: tuple[str, ...]) -> str:
+        value = self.text(column)
+        if value not in allowed:
+            raise self.error(column, f"'{value}' is not one of {', '.join(allowed)}")
+        return value
+
+    def number(self, column: str) -> float | None:
+        """A positive, finite number, or None for an empty cell."""
+        value = self.cell(column)
         if not value:
             return None
         try:
             parsed = float(value)
         except ValueError:
-            raise CatalogError(f"{where}: column '{column}': '{value}' is not a number") from None
-        if not parsed > 0:  # also rejects nan
-            raise CatalogError(f"{where}: column '{column}': '{value}' must be positive")
+            raise self.error(column, f"'{value}' is not a number") from None
+        if not (parsed > 0 and math.isfinite(parsed)):  # also rejects nan
+            raise self.error(column, f"'{value}' must be positive")
         return parsed
 
-    def integer(column: str) -> int | None:
-        parsed = number(column)
+    def integer(self, column: str) -> int | None:
+        parsed = self.number(column)
         if parsed is not None and not parsed.is_integer():
-            raise CatalogError(f"{where}: column '{column}': '{cell(column)}' is not a whole number")
+            raise self.error(column, f"'{self.cell(column)}' is not a whole number")
         return None if parsed is None else int(parsed)
 
-    def required(value: Any, column: str) -> Any:
-        if value is None:
-            raise CatalogError(f"{where}: column '{column}' is empty")
-        return value
+    def required(self, column: str) -> float:
+        parsed = self.number(column)
+        if parsed is None:
+            raise CatalogError(f"{self.where}: column '{column}' is empty")
+        return parsed
+
+    def required_integer(self, column: str) -> int:
+        parsed = self.integer(column)
+        if parsed is None:
+            raise CatalogError(f"{self.where}: column '{column}' is empty")
+        return parsed
+
+
+def _parse_row(raw: dict[str, str | None], where: str) -> GpuSpec:
+    row = CsvRow(raw, where)
+    cell, text, number, integer = row.cell, row.text, row.number, row.integer
 
     ecc = text("ecc").lower()
     if ecc not in ("true", "false"):
@@ -197,13 +226,13 @@ def _parse_row(row: dict[str, str | None], where: str) -> GpuSpec:
         name=text("name"),
         vendor=text("vendor"),
         form_factor=text("form_factor"),
-        memory_gb=required(integer("memory_gb"), "memory_gb"),
+        memory_gb=row.required_integer("memory_gb"),
         memory_type=text("memory_type"),
-        memory_bandwidth_gbs=required(number("memory_bandwidth_gbs"), "memory_bandwidth_gbs"),
+        memory_bandwidth_gbs=row.required("memory_bandwidth_gbs"),
         peak_tflops=peaks,
         nvlink_gbs=number("nvlink_gbs"),
         nvlink_links=integer("nvlink_links"),
-        pcie_gen=required(integer("pcie_gen"), "pcie_gen"),
+        pcie_gen=row.required_integer("pcie_gen"),
         tdp_w=number("tdp_w"),
         compute_capability=text("compute_capability"),
         ecc=ecc == "true",

@@ -60,7 +60,7 @@ from importlib import resources
 from typing import Any
 
 from redline.errors import BadInput
-from redline.specs.catalog import CatalogError, GpuSpec, find_gpu, gpu_catalog
+from redline.specs.catalog import CatalogError, CsvRow, GpuSpec, find_gpu, gpu_catalog
 
 COLUMNS: tuple[str, ...] = (
     "provider",
@@ -161,42 +161,9 @@ def parse_instance_csv(text: str, origin: str = "instances.csv") -> list[Instanc
     return specs
 
 
-def _parse_row(row: dict[str, str | None], where: str, gpus: dict[str, GpuSpec]) -> InstanceSpec:
-    def cell(column: str) -> str:
-        value = row.get(column)
-        if value is None:  # a short row: csv.DictReader fills missing cells with None
-            raise CatalogError(f"{where}: column '{column}' is missing")
-        return value.strip()
-
-    def text(column: str) -> str:
-        value = cell(column)
-        if not value:
-            raise CatalogError(f"{where}: column '{column}' is empty")
-        return value
-
-    def choice(column: str, allowed: tuple[str, ...]) -> str:
-        value = text(column)
-        if value not in allowed:
-            raise CatalogError(f"{where}: column '{column}': '{value}' is not one of {', '.join(allowed)}")
-        return value
-
-    def number(column: str) -> float | None:
-        value = cell(column)
-        if not value:
-            return None
-        try:
-            parsed = float(value)
-        except ValueError:
-            raise CatalogError(f"{where}: column '{column}': '{value}' is not a number") from None
-        if not (parsed > 0 and math.isfinite(parsed)):  # also rejects nan
-            raise CatalogError(f"{where}: column '{column}': '{value}' must be positive")
-        return parsed
-
-    def required(column: str) -> float:
-        parsed = number(column)
-        if parsed is None:
-            raise CatalogError(f"{where}: column '{column}' is empty")
-        return parsed
+def _parse_row(raw: dict[str, str | None], where: str, gpus: dict[str, GpuSpec]) -> InstanceSpec:
+    row = CsvRow(raw, where)
+    cell, text, choice, number, required = row.cell, row.text, row.choice, row.number, row.required
 
     provider = choice("provider", PROVIDERS)
     gpu_key = text("gpu_key")
@@ -222,9 +189,7 @@ def _parse_row(row: dict[str, str | None], where: str, gpus: dict[str, GpuSpec])
     if gpu_count <= 1 and (interconnect != "none" or link is not None):
         raise CatalogError(f"{where}: column 'gpu_interconnect': at most one GPU has no link: use 'none' and no GB/s")
 
-    vcpus = required("vcpus")
-    if not vcpus.is_integer():
-        raise CatalogError(f"{where}: column 'vcpus': '{cell('vcpus')}' is not a whole number")
+    vcpus = row.required_integer("vcpus")
 
     price_date = text("price_date")
     try:
@@ -242,7 +207,7 @@ def _parse_row(row: dict[str, str | None], where: str, gpus: dict[str, GpuSpec])
         gpu_memory_gb=memory,
         gpu_interconnect=interconnect,
         gpu_link_gbs=link,
-        vcpus=int(vcpus),
+        vcpus=vcpus,
         ram_gib=required("ram_gib"),
         network_gbps=number("network_gbps"),
         network_kind=choice("network_kind", NETWORK_KINDS),
