@@ -69,7 +69,6 @@ def plan(
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
     from redline.plan.estimate import Goal
-    from redline.plan.search import Constraints
     from redline.workload.load import load_workload
     from redline.workload.presets import PRESET_NAMES
 
@@ -87,9 +86,7 @@ def plan(
         seq_len=seq_len,
         input_shape=_shape(input_shape),
     )
-    constraints = _constraints(
-        Constraints, precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing
-    )
+    constraints = _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing)
     samples = None
     if epochs is not None or dataset_size is not None:
         if epochs is None or dataset_size is None or epochs <= 0:
@@ -214,8 +211,10 @@ def _duration(text: str) -> float:
     return value
 
 
-def _constraints(cls, precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing):
+def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing):
+    """The strategy parts the user fixed, each checked against what the planner knows."""
     from redline.plan.model_states import OPTIMIZERS, PRECISIONS, SHARDINGS
+    from redline.plan.search import Constraints
 
     for option, value, known in (
         ("--precision", precision, PRECISIONS),
@@ -228,7 +227,7 @@ def _constraints(cls, precision, optimizer, sharding, tensor, pipeline, micro_ba
     for option, value in (("--tp", tensor), ("--pp", pipeline), ("--micro-batch", micro_batch)):
         if value is not None and value < 1:
             raise BadInput(f"{option} must be at least 1, not {value}")
-    return cls(
+    return Constraints(
         precision=precision,
         optimizer=optimizer,
         sharding=sharding,
