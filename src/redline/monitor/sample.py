@@ -1,0 +1,126 @@
+"""What `redline monitor` records each interval: one ``Sample`` of every GPU, the host, and the training
+steps the runtime finished since the previous sample, on one timeline.
+
+Plain data, JSON-ready (``to_dict``/``from_dict``), shared by the sampler (which fills it), the store (which
+keeps it), the exporter and dashboard (which show the newest) and the diagnosis rules (which read windows of
+them). Units follow Prometheus's base-unit conventions and are in the field names: bytes, seconds, watts,
+joules, hertz, celsius, and ``_ratio`` for a fraction in [0, 1]. ``_total`` fields are counters that only
+grow (until the driver or host restarts). ``None`` always means "not available here", never zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GpuProcess:
+    pid: int
+    name: str | None = None  # from /proc; None where it is not readable (another container, gone)
+    user: str | None = None
+    used_memory_bytes: int | None = None
+    kind: str = "compute"  # compute | graphics
+
+
+@dataclass
+class GpuSample:
+    index: int
+    uuid: str | None = None
+    name: str | None = None
+    lost: bool = False  # NVML answered GPU_IS_LOST (Xid 79) or the GPU vanished: everything else is None
+    utilization_ratio: float | None = None  # a kernel was running (NVML's "GPU utilisation")
+    memory_bandwidth_ratio: float | None = None  # device memory was being read or written
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    sm_clock_hertz: float | None = None
+    sm_clock_max_hertz: float | None = None
+    memory_clock_hertz: float | None = None
+    memory_clock_max_hertz: float | None = None
+    clock_event_reasons: list[str] | None = None  # e.g. ["sw_power_cap", "hw_thermal_slowdown"]; [] = none set
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
+    energy_joules_total: float | None = None
+    temperature_celsius: float | None = None
+    temperature_slowdown_celsius: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    pcie_link_generation: int | None = None
+    pcie_link_generation_max: int | None = None
+    pcie_link_width: int | None = None
+    pcie_link_width_max: int | None = None
+    pcie_replay_total: int | None = None
+    nvlink_tx_bytes_per_second: float | None = None
+    nvlink_rx_bytes_per_second: float | None = None
+    ecc_corrected_total: int | None = None
+    ecc_uncorrected_total: int | None = None
+    xid_total: int | None = None  # Xid events for this GPU in the kernel log
+    sm_activity_ratio: float | None = None  # Hopper+ GPM: fraction of SM cycles busy
+    tensor_activity_ratio: float | None = None  # Hopper+ GPM: tensor-core pipe activity
+    processes: list[GpuProcess] = field(default_factory=list)
+
+
+@dataclass
+class HostSample:
+    cpu_ratio: float | None = None  # all cores together
+    cpu_count: int | None = None
+    cpu_iowait_ratio: float | None = None
+    load_1m: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    swap_used_bytes: int | None = None
+    swap_in_bytes_per_second: float | None = None
+    swap_out_bytes_per_second: float | None = None
+    disk_read_bytes_per_second: float | None = None
+    disk_write_bytes_per_second: float | None = None
+    network_rx_bytes_per_second: float | None = None
+    network_tx_bytes_per_second: float | None = None
+
+
+@dataclass
+class StepSample:
+    """One optimizer step from the runtime's JSON-lines metrics (redline.runtime.metrics.StepRecord)."""
+
+    rank: int
+    step: int
+    time_s: float
+    data_s: float
+    compute_s: float
+    optimizer_s: float
+    comm_s: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    mfu_catalog: float | None = None
+    peak_memory_bytes: int | None = None
+    loss: float | None = None
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> StepSample:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})
+
+
+@dataclass
+class Sample:
+    time: float  # Unix time, seconds
+    gpus: list[GpuSample] = field(default_factory=list)
+    host: HostSample | None = None
+    steps: list[StepSample] = field(default_factory=list)  # steps finished since the previous sample
+    notes: list[str] = field(default_factory=list)  # what could not be read this time, in words
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        return cls(
+            time=float(data["time"]),
+            gpus=[
+                GpuSample(**{**g, "processes": [GpuProcess(**p) for p in g.get("processes") or []]})
+                for g in data.get("gpus") or []
+            ],
+            host=HostSample(**data["host"]) if data.get("host") else None,
+            steps=[StepSample(**s) for s in data.get("steps") or []],
+            notes=list(data.get("notes") or []),
+        )
