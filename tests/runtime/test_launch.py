@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_cli
 from redline.errors import BadInput
@@ -303,3 +304,49 @@ def test_a_script_that_ignores_the_signal_is_killed_after_the_grace() -> None:
         timer.cancel()
     assert outcome.exit_code == 143 and outcome.signal == "SIGTERM"
     assert time.monotonic() - started < 10
+
+
+def test_out_of_memory_inside_the_gradient_all_reduce_restarts_smaller_with_the_same_result(tmp_path: Path) -> None:
+    """Rank 1 runs out of memory in the synchronising micro-batch, where rank 0 already waits in DDP's all-reduce:
+    no agreement is possible in place, so rank 1 records a smaller micro-batch and fails; torchrun restarts both,
+    they resume from the last checkpoint with it, and the weights come out as one process's on the same batches."""
+    out = tmp_path / "weights.pt"
+    script = _script(
+        tmp_path,
+        "train.py",
+        f"""
+        import json, sys
+        import torch
+        from torch import nn
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_prepare import dataset, make_model
+        from redline.plan.strategy import Strategy
+        from redline.runtime.config import RunConfig
+        from redline.runtime.prepare import prepare
+
+        plan = RunConfig(strategy=Strategy(data=2, micro_batch=4, accumulation=2, sharding="ddp", precision="fp32"))
+        model = make_model()
+        loader = torch.utils.data.DataLoader(dataset(), batch_size=8)
+        run = prepare(model, lambda ps: torch.optim.SGD(ps, lr=0.1), loader, plan=plan,
+                      checkpoint_dir={str(tmp_path / "checkpoints")!r}, checkpoint_every=1)
+        for x, y in run.micro_batches():
+            with run.accumulate():
+                run.backward(nn.functional.mse_loss(run.model(x), y))
+        if torch.distributed.get_rank() == 0:
+            torch.save({{n.removeprefix("module."): p.detach() for n, p in run.model.named_parameters()}}, {str(out)!r})
+            json.dump(run.oom_events, open({str(out)!r} + ".json", "w"))
+        """,
+    )
+    env = {"REDLINE_TEST_OOM_AT": "2:1:1"}  # step 2, rank 1, the second (synchronising) micro-batch
+    result = run_cli("run", "--nproc-per-node", "2", "--max-restarts", "1", str(script), timeout=150, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "recorded micro-batch 2 x 4 accumulation" in result.stderr
+    assert json.loads(Path(str(out) + ".json").read_text()) == [{"step": 2, "micro_batch": 2, "accumulation": 4}]
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_prepare import config, train
+
+    single = train(config(micro_batch=16, accumulation=1))
+    ranks = torch.load(out)
+    for name, param in single.named_parameters():
+        torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)

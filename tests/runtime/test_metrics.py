@@ -17,6 +17,7 @@ from redline.errors import BadInput
 from redline.runtime.metrics import (
     StepMetrics,
     StepRecord,
+    explain,
     format_step,
     model_flops_utilization,
     peak_flops,
@@ -349,7 +350,33 @@ def test_close_prints_the_ratios_to_the_plan():
     metrics = StepMetrics(device=torch.device("cpu"), world_size=4, console=lines.append, clock=clock)
     fake_steps(metrics, clock, [1.0] * 3)
     metrics.close(PREDICTED)
-    assert "measured/predicted: step_time_s 1.25x, samples_per_s 0.8x" in lines[-1]
+    assert "measured/predicted: step_time_s 1.25x, samples_per_s 0.8x" in lines[-3]
+    # then why, the largest gap first: compute 0.9 s against 0.7 s, then a data wait the plan did not expect
+    assert lines[-2].startswith("redline: compute 900 ms/step against 700 ms planned (+25% of the planned step)")
+    assert "redline bench --save" in lines[-2]
+    assert lines[-1].startswith("redline: data 100 ms/step against 0 ms planned (+13% of the planned step)")
+    assert "num_workers" in lines[-1]
+
+
+def test_why_leaves_out_parts_within_five_percent_and_parts_not_measured():
+    summary = {"median": {"time_s": 1.0, "data_s": 0.02, "compute_s": 0.73, "optimizer_s": 0.1, "comm_s": None}}
+    predicted = {"step_time_s": {"compute": 0.7, "optimizer": 0.02, "data_parallel_comm": 0.3, "total": 1.02}}
+    # data 2% and compute 3% of the step off: no reason; comm not measured: no reason; the optimizer is
+    assert [r.split(" (")[0] for r in explain(summary, predicted)] == ["optimizer 100 ms/step against 20 ms planned"]
+    assert explain(summary, {"step_time_s": 1.0}) == []  # no breakdown in the plan: nothing to say
+
+
+def test_an_exposed_comm_span_moves_from_compute_to_comm():
+    clock = FakeClock()
+    metrics = StepMetrics(device=torch.device("cpu"), console=None, clock=clock)
+    with metrics.compute():
+        clock.now += 0.6
+        ready = metrics.mark()  # the last gradient bucket is ready
+        clock.now += 0.4  # the backward waits for the all-reduce
+        metrics.add_comm_span(ready, metrics.mark())
+    record = metrics.end_step(samples=8, loss=None, micro_batch=8, accumulation=1)
+    assert record.compute_s == pytest.approx(0.6) and record.comm_s == pytest.approx(0.4)
+    assert record.time_s == pytest.approx(1.0)
 
 
 def test_bad_arguments_are_refused():

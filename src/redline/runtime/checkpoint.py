@@ -64,6 +64,8 @@ from redline import __version__
 from redline.errors import BadInput, RedlineError
 
 MARKER = "COMPLETE"
+# the micro-batch a restart must use after an out-of-memory inside a gradient collective (see record_micro_batch)
+MICRO_BATCH_FILE = ".micro-batch.json"
 FORMAT = 1  # of the COMPLETE marker and the per-rank files
 # A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
 # test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
@@ -242,6 +244,32 @@ class Checkpointer:
             if _read_marker(path, step) is not None:
                 return step
         return None
+
+    # ------------------------------------------------------------------------------ micro-batch record
+
+    def record_micro_batch(self, micro_batch: int, accumulation: int) -> None:
+        """Remember a smaller micro-batch for the restart after an out-of-memory the ranks could not agree on
+        in place (``MICRO_BATCH_FILE``, hidden so the layout check ignores it). Any ONE rank may call this,
+        alone; a record never grows the micro-batch: a smaller one already there stays."""
+        recorded = self.recorded_micro_batch()
+        if recorded is not None and recorded[0] <= micro_batch:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / MICRO_BATCH_FILE
+        scratch = path.with_name(f"{path.name}.{os.getpid()}")
+        payload = json.dumps({"micro_batch": micro_batch, "accumulation": accumulation}).encode()
+        _write_synced(scratch, lambda f: f.write(payload))
+        os.replace(scratch, path)  # atomic: a restart reads the old record or the new one, never half
+        _sync_dir(self.directory)
+
+    def recorded_micro_batch(self) -> tuple[int, int] | None:
+        """``(micro_batch, accumulation)`` recorded by ``record_micro_batch``; None if none (or unreadable)."""
+        try:
+            data = json.loads((self.directory / MICRO_BATCH_FILE).read_text(encoding="utf-8"))
+            micro, accumulation = int(data["micro_batch"]), int(data["accumulation"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return (micro, accumulation) if micro >= 1 and accumulation >= 1 else None
 
     def load_latest(
         self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None, scheduler: Any = None

@@ -20,7 +20,10 @@ Conventions (each figure in a record is one of these, nothing else):
   overlap device work still queued, so the phases need not add up to ``time_s``; the console shows the
   remainder as "other" when they fall short.
 - ``comm_s``: the exposed (not overlapped) communication the runtime measured and reported with
-  ``add_comm``; None for a step where it reported none.
+  ``add_comm`` or ``add_comm_span``; None for a step where it reported none. Under DDP it is the time the
+  synchronising backward still waited after its last gradient bucket was ready (redline.runtime.prepare
+  times it with a comm hook); that span is taken out of ``compute_s``, so data, compute, optimizer and
+  comm never overlap.
 - ``samples`` and ``tokens`` are GLOBAL per optimizer step: ``end_step(samples=...)`` takes the samples
   this rank processed (micro-batch x accumulation, the same on every data-parallel rank) and multiplies
   by ``world_size``; ``tokens = samples x tokens_per_sample``. ``samples_per_s`` and ``tokens_per_s``
@@ -320,9 +323,21 @@ class StepMetrics:
         return self._phase("optimizer")
 
     def add_comm(self, seconds: float) -> None:
-        """Add exposed communication time the runtime measured for this step."""
+        """Add exposed communication time the runtime measured for this step, outside any compute phase."""
         self._begin()
         self._comm_s = (self._comm_s or 0.0) + seconds
+
+    def mark(self) -> Any:
+        """A point in this device's stream of work (a CUDA event on the current stream, or host time), to
+        bound a span given to ``add_comm_span``. Cheap: it does not synchronise."""
+        return self._timer.mark()
+
+    def add_comm_span(self, start: Any, end: Any) -> None:
+        """Exposed communication between two ``mark()``s taken INSIDE a compute phase (the backward waiting
+        for its last gradient all-reduce): read with the step's other spans at ``end_step``, and moved from
+        ``compute_s`` to ``comm_s`` so the phases stay disjoint."""
+        self._begin()
+        self._spans.append(("comm", start, end))
 
     # ------------------------------------------------------------------------------ steps
 
@@ -347,9 +362,13 @@ class StepMetrics:
         # a loop that wraps no phase at all: its first step started when this object was made
         time_s = now - (self._step_start if self._step_start is not None else self._created)
 
-        phase_s = {"compute": 0.0, "optimizer": 0.0}
+        phase_s = {"compute": 0.0, "optimizer": 0.0, "comm": 0.0}
         for name, start, stop in self._spans:
             phase_s[name] += self._timer.seconds(start, stop)
+        comm_s = self._comm_s
+        if any(name == "comm" for name, _, _ in self._spans):
+            phase_s["compute"] = max(phase_s["compute"] - phase_s["comm"], 0.0)
+            comm_s = (comm_s or 0.0) + phase_s["comm"]
 
         global_samples = samples * self.world_size
         samples_per_s = global_samples / time_s if time_s > 0 else 0.0
@@ -359,7 +378,7 @@ class StepMetrics:
             data_s=self._data_s,
             compute_s=phase_s["compute"],
             optimizer_s=phase_s["optimizer"],
-            comm_s=self._comm_s,
+            comm_s=comm_s,
             samples=global_samples,
             tokens=global_samples * self.tokens_per_sample,
             samples_per_s=samples_per_s,
@@ -396,6 +415,7 @@ class StepMetrics:
         out = summarize(self.records, self.world_size)
         if predicted is not None:
             out["vs_predicted"] = compare_with_prediction(out, predicted)
+            out["why"] = explain(out, predicted)
         return out
 
     def close(self, predicted: dict[str, Any] | None = None) -> None:
@@ -405,7 +425,10 @@ class StepMetrics:
         self._closed = True
         self._sink.close()
         if self.records:
-            self._console(format_summary(self.summary(predicted), self.tokens_per_sample))
+            summary = self.summary(predicted)
+            self._console(format_summary(summary, self.tokens_per_sample))
+            for reason in summary.get("why") or []:
+                self._console(f"redline: {reason}")
 
 
 # ------------------------------------------------------------------------------------------- summary
@@ -494,6 +517,57 @@ def compare_with_prediction(summary: dict[str, Any], predicted: dict[str, Any]) 
     return {
         name: {"predicted": want, "measured": got, "ratio": _ratio(got, want)} for name, (got, want) in pairs.items()
     }
+
+
+# a part of the step explains the gap to the plan when it is off by more than this share of the predicted step
+EXPLAIN_SHARE = 0.05
+
+# what to look at when a part of the step is slower than planned
+_SLOWER = {
+    "data": "the plan assumes each batch is ready when the GPU wants it: raise DataLoader num_workers, pin memory, "
+    "or move the data off a network filesystem (`redline bench dataloader`, `redline bench storage`)",
+    "compute": "the kernels reach less of the ceiling than planned: check clocks and throttling (`redline doctor`), "
+    "measure this machine (`redline bench --save`, then re-plan with --hardware local), or compile the model",
+    "optimizer": "the optimizer step is slower than planned: use a fused or foreach optimizer (fused=True)",
+    "comm": "the gradient communication is not hidden behind the backward: check the links (`redline bench "
+    "collective`), raise the DDP bucket size, or compress gradients (comm_hook bf16 or powersgd)",
+}
+
+
+def explain(summary: dict[str, Any], predicted: dict[str, Any]) -> list[str]:
+    """Why the measured step differs from the plan's: each part of the step (data wait, compute, optimizer,
+    exposed communication) whose median is off its prediction by more than ``EXPLAIN_SHARE`` of the predicted
+    step, the largest gap first, with what to look at when it is slower. A part not measured (communication
+    where the runtime cannot time it) or not predicted is left out; so is everything when the plan has no
+    step-time breakdown."""
+    step = predicted.get("step_time_s")
+    median = summary["median"]
+    if not isinstance(step, dict) or not _number(step.get("total")) or median["time_s"] is None:
+        return []
+    total = float(step["total"])
+
+    def part(*names: str) -> float:
+        return sum(_number(step.get(name)) or 0.0 for name in names)
+
+    pairs = {
+        "data": (median["data_s"], 0.0),  # the planner assumes the input pipeline keeps up
+        "compute": (median["compute_s"], part("compute", "bubble")),
+        "optimizer": (median["optimizer_s"], part("optimizer")),
+        "comm": (median["comm_s"], part("data_parallel_comm", "tensor_parallel_comm", "pipeline_comm")),
+    }
+    gaps = [
+        (measured - want, name, measured, want)
+        for name, (measured, want) in pairs.items()
+        if measured is not None and abs(measured - want) > EXPLAIN_SHARE * total
+    ]
+    reasons = []
+    for gap, name, measured, want in sorted(gaps, key=lambda g: -abs(g[0])):
+        where = f"{name} {fmt_duration(measured)}/step against {fmt_duration(want)} planned"
+        if gap > 0:
+            reasons.append(f"{where} (+{100 * gap / total:.0f}% of the planned step): {_SLOWER[name]}")
+        else:
+            reasons.append(f"{where} ({100 * gap / total:.0f}% of the planned step): faster than the plan assumed")
+    return reasons
 
 
 # ------------------------------------------------------------------------------------------- console

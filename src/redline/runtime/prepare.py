@@ -39,11 +39,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,10 @@ OOM_HOOK_ENV = "REDLINE_TEST_OOM_AT"
 
 class OutOfMemoryAtMinimum(RedlineError):
     """Even a micro-batch of one sample does not fit."""
+
+
+class OutOfMemoryDuringCollective(RedlineError):
+    """Out of memory where the ranks cannot agree in place; a restart resumes with a smaller micro-batch."""
 
 
 def prepare(
@@ -137,6 +142,7 @@ class Run:
         self._retry = False
         self._loss_sum = 0.0
         self._oom_hook = _parse_oom_hook(os.environ.get(OOM_HOOK_ENV))
+        self._last_bucket_ready: Any = None  # metrics.mark() of the last DDP bucket ready in this backward
         self._resume()
 
     # ----------------------------------------------------------------------------------- configuration
@@ -199,18 +205,24 @@ class Run:
             static_graph=self.config.ddp_static_graph,
             gradient_as_bucket_view=True,
         )
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
         hook = self.config.comm_hook
+        state: Any = None
+        reduce: Callable[[Any, dist.GradBucket], torch.futures.Future] = default_hooks.allreduce_hook
         if hook in ("fp16", "bf16"):
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            ddp.register_comm_hook(
-                None, default_hooks.fp16_compress_hook if hook == "fp16" else default_hooks.bf16_compress_hook
-            )
+            reduce = default_hooks.fp16_compress_hook if hook == "fp16" else default_hooks.bf16_compress_hook
         elif hook == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=self.config.powersgd_rank)
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            reduce = powerSGD_hook.powerSGD_hook
+
+        def timed(state, bucket):  # unannotated: DDP checks annotations as objects, and ours are strings
+            # called as each bucket's gradients are ready; the last call marks where the backward's compute
+            # ended, so what the backward then still waits is communication left exposed
+            self._last_bucket_ready = self.metrics.mark()
+            return reduce(state, bucket)
+
+        ddp.register_comm_hook(state, timed)
         return ddp
 
     def _fully_shard(self, model: nn.Module, blocks: list[nn.Module]) -> nn.Module:
@@ -283,12 +295,12 @@ class Run:
 
     def _prepare_loader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         """The user's DataLoader, rebuilt with the plan's per-rank batch and a DistributedSampler."""
-        from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+        from torch.utils.data import DataLoader, RandomSampler
 
         shuffle = isinstance(loader.sampler, RandomSampler)
         # every step takes the plan's global batch: a short last batch is dropped (as Megatron does), so
         # accumulation and the loss scaling stay exact
-        sampler = DistributedSampler(
+        sampler = _ResumableSampler(
             loader.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.config.seed
         )
         workers = self.config.num_workers if self.config.num_workers is not None else loader.num_workers
@@ -330,9 +342,11 @@ class Run:
                 self.loader.sampler.set_epoch(self.epoch)
                 # per epoch and rank: workers on different ranks must not draw the same augmentations
                 self.loader.generator.manual_seed(self.config.seed + 1_000_003 * self.epoch + self.rank)
+                # resumed mid-epoch: the sampler starts after what the checkpoint already trained on, so those
+                # samples are not loaded again (the order is the same; with DataLoader workers, per-worker
+                # random augmentations draw differently from an uninterrupted run)
+                self.loader.sampler.skip = self.batch_in_epoch * self.loader.batch_size
                 batches = iter(self.loader)
-                for _ in range(self.batch_in_epoch):  # resumed: skip what the checkpoint already trained on
-                    next(batches)
                 while True:
                     with self.metrics.data_wait():
                         batch = next(batches, None)
@@ -371,12 +385,11 @@ class Run:
             try:
                 with self._no_sync(boundary), torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
                     yield
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as exc:
                 if self.world_size > 1 and (boundary or self.config.strategy.sharding != "ddp"):
                     # the other ranks are inside a gradient collective (DDP's sync step, FSDP2's gathers and
-                    # reduce-scatters): no agreement is possible, so fail and let the launcher restart from
-                    # the last checkpoint
-                    raise
+                    # reduce-scatters): no agreement is possible, so end here and come back smaller
+                    self._restart_smaller(exc)
                 failed = True
         if self._any_rank(failed):
             self._shrink_micro_batch()
@@ -388,8 +401,12 @@ class Run:
         """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
         self._maybe_raise_test_oom()
         self._loss_sum = self._loss_sum + loss.detach()  # a tensor: reading it would sync the GPU every micro-batch
+        self._last_bucket_ready = None
         with torch.autocast(self.device.type, enabled=False):
             self.scaler.scale(loss / self.accumulation).backward()
+        if self._last_bucket_ready is not None:  # DDP reduced gradients in this backward (the boundary one)
+            self.metrics.add_comm_span(self._last_bucket_ready, self.metrics.mark())
+            self._last_bucket_ready = None
 
     def _no_sync(self, boundary: bool) -> contextlib.AbstractContextManager:
         if self.world_size == 1:
@@ -434,16 +451,24 @@ class Run:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
-    def _shrink_micro_batch(self) -> None:
-        if self.micro_batch == 1:
+    def _smaller_micro_batch(self) -> int:
+        """The largest micro-batch at most half the current one that still divides the per-rank batch (so
+        the per-rank batch, and the result, stay the same)."""
+        per_rank = self.micro_batch * self.accumulation
+        smaller = next((m for m in range(self.micro_batch // 2, 0, -1) if per_rank % m == 0), None)
+        if smaller is None:
             raise OutOfMemoryAtMinimum("out of memory with a micro-batch of 1: the plan does not fit this GPU")
+        return smaller
+
+    def _shrink_micro_batch(self) -> None:
+        smaller = self._smaller_micro_batch()
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_sum = 0.0
         gc.collect()  # the failed micro-batch's frames and activations
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.micro_batch //= 2
-        self.accumulation *= 2
+        self.accumulation = self.micro_batch * self.accumulation // smaller
+        self.micro_batch = smaller
         event = {"step": self.step, "micro_batch": self.micro_batch, "accumulation": self.accumulation}
         self.oom_events.append(event)
         if self.rank == 0:
@@ -455,9 +480,29 @@ class Run:
             )
         self._retry = True
 
+    def _restart_smaller(self, exc: torch.OutOfMemoryError) -> NoReturn:
+        """Out of memory where the ranks cannot agree in place: record the smaller micro-batch next to the
+        checkpoints and end this process. The elastic launcher (``redline run``, torchrun) then restarts every
+        rank, and each resumes from the last checkpoint with the recorded micro-batch (``_resume``)."""
+        smaller = self._smaller_micro_batch()
+        where = f"out of memory at step {self.step} on rank {self.rank} inside a gradient collective"
+        if self.checkpointer is None:
+            raise OutOfMemoryDuringCollective(
+                f"{where}: set checkpoint_dir so that a restart resumes with micro-batch {smaller}, "
+                f"or plan with a micro-batch of {smaller}"
+            ) from exc
+        per_rank = self.micro_batch * self.accumulation
+        self.checkpointer.record_micro_batch(smaller, per_rank // smaller)
+        self.oom_events.append({"step": self.step, "micro_batch": smaller, "accumulation": per_rank // smaller})
+        raise OutOfMemoryDuringCollective(
+            f"{where}: recorded micro-batch {smaller} x {per_rank // smaller} accumulation in "
+            f"{self.checkpointer.directory}; the launcher's restart resumes from the last checkpoint with it"
+        ) from exc
+
     def _maybe_raise_test_oom(self) -> None:
-        """The REDLINE_TEST_OOM_AT hook: an out-of-memory error in the first micro-batch's backward."""
-        if self._oom_hook == (self.step, self.rank) and self._micro_index == 0:
+        """The REDLINE_TEST_OOM_AT hook: an out-of-memory error in a micro-batch's backward, in the first launch
+        attempt only (a restarted run must not meet it again)."""
+        if self._oom_hook == (self.step, self.rank, self._micro_index):
             self._oom_hook = None
             raise torch.OutOfMemoryError(f"{OOM_HOOK_ENV}: simulated out of memory at step {self.step}")
 
@@ -490,16 +535,27 @@ class Run:
         restored = self.checkpointer.load_latest(
             model=self.model, optimizer=self.optimizer, scaler=self.scaler, scheduler=self.scheduler
         )
-        if restored is None:
-            return
-        _, extra = restored
-        self.step = int(extra["step"])
-        self.epoch = int(extra["epoch"])
-        self.batch_in_epoch = int(extra["batch_in_epoch"])
-        self.micro_batch = int(extra["micro_batch"])
-        self.accumulation = int(extra["accumulation"])
-        if self.rank == 0:
-            log.warning("resumed from step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_in_epoch)
+        if restored is not None:
+            _, extra = restored
+            self.step = int(extra["step"])
+            self.epoch = int(extra["epoch"])
+            self.batch_in_epoch = int(extra["batch_in_epoch"])
+            self.micro_batch = int(extra["micro_batch"])
+            self.accumulation = int(extra["accumulation"])
+            if self.rank == 0:
+                log.warning("resumed from step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_in_epoch)
+        recorded = self.checkpointer.recorded_micro_batch()
+        if recorded is not None:
+            micro, accumulation = recorded
+            if micro < self.micro_batch and micro * accumulation == self.micro_batch * self.accumulation:
+                self.micro_batch, self.accumulation = micro, accumulation
+                self.oom_events.append({"step": self.step, "micro_batch": micro, "accumulation": accumulation})
+                if self.rank == 0:
+                    log.warning(
+                        "micro-batch %d x %d accumulation, as recorded after an out-of-memory in a gradient collective",
+                        micro,
+                        accumulation,
+                    )
 
     def close(self, *, checkpoint: bool = True) -> None:
         """End of training: a last checkpoint, the metrics summary against the plan."""
@@ -512,6 +568,19 @@ class Run:
 # ----------------------------------------------------------------------------------------------- helpers
 
 
+class _ResumableSampler(torch.utils.data.DistributedSampler):
+    """A DistributedSampler that starts its epoch ``skip`` indices in (Megatron's consumed-samples idea), so a
+    run resumed mid-epoch does not load and throw away the batches it already trained on."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip
+
+
 def _init_distributed() -> tuple[int, int, int]:
     """(world size, rank, local rank): from an initialised process group, else from torchrun's environment
     (initialising the group: NCCL on GPUs, gloo on CPUs), else a single process."""
@@ -522,7 +591,14 @@ def _init_distributed() -> tuple[int, int, int]:
         local = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # the launcher's store outlives a restart, and a restarted gloo group would read the addresses the
+        # failed attempt's ranks published there and time out connecting to them: each attempt gets its own
+        # keys (seen with torchrun in torch 2.13)
+        store, rank, world = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"redline/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank, world_size=world
+        )
         # a group left alive at interpreter exit can abort in its threads' destructors ("terminate called
         # without an active exception"): the group redline made, redline tears down
         atexit.register(_destroy_process_group)
@@ -571,8 +647,9 @@ def _split(batch: Any, parts: int) -> list[Any]:
     return [batch] * parts
 
 
-def _parse_oom_hook(text: str | None) -> tuple[int, int] | None:
-    if not text:
+def _parse_oom_hook(text: str | None) -> tuple[int, int, int] | None:
+    """``STEP:RANK[:MICRO]`` (micro-batch index within the step, 0 by default); ignored in a restart."""
+    if not text or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return None
-    step, _, rank = text.partition(":")
-    return int(step), int(rank or 0)
+    step, rank, micro, *_ = [*text.split(":"), "0", "0"]
+    return int(step), int(rank or 0), int(micro or 0)
