@@ -8,7 +8,12 @@ returns: bytes in struct fields, ctypes arrays, nvmlFriendlyObject process recor
 values in NVML's units (mW, MHz, percent, NVML enum values) and ``None`` in a field makes the call that
 reads it answer NOT_SUPPORTED, as naming the call in ``unsupported`` does; ``errors`` makes a call raise
 whatever it holds; ``lost`` makes every call on the GPU answer GPU_IS_LOST, as after Xid 79.
-``FakeNvml(missing=...)`` hides functions or constants, to play an older nvidia-ml-py.
+``FakeNvml(missing=...)`` hides functions or constants, to play an older nvidia-ml-py, and
+``FakeNvml.unload()`` / ``reload()`` play the driver going away under a running process and coming back.
+
+Counters (energy, PCIe and NVLink bytes) only grow when something advances them: a test sets them, or
+``FakeGpu.run_for(seconds)`` integrates the current power and throughput over that time, as
+tests/fakes/traces.py does tick by tick.
 
 NVML lists processes by pid only; their names and owners come from /proc, so a test that wants them
 writes them into its SysRoot (``SysRoot.add_process``) and passes that tree to ``probe_gpus(fs=...)``.
@@ -61,6 +66,7 @@ class FakeGpu:
     mig: bool | None = None
     virt: int | None = None  # pynvml.NVML_GPU_VIRTUALIZATION_MODE_*
     utilization_pct: int | None = None
+    memory_utilization_pct: int = 0  # NVML's "memory utilisation": share of time device memory was busy
     sm_clock_mhz: int | None = None
     sm_max_clock_mhz: int | None = None
     mem_clock_mhz: int | None = None
@@ -81,6 +87,15 @@ class FakeGpu:
     pcie_width: int | None = None
     pcie_width_max: int | None = None
     pcie_replay: int | None = None
+    pcie_tx_kbps: int | None = None  # nvmlDeviceGetPcieThroughput: KiB/s over NVML's 20 ms window
+    pcie_rx_kbps: int | None = None
+    pcie_tx_bytes_total: int | None = None  # NVML_FI_DEV_PCIE_COUNT_TX_BYTES (r550+ drivers); None: unsupported
+    pcie_rx_bytes_total: int | None = None
+    nvlink_tx_kib_total: int | None = None  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX over all links, KiB
+    nvlink_rx_kib_total: int | None = None
+    nvlink_tx_kibps: int = 0  # what run_for() adds to the NVLink counters per second
+    nvlink_rx_kibps: int = 0
+    energy_mj: int | None = None  # nvmlDeviceGetTotalEnergyConsumption: mJ since the driver loaded
     ecc_enabled: bool | None = None
     ecc_volatile_corrected: int | None = None
     ecc_volatile_uncorrected: int | None = None
@@ -95,10 +110,25 @@ class FakeGpu:
     fabric_status: int = pynvml.NVML_SUCCESS  # what the fabric manager said once the state is COMPLETED
     numa_node: int | None = None  # NVML answers only where GPU memory is a NUMA node (Grace Hopper)
     cpu_affinity: list[int] | None = None
+    # Hopper+ GPM metrics in percent; None: not a GPM device (nvmlGpmQueryDeviceSupport says so)
+    gpm_sm_util_pct: float | None = None
+    gpm_tensor_util_pct: float | None = None
     processes: list[FakeProcess] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)  # NVML function names answering NOT_SUPPORTED
     errors: dict[str, BaseException] = field(default_factory=dict)  # NVML function name -> what it raises
     lost: bool = False
+
+    def run_for(self, seconds: float) -> None:
+        """Advance the counters by ``seconds`` at the current power draw and PCIe/NVLink throughput."""
+        if self.energy_mj is not None and self.power_draw_mw is not None:
+            self.energy_mj += round(self.power_draw_mw * seconds)  # mW x s = mJ
+        for total, kbps in (("pcie_tx_bytes_total", self.pcie_tx_kbps), ("pcie_rx_bytes_total", self.pcie_rx_kbps)):
+            if getattr(self, total) is not None and kbps is not None:
+                setattr(self, total, getattr(self, total) + round(kbps * 1024 * seconds))
+        if self.nvlink_tx_kib_total is not None:
+            self.nvlink_tx_kib_total += round(self.nvlink_tx_kibps * seconds)
+        if self.nvlink_rx_kib_total is not None:
+            self.nvlink_rx_kib_total += round(self.nvlink_rx_kibps * seconds)
 
 
 @dataclass(frozen=True)
@@ -149,13 +179,14 @@ class FakeNvml:
         self.missing = frozenset(missing)  # attributes this "older binding" lacks
         self.active_inits = 0
         self.calls: list[str] = []
+        self.unloaded: BaseException | None = None  # set by unload(): what nvmlInit answers meanwhile
+        self._gpm_samples: dict[int, tuple[Any, tuple[int, float, float] | None]] = {}  # address -> buffer, data
+
+        if self.missing:
+            # only an "older binding" pays for checking every attribute lookup (a monitor test makes many)
+            self.__class__ = _OlderBinding
 
     # ----------------------------------------------------------------------- module-like behaviour
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in object.__getattribute__(self, "__dict__").get("missing", ()):
-            raise AttributeError(name)
-        return object.__getattribute__(self, name)
 
     def __getattr__(self, name: str) -> Any:
         """pynvml's exceptions, constants and structs; functions the fake lacks stay missing."""
@@ -164,6 +195,7 @@ class FakeNvml:
         value = getattr(pynvml, name)
         if inspect.isfunction(value):
             raise AttributeError(f"the fake NVML does not implement {name}")
+        self.__dict__[name] = value  # pynvml's constants and classes never change: later lookups skip this
         return value
 
     def _system(self, name: str) -> None:
@@ -186,10 +218,23 @@ class FakeNvml:
 
     # --------------------------------------------------------------------------------- system
 
+    def unload(self, error: BaseException | None = None) -> None:
+        """The driver goes away under the running process (rmmod, an upgrade, a crash): NVML forgets it was
+        initialised, so every call answers UNINITIALIZED and nvmlInit answers ``error`` (DRIVER_NOT_LOADED)."""
+        self.unloaded = error or pynvml.NVMLError_DriverNotLoaded()
+        self.active_inits = 0
+        self._gpm_samples.clear()
+
+    def reload(self) -> None:
+        """The driver is back: nvmlInit works again (the process has to call it)."""
+        self.unloaded = None
+
     def nvmlInit(self) -> None:
         self.calls.append("nvmlInit")
         if self.init_error is not None:
             raise self.init_error
+        if self.unloaded is not None:
+            raise self.unloaded
         self.active_inits += 1
 
     def nvmlShutdown(self) -> None:
@@ -316,7 +361,7 @@ class FakeNvml:
     def nvmlDeviceGetUtilizationRates(self, gpu: FakeGpu) -> Any:
         if gpu.utilization_pct is None:
             return None
-        return pynvml.c_nvmlUtilization_t(gpu=gpu.utilization_pct, memory=0)
+        return pynvml.c_nvmlUtilization_t(gpu=gpu.utilization_pct, memory=gpu.memory_utilization_pct)
 
     @_device_call
     def nvmlDeviceGetClockInfo(self, gpu: FakeGpu, clock_type: int) -> int | None:
@@ -357,6 +402,10 @@ class FakeNvml:
         return [gpu.power_min_mw, gpu.power_max_mw]
 
     @_device_call
+    def nvmlDeviceGetTotalEnergyConsumption(self, gpu: FakeGpu) -> int | None:
+        return gpu.energy_mj
+
+    @_device_call
     def nvmlDeviceGetTemperature(self, gpu: FakeGpu, sensor: int) -> int | None:
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise pynvml.NVMLError_InvalidArgument()
@@ -393,6 +442,30 @@ class FakeNvml:
     @_device_call
     def nvmlDeviceGetPcieReplayCounter(self, gpu: FakeGpu) -> int | None:
         return gpu.pcie_replay
+
+    @_device_call
+    def nvmlDeviceGetPcieThroughput(self, gpu: FakeGpu, counter: int) -> int | None:
+        if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES:
+            return gpu.pcie_tx_kbps
+        if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES:
+            return gpu.pcie_rx_kbps
+        raise pynvml.NVMLError_InvalidArgument()
+
+    @_device_call
+    def nvmlDeviceGetFieldValues(self, gpu: FakeGpu, field_ids: list[int | tuple[int, int]]) -> Any:
+        """As NVML fills them: one nvmlFieldValue_t per id, each with its own nvmlReturn."""
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for value, requested in zip(values, field_ids, strict=True):
+            field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
+            value.fieldId, value.scopeId = field_id, scope
+            number = _field_number(gpu, field_id, scope)
+            if number is None:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            value.value.ullVal = number
+        return values
 
     @_device_call
     def nvmlDeviceGetEccMode(self, gpu: FakeGpu) -> list[int] | None:
@@ -490,6 +563,93 @@ class FakeNvml:
     def nvmlDeviceGetGraphicsRunningProcesses(self, gpu: FakeGpu) -> list[Any]:
         return _processes(gpu, "graphics")
 
+    # ------------------------------------------------------------------ GPM (Hopper+ performance monitoring)
+    # NVML's sample buffers are opaque pointers the caller allocates and frees; the fake keeps each buffer's
+    # struct alive and remembers, by address, what the GPU was doing when it was taken.
+
+    @_device_call
+    def nvmlGpmQueryDeviceSupport(self, gpu: FakeGpu) -> Any:
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(gpu.gpm_sm_util_pct is not None)
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        self._system("nvmlGpmSampleAlloc")
+        buffer = pynvml.struct_c_nvmlGpmSample_t()
+        self._gpm_samples[ctypes.addressof(buffer)] = (buffer, None)
+        return ctypes.pointer(buffer)
+
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        self._system("nvmlGpmSampleFree")
+        if self._gpm_samples.pop(_address(sample), None) is None:
+            raise pynvml.NVMLError_InvalidArgument()
+
+    @_device_call
+    def nvmlGpmSampleGet(self, gpu: FakeGpu, sample: Any) -> Any:
+        address = _address(sample)
+        if address not in self._gpm_samples:
+            raise pynvml.NVMLError_InvalidArgument()
+        if gpu.gpm_sm_util_pct is None:
+            return None
+        index = next(i for i, candidate in enumerate(self.gpus) if candidate is gpu)
+        reading = (index, gpu.gpm_sm_util_pct, gpu.gpm_tensor_util_pct or 0.0)
+        self._gpm_samples[address] = (self._gpm_samples[address][0], reading)
+        return sample
+
+    def nvmlGpmMetricsGet(self, metrics_get: Any) -> Any:
+        """Each metric over the interval between the two samples; the fake's GPU is steady within a tick, so
+        that is what it was doing when the second sample was taken."""
+        self._system("nvmlGpmMetricsGet")
+        if metrics_get.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise pynvml.NVMLError_ArgumentVersionMismatch()
+        first = self._gpm_samples.get(_address(metrics_get.sample1), (None, None))[1]
+        second = self._gpm_samples.get(_address(metrics_get.sample2), (None, None))[1]
+        if first is None or second is None or first[0] != second[0]:
+            raise pynvml.NVMLError_InvalidArgument()
+        values = {pynvml.NVML_GPM_METRIC_SM_UTIL: second[1], pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: second[2]}
+        for i in range(metrics_get.numMetrics):
+            metric = metrics_get.metrics[i]
+            value = values.get(metric.metricId)
+            metric.nvmlReturn = pynvml.NVML_SUCCESS if value is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            metric.value = value or 0.0
+        return metrics_get
+
+
+def _address(sample: Any) -> int | None:
+    """Where a GPM sample pointer points (None for a null one)."""
+    return ctypes.cast(sample, ctypes.c_void_p).value
+
+
+def _field_number(gpu: FakeGpu, field_id: int, scope: int) -> int | None:
+    """A field's value as NVML would give it; None where this GPU or driver does not answer it."""
+    if field_id == pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
+        return gpu.pcie_tx_bytes_total
+    if field_id == pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES:
+        return gpu.pcie_rx_bytes_total
+    if field_id == pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+        return gpu.energy_mj
+    nvlink = {
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: gpu.nvlink_tx_kib_total,
+        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: gpu.nvlink_rx_kib_total,
+    }
+    if field_id not in nvlink or nvlink[field_id] is None or not gpu.nvlinks:
+        return None
+    if scope == 0xFFFFFFFF:  # UINT_MAX: the sum over every link
+        return nvlink[field_id]
+    if scope >= len(gpu.nvlinks):
+        return None
+    return nvlink[field_id] // len(gpu.nvlinks)  # the fake spreads traffic evenly over the links
+
+
+class _OlderBinding(FakeNvml):
+    """A FakeNvml with ``missing`` attributes: every lookup checks them first."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in object.__getattribute__(self, "__dict__").get("missing", ()):
+            raise AttributeError(name)
+        return object.__getattribute__(self, name)
+
 
 def _feature(enabled: bool | None) -> int | None:
     if enabled is None:
@@ -586,6 +746,15 @@ def h100_sxm(index: int = 0, **overrides: Any) -> FakeGpu:
         pcie_width=16,
         pcie_width_max=16,
         pcie_replay=0,
+        pcie_tx_kbps=0,
+        pcie_rx_kbps=0,
+        pcie_tx_bytes_total=7_340_032_000,
+        pcie_rx_bytes_total=48_234_496_000,
+        nvlink_tx_kib_total=912_680_550,
+        nvlink_rx_kib_total=912_680_550,
+        energy_mj=3_125_000_000,  # about 870 Wh since the driver loaded
+        gpm_sm_util_pct=0.0,
+        gpm_tensor_util_pct=0.0,
         ecc_enabled=True,
         ecc_volatile_corrected=0,
         ecc_volatile_uncorrected=0,
@@ -633,6 +802,14 @@ def a100_sxm_80(index: int = 0, **overrides: Any) -> FakeGpu:
         pcie_width=16,
         pcie_width_max=16,
         pcie_replay=0,
+        pcie_tx_kbps=0,
+        pcie_rx_kbps=0,
+        pcie_tx_bytes_total=5_242_880_000,
+        pcie_rx_bytes_total=31_457_280_000,
+        nvlink_tx_kib_total=402_653_184,
+        nvlink_rx_kib_total=402_653_184,
+        energy_mj=1_840_000_000,
+        # Ampere has no GPM: gpm_* stay None
         ecc_enabled=True,
         ecc_volatile_corrected=0,
         ecc_volatile_uncorrected=0,
@@ -679,6 +856,10 @@ def rtx_4090(index: int = 0, **overrides: Any) -> FakeGpu:
         pcie_width=16,
         pcie_width_max=16,
         pcie_replay=0,
+        # a driver before r550: no PCIe byte counters, only the 20 ms throughput reading
+        pcie_tx_kbps=12,
+        pcie_rx_kbps=40,
+        energy_mj=96_500_000,
         cpu_affinity=list(range(32)),
         unsupported={
             "nvmlDeviceGetEccMode",

@@ -22,12 +22,16 @@ four-digit domain, lower-case hex), not NVML's "00000000:3B:00.0", so they join 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import math
 import os
+import pwd
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from redline.hw.host import parse_cpulist
 from redline.hw.snapshot import (
@@ -43,6 +47,9 @@ from redline.hw.snapshot import (
     PcieLink,
 )
 from redline.hw.sysfs import SysFs
+
+if TYPE_CHECKING:
+    from redline.monitor.sample import GpuSample
 
 # NVML errors that mean "this GPU, driver or binding cannot answer that": the field is simply absent.
 _ABSENT_ERRORS = (
@@ -70,6 +77,18 @@ _HEALTH_ERRORS = (
     "NVMLError_Memory",
     "NVMLError_InsufficientResources",
 )
+# NVML errors that mean NVML itself went away under a running reader: the kernel module was unloaded or
+# reloaded (a driver upgrade, a GPU reset by the operator), or the library and module no longer match.
+# Every call on every GPU would fail the same way, so a live reader stops and starts NVML again later.
+_GONE_ERRORS = (
+    "NVMLError_Uninitialized",
+    "NVMLError_DriverNotLoaded",
+    "NVMLError_LibRmVersionMismatch",
+    "NVMLError_LibraryNotFound",
+)
+# Absent answers that stay absent while the driver runs: a live reader asks once and then no more.
+# (NoData, NotReady... can change from one second to the next, so they are asked again.)
+_PERMANENTLY_ABSENT_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound", "NVMLError_NoPermission")
 
 # (pynvml constant, its value where an older binding lacks the name, what redline calls it)
 _COMPUTE_MODES = (
@@ -134,6 +153,18 @@ _ULONGLONG_MAX = 2**64 - 1
 
 class _GpuLost(Exception):
     """NVML answered GPU_IS_LOST: the GPU fell off the bus and every further call would say so again."""
+
+
+class NvmlGone(Exception):
+    """NVML would not start, or stopped answering altogether (see ``_GONE_ERRORS``).
+
+    ``code`` is one of ``GpuSection.error_code``'s values where NVML would not start, else "gone".
+    """
+
+    def __init__(self, message: str, code: str = "gone") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
 
 
 def probe_gpus(nvml: Any | None = None, errors: list[str] | None = None, fs: SysFs | None = None) -> GpuSection:
@@ -214,6 +245,9 @@ class _Query:
     what NVML leaves to /proc and /sys.
     """
 
+    # errors that end the whole reader (NvmlGone); none for the one-shot probe, which reports them as notes
+    _gone: tuple[type[BaseException], ...] = ()
+
     def __init__(
         self, nvml: Any, notes: list[str], where: str, fs: SysFs, health: dict[str, str] | None = None
     ) -> None:
@@ -234,7 +268,10 @@ class _Query:
         except self.nvml.NVMLError_GpuIsLost as exc:
             self._unhealthy(fn_name, exc)
             raise _GpuLost from None
-        except self._absent:
+        except self._gone as exc:
+            raise NvmlGone(f"{fn_name}: {_describe(self.nvml, exc)}") from None
+        except self._absent as exc:
+            self._absent_answer(fn_name, args, kwargs, exc)
             return None
         except self._health as exc:
             self._unhealthy(fn_name, exc)
@@ -243,6 +280,9 @@ class _Query:
             self.note(f"{fn_name}: {_describe(self.nvml, exc)}")
             return None
         return _text(value)
+
+    def _absent_answer(self, fn_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], exc: BaseException) -> None:
+        """NVML said it cannot answer this call; the probe needs no more than the None it returns."""
 
     def _unhealthy(self, fn_name: str, exc: BaseException) -> None:
         self.note(f"{fn_name}: {_describe(self.nvml, exc)}")
@@ -740,3 +780,546 @@ class ClockStateReader:
             self.nvml.nvmlShutdown()
         except Exception as exc:
             self.notes.append(f"nvmlShutdown failed: {_describe(self.nvml, exc)}")
+
+
+# ------------------------------------------------------------------------------------ live reading
+
+# NVML field ids of cumulative counters read with nvmlDeviceGetFieldValues; the numbers are part of NVML's
+# ABI, so they serve where an older binding lacks the name. (counter, constant, fallback id, bytes per unit)
+_PCIE_FIELDS = (
+    ("pcie_tx", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 197, 1),
+    ("pcie_rx", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 198, 1),
+)
+_NVLINK_FIELDS = (
+    ("nvlink_tx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", 138, 1024),  # KiB of payload, all links
+    ("nvlink_rx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", 139, 1024),
+)
+# scopeId for NVLink throughput fields: a link number, or UINT_MAX for the sum over every link
+_ALL_LINKS = 0xFFFFFFFF
+# nvmlFieldValue_t.valueType -> the member of the value union that holds it
+_FIELD_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+# 64-bit value types: a 32-bit byte counter wraps several times a second on a busy PCIe Gen5 link, so rates
+# are only taken from counters at least this wide
+_WIDE_VALUE_TYPES = frozenset({2, 3, 4})
+# Hopper+ GPM metrics: (name in GpuSample, pynvml constant, its value in nvml.h)
+_GPM_METRICS = (
+    ("sm_activity_ratio", "NVML_GPM_METRIC_SM_UTIL", 2),
+    ("tensor_activity_ratio", "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 5),
+)
+_GPM_CALLS = ("nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc", "nvmlGpmSampleGet", "nvmlGpmMetricsGet")
+
+
+class _LiveQuery(_Query):
+    """A ``_Query`` for a reader that asks the same questions every second for hours.
+
+    Two differences from the probe's: an error that says NVML itself is gone raises ``NvmlGone`` (the
+    reader must stop and start NVML again, see ``_GONE_ERRORS``); and a call NVML answered "not supported"
+    (or "no permission") is not asked again, since the answer will not change while the driver runs and
+    a GeForce card would otherwise spend a third of its calls on ECC and GPM questions.
+    """
+
+    def __init__(self, nvml: Any, notes: list[str], where: str, fs: SysFs) -> None:
+        super().__init__(nvml, notes, where, fs)
+        self._gone = _error_classes(nvml, _GONE_ERRORS)
+        self._never = _error_classes(nvml, _PERMANENTLY_ABSENT_ERRORS)
+        self._skip: set[tuple[Any, ...]] = set()  # bounded: one entry per distinct call this reader makes
+
+    def __call__(self, fn_name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._skip and _call_key(fn_name, args, kwargs) in self._skip:
+            return None
+        return super().__call__(fn_name, *args, **kwargs)
+
+    def _absent_answer(self, fn_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], exc: BaseException) -> None:
+        if isinstance(exc, self._never):
+            self._skip.add(_call_key(fn_name, args, kwargs))
+
+
+def _call_key(fn_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What tells one call from another on the same GPU: its name and plain-number arguments (the clock
+    type, the sensor, a memory struct version); the handle is the same for every call of one ``_LiveQuery``."""
+    numbers = tuple(a for a in args if isinstance(a, int))
+    named = tuple((k, v) for k, v in kwargs.items() if isinstance(v, int))
+    return (fn_name, numbers, named)
+
+
+def _field_value(nvml: Any, value: Any, wide_only: bool = False) -> float | None:
+    """The number in one nvmlFieldValue_t, or None where NVML answered an error for that field."""
+    if value.nvmlReturn != getattr(nvml, "NVML_SUCCESS", 0):
+        return None
+    if wide_only and value.valueType not in _WIDE_VALUE_TYPES:
+        return None
+    member = _FIELD_VALUE_MEMBERS.get(value.valueType)
+    return None if member is None else getattr(value.value, member)
+
+
+@functools.lru_cache(maxsize=256)
+def _user_name(uid: int) -> str:
+    """The login name of a uid (cached: a directory lookup through NSS can be slow); the number where the
+    name is unknown here, as in a container whose /etc/passwd lacks the host's users."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class _Gpm:
+    """Hopper+ GPU Performance Monitoring: SM and tensor-core activity between two GPM samples.
+
+    NVML's utilisation says only that a kernel ran; GPM says how busy the SMs and tensor cores were. A
+    metric needs two samples, so the first read gives None; the two NVML sample buffers are reused
+    (alternately "previous" and "current") so reading allocates nothing.
+    """
+
+    def __init__(self, q: _LiveQuery, handle: Any, samples: tuple[Any, Any]) -> None:
+        self.q = q
+        self.handle = handle
+        self.previous, self.current = samples
+        self.have_previous = False
+        self.request = q.nvml.c_nvmlGpmMetricsGet_t()
+        self.metric_ids = [q.const(constant, fallback) for _, constant, fallback in _GPM_METRICS]
+
+    @classmethod
+    def open(cls, q: _LiveQuery, handle: Any) -> _Gpm | None:
+        """GPM for this GPU, or None where the binding, driver or GPU lacks it (anything before Hopper)."""
+        nvml = q.nvml
+        if not all(hasattr(nvml, name) for name in (*_GPM_CALLS, "c_nvmlGpmMetricsGet_t")):
+            return None
+        support = q("nvmlGpmQueryDeviceSupport", handle)
+        if support is None or not support.isSupportedDevice:
+            return None
+        first = q("nvmlGpmSampleAlloc")
+        second = q("nvmlGpmSampleAlloc") if first is not None else None
+        if first is None or second is None:
+            _free_gpm_samples(nvml, first)
+            return None
+        return cls(q, handle, (first, second))
+
+    def read(self) -> dict[str, float | None]:
+        """{GpuSample field: ratio or None}; all None on the first read and after a failed one."""
+        out: dict[str, float | None] = {name: None for name, _, _ in _GPM_METRICS}
+        if self.q("nvmlGpmSampleGet", self.handle, self.current) is None:
+            self.have_previous = False
+            return out
+        if self.have_previous:
+            out.update(self._metrics())
+        self.previous, self.current = self.current, self.previous
+        self.have_previous = True
+        return out
+
+    def _metrics(self) -> dict[str, float | None]:
+        request = self.request
+        request.version = self.q.const("NVML_GPM_METRICS_GET_VERSION", 1)
+        request.numMetrics = len(self.metric_ids)
+        request.sample1 = self.previous
+        request.sample2 = self.current
+        for i, metric_id in enumerate(self.metric_ids):
+            request.metrics[i].metricId = metric_id
+        if self.q("nvmlGpmMetricsGet", request) is None:
+            return {}
+        success = self.q.const("NVML_SUCCESS", 0)
+        out: dict[str, float | None] = {}
+        for i, (name, _, _) in enumerate(_GPM_METRICS):
+            metric = request.metrics[i]
+            # NVML gives percentages; clamp the rounding noise that can land a hair outside 0-100
+            out[name] = min(max(metric.value / 100, 0.0), 1.0) if metric.nvmlReturn == success else None
+        return out
+
+    def close(self) -> None:
+        _free_gpm_samples(self.q.nvml, self.previous, self.current)
+
+
+def _free_gpm_samples(nvml: Any, *samples: Any) -> None:
+    for sample in samples:
+        if sample is None:
+            continue
+        # where NVML is already gone the driver freed them with everything else
+        with contextlib.suppress(Exception):
+            nvml.nvmlGpmSampleFree(sample)
+
+
+@dataclass
+class _LiveGpu:
+    """One GPU a ``GpuStateReader`` reads: its handle, what does not change while the driver runs (read
+    once, when the reader opens), and the previous counter readings that rates are taken from."""
+
+    index: int
+    q: _LiveQuery
+    handle: Any = None  # None: NVML counted the GPU but would not open it
+    uuid: str | None = None
+    name: str | None = None
+    pci_bus_id: str | None = None
+    sm_clock_max_hertz: float | None = None
+    memory_clock_max_hertz: float | None = None
+    pcie_link_generation_max: int | None = None
+    pcie_link_width_max: int | None = None
+    temperature_slowdown_celsius: float | None = None
+    # cumulative counters this GPU answers through nvmlDeviceGetFieldValues: (counter, field id, scope, bytes
+    # per unit, 64-bit only)
+    fields: tuple[tuple[str, int, int, int, bool], ...] = ()
+    counters: dict[str, float] = field(default_factory=dict)  # counter -> last reading (NVML's unit)
+    counters_at: float | None = None
+    pcie_spot: tuple[float | None, float | None] = (None, None)  # last nvmlDeviceGetPcieThroughput, bytes/s
+    gpm: _Gpm | None = None
+
+    @property
+    def has_pcie_counters(self) -> bool:
+        return any(name == "pcie_tx" for name, *_ in self.fields)
+
+    def lost_sample(self) -> GpuSample:
+        from redline.monitor.sample import GpuSample  # see _read_gpu
+
+        return GpuSample(index=self.index, uuid=self.uuid, name=self.name, lost=True)
+
+
+class GpuStateReader:
+    """Everything ``redline monitor`` records about each GPU, read once per sample for as long as it runs.
+
+    ``open`` starts NVML and reads, once, what does not change while the driver runs (identity, maximum
+    clocks and link, slowdown temperature, which counters and GPM the GPU supports); each ``read`` then
+    makes about twenty NVML calls per GPU, and none for what the GPU said it does not support. Rates
+    (PCIe and NVLink bytes per second, GPM activity) come from counters read on successive calls, so
+    they are None on the first.
+
+    PCIe throughput comes from the cumulative byte counters (NVML_FI_DEV_PCIE_COUNT_*_BYTES, r550+
+    drivers) where the GPU has them; elsewhere from nvmlDeviceGetPcieThroughput, which blocks about 20 ms
+    per direction while it measures, so it is refreshed for one such GPU per ``read`` (round robin) and
+    each GPU repeats its last figure in between: on 8 GPUs read every second a figure is up to 8 s old.
+
+    Errors go into ``notes`` ("GPU 3: nvmlDeviceGetPowerUsage: Unknown Error"), which the caller drains;
+    ``read`` raises ``NvmlGone`` when NVML as a whole stops answering (the reader is then finished:
+    ``close`` it and ``open`` another later). A GPU that answers GPU_IS_LOST is read as ``lost``.
+    """
+
+    def __init__(self, nvml: Any, fs: SysFs) -> None:
+        self.nvml = nvml
+        self.fs = fs
+        self.notes: list[str] = []
+        self.gpus: list[_LiveGpu] = []
+        self.driver_version: str | None = None  # "550.54.15"
+        self._pcie_turn = 0
+        self._closed = False
+        self._consts = {
+            "sm": getattr(nvml, "NVML_CLOCK_SM", 1),
+            "mem": getattr(nvml, "NVML_CLOCK_MEM", 2),
+            "sensor": getattr(nvml, "NVML_TEMPERATURE_GPU", 0),
+            "tx": getattr(nvml, "NVML_PCIE_UTIL_TX_BYTES", 0),
+            "rx": getattr(nvml, "NVML_PCIE_UTIL_RX_BYTES", 1),
+            "corrected": getattr(nvml, "NVML_MEMORY_ERROR_TYPE_CORRECTED", 0),
+            "uncorrected": getattr(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+            "volatile": getattr(nvml, "NVML_VOLATILE_ECC", 0),
+        }
+
+    @classmethod
+    def open(cls, nvml: Any, indices: Iterable[int] | None = None, fs: SysFs | None = None) -> GpuStateReader:
+        """Start NVML and look up the GPUs (all, or those ``indices`` name, by NVML index).
+
+        Raises ``NvmlGone`` where NVML will not start or cannot count the GPUs; its ``code`` is the
+        probe's ``error_code`` ("driver_not_loaded"...), its ``message`` says why in words.
+        """
+        try:
+            nvml.nvmlInit()
+        except Exception as exc:
+            code, message = _init_error(nvml, exc)
+            raise NvmlGone(message, code) from None
+        reader = cls(nvml, fs or SysFs("/"))
+        try:
+            reader._discover(indices)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _discover(self, indices: Iterable[int] | None) -> None:
+        system = _LiveQuery(self.nvml, self.notes, "NVML", self.fs)
+        self.driver_version = system("nvmlSystemGetDriverVersion")
+        try:
+            count = system("nvmlDeviceGetCount")
+        except _GpuLost:
+            count = None
+        if count is None:
+            raise NvmlGone("NVML started but could not count the GPUs")
+        wanted = list(range(count)) if indices is None else sorted(set(indices))
+        for index in wanted:
+            if not 0 <= index < count:
+                self.notes.append(f"GPU {index}: not there (NVML counts {count} GPUs)")
+                continue
+            self.gpus.append(self._open_gpu(index))
+
+    def _open_gpu(self, index: int) -> _LiveGpu:
+        q = _LiveQuery(self.nvml, self.notes, f"GPU {index}", self.fs)
+        gpu = _LiveGpu(index=index, q=q)
+        try:
+            gpu.handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception as exc:
+            if isinstance(exc, q._gone):
+                raise NvmlGone(f"nvmlDeviceGetHandleByIndex: {_describe(self.nvml, exc)}") from None
+            q.note(f"no NVML handle ({_describe(self.nvml, exc)}); read as lost")
+            return gpu
+        static = Gpu(index=index)
+        try:
+            for read in (_read_identity, _read_clocks, _read_thermal, _read_pcie, _read_nvlinks):
+                read(q, gpu.handle, static)
+        except _GpuLost:
+            return gpu  # read as lost from the first sample on
+        gpu.uuid, gpu.name, gpu.pci_bus_id = static.uuid, static.name, static.pci_bus_id
+        gpu.sm_clock_max_hertz = _hertz(static.clocks.sm_max_mhz)
+        gpu.memory_clock_max_hertz = _hertz(static.clocks.memory_max_mhz)
+        gpu.pcie_link_generation_max = static.pcie.gen_max
+        gpu.pcie_link_width_max = static.pcie.width_max
+        slowdown = static.thermal.slowdown_c
+        gpu.temperature_slowdown_celsius = None if slowdown is None else float(slowdown)
+        gpu.fields = self._supported_fields(q, gpu.handle, has_nvlink=bool(static.nvlinks))
+        try:
+            gpu.gpm = _Gpm.open(q, gpu.handle)
+        except _GpuLost:
+            gpu.gpm = None
+        return gpu
+
+    def _supported_fields(self, q: _LiveQuery, handle: Any, has_nvlink: bool) -> tuple[Any, ...]:
+        """The counter fields this GPU answers, each tried alone: a driver that lacks one answers an error
+        for that field only, and a binding that cannot pass a scope fails only the NVLink ones."""
+        candidates = [(name, q.const(const, fid), 0, unit, True) for name, const, fid, unit in _PCIE_FIELDS]
+        if has_nvlink:
+            candidates += [(name, q.const(c, fid), _ALL_LINKS, unit, False) for name, c, fid, unit in _NVLINK_FIELDS]
+        supported = []
+        for candidate in candidates:
+            _, field_id, scope, _, wide_only = candidate
+            try:
+                values = q("nvmlDeviceGetFieldValues", handle, [(field_id, scope) if scope else field_id])
+            except _GpuLost:
+                return ()
+            if values is not None and _field_value(self.nvml, values[0], wide_only) is not None:
+                supported.append(candidate)
+        # a PCIe direction without the other is no use: fall back to the throughput call for both
+        if sum(name.startswith("pcie") for name, *_ in supported) == 1:
+            supported = [c for c in supported if not c[0].startswith("pcie")]
+        return tuple(supported)
+
+    # ---------------------------------------------------------------------------------------- read
+
+    def read(self, now: float, xids: dict[str, dict[str, int]] | None = None) -> list[GpuSample]:
+        """One ``GpuSample`` per GPU. ``now``: a monotonic clock in seconds, for rates. ``xids``: Xid counts
+        per PCI device as ``kernel_log.count_xids_by_device`` gives them, or None where the log is
+        unreadable (then ``xid_total`` is None). Raises ``NvmlGone`` (see the class docstring)."""
+        spot = self._pcie_spot_gpu()
+        samples = []
+        for gpu in self.gpus:
+            sample = self._read_gpu(gpu, now, gpu is spot)
+            if not sample.lost:
+                sample.xid_total = _xid_total(gpu.pci_bus_id, xids)
+            samples.append(sample)
+        return samples
+
+    def _pcie_spot_gpu(self) -> _LiveGpu | None:
+        """The GPU whose blocking PCIe throughput reading is refreshed this time (see the class docstring)."""
+        without = [g for g in self.gpus if g.handle is not None and not g.has_pcie_counters]
+        if not without:
+            return None
+        self._pcie_turn %= len(without)
+        gpu = without[self._pcie_turn]
+        self._pcie_turn += 1
+        return gpu
+
+    def _read_gpu(self, gpu: _LiveGpu, now: float, refresh_pcie_spot: bool) -> GpuSample:
+        # imported here, not with the module: redline.monitor's modules import this one, and the probe
+        # (which never needs monitor) must not depend on what the monitor package imports when it loads
+        from redline.monitor.sample import GpuSample
+
+        if gpu.handle is None:
+            return gpu.lost_sample()
+        sample = GpuSample(
+            index=gpu.index,
+            uuid=gpu.uuid,
+            name=gpu.name,
+            sm_clock_max_hertz=gpu.sm_clock_max_hertz,
+            memory_clock_max_hertz=gpu.memory_clock_max_hertz,
+            pcie_link_generation_max=gpu.pcie_link_generation_max,
+            pcie_link_width_max=gpu.pcie_link_width_max,
+            temperature_slowdown_celsius=gpu.temperature_slowdown_celsius,
+        )
+        for what, read in _LIVE_GROUPS:
+            try:
+                read(self, gpu, sample, now)
+            except _GpuLost:
+                return gpu.lost_sample()
+            except NvmlGone:
+                raise
+            except Exception as exc:  # a binding handing back an unexpected shape: lose this group only
+                gpu.q.note(f"reading {what}: {type(exc).__name__}: {exc}")
+        if refresh_pcie_spot:
+            self._read_pcie_spot(gpu)
+        if not gpu.has_pcie_counters:
+            sample.pcie_tx_bytes_per_second, sample.pcie_rx_bytes_per_second = gpu.pcie_spot
+        return sample
+
+    def _read_pcie_spot(self, gpu: _LiveGpu) -> None:
+        try:
+            tx = gpu.q("nvmlDeviceGetPcieThroughput", gpu.handle, self._consts["tx"])
+            rx = gpu.q("nvmlDeviceGetPcieThroughput", gpu.handle, self._consts["rx"])
+        except _GpuLost:
+            return
+        # NVML measures over 20 ms and answers in KiB/s
+        gpu.pcie_spot = (_times(tx, 1024), _times(rx, 1024))
+
+    def close(self) -> None:
+        """Free GPM buffers and shut NVML down; quiet where NVML is already gone."""
+        if self._closed:
+            return
+        self._closed = True
+        for gpu in self.gpus:
+            if gpu.gpm is not None:
+                gpu.gpm.close()
+        with contextlib.suppress(Exception):  # NVML gone: nothing left to shut down
+            self.nvml.nvmlShutdown()
+
+
+def _times(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def _hertz(mhz: float | None) -> float | None:
+    return _times(mhz, 1e6)
+
+
+def _xid_total(pci_bus_id: str | None, xids: dict[str, dict[str, int]] | None) -> int | None:
+    """Xids of this GPU: the log names a device without its function ('0000:3b:00'), old drivers
+    without the domain either ('3b:00')."""
+    if pci_bus_id is None or xids is None:
+        return None
+    device = pci_bus_id.rpartition(".")[0] or pci_bus_id  # '0000:3b:00'
+    without_domain = device.partition(":")[2]
+    total = 0
+    for pci, counts in xids.items():
+        key = normalize_pci_bus_id(pci) if pci.count(":") == 2 else pci
+        if key in (device, without_domain):
+            total += sum(counts.values())
+    return total
+
+
+def _live_utilization(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    # .gpu: the share of the last period in which any kernel ran; .memory: the share device memory was busy
+    utilization = gpu.q("nvmlDeviceGetUtilizationRates", gpu.handle)
+    if utilization is not None:
+        sample.utilization_ratio = utilization.gpu / 100
+        sample.memory_bandwidth_ratio = utilization.memory / 100
+
+
+def _live_memory(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    scratch = Gpu(index=gpu.index)
+    _read_memory(gpu.q, gpu.handle, scratch)
+    sample.memory_used_bytes = scratch.memory_used_bytes
+    sample.memory_total_bytes = scratch.memory_total_bytes
+
+
+def _live_clocks(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    q, h = gpu.q, gpu.handle
+    sample.sm_clock_hertz = _hertz(q("nvmlDeviceGetClockInfo", h, reader._consts["sm"]))
+    sample.memory_clock_hertz = _hertz(q("nvmlDeviceGetClockInfo", h, reader._consts["mem"]))
+    mask = q.first(("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"), h)
+    sample.clock_event_reasons = None if mask is None else clock_event_reason_names(q.nvml, mask)
+
+
+def _live_power(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    q, h = gpu.q, gpu.handle
+    # milliwatts; the enforced limit is read every time because `nvidia-smi -pl` changes it at run time
+    sample.power_watts = _scaled(q("nvmlDeviceGetPowerUsage", h), 1000)
+    sample.power_limit_watts = _scaled(q("nvmlDeviceGetEnforcedPowerLimit", h), 1000)
+    # millijoules since the driver loaded (Volta and later)
+    sample.energy_joules_total = _scaled(q("nvmlDeviceGetTotalEnergyConsumption", h), 1000)
+
+
+def _live_thermal(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    temperature = gpu.q("nvmlDeviceGetTemperature", gpu.handle, reader._consts["sensor"])
+    sample.temperature_celsius = None if temperature is None else float(temperature)
+
+
+def _live_pcie(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    q, h = gpu.q, gpu.handle
+    sample.pcie_link_generation = q("nvmlDeviceGetCurrPcieLinkGeneration", h)
+    sample.pcie_link_width = q("nvmlDeviceGetCurrPcieLinkWidth", h)
+    sample.pcie_replay_total = q("nvmlDeviceGetPcieReplayCounter", h)
+
+
+def _live_counters(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    """PCIe and NVLink bytes per second from cumulative counters, all in one nvmlDeviceGetFieldValues."""
+    if not gpu.fields:
+        return
+    request = [(field_id, scope) if scope else field_id for _, field_id, scope, _, _ in gpu.fields]
+    values = gpu.q("nvmlDeviceGetFieldValues", gpu.handle, request)
+    readings: dict[str, float] = {}
+    if values is not None:
+        for (name, _, _, _, wide_only), value in zip(gpu.fields, values, strict=True):
+            number = _field_value(reader.nvml, value, wide_only)
+            if number is not None:
+                readings[name] = number
+    rates = _rates(gpu.counters, gpu.counters_at, readings, now)
+    gpu.counters, gpu.counters_at = readings, now
+    units = {name: unit for name, _, _, unit, _ in gpu.fields}
+    if gpu.has_pcie_counters:
+        sample.pcie_tx_bytes_per_second = _times(rates.get("pcie_tx"), units["pcie_tx"])
+        sample.pcie_rx_bytes_per_second = _times(rates.get("pcie_rx"), units["pcie_rx"])
+    if "nvlink_tx" in units:
+        sample.nvlink_tx_bytes_per_second = _times(rates.get("nvlink_tx"), units["nvlink_tx"])
+    if "nvlink_rx" in units:
+        sample.nvlink_rx_bytes_per_second = _times(rates.get("nvlink_rx"), units["nvlink_rx"])
+
+
+def _rates(
+    previous: dict[str, float], previous_at: float | None, current: dict[str, float], now: float
+) -> dict[str, float]:
+    """Per-second increase of each counter read both times. A counter that went down was reset (a
+    driver reload) or wrapped: no rate for that interval rather than a huge or negative one."""
+    if previous_at is None or now <= previous_at:
+        return {}
+    elapsed = now - previous_at
+    return {
+        name: (value - previous[name]) / elapsed
+        for name, value in current.items()
+        if name in previous and value >= previous[name]
+    }
+
+
+def _live_ecc(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    q, h, c = gpu.q, gpu.handle, reader._consts
+    # volatile: since the driver loaded, so the count that moves while a job runs
+    sample.ecc_corrected_total = q("nvmlDeviceGetTotalEccErrors", h, c["corrected"], c["volatile"])
+    sample.ecc_uncorrected_total = q("nvmlDeviceGetTotalEccErrors", h, c["uncorrected"], c["volatile"])
+
+
+def _live_gpm(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    if gpu.gpm is None:
+        return
+    metrics = gpu.gpm.read()
+    sample.sm_activity_ratio = metrics.get("sm_activity_ratio")
+    sample.tensor_activity_ratio = metrics.get("tensor_activity_ratio")
+
+
+def _live_processes(reader: GpuStateReader, gpu: _LiveGpu, sample: GpuSample, now: float) -> None:
+    from redline.monitor.sample import GpuProcess as ProcessSample  # see GpuStateReader._read_gpu
+
+    scratch = Gpu(index=gpu.index)
+    _read_processes(gpu.q, gpu.handle, scratch)
+    sample.processes = [
+        ProcessSample(
+            pid=p.pid,
+            name=p.name,
+            user=None if p.uid is None else _user_name(p.uid),
+            used_memory_bytes=p.used_memory_bytes,
+            kind=p.kind,
+        )
+        for p in scratch.processes or []
+    ]
+
+
+_LIVE_GROUPS: tuple[tuple[str, Callable[[GpuStateReader, _LiveGpu, GpuSample, float], None]], ...] = (
+    ("utilization", _live_utilization),
+    ("memory", _live_memory),
+    ("clocks", _live_clocks),
+    ("power", _live_power),
+    ("thermal", _live_thermal),
+    ("pcie", _live_pcie),
+    ("counters", _live_counters),
+    ("ecc", _live_ecc),
+    ("gpm", _live_gpm),
+    ("processes", _live_processes),
+)
