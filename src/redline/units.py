@@ -73,6 +73,26 @@ def fmt_count(n: float) -> str:
     return f"{n:.3g}"
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str, *, bare_unit_s: float = 1.0) -> float:
+    """'90s', '10m', '36h', '7d', '2w' -> seconds; a bare number counts in ``bare_unit_s``. ValueError with
+    the reason otherwise."""
+    cleaned = text.strip().lower()
+    try:
+        value = (
+            float(cleaned[:-1]) * _DURATION_UNITS[cleaned[-1]]
+            if cleaned[-1:] in _DURATION_UNITS
+            else float(cleaned) * bare_unit_s
+        )
+    except ValueError:
+        raise ValueError(f"'{text}' is not a duration like 90s, 10m, 36h or 7d") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"'{text}' must be a positive, finite duration")
+    return value
+
+
 def fmt_duration(seconds: float | None) -> str:
     """Human durations: '850 ms', '42.0 s', '3.2 h', '12.5 d'."""
     if seconds is None:

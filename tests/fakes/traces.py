@@ -539,7 +539,7 @@ def _foreign_process(t: int, rng: random.Random) -> Tick:
     """Someone else's forgotten notebook kernel (pid FOREIGN_PID, another user) holds 22 GiB on GPU 4 and
     does nothing; the job's rank 4 has that much less room."""
     gpus = [busy(rng) for _ in range(8)]
-    gpus[FOREIGN_GPU] = busy(rng, memory_used_gib=71.5 + 22, foreign_gib=22.0)
+    gpus[FOREIGN_GPU] = busy(rng, memory_used_gib=71.5, foreign_gib=22.0)  # the job gets 22 GiB less
     return Tick(gpus=gpus, host=steady_host(rng), steps=even_steps(rng))
 
 

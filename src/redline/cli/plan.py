@@ -16,7 +16,7 @@ from rich.table import Table
 
 from redline.cli import ui
 from redline.errors import BadInput
-from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count
+from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count, parse_duration
 
 
 def plan(
@@ -199,16 +199,10 @@ def _shape(text: str | None) -> tuple[int, ...] | None:
 
 
 def _duration(text: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-    cleaned = text.strip().lower()
     try:
-        # a bare number is hours
-        value = float(cleaned[:-1]) * units[cleaned[-1]] if cleaned[-1] in units else float(cleaned) * 3600
-    except (ValueError, IndexError):
-        raise BadInput(f"--deadline '{text}' is not a duration like 36h or 7d") from None
-    if not value > 0:
-        raise BadInput(f"--deadline '{text}' must be positive")
-    return value
+        return parse_duration(text, bare_unit_s=3600)  # a bare number is hours
+    except ValueError as exc:
+        raise BadInput(f"--deadline {exc}") from None
 
 
 def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing):

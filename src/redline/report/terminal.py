@@ -32,7 +32,7 @@ def _compact(evidence: dict) -> str:
     return text if len(text) <= EVIDENCE_CHARS else text[: EVIDENCE_CHARS - 3] + "..."
 
 
-def _finding(f: Finding) -> Group:
+def render_finding(f: Finding) -> Group:
     head = Text.assemble((f" {f.severity.value.upper()} ", STYLE[f.severity]), " ", (f.title, "bold"))
     if f.subject:
         head.append(f"  [{f.subject}]", style="dim")
@@ -54,7 +54,7 @@ def render(report: DoctorReport, snapshot: Snapshot, console: Console) -> None:
     for area, findings in report.grouped():
         console.rule(Text(area.title, style="bold"), align="left")
         for f in findings:
-            console.print(_finding(f))
+            console.print(render_finding(f))
     for error in report.rule_errors + snapshot.probe_errors:
         console.print(Text(f"note: {error}", style="yellow"))
     counts = report.counts()

@@ -1,0 +1,190 @@
+"""The terminal view of `redline monitor`: one screen, redrawn each interval, readable over SSH.
+
+Per GPU a row: utilisation as a bar and a sparkline of the recent window, memory, SM clock against its max,
+power against its limit, temperature, PCIe link, the clock-event reasons that are set, processes. Then one
+line for the host, one per training rank, and the active findings of the diagnosis. Plain rich renderables
+built from ``Sample``s, so the same code draws a live screen (rich ``Live``) and a one-off print.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from redline.doctor.model import Finding, Severity
+from redline.monitor.sample import GpuSample, HostSample, Sample, StepSample
+from redline.units import fmt_bytes, fmt_count, fmt_duration
+
+SPARK = "▁▂▃▄▅▆▇█"
+BAR_WIDTH = 10
+SPARK_WIDTH = 30
+MAX_RANK_LINES = 4
+# reasons that only say the GPU has nothing to do, or sits where a setting put it: not worth a column
+QUIET_REASONS = frozenset({"gpu_idle", "applications_clocks_setting", "display_clock_setting"})
+SEVERITY_STYLE = {Severity.FAIL: "bold white on red", Severity.WARN: "bold black on yellow", Severity.INFO: "blue"}
+
+
+def bar(ratio: float | None, width: int = BAR_WIDTH) -> Text:
+    """'███████░░░ 72%'; 'n/a' when unknown. Green to red as the ratio climbs, as in nvtop."""
+    if ratio is None:
+        return Text("n/a", style="dim")
+    ratio = min(max(ratio, 0.0), 1.0)
+    filled = round(ratio * width)
+    style = "green" if ratio < 0.7 else "yellow" if ratio < 0.9 else "red"
+    return Text.assemble(("█" * filled, style), ("░" * (width - filled), "dim"), f" {100 * ratio:3.0f}%")
+
+
+def sparkline(values: Sequence[float | None], width: int = SPARK_WIDTH) -> Text:
+    """The last ``width`` ratios (0..1) as block characters; a gap where a value is unknown."""
+    chars = []
+    for value in list(values)[-width:]:
+        if value is None:
+            chars.append(" ")
+        else:
+            chars.append(SPARK[min(int(min(max(value, 0.0), 1.0) * len(SPARK)), len(SPARK) - 1)])
+    return Text("".join(chars), style="cyan")
+
+
+def _ratio(part: float | None, whole: float | None) -> float | None:
+    return part / whole if part is not None and whole else None
+
+
+def _mhz(hertz: float | None) -> str:
+    return "n/a" if hertz is None else f"{hertz / 1e6:.0f}"
+
+
+def _gpu_row(gpu: GpuSample, history: list[float | None]) -> list[RenderableType]:
+    if gpu.lost:
+        return [str(gpu.index), Text("lost: NVML cannot reach this GPU", style="bold red"), "", "", "", "", "", "", ""]
+    memory = Text.assemble(
+        bar(_ratio(gpu.memory_used_bytes, gpu.memory_total_bytes)),
+        f" {fmt_bytes(gpu.memory_used_bytes)}" if gpu.memory_used_bytes is not None else "",
+    )
+    clock = f"{_mhz(gpu.sm_clock_hertz)}/{_mhz(gpu.sm_clock_max_hertz)}"
+    power = "n/a" if gpu.power_watts is None else f"{gpu.power_watts:.0f}"
+    if gpu.power_limit_watts is not None:
+        power += f"/{gpu.power_limit_watts:.0f}"
+    temperature = "n/a" if gpu.temperature_celsius is None else f"{gpu.temperature_celsius:.0f}"
+    link = Text("n/a", style="dim")
+    if gpu.pcie_link_generation is not None and gpu.pcie_link_width is not None:
+        degraded = (gpu.pcie_link_width_max or 0) > gpu.pcie_link_width or (
+            gpu.pcie_link_generation_max or 0
+        ) > gpu.pcie_link_generation
+        link = Text(f"gen{gpu.pcie_link_generation} x{gpu.pcie_link_width}", style="yellow" if degraded else "")
+    reasons = [r for r in gpu.clock_event_reasons or [] if r not in QUIET_REASONS]
+    return [
+        str(gpu.index),
+        Text.assemble(bar(gpu.utilization_ratio), " ", sparkline(history)),
+        memory,
+        clock,
+        power,
+        temperature,
+        link,
+        Text(", ".join(reasons), style="bold red" if reasons else ""),
+        str(len(gpu.processes)),
+    ]
+
+
+def gpu_table(samples: Sequence[Sample]) -> Table:
+    latest = samples[-1]
+    table = Table(box=None, padding=(0, 1), header_style="bold")
+    for name, justify in (
+        ("GPU", "right"),
+        ("busy (recent)", "left"),
+        ("memory", "left"),
+        ("SM MHz", "right"),
+        ("W", "right"),
+        ("°C", "right"),
+        ("PCIe", "left"),
+        ("clock events", "left"),
+        ("procs", "right"),
+    ):
+        # the bars keep their width; only the list of clock events may wrap
+        table.add_column(name, justify=justify, no_wrap=name != "clock events")  # type: ignore[arg-type]
+    for gpu in latest.gpus:
+        history = [
+            next((g.utilization_ratio for g in s.gpus if g.index == gpu.index), None) for s in samples[-SPARK_WIDTH:]
+        ]
+        table.add_row(*_gpu_row(gpu, history))
+    return table
+
+
+def host_line(host: HostSample | None) -> Text:
+    if host is None:
+        return Text("host: n/a", style="dim")
+
+    def rate(value: float | None) -> str:
+        return "n/a" if value is None else f"{fmt_bytes(value)}/s"
+
+    parts = [
+        f"CPU {'n/a' if host.cpu_ratio is None else f'{100 * host.cpu_ratio:.0f}%'}"
+        + (f" of {host.cpu_count}" if host.cpu_count else ""),
+        f"iowait {'n/a' if host.cpu_iowait_ratio is None else f'{100 * host.cpu_iowait_ratio:.0f}%'}",
+        f"mem {fmt_bytes(host.memory_used_bytes)}/{fmt_bytes(host.memory_total_bytes)}",
+        f"swap {fmt_bytes(host.swap_used_bytes)}",
+        f"disk r/w {rate(host.disk_read_bytes_per_second)} {rate(host.disk_write_bytes_per_second)}",
+        f"net rx/tx {rate(host.network_rx_bytes_per_second)} {rate(host.network_tx_bytes_per_second)}",
+    ]
+    return Text("host: " + " | ".join(parts))
+
+
+def step_lines(latest_steps: dict[int, StepSample]) -> list[Text]:
+    """One line per rank; past ``MAX_RANK_LINES`` ranks, one line for all of them and one for the slowest rank."""
+    if len(latest_steps) > MAX_RANK_LINES:
+        steps = list(latest_steps.values())
+        times = sorted(s.time_s for s in steps)
+        # in a synchronous job every rank's step takes as long as the slowest's: the rank to show is the one
+        # whose own work (data, compute, optimizer) is longest
+        slowest = max(steps, key=lambda s: s.data_s + s.compute_s + s.optimizer_s)
+        median = times[len(times) // 2]
+        return [
+            Text(
+                f"{len(steps)} ranks: step {min(s.step for s in steps)}-{max(s.step for s in steps)} | "
+                f"median {fmt_duration(median)}/step ({fmt_duration(times[0])} to {fmt_duration(times[-1])})"
+            ),
+            *step_lines({slowest.rank: slowest}),
+        ]
+    lines = []
+    for rank, step in sorted(latest_steps.items()):
+        data = f"{100 * step.data_s / step.time_s:.0f}%" if step.time_s > 0 else "n/a"
+        parts = [f"rank {rank}: step {step.step}", f"{fmt_duration(step.time_s)}/step", f"data {data}"]
+        if step.samples_per_s is not None:
+            parts.append(f"{fmt_count(step.samples_per_s)} samples/s")
+        if step.mfu_catalog is not None:
+            parts.append(f"MFU {100 * step.mfu_catalog:.1f}%")
+        if step.loss is not None:
+            parts.append(f"loss {step.loss:.4g}")
+        lines.append(Text(" | ".join(parts)))
+    return lines
+
+
+def finding_lines(findings: Sequence[Finding]) -> list[Text]:
+    if not findings:
+        return [Text("no findings over the recent window", style="green")]
+    return [
+        Text.assemble((f" {f.severity.value.upper()} ", SEVERITY_STYLE[f.severity]), " ", f.title, "  ", (f.fix, "dim"))
+        for f in findings
+    ]
+
+
+def render(
+    samples: Sequence[Sample],
+    findings: Sequence[Finding],
+    latest_steps: dict[int, StepSample],
+    header: str,
+    notes: Sequence[str] = (),
+) -> Group:
+    """The whole screen from the recent samples (oldest first), the active findings and each rank's newest step."""
+    parts: list[RenderableType] = [Text(header, style="bold cyan")]
+    if samples and samples[-1].gpus:
+        parts.append(gpu_table(samples))
+    else:
+        parts.append(Text("no GPUs visible to NVML", style="dim"))
+    parts.append(host_line(samples[-1].host if samples else None))
+    parts.extend(step_lines(latest_steps))
+    parts.extend(finding_lines(findings))
+    parts.extend(Text(f"note: {note}", style="yellow") for note in notes)
+    return Group(*parts)

@@ -1,0 +1,186 @@
+"""`redline monitor` and `redline report` as a user runs them: real processes, this machine's host (no GPU here),
+records made from the fake-NVML traces for the GPU side, and every bad input one line with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from fakes.traces import scenario
+from redline.monitor.store import Store
+
+
+def record_of(name: str, tmp_path: Path, ticks: int = 40) -> Path:
+    """A record of one trace scenario, written as `redline monitor --record` writes it."""
+    path = tmp_path / f"{name}.rlm"
+    with Store.open(path) as store:
+        for sample in scenario(name, root=tmp_path / name, ticks=ticks).run():
+            store.append(sample)
+    return path
+
+
+def test_once_json_reports_the_host_and_says_why_there_are_no_gpus() -> None:
+    result = run_cli("monitor", "--once", "--json", "--interval", "0.2")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    host = out["sample"]["host"]
+    assert host["cpu_count"] == os.cpu_count() and 0 <= host["cpu_ratio"] <= 1
+    assert host["memory_total_bytes"] > 0 and host["disk_read_bytes_per_second"] is not None  # a rate: 2 readings
+    if not out["sample"]["gpus"]:
+        assert any("no GPU telemetry" in note for note in out["sample"]["notes"])
+    assert out["findings"] == []
+
+
+def test_record_then_report(tmp_path: Path) -> None:
+    record = tmp_path / "run.rlm"
+    result = run_cli("monitor", "--record", str(record), "--interval", "0.2", "--duration", "1.5", "--json")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(lines) >= 4 and all(line["host"] for line in lines)
+    assert f"recorded {len(lines)} samples to {record}" in result.stderr
+
+    report = run_cli("report", str(record), "--json")
+    assert report.returncode == 0, report.stderr
+    summary = json.loads(report.stdout)
+    assert summary["samples"] == len(lines)
+    assert summary["start"] == pytest.approx(lines[0]["time"]) and summary["end"] == pytest.approx(lines[-1]["time"])
+
+
+def test_a_terminal_user_gets_a_line_per_sample_in_a_pipe() -> None:
+    result = run_cli("monitor", "--interval", "0.2", "--duration", "0.7")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert 3 <= len(lines) <= 5 and all("cpu " in line for line in lines)
+
+
+def test_sigterm_closes_the_record_with_every_sample(tmp_path: Path) -> None:
+    record = tmp_path / "run.rlm"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "redline", "monitor", "--record", str(record), "--interval", "0.1", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for _ in range(5):  # five samples printed, so five committed
+            assert proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    printed = 5 + len(out.splitlines())
+    with Store.read(record) as store:
+        assert store.count() == printed
+
+
+def test_the_metrics_endpoint_serves_while_monitoring(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "redline", "monitor", "--port", str(port), "--interval", "0.2", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline()  # one sample taken
+        import urllib.request
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "redline_host_memory_total_bytes" in body and "redline_monitor_up 1.0" in body
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        proc.kill()
+
+
+def test_report_diagnoses_a_recorded_trace_and_writes_html_and_pngs(tmp_path: Path) -> None:
+    record = record_of("throttling", tmp_path)
+    html, pngs = tmp_path / "report.html", tmp_path / "plots"
+    result = run_cli("report", str(record), "--html", str(html), "--png", str(pngs), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["samples"] == 40 and len(summary["gpus"]) == 8
+    rules = {(f["rule"], f["subject"]) for f in summary["findings"]}
+    assert ("monitor.thermal", "GPUs 2,5") in rules
+    assert "first_seen" in summary["findings"][0]["evidence"]
+    page = html.read_text()
+    assert "data:image/png;base64," in page and "throttled" in page
+    assert sorted(p.suffix for p in pngs.iterdir()) and all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs.iterdir())
+
+    text = run_cli("report", str(record))
+    assert text.returncode == 0 and "40 samples" in text.stdout and "GPUs 2,5" in text.stdout
+
+
+def test_a_healthy_trace_reports_no_findings(tmp_path: Path) -> None:
+    result = run_cli("report", str(record_of("healthy", tmp_path)), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["findings"] == []
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_options_are_one_line() -> None:
+    _one_line_error(run_cli("monitor", "--interval", "0"), "--interval")
+    _one_line_error(run_cli("monitor", "--retention", "7d"), "--record")
+    _one_line_error(run_cli("monitor", "--window", "soon", "--once"), "--window")
+    _one_line_error(run_cli("monitor", "--gpus", "a,b", "--once"), "--gpus")
+    _one_line_error(run_cli("monitor", "--port", "70000", "--once"), "--port")
+
+
+def test_a_port_in_use_is_one_line_and_nothing_is_recorded(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _one_line_error(run_cli("monitor", "--port", str(port), "--once"), f"port {port}", "in use")
+
+
+def test_a_record_that_is_not_ours_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    _one_line_error(run_cli("monitor", "--record", str(notes), "--once"), str(notes))
+    _one_line_error(run_cli("report", str(notes)), str(notes))
+    assert notes.read_text() == "my notes\n"
+    _one_line_error(run_cli("report", str(tmp_path / "missing.rlm")), "missing.rlm")
+
+
+def test_an_unwritable_record_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _one_line_error(run_cli("monitor", "--record", str(blocker / "run.rlm"), "--once"), "run.rlm")
+
+
+def test_a_truncated_record_is_one_line_and_left_as_it_was(tmp_path: Path) -> None:
+    record = record_of("healthy", tmp_path, ticks=12)
+    cut = record.read_bytes()[: record.stat().st_size // 2]  # a copy cut short in transfer
+    record.write_bytes(cut)
+    _one_line_error(run_cli("report", str(record)), str(record))
+    _one_line_error(run_cli("monitor", "--record", str(record), "--once"), str(record))
+    assert record.read_bytes() == cut
+
+
+def test_report_of_an_empty_record_is_one_line(tmp_path: Path) -> None:
+    record = tmp_path / "empty.rlm"
+    Store.open(record).close()
+    _one_line_error(run_cli("report", str(record)), "no samples")
