@@ -72,6 +72,30 @@ PY
 step runtime-example "$py" examples/train_gpt.py --epochs 1
 step pytest-gpu "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 
+# the monitor against the real NVML: which fields this GPU and driver answer, then a record taken while the
+# example trains, and the report of it (diagnosis, HTML)
+step monitor-once bash -c '"$0" -m redline monitor --once --json >"$1/monitor-once.json"' "$py" "$out"
+step monitor-fields "$py" - "$out/monitor-once.json" <<'PY'
+import json, sys
+sample = json.load(open(sys.argv[1]))["sample"]
+assert sample["gpus"], f"no GPUs in the sample: {sample['notes']}"
+for gpu in sample["gpus"]:
+    missing = sorted(k for k, v in gpu.items() if v is None)
+    print(f"GPU {gpu['index']} {gpu['name']}: util {gpu['utilization_ratio']} mem {gpu['memory_used_bytes']} "
+          f"SM {gpu['sm_clock_hertz']} power {gpu['power_watts']}/{gpu['power_limit_watts']} "
+          f"energy {gpu['energy_joules_total']} pcie {gpu['pcie_tx_bytes_per_second']} "
+          f"nvlink {gpu['nvlink_tx_bytes_per_second']} GPM {gpu['sm_activity_ratio']}/{gpu['tensor_activity_ratio']}")
+    print("  not available:", missing)
+    for needed in ("utilization_ratio", "memory_used_bytes", "sm_clock_hertz", "power_watts", "temperature_celsius"):
+        assert gpu[needed] is not None, f"{needed} is missing on GPU {gpu['index']}"
+print("notes:", sample["notes"])
+PY
+step monitor-during-training bash -c '
+    "$0" -m redline monitor --record "$1/monitor.rlm" --interval 0.5 --duration 25 --json >/dev/null &
+    monitor=$!
+    sleep 3 && "$0" examples/train_gpt.py --epochs 2 >/dev/null 2>&1
+    wait $monitor && "$0" -m redline report "$1/monitor.rlm" --html "$1/monitor-report.html" --json' "$py" "$out"
+
 echo
 echo "== summary"
 "$py" - "$out" <<'PY'
