@@ -328,7 +328,7 @@ def test_out_of_memory_inside_the_gradient_all_reduce_restarts_smaller_with_the_
         model = make_model()
         loader = torch.utils.data.DataLoader(dataset(), batch_size=8)
         run = prepare(model, lambda ps: torch.optim.SGD(ps, lr=0.1), loader, plan=plan,
-                      checkpoint_dir={str(tmp_path / "checkpoints")!r}, checkpoint_every=1)
+                      checkpoint_dir={str(tmp_path / "checkpoints")!r}, checkpoint_every=2)
         for x, y in run.micro_batches():
             with run.accumulate():
                 run.backward(nn.functional.mse_loss(run.model(x), y))
@@ -337,7 +337,9 @@ def test_out_of_memory_inside_the_gradient_all_reduce_restarts_smaller_with_the_
             json.dump(run.oom_events, open({str(out)!r} + ".json", "w"))
         """,
     )
-    env = {"REDLINE_TEST_OOM_AT": "2:1:1"}  # step 2, rank 1, the second (synchronising) micro-batch
+    # step 3, rank 1, the second (synchronising) micro-batch; the last checkpoint is step 2's, so the failing
+    # rank must not try to save one on its way out (a collective: it would wait for rank 0 forever)
+    env = {"REDLINE_TEST_OOM_AT": "3:1:1"}
     result = run_cli("run", "--nproc-per-node", "2", "--max-restarts", "1", str(script), timeout=150, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recorded micro-batch 2 x 4 accumulation" in result.stderr

@@ -20,6 +20,7 @@ from redline.cli import ui
 from redline.errors import BadInput, RedlineError
 from redline.units import parse_duration
 
+MAX_WINDOW_SAMPLES = 100_000  # the diagnosis keeps its window in memory: a day at 1 s is enough
 DIAGNOSE_EVERY_S = 5.0  # the rules judge a window: re-judging it every sample would only repeat them
 
 
@@ -69,6 +70,8 @@ def monitor(
         raise BadInput("--retention applies to a record: add --record FILE")
     retention_s = _duration("--retention", retention) if retention is not None else None
     window_s = _duration("--window", window)
+    if window_s / interval > MAX_WINDOW_SAMPLES:
+        raise BadInput(f"--window {window} holds more than {MAX_WINDOW_SAMPLES:,} samples: shorten it")
     stop_after_s = _duration("--duration", duration) if duration is not None else None
     if port is not None and not 0 < port < 65536:
         raise BadInput(f"--port {port} is not a TCP port (1-65535)")
@@ -166,10 +169,11 @@ class _Session:
         self.take(first)
         time.sleep(min(self.interval, 1.0))  # a second reading, so counters become rates
         sample = self.sampler.sample()
-        sample.notes = first.notes + [note for note in sample.notes if note not in first.notes]  # notes come once
         self.take(sample)
         if json_out:
-            ui.print_json({"sample": sample.to_dict(), "findings": [f.to_dict() for f in self.findings]})
+            # a note comes once, with the sample that first saw it: this one answers for both readings
+            out = sample.to_dict() | {"notes": list(self.notes)}
+            ui.print_json({"sample": out, "findings": [f.to_dict() for f in self.findings]})
         else:
             ui.console.print(self._screen())
 

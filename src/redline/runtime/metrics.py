@@ -531,6 +531,9 @@ _SLOWER = {
     "optimizer": "the optimizer step is slower than planned: use a fused or foreach optimizer (fused=True)",
     "comm": "the gradient communication is not hidden behind the backward: check the links (`redline bench "
     "collective`), raise the DDP bucket size, or compress gradients (comm_hook bf16 or powersgd)",
+    "compute+comm": "the kernels or the collectives behind them (not timed apart here) are slower than planned: "
+    "check the links (`redline bench collective`), clocks and throttling (`redline doctor`), and re-plan with "
+    "--hardware local after `redline bench --save`",
 }
 
 
@@ -549,12 +552,16 @@ def explain(summary: dict[str, Any], predicted: dict[str, Any]) -> list[str]:
     def part(*names: str) -> float:
         return sum(_number(step.get(name)) or 0.0 for name in names)
 
+    comm = ("data_parallel_comm", "tensor_parallel_comm", "pipeline_comm")
     pairs = {
         "data": (median["data_s"], 0.0),  # the planner assumes the input pipeline keeps up
         "compute": (median["compute_s"], part("compute", "bubble")),
         "optimizer": (median["optimizer_s"], part("optimizer")),
-        "comm": (median["comm_s"], part("data_parallel_comm", "tensor_parallel_comm", "pipeline_comm")),
+        "comm": (median["comm_s"], part(*comm)),
     }
+    if median["comm_s"] is None:  # not measured (FSDP2): what the collectives left exposed is inside compute_s
+        pairs["compute+comm"] = (median["compute_s"], part("compute", "bubble", *comm))
+        del pairs["compute"], pairs["comm"]
     gaps = [
         (measured - want, name, measured, want)
         for name, (measured, want) in pairs.items()

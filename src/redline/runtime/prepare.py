@@ -42,6 +42,7 @@ import gc
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -58,6 +59,7 @@ log = logging.getLogger("redline.runtime")
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # a test hook: "STEP:RANK" raises an out-of-memory error at that optimizer step on that rank, once
 OOM_HOOK_ENV = "REDLINE_TEST_OOM_AT"
+EXIT_WAIT_S = 5.0  # how long a rank leaving waits for the others at exit (see _destroy_process_group)
 
 
 class OutOfMemoryAtMinimum(RedlineError):
@@ -143,6 +145,7 @@ class Run:
         self._loss_sum = 0.0
         self._oom_hook = _parse_oom_hook(os.environ.get(OOM_HOOK_ENV))
         self._last_bucket_ready: Any = None  # metrics.mark() of the last DDP bucket ready in this backward
+        self._failed = False  # an error left a micro-batch: the loop ends without a collective checkpoint
         self._resume()
 
     # ----------------------------------------------------------------------------------- configuration
@@ -367,8 +370,9 @@ class Run:
                         self.save_checkpoint()
                 self.epoch += 1
                 self.batch_in_epoch = 0
-        except GeneratorExit:  # the loop stopped early (a break), on every rank alike
-            self.close()
+        except GeneratorExit:  # the loop stopped early: a break (every rank alike), or an error in its body
+            # after an error the other ranks may sit in a collective: a checkpoint (collective) would hang
+            self.close(checkpoint=not self._failed)
             raise
         except BaseException:  # an error, perhaps on this rank only: no collective checkpoint, just the summary
             self.close(checkpoint=False)
@@ -389,8 +393,12 @@ class Run:
                 if self.world_size > 1 and (boundary or self.config.strategy.sharding != "ddp"):
                     # the other ranks are inside a gradient collective (DDP's sync step, FSDP2's gathers and
                     # reduce-scatters): no agreement is possible, so end here and come back smaller
+                    self._failed = True
                     self._restart_smaller(exc)
                 failed = True
+            except BaseException:
+                self._failed = True  # the error leaves the loop: see micro_batches
+                raise
         if self._any_rank(failed):
             self._shrink_micro_batch()
             return
@@ -601,14 +609,24 @@ def _init_distributed() -> tuple[int, int, int]:
         )
         # a group left alive at interpreter exit can abort in its threads' destructors ("terminate called
         # without an active exception"): the group redline made, redline tears down
-        atexit.register(_destroy_process_group)
+        atexit.register(_destroy_process_group, store, world)
         return dist.get_world_size(), dist.get_rank(), local
     return 1, 0, 0
 
 
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _destroy_process_group(store: dist.Store, world: int) -> None:
+    """Leave together: a rank that tears its gloo connections down while a peer still reads them can abort
+    the peer ("terminate called without an active exception", about one 2-rank run in eight). The ranks meet
+    over the store, not in a collective, so a rank that fails while its peers sit in another collective
+    cannot mismatch it: it waits at most ``EXIT_WAIT_S`` and goes."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # the launcher's store already gone: nobody left to wait for
+        store.add("exit", 1)
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while store.add("exit", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+    dist.destroy_process_group()
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
