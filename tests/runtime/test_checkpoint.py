@@ -402,6 +402,7 @@ try:
         restored = checkpointer.load_latest(model=model, optimizer=optimizer, scheduler=scheduler)
     results["fallback"] = {"restored": restored, "warnings": [str(w.message) for w in caught]}
     torch.save(results, f"{base}/rank{rank}.pt")
+    dist.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
 finally:
     dist.destroy_process_group()
 """

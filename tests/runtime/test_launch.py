@@ -155,6 +155,7 @@ def test_two_ranks_through_torchrun_all_reduce(tmp_path: Path, plan2: Path) -> N
         if dist.get_rank() == 0:
             result = {"sum": total.item(), "world": dist.get_world_size(), "plan": os.environ["REDLINE_PLAN"]}
             open(sys.argv[1], "w").write(json.dumps(result))
+        dist.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
         dist.destroy_process_group()
         """,
     )

@@ -191,6 +191,7 @@ SCRIPT = textwrap.dedent(
         torch.save(full, os.environ["OUT"])
         with open(os.environ["OUT"] + ".comm.json", "w") as f:
             json.dump([record.comm_s for record in run.metrics.records], f)
+    torch.distributed.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
     torch.distributed.destroy_process_group()
     """
 )

@@ -169,6 +169,7 @@ def run_rank(
                         rows.append(row)
                     if on_size is not None:
                         on_size()
+        dist.barrier()  # leave together: a gloo group torn down under a peer still reading it can abort the peer
         if rank != 0:
             return None
         return {
