@@ -223,7 +223,7 @@ class StepTail:
 
     def poll(self, notes: list[str]) -> list[StepSample]:
         """The steps written since the previous poll, file by file in path order."""
-        paths = self._expand()
+        paths = self._expand(notes)
         first = not self._polled
         self._polled = True
         steps: list[StepSample] = []
@@ -233,13 +233,13 @@ class StepTail:
             del self._files[gone]
         return steps
 
-    def _expand(self) -> list[str]:
+    def _expand(self, notes: list[str]) -> list[str]:
         found: set[str] = set()
         for pattern in self.patterns:
-            if glob.has_magic(pattern):
-                found.update(glob.glob(pattern))
-            elif os.path.exists(pattern):
-                found.add(pattern)
+            matched = glob.glob(pattern) if glob.has_magic(pattern) else [pattern] * os.path.exists(pattern)
+            if not matched:  # a typo, or a run that has not started writing: either way worth a word (once)
+                notes.append(f"steps: no file matches {pattern} yet")
+            found.update(matched)
         return sorted(found)
 
     def _read(self, path: str, first_poll: bool, notes: list[str]) -> list[StepSample]:
