@@ -16,6 +16,7 @@ installed. Sizes are kept small on a CPU so the whole run takes a few minutes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -52,12 +53,14 @@ def models(device: str) -> list[dict]:
             "name": "vit-b-16",
             "build": zoo.vit_b_16,
             "input": lambda b: torch.randn(b, 3, 224, 224),
+            "shape": (3, 224, 224),
             "batch": 64 if cuda else 4,
         },
         {
             "name": "resnet50",
             "build": zoo.resnet50,
             "input": lambda b: torch.randn(b, 3, 224, 224),
+            "shape": (3, 224, 224),
             "batch": 128 if cuda else 8,
         },
     ]
@@ -75,7 +78,8 @@ def models(device: str) -> list[dict]:
             "name": "gpt2",
             "build": gpt2,
             "input": lambda b: torch.randint(0, 50257, (b, seq)),
-            "batch": 16 if cuda else 2,
+            "shape": (seq,),
+            "batch": 16 if cuda else 4,
             "seq_len": seq,
         }
     )
@@ -142,6 +146,30 @@ def measure(spec: dict, device: str, precision: str, steps: int) -> dict:
     return {"step_s": statistics.median(times), "steps": steps, "peak_allocated_bytes": peak}
 
 
+def calibrated(spec: dict, profile, cluster, device: str, precision: str, steps: int) -> dict:
+    """`plan --calibrate` as the CLI does it, at a quarter and half of the batch, then the prediction at the
+    whole batch (held out: not one of the calibration's sizes) against real steps at it, timed the same way."""
+    from redline.bench.training_step import measure_training_steps
+    from redline.plan.calibrate import calibrate as fit_profile
+
+    b = spec["batch"]
+    sizes = (max(1, b // 4), max(2, b // 2), b)
+    runs = measure_training_steps(
+        spec["build"], spec["shape"], sizes, device=device, precision=precision, steps=steps, name=spec["name"]
+    )
+    profile = fit_profile(profile, dataclasses.replace(cluster, name="local"), precision, runs[:2])
+    held_out = runs[2]
+    predicted = estimate(profile, Strategy(data=1, precision=precision, micro_batch=b), cluster, Goal(b))
+    measured_s = held_out.compute_s + held_out.optimizer_s
+    return {
+        "calibration": profile.calibration.to_dict(),
+        "calibrated_step_s": predicted.time.total,
+        "held_out_step_s": measured_s,
+        "calibrated_step_ratio": predicted.time.total / measured_s,
+        "calibrated_memory_ratio": (predicted.memory.allocated / held_out.peak_bytes if held_out.peak_bytes else None),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
@@ -176,12 +204,16 @@ def main() -> None:
         }
         if measured["peak_allocated_bytes"]:
             row["memory_ratio"] = predicted.memory.allocated / measured["peak_allocated_bytes"]
+        row |= calibrated(spec, profile, cluster, device, precision, args.steps)
         rows.append(row)
         if not args.json:
             memory = f"  memory {row['memory_ratio']:.2f}" if "memory_ratio" in row else ""
+            after = f"  calibrated: step {row['calibrated_step_ratio']:.2f}"
+            if row.get("calibrated_memory_ratio") is not None:
+                after += f" memory {row['calibrated_memory_ratio']:.2f}"
             print(
                 f"{row['model']:10} b={row['batch']:<4} predicted {row['predicted_step_s']:.3f} s  "
-                f"measured {row['measured_step_s']:.3f} s  ratio {row['step_ratio']:.2f}{memory}",
+                f"measured {row['measured_step_s']:.3f} s  ratio {row['step_ratio']:.2f}{memory}{after}",
                 flush=True,
             )
     if args.json:

@@ -61,6 +61,14 @@ def plan(
     max_nodes: int = typer.Option(8, "--max-nodes", help="With --cloud: try 1, 2, 4 ... up to this many nodes."),
     provider: list[str] = typer.Option([], "--provider", help="With --cloud: only these providers (repeatable)."),
     deadline: str | None = typer.Option(None, "--deadline", help="With --cloud: must finish within (36h, 7d)."),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="With --hardware local: time real steps of the model here and correct the plan."
+    ),
+    calibrate_micro_batch: int | None = typer.Option(
+        None,
+        "--calibrate-micro-batch",
+        help="With --calibrate: measure at this micro-batch and half of it (default: the uncalibrated plan's).",
+    ),
     list_models: bool = typer.Option(False, "--list-models", help="List the built-in model presets and exit."),
     json_output: bool = typer.Option(False, "--json", help="Print the whole result as JSON."),
     output: Path | None = typer.Option(
@@ -132,9 +140,24 @@ def plan(
 
     if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
         raise BadInput(f"{cluster.name} has no price: rank by time, or plan for a cloud instance (or --cloud)")
+    if calibrate_micro_batch is not None and not calibrate:
+        raise BadInput("--calibrate-micro-batch goes with --calibrate")
     batch = global_batch if global_batch is not None else default_global_batch(profile, cluster.gpus)
     goal = Goal(batch, tokens=tokens_total, samples=samples)
     result = search(profile, cluster, goal, constraints)
+    if calibrate:
+        # measured where the plan runs: at the micro-batch the uncalibrated search chose, and half of it
+        chosen = result.ranked[0].strategy.micro_batch if result.ranked else 1
+        profile, constraints = _calibrated(
+            profile,
+            cluster,
+            model,
+            seq_len,
+            input_shape,
+            constraints,
+            chosen if calibrate_micro_batch is None else calibrate_micro_batch,
+        )
+        result = search(profile, cluster, goal, constraints)
     if not result.ranked:
         message = explain_no_fit(result, cluster)
         if result.closest_misfit is not None:
@@ -230,6 +253,55 @@ def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, 
         micro_batch=micro_batch,
         checkpointing=checkpointing,
     )
+
+
+def _calibrated(profile, cluster, model, seq_len, input_shape, constraints, micro_batch):
+    """The profile corrected by real steps on this machine's first device, and the constraints pinned to the
+    precision it was measured in (a calibration holds for that precision only)."""
+    import dataclasses
+
+    from redline.bench.training_step import measure_training_steps
+    from redline.plan.calibrate import calibrate
+    from redline.workload.load import model_builder
+
+    if model is None:
+        raise BadInput("--calibrate runs the model: give it as --model (a config.json, a factory, resnet50, vit-b-16)")
+    if cluster.name != "local":
+        raise BadInput("--calibrate measures this machine: plan with --hardware local")
+    if micro_batch < 1:
+        raise BadInput(f"--calibrate-micro-batch must be at least 1, not {micro_batch}")
+    sizes = (micro_batch // 2, micro_batch) if micro_batch > 1 else (1, 2)
+    cuda = cluster.gpu is not None
+    precision = constraints.precision or ("bf16" if cuda else "fp32")
+    build = model_builder(model, seq_len=seq_len, input_shape=_shape(input_shape))
+    ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {sizes[0]} and {sizes[1]} ...")
+    try:
+        measured = measure_training_steps(
+            build.build,
+            build.input_shape,
+            sizes,
+            device="cuda:0" if cuda else "cpu",
+            precision=precision,
+            name=profile.name,
+        )
+    except RuntimeError as exc:  # out of memory, a kernel the device lacks: the model's own error, in one line
+        raise BadInput(f"calibration steps failed: {str(exc).splitlines()[0]}") from None
+    profile = calibrate(profile, cluster, precision, measured)
+    fitted = profile.calibration
+    scale, offset = fitted.compute
+    memory = fitted.memory
+    note = (
+        f"calibrated on {fitted.device} ({precision}, micro-batches {fitted.micro_batches[0]} and "
+        f"{fitted.micro_batches[1]}): compute x{scale:.2f} {'+' if offset >= 0 else '-'} "
+        f"{fmt_duration(abs(offset))} per micro-batch, optimizer x{fitted.optimizer_scale:.2f}"
+        + (
+            f", activations x{memory[0]:.2f} {'+' if memory[1] >= 0 else '-'} {fmt_bytes(abs(memory[1]))}"
+            if memory
+            else ", memory not measured on a CPU"
+        )
+    )
+    profile = dataclasses.replace(profile, notes=(*profile.notes, note))
+    return profile, dataclasses.replace(constraints, precision=precision)
 
 
 def _cluster(hardware: str, nodes: int, network_gbps: float | None):

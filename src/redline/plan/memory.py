@@ -13,7 +13,7 @@ optimizer step (gradients, activations freed), whichever is larger. The optimize
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from redline.plan.model_states import ZERO_STAGE, optimizer_state_bytes, pytorch_state_bytes
@@ -281,4 +281,23 @@ def memory_per_gpu(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: 
     split = stages(profile, strategy.pipeline)
     busiest = split[:1] + split[1:][-1:]
     candidates = [stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node) for stage in busiest]
-    return max(candidates, key=lambda m: m.device_total)
+    return _calibrated(profile, max(candidates, key=lambda m: m.device_total))
+
+
+def _calibrated(profile: WorkloadProfile, memory: MemoryBreakdown) -> MemoryBreakdown:
+    """Correct the parts that grow with the micro-batch (activations, the backward working set) by the measured
+    over predicted growth per sample that ``redline plan --calibrate`` found on this device, and the peak also
+    by the fixed difference (model states, workspaces)."""
+    fitted = profile.calibration.memory if profile.calibration is not None else None
+    if fitted is None:
+        return memory
+    scale, offset = fitted
+    growing = memory.activations + memory.temporary
+    allocated = max(memory.allocated + (scale - 1) * growing + offset, 0.0)
+    return replace(
+        memory,
+        activations=memory.activations * scale,
+        temporary=memory.temporary * scale,
+        allocated=allocated,
+        fragmentation=FRAGMENTATION * allocated,
+    )

@@ -59,6 +59,7 @@ def make_plan(profile: WorkloadProfile, cluster: Cluster, goal: Goal, chosen: Es
             "tokens_per_sample": profile.tokens_per_sample,
             "sample_unit": profile.sample_unit,
             "training_flops_per_sample": profile.training_flops_per_sample,
+            "calibration": profile.calibration.to_dict() if profile.calibration else None,
         },
         hardware=describe_cluster(cluster),
         goal={"global_batch": goal.global_batch, "tokens": goal.tokens, "samples": goal.samples},

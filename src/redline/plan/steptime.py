@@ -114,6 +114,9 @@ def _micro_batch_compute_s(
         backward += max(2 * flops / rate + memory_s / 2, 2 * launches)
         if layer.is_block and strategy.checkpointing == "full":
             backward += layer_forward
+    if profile.calibration is not None:  # measured on this device: keep the split, correct the total
+        scale, offset = profile.calibration.compute
+        forward, backward = forward * scale + offset / 3, backward * scale + 2 * offset / 3
     return forward, backward
 
 
@@ -241,4 +244,5 @@ def _optimizer_s(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster,
     opt_bytes = optimizer_bytes(profile, strategy)
     shard = shard_degree(strategy, cluster.gpus_per_node) if ZERO_STAGE[strategy.sharding] >= 1 else 1
     owned = stage.params / strategy.tensor / shard
-    return OPTIMIZER_TRAFFIC * owned * (4 + 4 + opt_bytes) / cluster.memory_bandwidth.value
+    seconds = OPTIMIZER_TRAFFIC * owned * (4 + 4 + opt_bytes) / cluster.memory_bandwidth.value
+    return seconds * (profile.calibration.optimizer_scale if profile.calibration is not None else 1.0)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from redline.capability import is_available, require_torch
 from redline.errors import BadInput
@@ -51,6 +53,52 @@ def load_workload(
         f"unknown model '{model}': not a preset ({', '.join(PRESET_NAMES)}), not a config.json path, "
         "not package.module:factory"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBuild:
+    """What it takes to run the model for real: a builder of the module and the shape of one sample's input."""
+
+    build: Callable[[], Any]  # returns an nn.Module, or (module, input_shape) as a factory may
+    input_shape: tuple[int, ...] | None
+
+
+def model_builder(model: str, *, seq_len: int | None = None, input_shape: tuple[int, ...] | None = None) -> ModelBuild:
+    """The module behind a SPEC, to run real steps of it (``redline plan --calibrate``): redline's own traced
+    presets, a Hugging Face config.json (needs transformers) or a factory. The transformer presets are
+    formulas, with no module behind them."""
+    require_torch(f"building {model}")
+    from redline.workload.presets import TRACED_PRESET_NAMES, traced_presets
+
+    name = model.strip().lower()
+    if name in TRACED_PRESET_NAMES:
+        preset = traced_presets()[name]
+        return ModelBuild(preset.build, input_shape or preset.input_shape)
+    if name in PRESET_NAMES:
+        raise BadInput(
+            f"preset '{model}' is a formula with no module to run: calibrate with its config.json, "
+            f"or a package.module:factory"
+        )
+    path = Path(model).expanduser()
+    if path.suffix == ".json" or path.is_dir() or path.exists():
+        return _hf_builder(path, seq_len)
+    if ":" in model:
+        from redline.workload.factory import load_factory
+
+        return ModelBuild(load_factory(model), input_shape)
+    raise BadInput(f"unknown model '{model}': not a preset, not a config.json path, not package.module:factory")
+
+
+def _hf_builder(path: Path, seq_len: int | None) -> ModelBuild:
+    if not is_available("transformers"):
+        raise BadInput(f"running {path} needs transformers: pip install transformers")
+    import transformers
+
+    from redline.workload.hf import read_config
+
+    config = transformers.AutoConfig.for_model(**read_config(path))
+    length = seq_len or min(int(getattr(config, "max_position_embeddings", 2048)), 8192)
+    return ModelBuild(lambda: transformers.AutoModelForCausalLM.from_config(config), (length,))
 
 
 def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:

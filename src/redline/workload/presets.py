@@ -109,7 +109,7 @@ class TracedPreset:
     input_shape: tuple[int, ...]
 
 
-def _traced_presets() -> dict[str, TracedPreset]:
+def traced_presets() -> dict[str, TracedPreset]:
     from redline.workload import zoo
 
     return {
@@ -137,6 +137,6 @@ def preset_profile(name: str, seq_len: int | None = None) -> WorkloadProfile:
         from redline.workload.trace import trace_module
 
         require_torch(f"the {key} preset is traced from a PyTorch module")
-        preset = _traced_presets()[key]
+        preset = traced_presets()[key]
         return trace_module(preset.build, preset.input_shape, name=key, source=f"preset {key}", sample_unit="image")
     raise BadInput(f"unknown model preset '{name}'; known: {', '.join(PRESET_NAMES)}")

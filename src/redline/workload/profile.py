@@ -90,6 +90,75 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """How this model's training steps really ran on this machine's device, against what the planner
+    predicted for the same runs: ``redline plan --calibrate`` measures a few steps at two micro-batch sizes.
+
+    Each measured quantity is fitted as a line in the micro-batch, ``a + b x m``, as is the prediction for
+    the same runs; the planner then keeps its own model and corrects it with the two lines' ratio of slopes
+    (``*_scale``: what each extra sample really costs) and difference of intercepts (``*_offset``: fixed costs
+    per micro-batch its roofline does not see, such as kernel launches of eager PyTorch). Memory is fitted the
+    same way where the device reports it (CUDA); the optimizer step, which does not depend on the micro-batch,
+    by its ratio.
+    """
+
+    device: str
+    precision: str
+    micro_batches: tuple[int, int]
+    measured_compute_s: tuple[float, float]  # forward + backward of one micro-batch
+    predicted_compute_s: tuple[float, float]
+    measured_optimizer_s: float
+    predicted_optimizer_s: float
+    measured_peak_bytes: tuple[int, int] | None  # torch.cuda.max_memory_allocated; None off CUDA
+    predicted_peak_bytes: tuple[float, float]
+
+    @staticmethod
+    def _line(points: tuple[float, float], micro_batches: tuple[int, int]) -> tuple[float, float]:
+        (m1, m2), (y1, y2) = micro_batches, points
+        slope = (y2 - y1) / (m2 - m1)
+        return y1 - slope * m1, slope
+
+    def _corrected(self, measured: tuple[float, float], predicted: tuple[float, float]) -> tuple[float, float]:
+        measured_at0, measured_slope = self._line(measured, self.micro_batches)
+        predicted_at0, predicted_slope = self._line(predicted, self.micro_batches)
+        scale = measured_slope / predicted_slope if predicted_slope > 0 and measured_slope > 0 else 1.0
+        return scale, measured_at0 - scale * predicted_at0
+
+    @property
+    def compute(self) -> tuple[float, float]:
+        """(scale, offset seconds per micro-batch): corrected = scale x predicted + offset."""
+        return self._corrected(self.measured_compute_s, self.predicted_compute_s)
+
+    @property
+    def optimizer_scale(self) -> float:
+        return self.measured_optimizer_s / self.predicted_optimizer_s if self.predicted_optimizer_s > 0 else 1.0
+
+    @property
+    def memory(self) -> tuple[float, float] | None:
+        """(scale, offset bytes), or None where memory was not measured: corrected peak = predicted peak +
+        (scale - 1) x the predicted parts that grow with the micro-batch (activations, the backward working
+        set) + offset; the fixed part (model states, workspaces) is corrected by the offset alone."""
+        if self.measured_peak_bytes is None:
+            return None
+        measured = (float(self.measured_peak_bytes[0]), float(self.measured_peak_bytes[1]))
+        measured_at0, measured_slope = self._line(measured, self.micro_batches)
+        predicted_at0, predicted_slope = self._line(self.predicted_peak_bytes, self.micro_batches)
+        scale = measured_slope / predicted_slope if predicted_slope > 0 and measured_slope > 0 else 1.0
+        return scale, measured_at0 - predicted_at0
+
+    def to_dict(self) -> dict[str, Any]:
+        compute_scale, compute_offset = self.compute
+        memory = self.memory
+        return dataclasses.asdict(self) | {
+            "compute_scale": compute_scale,
+            "compute_offset_s": compute_offset,
+            "optimizer_scale": self.optimizer_scale,
+            "memory_scale": None if memory is None else memory[0],
+            "memory_offset_bytes": None if memory is None else memory[1],
+        }
+
+
+@dataclass(frozen=True)
 class WorkloadProfile:
     """A model as the planner sees it. Counts are exact for traced modules, formula-based otherwise."""
 
@@ -109,6 +178,7 @@ class WorkloadProfile:
     # "optimizer_states", "activations", "temporary", "total", ...), from PyTorch's MemTracker; None without it
     traced_peak_bytes: dict[str, int] | None = None
     notes: tuple[str, ...] = field(default=())
+    calibration: Calibration | None = None  # measured on this machine (redline plan --calibrate)
 
     @property
     def training_flops_per_sample(self) -> float:
@@ -125,5 +195,6 @@ class WorkloadProfile:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["training_flops_per_sample"] = self.training_flops_per_sample
+        data["calibration"] = self.calibration.to_dict() if self.calibration else None
         data["activation_bytes_per_sample"] = {p: self.activation_bytes_per_sample(p) for p in ACTIVATION_PRECISIONS}
         return data

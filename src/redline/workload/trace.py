@@ -80,11 +80,11 @@ def trace_module(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         with _skipped_init():
-            module, built_shape = _guarded(name, lambda: _unpack_build(build(), name))
+            module, built_shape = _guarded(name, lambda: unpack_build(build(), name))
         shape = _check_shape(name, input_shape if input_shape is not None else built_shape)
         _make_fake(module)
         module.train()  # dropout masks and batch-norm statistics are part of a training step
-        input_dtype, vocab_size, input_note = _input_kind(module, input_dtype, vocab_size)
+        input_dtype, vocab_size, input_note = input_kind(module, input_dtype, vocab_size)
         token_ids = not input_dtype.is_floating_point and not input_dtype.is_complex
         if sample_unit is None:
             sample_unit = "sequence" if token_ids else "image"
@@ -139,7 +139,7 @@ def _cannot_trace(name: str, error: BaseException) -> BadInput:
     return BadInput(f"cannot trace {name}: {type(error).__name__}: {message}")
 
 
-def _unpack_build(built: Any, name: str) -> tuple[nn.Module, tuple[int, ...] | None]:
+def unpack_build(built: Any, name: str) -> tuple[nn.Module, tuple[int, ...] | None]:
     shape = None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
         built, shape = built
@@ -198,7 +198,7 @@ def _skipped_init() -> Iterator[None]:
             setattr(nn.init, name, initialiser)
 
 
-def _input_kind(
+def input_kind(
     module: nn.Module, input_dtype: torch.dtype | None, vocab_size: int | None
 ) -> tuple[torch.dtype, int | None, str | None]:
     """The input's dtype and the vocabulary to draw ids from, as given or inferred; a note when inferred."""
@@ -309,7 +309,9 @@ def _first_tensor(*trees: Any) -> torch.Tensor | None:
     return None
 
 
-def _loss(output: Any, inputs: torch.Tensor | None = None, vocab_size: int | None = None) -> torch.Tensor | None:
+def training_loss(
+    output: Any, inputs: torch.Tensor | None = None, vocab_size: int | None = None
+) -> torch.Tensor | None:
     """A scalar to call backward on. For a language model (token ids in, an output whose last dimension is
     the vocabulary) the loss it trains with: cross-entropy on fp32-upcast logits, as Hugging Face models
     compute it, so the memory that loss keeps is measured too. Otherwise the sum of every floating output
@@ -497,7 +499,7 @@ class _Tracer:
             output = _guarded(self.name, lambda: self.module(x))
             self._charge_flops()
             # the loss (an LM's cross-entropy) runs after the last block: what it saves counts with the head
-            loss = _guarded(self.name, lambda out=output: _loss(out, x, self.vocab_size))
+            loss = _guarded(self.name, lambda out=output: training_loss(out, x, self.vocab_size))
         if self.counter is not None:
             self.total_flops[batch] = float(self.counter.get_total_flops())
             self.backward_flops[batch] = self._backward(loss, formulas)
@@ -658,7 +660,7 @@ def _training_step_peak(tracer: _Tracer) -> tuple[dict[str, int] | None, str]:
 
     def step() -> None:
         with tracer.attention:
-            loss = _loss(module(x), x, tracer.vocab_size)
+            loss = training_loss(module(x), x, tracer.vocab_size)
         if loss is None:
             raise RuntimeError("no output needs a gradient")
         loss.backward()

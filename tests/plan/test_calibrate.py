@@ -1,0 +1,163 @@
+"""`redline plan --calibrate`: real steps of the model on this machine correct the planner's step time (and, on
+CUDA, its memory). The fit itself is checked exactly on synthetic measurements; the measurement and the CLI
+on this machine's CPU, with a small model."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import run_cli
+from redline.bench.training_step import StepMeasurement, measure_training_steps
+from redline.errors import BadInput
+from redline.plan.calibrate import calibrate, one_device
+from redline.plan.hardware import parse_hardware
+from redline.plan.memory import memory_per_gpu
+from redline.plan.steptime import step_time
+from redline.workload.presets import preset_profile
+
+CLUSTER = dataclasses.replace(parse_hardware("1xh100-sxm"), name="local")
+
+
+def synthetic(profile, sizes, time_scale, time_offset, memory_scale, memory_offset):
+    """What a device would measure if it ran each micro-batch time_scale x slower than predicted plus a fixed
+    cost, and its memory grew memory_scale x faster than predicted, from a fixed part memory_offset larger."""
+    runs = []
+    for m in sizes:
+        strategy = one_device(m, "bf16")
+        t = step_time(profile, strategy, CLUSTER)
+        memory = memory_per_gpu(profile, strategy, 1)
+        peak = memory.allocated + (memory_scale - 1) * (memory.activations + memory.temporary) + memory_offset
+        runs.append(StepMeasurement(m, t.compute * time_scale + time_offset, t.optimizer * 1.5, int(peak)))
+    return runs
+
+
+def test_the_fit_recovers_the_devices_line_and_extrapolates_along_it() -> None:
+    profile = preset_profile("gpt2", seq_len=512)
+    truth = synthetic(profile, (2, 4, 16), time_scale=1.7, time_offset=0.004, memory_scale=1.3, memory_offset=2**30)
+    calibrated = calibrate(profile, CLUSTER, "bf16", truth[:2])
+    scale, offset = calibrated.calibration.compute
+    assert scale == pytest.approx(1.7) and offset == pytest.approx(0.004)
+    assert calibrated.calibration.optimizer_scale == pytest.approx(1.5)
+    held_out = one_device(16, "bf16")  # not a calibration size
+    assert step_time(calibrated, held_out, CLUSTER).compute == pytest.approx(truth[2].compute_s)
+    assert step_time(calibrated, held_out, CLUSTER).optimizer == pytest.approx(truth[2].optimizer_s)
+    assert memory_per_gpu(calibrated, held_out, 1).allocated == pytest.approx(truth[2].peak_bytes, rel=0.02)
+    # and the corrections reach every strategy: accumulation 4 costs 4 calibrated micro-batches
+    four = dataclasses.replace(held_out, accumulation=4)
+    assert step_time(calibrated, four, CLUSTER).compute == pytest.approx(4 * truth[2].compute_s)
+
+
+def test_without_a_measured_peak_memory_is_left_as_predicted() -> None:
+    profile = preset_profile("gpt2", seq_len=512)
+    runs = [dataclasses.replace(r, peak_bytes=None) for r in synthetic(profile, (2, 4), 2.0, 0.0, 1.0, 0)]
+    calibrated = calibrate(profile, CLUSTER, "bf16", runs)
+    assert calibrated.calibration.memory is None
+    strategy = one_device(8, "bf16")
+    assert memory_per_gpu(calibrated, strategy, 1) == memory_per_gpu(profile, strategy, 1)
+
+
+def test_calibration_is_for_this_machine_only() -> None:
+    profile = preset_profile("gpt2", seq_len=512)
+    runs = synthetic(profile, (2, 4), 1.0, 0.0, 1.0, 0)
+    with pytest.raises(BadInput, match="--hardware local"):
+        calibrate(profile, parse_hardware("1xh100-sxm"), "bf16", runs)
+
+
+def tiny_lm():
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(100, 32)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2)
+            )
+            self.head = nn.Linear(32, 100)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x)
+
+    return Tiny(), (16,)
+
+
+def test_real_steps_are_timed_per_micro_batch_on_the_cpu() -> None:
+    runs = measure_training_steps(tiny_lm, None, (2, 8), device="cpu", precision="fp32", steps=3, warmup=1)
+    assert [r.micro_batch for r in runs] == [2, 8]
+    assert all(r.compute_s > 0 and r.optimizer_s > 0 and r.peak_bytes is None for r in runs)
+
+
+MODELS = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 32)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2)
+            )
+            self.head = nn.Linear(32, 100)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x)
+
+    def build():
+        return Tiny(), (16,)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """A REDLINE_HOME with this machine's ceilings measured, as `redline bench --save` leaves them."""
+    home = tmp_path_factory.mktemp("home")
+    result = run_cli("bench", "compute", "memory", "--save", "--quick", env={"REDLINE_HOME": str(home)}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return home
+
+
+def test_plan_calibrate_on_this_machine_writes_the_calibration_into_the_plan(tmp_path: Path, home: Path) -> None:
+    (tmp_path / "tinymodels.py").write_text(MODELS)
+    env = {"REDLINE_HOME": str(home), "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = ["plan", "-m", "tinymodels:build", "--hardware", "local", "--global-batch", "8", "--tokens", "1M"]
+    started = time.perf_counter()
+    result = run_cli(*args, "--calibrate", "--precision", "fp32", "-o", str(tmp_path / "plan.yaml"), env=env)
+    assert result.returncode == 0, result.stderr
+    assert time.perf_counter() - started < 120
+    calibration = yaml.safe_load((tmp_path / "plan.yaml").read_text())["model"]["calibration"]
+    assert calibration["precision"] == "fp32" and calibration["measured_peak_bytes"] is None
+    assert calibration["compute_scale"] > 0 and len(calibration["micro_batches"]) == 2
+    assert "calibrated on" in result.stdout
+    # the bad combinations, one line each
+    for extra, message in (
+        (["--calibrate-micro-batch", "4"], "goes with --calibrate"),
+        (["--calibrate", "--calibrate-micro-batch", "0"], "at least 1"),
+    ):
+        bad = run_cli(*args, *extra, env=env)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_calibrate_needs_a_module_and_this_machine() -> None:
+    for args, message in (
+        (["-m", "gpt2", "--hardware", "1xh100-sxm", "--calibrate"], "--hardware local"),
+        (["--params", "7B", "--hardware", "1xh100-sxm", "--calibrate"], "--model"),
+    ):
+        result = run_cli("plan", *args)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
