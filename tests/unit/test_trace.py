@@ -64,8 +64,9 @@ def test_linear_relu_linear_by_hand():
     (layer,) = profile.layers  # no repeated blocks: the model is one fixed part
     assert layer.name == "model" and not layer.is_block and layer.params == profile.params_total
     # saved for backward: the input (for the first weight's gradient) and ReLU's output (for its own backward
-    # and the second weight's), once: 8 + 16 values of 4 bytes, or 2 under autocast to bfloat16
-    assert layer.activation_bytes_per_sample == {"fp32": (8 + 16) * 4, "16bit": (8 + 16) * 2}
+    # and the second weight's), once: 8 + 16 values of 4 bytes, or 2 under autocast to bfloat16; and the
+    # output, 4 values, which the loop holds until its backward
+    assert layer.activation_bytes_per_sample == {"fp32": (8 + 16 + 4) * 4, "16bit": (8 + 16 + 4) * 2}
     assert layer.input_bytes_per_sample == 8 * 2
     # backward: both weight gradients, the second layer's input gradient (the input needs none)
     assert any("backward FLOPs per sample 512," in note for note in profile.notes)

@@ -498,6 +498,11 @@ class _Tracer:
         ):
             output = _guarded(self.name, lambda: self.module(x))
             self._charge_flops()
+            # a training loop holds the model's output until its backward (``out = model(x)``, Hugging Face's
+            # output object with its logits): that is memory of the step even where autograd saves none of it
+            for leaf in tree_leaves(output):
+                if isinstance(leaf, torch.Tensor):
+                    self._pack(leaf)
             # the loss (an LM's cross-entropy) runs after the last block: what it saves counts with the head
             loss = _guarded(self.name, lambda out=output: training_loss(out, x, self.vocab_size))
         if self.counter is not None:
