@@ -152,8 +152,6 @@ def plan(
             profile,
             cluster,
             model,
-            seq_len,
-            input_shape,
             constraints,
             chosen if calibrate_micro_batch is None else calibrate_micro_batch,
         )
@@ -255,7 +253,7 @@ def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, 
     )
 
 
-def _calibrated(profile, cluster, model, seq_len, input_shape, constraints, micro_batch):
+def _calibrated(profile, cluster, model, constraints, micro_batch):
     """The profile corrected by real steps on this machine's first device, and the constraints pinned to the
     precision it was measured in (a calibration holds for that precision only)."""
     import dataclasses
@@ -273,7 +271,7 @@ def _calibrated(profile, cluster, model, seq_len, input_shape, constraints, micr
     sizes = (micro_batch // 2, micro_batch) if micro_batch > 1 else (1, 2)
     cuda = cluster.gpu is not None
     precision = constraints.precision or ("bf16" if cuda else "fp32")
-    build = model_builder(model, seq_len=seq_len, input_shape=_shape(input_shape))
+    build = model_builder(model, profile.input_shape)  # run it on the inputs it was traced with
     ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {sizes[0]} and {sizes[1]} ...")
     try:
         measured = measure_training_steps(

@@ -63,17 +63,17 @@ class ModelBuild:
     input_shape: tuple[int, ...] | None
 
 
-def model_builder(model: str, *, seq_len: int | None = None, input_shape: tuple[int, ...] | None = None) -> ModelBuild:
-    """The module behind a SPEC, to run real steps of it (``redline plan --calibrate``): redline's own traced
-    presets, a Hugging Face config.json (needs transformers) or a factory. The transformer presets are
-    formulas, with no module behind them."""
+def model_builder(model: str, input_shape: tuple[int, ...] | None) -> ModelBuild:
+    """The module behind a SPEC, to run real steps of it (``redline plan --calibrate``) on inputs of
+    ``input_shape``, the shape its profile was traced with: redline's own traced presets, a Hugging Face
+    config.json (the module the tracer built) or a factory. The transformer presets are formulas, with no
+    module behind them."""
     require_torch(f"building {model}")
     from redline.workload.presets import TRACED_PRESET_NAMES, traced_presets
 
     name = model.strip().lower()
     if name in TRACED_PRESET_NAMES:
-        preset = traced_presets()[name]
-        return ModelBuild(preset.build, input_shape or preset.input_shape)
+        return ModelBuild(traced_presets()[name].build, input_shape)
     if name in PRESET_NAMES:
         raise BadInput(
             f"preset '{model}' is a formula with no module to run: calibrate with its config.json, "
@@ -81,24 +81,18 @@ def model_builder(model: str, *, seq_len: int | None = None, input_shape: tuple[
         )
     path = Path(model).expanduser()
     if path.suffix == ".json" or path.is_dir() or path.exists():
-        return _hf_builder(path, seq_len)
+        if input_shape is None:  # profiled by the formulas: transformers missing, or a layout it cannot trace
+            raise BadInput(f"{path} was profiled by formula, not traced: there is no module to run")
+        from redline.workload.hf import KNOWN_MODEL_TYPES, read_config, shape_from_config
+
+        config = read_config(path)
+        shape = shape_from_config(config, None, origin=str(path)) if config["model_type"] in KNOWN_MODEL_TYPES else None
+        return ModelBuild(_hf_module(config, path, shape)[1], input_shape)
     if ":" in model:
         from redline.workload.factory import load_factory
 
         return ModelBuild(load_factory(model), input_shape)
     raise BadInput(f"unknown model '{model}': not a preset, not a config.json path, not package.module:factory")
-
-
-def _hf_builder(path: Path, seq_len: int | None) -> ModelBuild:
-    if not is_available("transformers"):
-        raise BadInput(f"running {path} needs transformers: pip install transformers")
-    import transformers
-
-    from redline.workload.hf import read_config
-
-    config = transformers.AutoConfig.for_model(**read_config(path))
-    length = seq_len or min(int(getattr(config, "max_position_embeddings", 2048)), 8192)
-    return ModelBuild(lambda: transformers.AutoModelForCausalLM.from_config(config), (length,))
 
 
 def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
@@ -175,20 +169,11 @@ def _trace_hf(
 
     from redline.workload.trace import trace_module
 
-    try:
-        hf_config = transformers.AutoConfig.for_model(**config)
-    except Exception as exc:  # transformers raises its own validation errors, version by version
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise BadInput(f"{path}: transformers cannot read this config: {message}") from None
+    hf_config, build = _hf_module(config, path, shape)
     length = seq_len or (
         shape.seq_len if shape else min(int(getattr(hf_config, "max_position_embeddings", 2048)), 8192)
     )
     vocab = int(getattr(hf_config, "vocab_size", 0)) or None
-    auto = transformers.AutoModel if shape is not None and not shape.lm_head else transformers.AutoModelForCausalLM
-
-    def build():
-        return auto.from_config(hf_config)
-
     profile = trace_module(
         build,
         (length,),
@@ -202,6 +187,24 @@ def _trace_hf(
     if shape is not None:
         profile = dataclasses.replace(profile, transformer=shape.replace(seq_len=length))
     return profile
+
+
+def _hf_module(config: dict, path: Path, shape: TransformerShape | None) -> tuple[Any, Callable[[], Any]]:
+    """The transformers config of a config.json and a builder of the module it describes: the bare model for
+    an encoder (a known layout without an LM head), else the causal LM."""
+    import transformers
+
+    try:
+        hf_config = transformers.AutoConfig.for_model(**config)
+    except Exception as exc:  # transformers raises its own validation errors, version by version
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadInput(f"{path}: transformers cannot read this config: {message}") from None
+    auto = transformers.AutoModel if shape is not None and not shape.lm_head else transformers.AutoModelForCausalLM
+
+    def build() -> Any:
+        return auto.from_config(hf_config)
+
+    return hf_config, build
 
 
 def factory_profile(spec: str, input_shape: tuple[int, ...] | None) -> WorkloadProfile:
