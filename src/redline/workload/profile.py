@@ -112,22 +112,19 @@ class Calibration:
     measured_peak_bytes: tuple[int, int] | None  # torch.cuda.max_memory_allocated; None off CUDA
     predicted_peak_bytes: tuple[float, float]
 
-    @staticmethod
-    def _line(points: tuple[float, float], micro_batches: tuple[int, int]) -> tuple[float, float]:
-        (m1, m2), (y1, y2) = micro_batches, points
-        slope = (y2 - y1) / (m2 - m1)
-        return y1 - slope * m1, slope
-
-    def _corrected(self, measured: tuple[float, float], predicted: tuple[float, float]) -> tuple[float, float]:
-        measured_at0, measured_slope = self._line(measured, self.micro_batches)
-        predicted_at0, predicted_slope = self._line(predicted, self.micro_batches)
+    def _fit(self, measured: tuple[float, float], predicted: tuple[float, float]) -> tuple[float, float, float]:
+        """(measured slope / predicted slope, measured intercept, predicted intercept) of the two lines through
+        the calibration's micro-batch sizes; a slope that is not positive (noise) leaves the scale at 1."""
+        (m1, m2), (y1, y2), (p1, p2) = self.micro_batches, measured, predicted
+        measured_slope, predicted_slope = (y2 - y1) / (m2 - m1), (p2 - p1) / (m2 - m1)
         scale = measured_slope / predicted_slope if predicted_slope > 0 and measured_slope > 0 else 1.0
-        return scale, measured_at0 - scale * predicted_at0
+        return scale, y1 - measured_slope * m1, p1 - predicted_slope * m1
 
     @property
     def compute(self) -> tuple[float, float]:
         """(scale, offset seconds per micro-batch): corrected = scale x predicted + offset."""
-        return self._corrected(self.measured_compute_s, self.predicted_compute_s)
+        scale, measured_at0, predicted_at0 = self._fit(self.measured_compute_s, self.predicted_compute_s)
+        return scale, measured_at0 - scale * predicted_at0
 
     @property
     def optimizer_scale(self) -> float:
@@ -141,9 +138,7 @@ class Calibration:
         if self.measured_peak_bytes is None:
             return None
         measured = (float(self.measured_peak_bytes[0]), float(self.measured_peak_bytes[1]))
-        measured_at0, measured_slope = self._line(measured, self.micro_batches)
-        predicted_at0, predicted_slope = self._line(self.predicted_peak_bytes, self.micro_batches)
-        scale = measured_slope / predicted_slope if predicted_slope > 0 and measured_slope > 0 else 1.0
+        scale, measured_at0, predicted_at0 = self._fit(measured, self.predicted_peak_bytes)
         return scale, measured_at0 - predicted_at0
 
     def to_dict(self) -> dict[str, Any]:
