@@ -27,11 +27,13 @@ it, so the loop has one code path):
    into the plan's micro-batches;
 9. checkpoints (resume from the newest on start) and step metrics.
 
-Out of memory: a CUDA OOM inside ``accumulate()`` halves the micro-batch and doubles the accumulation (the
-per-rank batch, and so the result, is unchanged) and replays the current batch. With several ranks all
-agree first, over one tiny all-reduce per micro-batch; that is only safe where no gradient collective is in
-flight, i.e. under DDP on the micro-batches before the synchronising one. Elsewhere (DDP's last micro-batch,
-FSDP2) the OOM ends the process and the elastic launcher restarts from the last checkpoint.
+Out of memory: a CUDA OOM inside ``accumulate()`` halves the micro-batch (to the largest divisor of the
+per-rank batch at most half of it) and makes up the rest with accumulation (the per-rank batch, and so the
+result, is unchanged) and replays the current batch. With several ranks all agree first, over one tiny
+all-reduce per micro-batch; that is only safe where no gradient collective is in flight, i.e. under DDP on
+the micro-batches before the synchronising one. Elsewhere (DDP's last micro-batch, FSDP2) the rank records
+the smaller micro-batch next to the checkpoints and ends; the elastic launcher restarts every rank, and they
+resume from the last checkpoint with it.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ from redline.runtime.config import RunConfig, default_config, from_plan_file
 log = logging.getLogger("redline.runtime")
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
-# a test hook: "STEP:RANK" raises an out-of-memory error at that optimizer step on that rank, once
+# a test hook: "STEP:RANK[:MICRO]" raises an out-of-memory error at that optimizer step, on that rank, in that
+# micro-batch (0 by default), once, in the first launch attempt only
 OOM_HOOK_ENV = "REDLINE_TEST_OOM_AT"
 EXIT_WAIT_S = 5.0  # how long a rank leaving waits for the others at exit (see _destroy_process_group)
 
@@ -459,24 +462,22 @@ class Run:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
-    def _smaller_micro_batch(self) -> int:
-        """The largest micro-batch at most half the current one that still divides the per-rank batch (so
-        the per-rank batch, and the result, stay the same)."""
+    def _smaller_micro_batch(self) -> tuple[int, int]:
+        """(micro-batch, accumulation): the largest micro-batch at most half the current one that still divides
+        the per-rank batch, and the accumulation that makes it up (so the result stays the same)."""
         per_rank = self.micro_batch * self.accumulation
         smaller = next((m for m in range(self.micro_batch // 2, 0, -1) if per_rank % m == 0), None)
         if smaller is None:
             raise OutOfMemoryAtMinimum("out of memory with a micro-batch of 1: the plan does not fit this GPU")
-        return smaller
+        return smaller, per_rank // smaller
 
     def _shrink_micro_batch(self) -> None:
-        smaller = self._smaller_micro_batch()
+        self.micro_batch, self.accumulation = self._smaller_micro_batch()
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_sum = 0.0
         gc.collect()  # the failed micro-batch's frames and activations
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.accumulation = self.micro_batch * self.accumulation // smaller
-        self.micro_batch = smaller
         event = {"step": self.step, "micro_batch": self.micro_batch, "accumulation": self.accumulation}
         self.oom_events.append(event)
         if self.rank == 0:
@@ -492,18 +493,17 @@ class Run:
         """Out of memory where the ranks cannot agree in place: record the smaller micro-batch next to the
         checkpoints and end this process. The elastic launcher (``redline run``, torchrun) then restarts every
         rank, and each resumes from the last checkpoint with the recorded micro-batch (``_resume``)."""
-        smaller = self._smaller_micro_batch()
+        smaller, accumulation = self._smaller_micro_batch()
         where = f"out of memory at step {self.step} on rank {self.rank} inside a gradient collective"
         if self.checkpointer is None:
             raise OutOfMemoryDuringCollective(
                 f"{where}: set checkpoint_dir so that a restart resumes with micro-batch {smaller}, "
                 f"or plan with a micro-batch of {smaller}"
             ) from exc
-        per_rank = self.micro_batch * self.accumulation
-        self.checkpointer.record_micro_batch(smaller, per_rank // smaller)
-        self.oom_events.append({"step": self.step, "micro_batch": smaller, "accumulation": per_rank // smaller})
+        self.checkpointer.record_micro_batch(smaller, accumulation)
+        self.oom_events.append({"step": self.step, "micro_batch": smaller, "accumulation": accumulation})
         raise OutOfMemoryDuringCollective(
-            f"{where}: recorded micro-batch {smaller} x {per_rank // smaller} accumulation in "
+            f"{where}: recorded micro-batch {smaller} x {accumulation} accumulation in "
             f"{self.checkpointer.directory}; the launcher's restart resumes from the last checkpoint with it"
         ) from exc
 
