@@ -172,7 +172,7 @@ class _Session:
         self.take(sample)
         if json_out:
             # a note comes once, with the sample that first saw it: this one answers for both readings
-            out = sample.to_dict() | {"notes": list(self.notes)}
+            out = sample.to_dict() | {"notes": first.notes + sample.notes}
             ui.print_json({"sample": out, "findings": [f.to_dict() for f in self.findings]})
         else:
             ui.console.print(self._screen())
