@@ -65,8 +65,9 @@ def test_linear_relu_linear_by_hand():
     assert layer.name == "model" and not layer.is_block and layer.params == profile.params_total
     # saved for backward: the input (for the first weight's gradient) and ReLU's output (for its own backward
     # and the second weight's), once: 8 + 16 values of 4 bytes, or 2 under autocast to bfloat16; and the
-    # output, 4 values, which the loop holds until its backward
-    assert layer.activation_bytes_per_sample == {"fp32": (8 + 16 + 4) * 4, "16bit": (8 + 16 + 4) * 2}
+    # output, 4 values, which the loop holds until its backward. Under autocast the loop's fp32 input is held
+    # beside the 16-bit copy the first layer saves.
+    assert layer.activation_bytes_per_sample == {"fp32": (8 + 16 + 4) * 4, "16bit": 8 * 4 + (8 + 16 + 4) * 2}
     assert layer.input_bytes_per_sample == 8 * 2
     # backward: both weight gradients, the second layer's input gradient (the input needs none)
     assert any("backward FLOPs per sample 512," in note for note in profile.notes)
@@ -195,9 +196,10 @@ def test_gpt2_activations_are_fused_attention_sized(gpt2_profile):
     block = gpt2_profile.blocks[3].activation_bytes_per_sample
     assert 0 < block["16bit"] < block["fp32"]
     # Korthikanti's 34 s h bytes without the s x s terms is 27 MB; autocast keeps the residual stream and norms
-    # in fp32 and GPT-2's GELU saves four 4h tensors, which lands near 2x that. The 5 a s^2 attention terms
-    # (another 63 MB, 150 MB in fp32 on CPU) must not be there: a GPU's fused attention does not save them.
-    assert 30e6 < block["16bit"] < 70e6
+    # in fp32 and GPT-2's GELU saves five 4h tensors, three of them in fp32 under CUDA's autocast (its x**3
+    # runs in fp32), which lands near 2.7x that. The 5 a s^2 attention terms (another 63 MB, 150 MB in fp32 on
+    # CPU) must not be there: a GPU's fused attention does not save them.
+    assert 30e6 < block["16bit"] < 90e6
     assert block["fp32"] < 140e6
     assert any("fused kernel" in note for note in gpt2_profile.notes)
 

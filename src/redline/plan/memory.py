@@ -6,9 +6,14 @@ keeps in reserve (fragmentation, the CUDA context, NCCL's buffers) and must fit 
 
 Gradients coexist with activations under DDP (its buckets hold every gradient from the start) and under
 gradient accumulation (the previous micro-batches' gradients wait for the next backward pass). Otherwise
-a step peaks either at the end of the forward pass (activations, no gradients yet) or in backward and the
-optimizer step (gradients, activations freed), whichever is larger. The optimizer is assumed fused
-(``fused=True``, as the runtime uses it), which needs no parameter-sized temporaries.
+the backward is walked layer by layer from the last: each layer's working set (a block's activation
+gradients; for a language model's head the loss's fp32 gradients, b x s x V twice) comes on top of what is
+still held, and as the layer finishes its gradients replace its activations and autocast's copies of its
+weights. An LM peaks in its loss's backward, a CNN part-way through (big activations early, big parameters
+late). The optimizer is assumed fused (``fused=True``, as the runtime uses it), which needs no
+parameter-sized temporaries.
+
+Checked against PyTorch's accounting of real steps (``tests/plan/test_plan_vs_memtracker.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ DDP_BUCKET_BYTES = 25 * MiB  # DistributedDataParallel(bucket_cap_mb=25); two bu
 FRAGMENTATION = 0.05  # the caching allocator's reserved-over-allocated margin for a steady training loop
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernels with lazy loading (CUDA_MODULE_LOADING=LAZY)
 NCCL_BUFFER_BYTES = 256 * MiB  # NCCL's own cudaMalloc'd channels/buffers, outside PyTorch's allocator
+LOSS_BACKWARD_BYTES = 4 + 4  # per token and vocabulary entry: log-softmax's fp32 output and input gradients
 
 
 @dataclass(frozen=True)
@@ -225,31 +231,35 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         else:
             kept[layer.name] = full_blocks[layer.name]
     activations = sum(kept.values()) * in_flight
-    # backward of one block: its activation gradients, and under full checkpointing its recomputed activations
-    temporary = max(full_blocks.values(), default=0.0) * (2 if strategy.checkpointing == "full" else 1)
-    if shape is not None and shape.lm_head and stage.index == strategy.pipeline - 1:
-        # the loss's backward: the fp32 gradient of the log-softmax input and the gradient of the logits in
-        # the compute precision, b x s x V each (the head's weight gradient comes in the backward walk)
+    # the working set of each layer's backward, on top of what is still saved: a block's activation gradients
+    # (and under full checkpointing its recomputed activations); the loss's for an LM's head
+    recompute = 2 if strategy.checkpointing == "full" else 1
+    working = {name: block * recompute for name, block in full_blocks.items()}
+    if shape is not None and shape.lm_head and last and stage.fixed:
+        # cross-entropy runs in fp32, under autocast too: while log-softmax's backward runs, the fp32 gradients
+        # of its output (the NLL's, dense) and of its input, b x s x V each
         tokens = strategy.micro_batch * profile.tokens_per_sample
-        head = (4 + activation_value_bytes(strategy)) * tokens * shape.vocab / t
-        temporary = max(temporary, head)
+        working[stage.fixed[-1].name] = LOSS_BACKWARD_BYTES * tokens * shape.vocab / t
+    temporary = max(working.values(), default=0.0)
 
     coexist = strategy.accumulation > 1 or (strategy.data > 1 and zero_stage < 2) or strategy.pipeline > 1
-    forward_peak = weight_copies + activations + temporary
     if coexist:
-        moving = forward_peak + grads
+        moving = weight_copies + activations + temporary + grads
     else:
-        # backward walks the layers from the last: while a layer runs, the gradients of it and every layer
-        # after it exist and its own and earlier activations are still held (a CNN peaks here: its big
-        # activations are early, its big parameters late)
+        # backward walks the layers from the last: as a layer's backward starts, the gradients of every layer
+        # after it exist, its own and earlier activations are still held, and its working set comes on top;
+        # as it ends, its gradients replace its activations and autocast's copies of its weights (a CNN peaks
+        # mid-way: its big activations are early, its big parameters late). Sharded units stay until the end.
         grad_share = grads / max(1, stage.params)
+        copy_share = weight_copies / max(1, stage.params) if zero_stage < 2 else 0.0
         order = [layer for layer in profile.layers if layer.name in kept]
-        backward_peak, grads_so_far, acts_left = 0.0, 0.0, activations
+        backward_peak, grads_so_far, held = 0.0, 0.0, weight_copies + activations
         for layer in reversed(order):
+            backward_peak = max(backward_peak, grads_so_far + held + working.get(layer.name, 0.0))
             grads_so_far += layer.params * grad_share
-            backward_peak = max(backward_peak, grads_so_far + acts_left)
-            acts_left -= kept[layer.name] * in_flight
-        moving = max(forward_peak, backward_peak + temporary)
+            held -= kept[layer.name] * in_flight + layer.params * copy_share
+            backward_peak = max(backward_peak, grads_so_far + held)
+        moving = max(weight_copies + activations, backward_peak)
     allocated = weights + optimizer + comm_buffers + moving
     return MemoryBreakdown(
         weights=weights,

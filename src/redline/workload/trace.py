@@ -7,7 +7,8 @@ that forward pass:
 - ``FlopCounterMode`` counts model FLOPs (2 per multiply-accumulate, as PyTorch's formulas count them);
 - ``saved_tensors_hooks`` sees every tensor autograd keeps for the backward pass; their storages, counted once
   each and excluding parameters and buffers, are the activation memory (Korthikanti et al. 2022 count the same
-  thing by hand). It is measured in fp32 and under autocast to bfloat16 ("16bit");
+  thing by hand). It is measured in fp32 and under autocast to bfloat16 ("16bit") with CUDA's policy of which
+  ops stay in fp32 (``cuda_autocast``) and attention as a fused kernel, as a GPU runs them;
 - forward hooks on the repeated blocks (GPT-2's ``h``, Llama's ``layers``, ResNet's Bottlenecks) split both
   figures into the part before the blocks, each block, and the part after.
 
@@ -42,6 +43,7 @@ from torch.utils import flop_counter
 from torch.utils._pytree import tree_leaves
 
 from redline.errors import BadInput
+from redline.workload.cuda_autocast import cuda_autocast_policy
 from redline.workload.profile import ActivationPrecision, LayerProfile, WorkloadProfile
 
 # Two batch sizes; per-sample figures are their slope. Neither is 1: some models squeeze a batch of one.
@@ -460,7 +462,8 @@ class _Tracer:
         return torch.randint(0, self.vocab_size or 1, (batch, *self.shape), dtype=self.input_dtype)
 
     def measure(self) -> None:
-        with self._segment_hooks(), self._first_call_hooks():
+        # the 16-bit runs take CUDA's autocast policy (its fp32 ops in fp32), as on the GPUs the planner predicts
+        with self._segment_hooks(), self._first_call_hooks(), cuda_autocast_policy():
             for batch in BATCHES:
                 self._run(batch, "fp32", count_flops=True)
                 self._run(batch, "16bit", count_flops=False)
@@ -496,10 +499,13 @@ class _Tracer:
             autocast,
             torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved),
         ):
+            # the input batch is held through the whole step, like the first layer's activations (it is one of
+            # them in fp32; under autocast the first layer saves a 16-bit copy of it)
+            self._pack(x)
             output = _guarded(self.name, lambda: self.module(x))
             self._charge_flops()
             # a training loop holds the model's output until its backward (``out = model(x)``, Hugging Face's
-            # output object with its logits): that is memory of the step even where autograd saves none of it
+            # output object with its logits): memory of the step even where autograd saves none of it
             for leaf in tree_leaves(output):
                 if isinstance(leaf, torch.Tensor):
                     self._pack(leaf)

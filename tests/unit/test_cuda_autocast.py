@@ -1,0 +1,59 @@
+"""CUDA's autocast policy on the CPU: the ops CUDA runs in fp32 run in fp32 while the policy is entered, on real
+and fake tensors, autograd records the cast, and CPU autocast is itself again afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from redline.workload.cuda_autocast import FP32_OPS, FP32_UNLESS_DTYPE_OPS, cuda_autocast_policy  # noqa: E402
+from redline.workload.trace import trace_module  # noqa: E402
+
+bf16 = torch.bfloat16
+
+
+def test_fp32_ops_run_in_fp32_and_only_while_entered() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with cuda_autocast_policy() as changed, torch.autocast("cpu", dtype=bf16):
+        y = layer(x)
+        assert y.dtype == bf16  # matmuls stay 16-bit, as on CUDA
+        assert (y**3).dtype == torch.float32
+        assert y.exp().dtype == torch.float32
+        assert y.sum().dtype == torch.float32
+        assert torch.softmax(y, -1).dtype == torch.float32
+        assert torch.softmax(y, -1, dtype=bf16).dtype == bf16  # a given dtype is kept, as CUDA keeps it
+        assert nn.functional.layer_norm(y, (8,)).dtype == torch.float32
+        assert torch.relu(y).dtype == bf16  # not on CUDA's list
+        (y**3).sum().backward()  # the recorded cast sends the gradient back through bf16
+    assert 30 < changed <= len(FP32_OPS) + len(FP32_UNLESS_DTYPE_OPS)
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=bf16):
+        assert (layer(x) ** 3).dtype == bf16  # CPU autocast's own behaviour is back
+
+
+def test_on_fake_tensors() -> None:
+    with FakeTensorMode(), cuda_autocast_policy(), torch.autocast("cpu", dtype=bf16):
+        y = nn.Linear(8, 8)(torch.randn(4, 8)) ** 3
+        assert y.dtype == torch.float32 and y.shape == (4, 8)
+
+
+class Cube(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) ** 3
+
+
+def test_the_tracer_measures_16_bit_activations_as_cuda_keeps_them() -> None:
+    (layer,) = trace_module(Cube, (8,), name="cube", source="test").layers
+    # the loop's fp32 input (8 x 4) and the Linear's 16-bit copy of it (8 x 2); pow's input, cast to fp32 as
+    # CUDA casts it (16 x 4, where CPU autocast would keep it in 16 x 2), and its fp32 output, held (16 x 4)
+    assert layer.activation_bytes_per_sample["16bit"] == 8 * 4 + 8 * 2 + 16 * 4 + 16 * 4
