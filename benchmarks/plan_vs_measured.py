@@ -5,7 +5,9 @@ bandwidth); the benchmark runs those suites into a scratch REDLINE_HOME first, p
 ``--hardware local``, then trains the real module for a few steps and compares:
 
 - step time: median of timed steps vs the plan's ``step_time_s.total``;
-- peak memory (CUDA only): ``torch.cuda.max_memory_allocated`` vs the plan's ``allocated``.
+- peak memory (CUDA only): ``torch.cuda.max_memory_allocated`` vs the plan's ``allocated``;
+- after calibration as ``plan --calibrate`` does it (micro-batch 1, half the batch, the batch), the same at
+  micro-batches it did not measure: a quarter of the batch and twice it.
 
     python benchmarks/plan_vs_measured.py [--steps 5] [--json] [--out DIR]
 
@@ -147,27 +149,42 @@ def measure(spec: dict, device: str, precision: str, steps: int) -> dict:
 
 
 def calibrated(spec: dict, profile, cluster, device: str, precision: str, steps: int) -> dict:
-    """`plan --calibrate` as the CLI does it, at a quarter and half of the batch, then the prediction at the
-    whole batch (held out: not one of the calibration's sizes) against real steps at it, timed the same way."""
+    """`plan --calibrate` as the CLI does it (micro-batch 1 for the floor, half the batch, the batch), then its
+    predictions at micro-batches it did not measure, a quarter of the batch and twice it, against real steps
+    there, timed the same way."""
     from redline.bench.training_step import measure_training_steps
     from redline.plan.calibrate import calibrate as fit_profile
+    from redline.plan.calibrate import calibration_sizes
 
     b = spec["batch"]
-    sizes = (max(1, b // 4), max(2, b // 2), b)
+    sizes = calibration_sizes(b)
+    held_out = sorted({max(2, b // 4), 2 * b} - set(sizes))
     runs = measure_training_steps(
-        spec["build"], spec["shape"], sizes, device=device, precision=precision, steps=steps, name=spec["name"]
+        spec["build"],
+        spec["shape"],
+        tuple(sorted({*sizes, *held_out})),
+        device=device,
+        precision=precision,
+        steps=steps,
+        name=spec["name"],
     )
-    profile = fit_profile(profile, dataclasses.replace(cluster, name="local"), precision, runs[:2])
-    held_out = runs[2]
-    predicted = estimate(profile, Strategy(data=1, precision=precision, micro_batch=b), cluster, Goal(b))
-    measured_s = held_out.compute_s + held_out.optimizer_s
-    return {
-        "calibration": profile.calibration.to_dict(),
-        "calibrated_step_s": predicted.time.total,
-        "held_out_step_s": measured_s,
-        "calibrated_step_ratio": predicted.time.total / measured_s,
-        "calibrated_memory_ratio": (predicted.memory.allocated / held_out.peak_bytes if held_out.peak_bytes else None),
-    }
+    by_size = {run.micro_batch: run for run in runs}
+    profile = fit_profile(profile, dataclasses.replace(cluster, name="local"), precision, [by_size[m] for m in sizes])
+    checks = []
+    for m in held_out:
+        predicted = estimate(profile, Strategy(data=1, precision=precision, micro_batch=m), cluster, Goal(m))
+        measured_s = by_size[m].compute_s + by_size[m].optimizer_s
+        peak = by_size[m].peak_bytes
+        checks.append(
+            {
+                "micro_batch": m,
+                "predicted_step_s": predicted.time.total,
+                "measured_step_s": measured_s,
+                "step_ratio": predicted.time.total / measured_s,
+                "memory_ratio": predicted.memory.allocated / peak if peak else None,
+            }
+        )
+    return {"calibration": profile.calibration.to_dict(), "held_out": checks}
 
 
 def main() -> None:
@@ -208,9 +225,11 @@ def main() -> None:
         rows.append(row)
         if not args.json:
             memory = f"  memory {row['memory_ratio']:.2f}" if "memory_ratio" in row else ""
-            after = f"  calibrated: step {row['calibrated_step_ratio']:.2f}"
-            if row.get("calibrated_memory_ratio") is not None:
-                after += f" memory {row['calibrated_memory_ratio']:.2f}"
+            after = "  calibrated, held out:" + ",".join(
+                f" b={check['micro_batch']} step {check['step_ratio']:.2f}"
+                + (f" memory {check['memory_ratio']:.2f}" if check["memory_ratio"] else "")
+                for check in row["held_out"]
+            )
             print(
                 f"{row['model']:10} b={row['batch']:<4} predicted {row['predicted_step_s']:.3f} s  "
                 f"measured {row['measured_step_s']:.3f} s  ratio {row['step_ratio']:.2f}{memory}{after}",

@@ -16,7 +16,7 @@ import yaml
 from conftest import run_cli
 from redline.bench.training_step import StepMeasurement, measure_training_steps
 from redline.errors import BadInput
-from redline.plan.calibrate import calibrate, one_device
+from redline.plan.calibrate import calibrate, calibration_sizes, one_device
 from redline.plan.hardware import parse_hardware
 from redline.plan.memory import memory_per_gpu
 from redline.plan.steptime import step_time
@@ -52,6 +52,32 @@ def test_the_fit_recovers_the_devices_line_and_extrapolates_along_it() -> None:
     # and the corrections reach every strategy: accumulation 4 costs 4 calibrated micro-batches
     four = dataclasses.replace(held_out, accumulation=4)
     assert step_time(calibrated, four, CLUSTER).compute == pytest.approx(4 * truth[2].compute_s)
+
+
+def test_a_step_at_micro_batch_1_is_the_floor_no_micro_batch_goes_below() -> None:
+    """A fast GPU under eager PyTorch: a small micro-batch takes as long as launching its kernels does."""
+    profile = preset_profile("gpt2", seq_len=512)
+    line = synthetic(profile, (1, 2, 8, 16), time_scale=1.3, time_offset=0.002, memory_scale=1.0, memory_offset=0)
+    floor = line[1].compute_s * 1.5  # micro-batches 1 and 2 are launch-bound, 8 and 16 are not
+    device = [dataclasses.replace(run, compute_s=max(run.compute_s, floor)) for run in line]
+    calibrated = calibrate(profile, CLUSTER, "bf16", [device[0], device[2], device[3]])
+    fitted = calibrated.calibration
+    assert fitted.micro_batches == (8, 16) and fitted.measured_floor_s == pytest.approx(floor)
+    assert fitted.compute == pytest.approx((1.3, 0.002))  # the line comes from the two larger sizes only
+    assert not fitted.launch_bound
+    for run in device[1:]:  # the floor where the line would go under it, the line above it
+        assert step_time(calibrated, one_device(run.micro_batch, "bf16"), CLUSTER).compute == pytest.approx(
+            run.compute_s
+        )
+    # a line through a launch-bound size is said to be uncertain
+    assert calibrate(profile, CLUSTER, "bf16", device[:3]).calibration.launch_bound
+
+
+def test_calibration_sizes() -> None:
+    assert calibration_sizes(64) == (1, 32, 64)
+    assert calibration_sizes(5) == (1, 2, 5)
+    assert calibration_sizes(3) == (1, 3)
+    assert calibration_sizes(1) == (1, 2)
 
 
 def test_without_a_measured_peak_memory_is_left_as_predicted() -> None:

@@ -259,7 +259,7 @@ def _calibrated(profile, cluster, model, constraints, micro_batch):
     import dataclasses
 
     from redline.bench.training_step import measure_training_steps
-    from redline.plan.calibrate import calibrate
+    from redline.plan.calibrate import calibrate, calibration_sizes
     from redline.workload.load import model_builder
 
     if model is None:
@@ -268,11 +268,11 @@ def _calibrated(profile, cluster, model, constraints, micro_batch):
         raise BadInput("--calibrate measures this machine: plan with --hardware local")
     if micro_batch < 1:
         raise BadInput(f"--calibrate-micro-batch must be at least 1, not {micro_batch}")
-    sizes = (micro_batch // 2, micro_batch) if micro_batch > 1 else (1, 2)
+    sizes = calibration_sizes(micro_batch)
     cuda = cluster.gpu is not None
     precision = constraints.precision or ("bf16" if cuda else "fp32")
     build = model_builder(model, profile.input_shape)  # run it on the inputs it was traced with
-    ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {sizes[0]} and {sizes[1]} ...")
+    ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {', '.join(map(str, sizes))} ...")
     try:
         measured = measure_training_steps(
             build.build,
@@ -297,8 +297,15 @@ def _calibrated(profile, cluster, model, constraints, micro_batch):
             if memory
             else ", memory not measured on a CPU"
         )
+        + (f"; no micro-batch under {fmt_duration(fitted.measured_floor_s)}" if fitted.measured_floor_s else "")
     )
-    profile = dataclasses.replace(profile, notes=(*profile.notes, note))
+    notes = [note]
+    if fitted.launch_bound:
+        notes.append(
+            f"micro-batch {fitted.micro_batches[0]} ran close to the floor (the device waited for Python to launch "
+            "kernels), so the fitted line is uncertain: calibrate at a larger --calibrate-micro-batch"
+        )
+    profile = dataclasses.replace(profile, notes=(*profile.notes, *notes))
     return profile, dataclasses.replace(constraints, precision=precision)
 
 

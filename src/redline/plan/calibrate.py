@@ -12,6 +12,7 @@ is only planned on ``--hardware local``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from redline.bench.training_step import StepMeasurement
@@ -28,10 +29,18 @@ def one_device(micro_batch: int, precision: str) -> Strategy:
     return Strategy(micro_batch=micro_batch, precision=precision)
 
 
+def calibration_sizes(micro_batch: int) -> tuple[int, ...]:
+    """The micro-batches ``plan --calibrate`` times: 1 (the floor), half of ``micro_batch``, and itself."""
+    return (1, micro_batch // 2, micro_batch) if micro_batch >= 4 else (1, max(2, micro_batch))
+
+
 def fit(profile: WorkloadProfile, cluster: Cluster, precision: str, measured: Sequence[StepMeasurement]) -> Calibration:
-    """The calibration of ``profile`` from two measured micro-batch sizes, against the uncalibrated model."""
-    if len(measured) != 2 or measured[0].micro_batch >= measured[1].micro_batch:
-        raise ValueError("a calibration needs two measurements at increasing micro-batch sizes")
+    """The calibration of ``profile`` against the uncalibrated model, from measurements at increasing micro-batch
+    sizes: the last two give the lines; the first, at micro-batch 1, also the floor."""
+    if len(measured) not in (2, 3) or any(a.micro_batch >= b.micro_batch for a, b in itertools.pairwise(measured)):
+        raise ValueError("a calibration needs two or three measurements at increasing micro-batch sizes")
+    floor = measured[0].compute_s if measured[0].micro_batch == 1 else None
+    measured = measured[-2:]
     bare = dataclasses.replace(profile, calibration=None)
     predicted = [
         (
@@ -52,6 +61,7 @@ def fit(profile: WorkloadProfile, cluster: Cluster, precision: str, measured: Se
         predicted_optimizer_s=predicted[1][0].optimizer,
         measured_peak_bytes=None if None in peaks else (int(peaks[0]), int(peaks[1])),  # type: ignore[arg-type]
         predicted_peak_bytes=(predicted[0][1].allocated, predicted[1][1].allocated),
+        measured_floor_s=floor,
     )
 
 

@@ -114,9 +114,9 @@ def _micro_batch_compute_s(
         backward += max(2 * flops / rate + memory_s / 2, 2 * launches)
         if layer.is_block and strategy.checkpointing == "full":
             backward += layer_forward
-    if profile.calibration is not None:  # measured on this device: keep the split, correct the total
-        scale, offset = profile.calibration.compute
-        forward, backward = forward * scale + offset / 3, backward * scale + 2 * offset / 3
+    if profile.calibration is not None and forward + backward > 0:  # measured here: correct the total, keep the split
+        factor = profile.calibration.corrected_compute_s(forward + backward) / (forward + backward)
+        forward, backward = forward * factor, backward * factor
     return forward, backward
 
 

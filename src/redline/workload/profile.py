@@ -99,7 +99,8 @@ class Calibration:
     (``*_scale``: what each extra sample really costs) and difference of intercepts (``*_offset``: fixed costs
     per micro-batch its roofline does not see, such as kernel launches of eager PyTorch). Memory is fitted the
     same way where the device reports it (CUDA); the optimizer step, which does not depend on the micro-batch,
-    by its ratio.
+    by its ratio. A step at micro-batch 1 gives the floor: on a fast GPU a small micro-batch takes as long as
+    Python needs to launch its kernels, whatever the line says.
     """
 
     device: str
@@ -111,6 +112,9 @@ class Calibration:
     predicted_optimizer_s: float
     measured_peak_bytes: tuple[int, int] | None  # torch.cuda.max_memory_allocated; None off CUDA
     predicted_peak_bytes: tuple[float, float]
+    # forward + backward of a micro-batch of 1: the floor no micro-batch goes below, where the GPU waits for
+    # eager PyTorch to launch its kernels (None: not measured)
+    measured_floor_s: float | None = None
 
     def _fit(self, measured: tuple[float, float], predicted: tuple[float, float]) -> tuple[float, float, float]:
         """(measured slope / predicted slope, measured intercept, predicted intercept) of the two lines through
@@ -125,6 +129,17 @@ class Calibration:
         """(scale, offset seconds per micro-batch): corrected = scale x predicted + offset."""
         scale, measured_at0, predicted_at0 = self._fit(self.measured_compute_s, self.predicted_compute_s)
         return scale, measured_at0 - scale * predicted_at0
+
+    def corrected_compute_s(self, predicted_s: float) -> float:
+        """Forward + backward of one micro-batch as this device runs it, from the planner's prediction."""
+        scale, offset = self.compute
+        return max(scale * predicted_s + offset, self.measured_floor_s or 0.0)
+
+    @property
+    def launch_bound(self) -> bool:
+        """The smaller calibration size ran within 20% of the floor: the line through it is mostly launch time."""
+        floor = self.measured_floor_s
+        return floor is not None and self.micro_batches[0] > 1 and self.measured_compute_s[0] < 1.2 * floor
 
     @property
     def optimizer_scale(self) -> float:
