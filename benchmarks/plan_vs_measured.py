@@ -151,40 +151,40 @@ def measure(spec: dict, device: str, precision: str, steps: int) -> dict:
 def calibrated(spec: dict, profile, cluster, device: str, precision: str, steps: int) -> dict:
     """`plan --calibrate` as the CLI does it (micro-batch 1 for the floor, half the batch, the batch), then its
     predictions at micro-batches it did not measure, a quarter of the batch and twice it, against real steps
-    there, timed the same way."""
+    there, timed the same way. A held-out size the device cannot hold is left out and said so."""
     from redline.bench.training_step import measure_training_steps
     from redline.plan.calibrate import calibrate as fit_profile
-    from redline.plan.calibrate import calibration_sizes
+    from redline.plan.calibrate import measure as measure_calibration
 
     b = spec["batch"]
-    sizes = calibration_sizes(b)
-    held_out = sorted({max(2, b // 4), 2 * b} - set(sizes))
-    runs = measure_training_steps(
-        spec["build"],
-        spec["shape"],
-        tuple(sorted({*sizes, *held_out})),
-        device=device,
-        precision=precision,
-        steps=steps,
-        name=spec["name"],
+    runs = measure_calibration(
+        spec["build"], spec["shape"], b, device=device, precision=precision, steps=steps, name=spec["name"]
     )
-    by_size = {run.micro_batch: run for run in runs}
-    profile = fit_profile(profile, dataclasses.replace(cluster, name="local"), precision, [by_size[m] for m in sizes])
-    checks = []
-    for m in held_out:
+    profile = fit_profile(profile, dataclasses.replace(cluster, name="local"), precision, runs)
+    checks, skipped = [], []
+    for m in sorted({max(2, b // 4), 2 * b} - {run.micro_batch for run in runs}):
+        try:
+            (run,) = measure_training_steps(
+                spec["build"], spec["shape"], (m,), device=device, precision=precision, steps=steps, name=spec["name"]
+            )
+        except torch.cuda.OutOfMemoryError:
+            skipped.append(m)
+            continue
+        finally:
+            if device != "cpu":
+                torch.cuda.empty_cache()
         predicted = estimate(profile, Strategy(data=1, precision=precision, micro_batch=m), cluster, Goal(m))
-        measured_s = by_size[m].compute_s + by_size[m].optimizer_s
-        peak = by_size[m].peak_bytes
+        measured_s = run.compute_s + run.optimizer_s
         checks.append(
             {
                 "micro_batch": m,
                 "predicted_step_s": predicted.time.total,
                 "measured_step_s": measured_s,
                 "step_ratio": predicted.time.total / measured_s,
-                "memory_ratio": predicted.memory.allocated / peak if peak else None,
+                "memory_ratio": predicted.memory.allocated / run.peak_bytes if run.peak_bytes else None,
             }
         )
-    return {"calibration": profile.calibration.to_dict(), "held_out": checks}
+    return {"calibration": profile.calibration.to_dict(), "held_out": checks, "held_out_too_large": skipped}
 
 
 def main() -> None:

@@ -65,6 +65,8 @@ for r in rows:
     if memory is not None and not 0.97 <= memory <= 1.05:
         bad.append(f"{r['model']}: memory ratio {memory:.3f} outside 0.97-1.05")
     # ... and step time within 10% after calibration, at micro-batches the calibration did not measure
+    for m in r.get("held_out_too_large", []):
+        print(f"{'':10} held out b={m}: does not fit on this device, not checked")
     for check in r["held_out"]:
         held = check["memory_ratio"]
         print(f"{'':10} calibrated at {r['calibration']['micro_batches']}, held out b={check['micro_batch']:<4} "

@@ -16,7 +16,7 @@ import yaml
 from conftest import run_cli
 from redline.bench.training_step import StepMeasurement, measure_training_steps
 from redline.errors import BadInput
-from redline.plan.calibrate import calibrate, calibration_sizes, one_device
+from redline.plan.calibrate import calibrate, line_sizes, measure, one_device
 from redline.plan.hardware import parse_hardware
 from redline.plan.memory import memory_per_gpu
 from redline.plan.steptime import step_time
@@ -69,15 +69,41 @@ def test_a_step_at_micro_batch_1_is_the_floor_no_micro_batch_goes_below() -> Non
         assert step_time(calibrated, one_device(run.micro_batch, "bf16"), CLUSTER).compute == pytest.approx(
             run.compute_s
         )
-    # a line through a launch-bound size is said to be uncertain
+    # a line through a launch-bound size is said to be uncertain, and so is one that starts at the floor
     assert calibrate(profile, CLUSTER, "bf16", device[:3]).calibration.launch_bound
+    assert calibrate(profile, CLUSTER, "bf16", device[:2]).calibration.launch_bound
 
 
-def test_calibration_sizes() -> None:
-    assert calibration_sizes(64) == (1, 32, 64)
-    assert calibration_sizes(5) == (1, 2, 5)
-    assert calibration_sizes(3) == (1, 3)
-    assert calibration_sizes(1) == (1, 2)
+def test_the_floor_applies_to_a_pipeline_stage_by_its_share_of_the_layers() -> None:
+    profile = preset_profile("gpt2", seq_len=512)
+    line = synthetic(profile, (1, 8, 16), time_scale=1.0, time_offset=0.0, memory_scale=1.0, memory_offset=0)
+    floor = 10 * line[2].compute_s  # far above every line value: the floor decides
+    calibrated = calibrate(profile, CLUSTER, "bf16", [dataclasses.replace(line[0], compute_s=floor), *line[1:]])
+    whole = step_time(calibrated, one_device(8, "bf16"), CLUSTER).compute
+    assert whole == pytest.approx(floor)
+    # four stages: each launches about a quarter of the model's kernels, once per micro-batch in flight
+    piped = dataclasses.replace(one_device(8, "bf16"), pipeline=4, accumulation=4)
+    per_micro_batch = step_time(calibrated, piped, CLUSTER).compute / 4
+    assert floor / 6 < per_micro_batch < floor / 3
+
+
+def test_line_sizes() -> None:
+    assert line_sizes(64) == (32, 64)
+    assert line_sizes(5) == (2, 5)
+    assert line_sizes(3) == (1, 3)
+    assert line_sizes(1) == (1, 2)
+
+
+def test_a_model_that_cannot_take_a_batch_of_one_is_calibrated_without_a_floor() -> None:
+    from torch import nn
+
+    def build():
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)), (8,)
+
+    runs = measure(build, None, 4, device="cpu", precision="fp32", name="bn", steps=1)
+    assert [run.micro_batch for run in runs] == [2, 4]  # batch norm refuses a batch of one in training
+    with_floor = measure(lambda: (nn.Linear(8, 2), (8,)), None, 4, device="cpu", precision="fp32", name="l", steps=1)
+    assert [run.micro_batch for run in with_floor] == [1, 2, 4]
 
 
 def test_without_a_measured_peak_memory_is_left_as_predicted() -> None:

@@ -30,11 +30,39 @@ def test_fp32_ops_run_in_fp32_and_only_while_entered() -> None:
         assert torch.softmax(y, -1, dtype=bf16).dtype == bf16  # a given dtype is kept, as CUDA keeps it
         assert nn.functional.layer_norm(y, (8,)).dtype == torch.float32
         assert torch.relu(y).dtype == bf16  # not on CUDA's list
-        (y**3).sum().backward()  # the recorded cast sends the gradient back through bf16
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+            cube = y**3
+        assert saved == [torch.float32]  # pow keeps its input for backward: the fp32 cast, as on a GPU
+        cube.sum().backward()  # the recorded cast sends the gradient back through bf16 to the layer
     assert 30 < changed <= len(FP32_OPS) + len(FP32_UNLESS_DTYPE_OPS)
-    assert x.grad is not None and x.grad.dtype == torch.float32
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
     with torch.autocast("cpu", dtype=bf16):
         assert (layer(x) ** 3).dtype == bf16  # CPU autocast's own behaviour is back
+
+
+def test_a_reduction_given_no_dtype_computes_in_fp32_and_keeps_its_16_bit_input() -> None:
+    """CUDA asks such reductions for an fp32 result (``dtype=float32``) rather than casting their input first:
+    a norm's backward then keeps the 16-bit input."""
+    y = torch.randn(4, 8, dtype=bf16, requires_grad=True)
+    saved = []
+    with (
+        cuda_autocast_policy(),
+        torch.autocast("cpu", dtype=bf16),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t),
+    ):
+        norm = torch.linalg.vector_norm(y, dim=-1)
+        assert torch.cumsum(y, 0, dtype=bf16).dtype == bf16
+    assert norm.dtype == torch.float32 and bf16 in saved
+
+
+def test_nested_entries_share_one_registration() -> None:
+    with cuda_autocast_policy(), torch.autocast("cpu", dtype=bf16):
+        with cuda_autocast_policy():
+            pass
+        assert torch.ones(2, dtype=bf16).exp().dtype == torch.float32  # the inner exit left it in place
+    with torch.autocast("cpu", dtype=bf16):
+        assert torch.ones(2, dtype=bf16).exp().dtype == bf16
 
 
 def test_on_fake_tensors() -> None:

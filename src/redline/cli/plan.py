@@ -67,7 +67,7 @@ def plan(
     calibrate_micro_batch: int | None = typer.Option(
         None,
         "--calibrate-micro-batch",
-        help="With --calibrate: measure at this micro-batch and half of it (default: the uncalibrated plan's).",
+        help="With --calibrate: measure at this micro-batch, half of it and 1 (default: the uncalibrated plan's).",
     ),
     list_models: bool = typer.Option(False, "--list-models", help="List the built-in model presets and exit."),
     json_output: bool = typer.Option(False, "--json", help="Print the whole result as JSON."),
@@ -146,7 +146,7 @@ def plan(
     goal = Goal(batch, tokens=tokens_total, samples=samples)
     result = search(profile, cluster, goal, constraints)
     if calibrate:
-        # measured where the plan runs: at the micro-batch the uncalibrated search chose, and half of it
+        # measured where the plan runs: the micro-batch the uncalibrated search chose, half of it, 1 for the floor
         chosen = result.ranked[0].strategy.micro_batch if result.ranked else 1
         profile, constraints = _calibrated(
             profile,
@@ -258,8 +258,7 @@ def _calibrated(profile, cluster, model, constraints, micro_batch):
     precision it was measured in (a calibration holds for that precision only)."""
     import dataclasses
 
-    from redline.bench.training_step import measure_training_steps
-    from redline.plan.calibrate import calibrate, calibration_sizes
+    from redline.plan.calibrate import calibrate, line_sizes, measure
     from redline.workload.load import model_builder
 
     if model is None:
@@ -268,21 +267,21 @@ def _calibrated(profile, cluster, model, constraints, micro_batch):
         raise BadInput("--calibrate measures this machine: plan with --hardware local")
     if micro_batch < 1:
         raise BadInput(f"--calibrate-micro-batch must be at least 1, not {micro_batch}")
-    sizes = calibration_sizes(micro_batch)
+    sizes = line_sizes(micro_batch)
     cuda = cluster.gpu is not None
     precision = constraints.precision or ("bf16" if cuda else "fp32")
     build = model_builder(model, profile.input_shape)  # run it on the inputs it was traced with
-    ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {', '.join(map(str, sizes))} ...")
+    ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {sizes[0]} and {sizes[1]} (and 1) ...")
     try:
-        measured = measure_training_steps(
+        measured = measure(
             build.build,
             build.input_shape,
-            sizes,
+            micro_batch,
             device="cuda:0" if cuda else "cpu",
             precision=precision,
             name=profile.name,
         )
-    except RuntimeError as exc:  # out of memory, a kernel the device lacks: the model's own error, in one line
+    except (RuntimeError, ValueError) as exc:  # out of memory, a kernel the device lacks: the model's error
         raise BadInput(f"calibration steps failed: {str(exc).splitlines()[0]}") from None
     profile = calibrate(profile, cluster, precision, measured)
     fitted = profile.calibration

@@ -3,7 +3,8 @@ prediction of the same steps (``redline plan --calibrate``).
 
 The roofline knows the FLOPs and bytes of each block but not what eager PyTorch adds around them (small
 kernels, launches, a BatchNorm pass, an fp32 copy of the logits), and those differ by model. A few real
-steps at two micro-batch sizes on one device pin both down: ``Calibration`` (``redline.workload.profile``)
+steps at two micro-batch sizes on one device pin both down, and a step at micro-batch 1 the floor no
+micro-batch goes below: ``Calibration`` (``redline.workload.profile``)
 keeps the measured and predicted lines, and the step-time and memory models correct every strategy with
 them. The corrections are per device: they describe this model on this GPU (or CPU), so a calibrated profile
 is only planned on ``--hardware local``.
@@ -12,10 +13,12 @@ is only planned on ``--hardware local``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from redline.bench.training_step import StepMeasurement
+from redline.bench.training_step import StepMeasurement, measure_training_steps
 from redline.errors import BadInput
 from redline.plan.hardware import Cluster
 from redline.plan.memory import memory_per_gpu
@@ -29,9 +32,35 @@ def one_device(micro_batch: int, precision: str) -> Strategy:
     return Strategy(micro_batch=micro_batch, precision=precision)
 
 
-def calibration_sizes(micro_batch: int) -> tuple[int, ...]:
-    """The micro-batches ``plan --calibrate`` times: 1 (the floor), half of ``micro_batch``, and itself."""
-    return (1, micro_batch // 2, micro_batch) if micro_batch >= 4 else (1, max(2, micro_batch))
+def line_sizes(micro_batch: int) -> tuple[int, int]:
+    """The two micro-batches the calibration's lines go through: half of ``micro_batch`` and itself."""
+    return (micro_batch // 2, micro_batch) if micro_batch >= 4 else (1, max(2, micro_batch))
+
+
+def measure(
+    build: Callable[[], Any],
+    input_shape: tuple[int, ...] | None,
+    micro_batch: int,
+    *,
+    device: str,
+    precision: str,
+    name: str,
+    steps: int = 5,
+) -> list[StepMeasurement]:
+    """Real steps for a calibration around ``micro_batch``: the two sizes of ``line_sizes``, preceded by
+    micro-batch 1 for the floor when the line does not start there. Some models cannot take a batch of one
+    (a BatchNorm1d): they are calibrated without a floor."""
+    sizes = line_sizes(micro_batch)
+    run = functools.partial(
+        measure_training_steps, build, input_shape, device=device, precision=precision, steps=steps, name=name
+    )
+    measured = run(sizes)
+    if sizes[0] == 1:
+        return measured
+    try:
+        return run((1,)) + measured
+    except (RuntimeError, ValueError):
+        return measured
 
 
 def fit(profile: WorkloadProfile, cluster: Cluster, precision: str, measured: Sequence[StepMeasurement]) -> Calibration:
@@ -39,6 +68,8 @@ def fit(profile: WorkloadProfile, cluster: Cluster, precision: str, measured: Se
     sizes: the last two give the lines; the first, at micro-batch 1, also the floor."""
     if len(measured) not in (2, 3) or any(a.micro_batch >= b.micro_batch for a, b in itertools.pairwise(measured)):
         raise ValueError("a calibration needs two or three measurements at increasing micro-batch sizes")
+    if len(measured) == 3 and measured[0].micro_batch != 1:
+        raise ValueError("the first of three calibration measurements is the floor, at micro-batch 1")
     floor = measured[0].compute_s if measured[0].micro_batch == 1 else None
     measured = measured[-2:]
     bare = dataclasses.replace(profile, calibration=None)

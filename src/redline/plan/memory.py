@@ -232,9 +232,14 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
             kept[layer.name] = full_blocks[layer.name]
     activations = sum(kept.values()) * in_flight
     # the working set of each layer's backward, on top of what is still saved: a block's activation gradients
-    # (and under full checkpointing its recomputed activations); the loss's for an LM's head
-    recompute = 2 if strategy.checkpointing == "full" else 1
-    working = {name: block * recompute for name, block in full_blocks.items()}
+    # (under full checkpointing also its recomputed activations and the weight copies its recomputation casts
+    # again); the loss's for an LM's head. Copies per parameter: autocast's, not FSDP's whole units.
+    full = strategy.checkpointing == "full"
+    copy_share = weight_copies / max(1, stage.params) if zero_stage < 2 else 0.0
+    working = {
+        block.name: full_blocks[block.name] * 2 + block.params * copy_share if full else full_blocks[block.name]
+        for block in stage.blocks
+    }
     if shape is not None and shape.lm_head and last and stage.fixed:
         # cross-entropy runs in fp32, under autocast too: while log-softmax's backward runs, the fp32 gradients
         # of its output (the NLL's, dense) and of its input, b x s x V each
@@ -251,13 +256,15 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         # as it ends, its gradients replace its activations and autocast's copies of its weights (a CNN peaks
         # mid-way: its big activations are early, its big parameters late). Sharded units stay until the end.
         grad_share = grads / max(1, stage.params)
-        copy_share = weight_copies / max(1, stage.params) if zero_stage < 2 else 0.0
         order = [layer for layer in profile.layers if layer.name in kept]
-        backward_peak, grads_so_far, held = 0.0, 0.0, weight_copies + activations
+        # autocast's weight copies by layer; a checkpointed block's died with the forward's autocast cache
+        copies = {layer.name: 0.0 if full and layer.is_block else layer.params * copy_share for layer in order}
+        held = activations + (sum(copies.values()) if copy_share else weight_copies)
+        backward_peak, grads_so_far = 0.0, 0.0
         for layer in reversed(order):
             backward_peak = max(backward_peak, grads_so_far + held + working.get(layer.name, 0.0))
             grads_so_far += layer.params * grad_share
-            held -= kept[layer.name] * in_flight + layer.params * copy_share
+            held -= kept[layer.name] * in_flight + copies[layer.name]
             backward_peak = max(backward_peak, grads_so_far + held)
         moving = max(weight_copies + activations, backward_peak)
     allocated = weights + optimizer + comm_buffers + moving

@@ -115,7 +115,11 @@ def _micro_batch_compute_s(
         if layer.is_block and strategy.checkpointing == "full":
             backward += layer_forward
     if profile.calibration is not None and forward + backward > 0:  # measured here: correct the total, keep the split
-        factor = profile.calibration.corrected_compute_s(forward + backward) / (forward + backward)
+        # the floor was measured on the whole model: this stage launches its layers' share, and a recomputed
+        # forward adds about a third
+        share = len(stage.blocks) + len(stage.fixed)
+        floor_share = share / max(1, len(profile.layers)) * (4 / 3 if strategy.checkpointing == "full" else 1)
+        factor = profile.calibration.corrected_compute_s(forward + backward, floor_share) / (forward + backward)
         forward, backward = forward * factor, backward * factor
     return forward, backward
 

@@ -9,16 +9,18 @@ their backward saves, and what follows them promotes to fp32 too. Hugging Face G
 about 20% of that model's activations.
 
 ``cuda_autocast_policy()`` registers, for as long as it is entered, a kernel under the ``AutocastCPU``
-dispatch key for each op CUDA's autocast runs in fp32 that CPU's does not touch. Like CUDA's, the kernel casts
-the op's fp16/bf16 tensor arguments to fp32 (for the reductions that take a ``dtype``, only when none is
-given) and runs the op below autocast. It sits above autograd, as autocast does, so the cast is recorded and
-the backward saves what it saves on a GPU.
+dispatch key for each op CUDA's autocast runs in fp32 that CPU's does not touch. As CUDA's kernels do, it
+casts the op's fp16/bf16 tensor arguments to fp32, or for the ops that take a ``dtype`` and were given none,
+asks for an fp32 result instead, then runs the op below autocast. It sits above autograd, as autocast does,
+so the cast is recorded and the backward saves what it saves on a GPU. The registration is process-wide
+(CPU autocast in another thread sees it too); nested and concurrent entries share one.
 
 The lists are ATen's (``aten/src/ATen/autocast_mode.h``: ``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -65,7 +67,7 @@ FP32_OPS = (
     "upsample_trilinear3d",
     "upsample_bicubic2d",
 )
-# ... and these when no dtype is given
+# ... and these compute in fp32 (``dtype=float32``) when no dtype is given
 FP32_UNLESS_DTYPE_OPS = (
     "softmax.int",
     "log_softmax.int",
@@ -93,9 +95,14 @@ def _fp32_kernel(op: torch._ops.OpOverload, unless_dtype: bool) -> Callable[...,
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOCAST):
-            dtype = kwargs.get("dtype", args[dtype_at] if dtype_at is not None and dtype_at < len(args) else None)
-            if dtype is None:
+            if dtype_at is None:
                 args, kwargs = tree_map(_to_fp32, (args, kwargs))
+            elif kwargs.get("dtype", args[dtype_at] if dtype_at < len(args) else None) is None:
+                lower = any(isinstance(a, torch.Tensor) and a.dtype in _LOWER_PRECISION for a in args)
+                if lower and dtype_at < len(args):
+                    args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1 :])
+                elif lower:
+                    kwargs = {**kwargs, "dtype": torch.float32}
             return op(*args, **kwargs)
 
     return kernel
@@ -107,17 +114,39 @@ def _overload(qualified: str) -> torch._ops.OpOverload | None:
     return getattr(packet, overload or "default", None) if packet is not None else None
 
 
+def _register() -> tuple[Any, int]:
+    library = torch.library.Library("aten", "IMPL")
+    changed = 0
+    for unless_dtype, names in ((False, FP32_OPS), (True, FP32_UNLESS_DTYPE_OPS)):
+        for qualified in names:
+            op = _overload(qualified)
+            if op is None or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "AutocastCPU"):
+                continue
+            library.impl(qualified, _fp32_kernel(op, unless_dtype), "AutocastCPU")
+            changed += 1
+    return library, changed
+
+
+_lock = threading.Lock()
+_entered = 0
+_registration: tuple[Any, int] | None = None
+
+
 @contextmanager
 def cuda_autocast_policy() -> Iterator[int]:
     """CUDA's fp32 autocast ops run in fp32 under CPU autocast while entered; yields how many were changed.
     Ops this PyTorch lacks, or that CPU autocast already handles, are left alone."""
-    with torch.library._scoped_library("aten", "IMPL") as library:
-        changed = 0
-        for unless_dtype, names in ((False, FP32_OPS), (True, FP32_UNLESS_DTYPE_OPS)):
-            for qualified in names:
-                op = _overload(qualified)
-                if op is None or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "AutocastCPU"):
-                    continue
-                library.impl(qualified, _fp32_kernel(op, unless_dtype), "AutocastCPU")
-                changed += 1
+    global _entered, _registration
+    with _lock:
+        if _registration is None:
+            _registration = _register()
+        _entered += 1
+        changed = _registration[1]
+    try:
         yield changed
+    finally:
+        with _lock:
+            _entered -= 1
+            if _entered == 0 and _registration is not None:
+                _registration[0]._destroy()
+                _registration = None

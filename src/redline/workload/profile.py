@@ -92,15 +92,16 @@ class LayerProfile:
 @dataclass(frozen=True)
 class Calibration:
     """How this model's training steps really ran on this machine's device, against what the planner
-    predicted for the same runs: ``redline plan --calibrate`` measures a few steps at two micro-batch sizes.
+    predicted for the same runs: ``redline plan --calibrate`` measures a few steps at two micro-batch sizes
+    (and at micro-batch 1 for the floor).
 
     Each measured quantity is fitted as a line in the micro-batch, ``a + b x m``, as is the prediction for
     the same runs; the planner then keeps its own model and corrects it with the two lines' ratio of slopes
     (``*_scale``: what each extra sample really costs) and difference of intercepts (``*_offset``: fixed costs
     per micro-batch its roofline does not see, such as kernel launches of eager PyTorch). Memory is fitted the
     same way where the device reports it (CUDA); the optimizer step, which does not depend on the micro-batch,
-    by its ratio. A step at micro-batch 1 gives the floor: on a fast GPU a small micro-batch takes as long as
-    Python needs to launch its kernels, whatever the line says.
+    by its ratio. A step at micro-batch 1, when the model takes one, gives the floor: on a fast GPU a small
+    micro-batch takes as long as Python needs to launch its kernels, whatever the line says.
     """
 
     device: str
@@ -130,16 +131,20 @@ class Calibration:
         scale, measured_at0, predicted_at0 = self._fit(self.measured_compute_s, self.predicted_compute_s)
         return scale, measured_at0 - scale * predicted_at0
 
-    def corrected_compute_s(self, predicted_s: float) -> float:
-        """Forward + backward of one micro-batch as this device runs it, from the planner's prediction."""
+    def corrected_compute_s(self, predicted_s: float, floor_share: float = 1.0) -> float:
+        """Forward + backward of one micro-batch as this device runs it, from the planner's prediction; the floor
+        scaled by ``floor_share``, the part of the whole model's kernel launches the prediction covers (a
+        pipeline stage's layers, plus a recomputed forward)."""
         scale, offset = self.compute
-        return max(scale * predicted_s + offset, self.measured_floor_s or 0.0)
+        return max(scale * predicted_s + offset, (self.measured_floor_s or 0.0) * floor_share)
 
     @property
     def launch_bound(self) -> bool:
-        """The smaller calibration size ran within 20% of the floor: the line through it is mostly launch time."""
+        """The smallest calibration size above 1 ran within 20% of the floor: the line through it is mostly
+        launch time."""
         floor = self.measured_floor_s
-        return floor is not None and self.micro_batches[0] > 1 and self.measured_compute_s[0] < 1.2 * floor
+        above = [s for m, s in zip(self.micro_batches, self.measured_compute_s, strict=True) if m > 1]
+        return floor is not None and above[0] < 1.2 * floor
 
     @property
     def optimizer_scale(self) -> float:
