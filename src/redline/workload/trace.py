@@ -100,7 +100,7 @@ def trace_module(
     notes = [*tracer.notes, peak_note]
     notes.append(
         f"traced in {time.perf_counter() - started_s:.1f} s on fake tensors (batches {BATCHES[0]} and "
-        f"{BATCHES[1]}); the loss itself is not part of the figures"
+        f"{BATCHES[1]}); a language model's cross-entropy counts with its head"
     )
     return WorkloadProfile(
         name=name,
