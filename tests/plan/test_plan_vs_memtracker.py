@@ -52,25 +52,31 @@ def test_hugging_face_gpt2_from_its_config(tmp_path) -> None:
 # --- a real 16-bit step, run the way a GPU runs it ---------------------------------------------------------
 
 
-def real_step_peak(model, x, loss_of) -> int:
+def real_step_peak(model, x, loss_of, accumulation: int = 1) -> int:
     """MemTracker's peak over one real AdamW step of ``model`` on ``x`` under bf16 autocast, with CUDA's autocast
     policy and attention as a fused kernel (what the tracer assumes of a GPU); the step before it creates the
-    optimizer's states."""
+    optimizer's states. With accumulation, the earlier micro-batches' backward passes run before the tracker
+    starts (it follows one forward per module), leaving their gradients for the tracked last one."""
     from redline.workload.cuda_autocast import cuda_autocast_policy
     from redline.workload.trace import _fused_attention, _peak_only_mem_tracker
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 
-    def step() -> None:
+    def micro_batch() -> None:
         with cuda_autocast_policy(), _fused_attention(), torch.autocast("cpu", dtype=torch.bfloat16):
             output = model(x)  # held through the backward, as a training loop holds it
             loss = loss_of(output)
         loss.backward()
         del output, loss
+
+    def step() -> None:
+        micro_batch()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step()
+    for _ in range(accumulation - 1):
+        micro_batch()
     tracker = _peak_only_mem_tracker()()
     tracker.track_external(model, optimizer, x)
     with tracker:
@@ -79,24 +85,28 @@ def real_step_peak(model, x, loss_of) -> int:
     return next(nbytes for category, nbytes in peak.items() if getattr(category, "value", category) == "Total")
 
 
-def check_bf16(profile, model, x, loss_of) -> float:
+def check_bf16(profile, model, x, loss_of, accumulation: int = 1) -> float:
     batch = x.shape[0]
-    predicted = memory_per_gpu(profile, Strategy(data=1, precision="bf16", micro_batch=batch), 1).allocated
-    ratio = predicted / real_step_peak(model.train(), x, loss_of)
+    strategy = Strategy(data=1, precision="bf16", micro_batch=batch, accumulation=accumulation)
+    predicted = memory_per_gpu(profile, strategy, 1).allocated
+    ratio = predicted / real_step_peak(model.train(), x, loss_of, accumulation)
     assert 0.97 <= ratio <= 1.05, f"{profile.name} bf16 b={batch}: predicted/measured = {ratio:.3f}"
     return ratio
 
 
-@pytest.mark.parametrize(("name", "batch"), [("resnet50", 6), ("vit-b-16", 2)])
-def test_zoo_models_bf16_real_step(name: str, batch: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "batch", "accumulation"), [("resnet50", 6, 1), ("vit-b-16", 2, 1), ("resnet50", 6, 2)]
+)
+def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int) -> None:
     """A CNN peaks part-way through its backward (weight copies and activations freed layer by layer while
-    gradients arrive), a ViT at the start of it; the input batch is held throughout."""
+    gradients arrive), a ViT at the start of it; the input batch is held throughout. Under accumulation every
+    gradient is there from the start of the last micro-batch's backward."""
     from redline.workload import zoo
 
     torch.manual_seed(0)
     model = {"resnet50": zoo.resnet50, "vit-b-16": zoo.vit_b_16}[name]()
     images = torch.randn(batch, 3, 224, 224)
-    check_bf16(preset_profile(name), model, images, lambda out: out.float().logsumexp(-1).mean())
+    check_bf16(preset_profile(name), model, images, lambda out: out.float().logsumexp(-1).mean(), accumulation)
 
 
 def test_hugging_face_gpt2_bf16_real_step(tmp_path) -> None:

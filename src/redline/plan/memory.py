@@ -4,13 +4,12 @@
 figure the GPU check compares with); ``device_total`` adds what the PyTorch allocator does not count or
 keeps in reserve (fragmentation, the CUDA context, NCCL's buffers) and must fit in the GPU's memory.
 
-Gradients coexist with activations under DDP (its buckets hold every gradient from the start) and under
-gradient accumulation (the previous micro-batches' gradients wait for the next backward pass). Otherwise
-the backward is walked layer by layer from the last: each layer's working set (a block's activation
-gradients; for a language model's head the loss's fp32 gradients, b x s x V twice) comes on top of what is
-still held, and as the layer finishes its gradients replace its activations and autocast's copies of its
-weights. An LM peaks in its loss's backward, a CNN part-way through (big activations early, big parameters
-late). The optimizer is assumed fused (``fused=True``, as the runtime uses it), which needs no
+The peak is found by walking the backward layer by layer from the last: each layer's working set (a
+block's activation gradients; for a language model's head the loss's fp32 gradients, b x s x V twice) comes
+on top of what is still held, and as the layer finishes its activations and autocast's copies of its weights
+go and its gradients arrive. An LM peaks in its loss's backward, a CNN part-way through (big activations
+early, big parameters late). Gradients exist from the start under DDP (its buckets hold every gradient),
+gradient accumulation (the previous micro-batches' gradients wait for the next backward) and pipelines. The optimizer is assumed fused (``fused=True``, as the runtime uses it), which needs no
 parameter-sized temporaries.
 
 Checked against PyTorch's accounting of real steps (``tests/plan/test_plan_vs_memtracker.py``).
@@ -248,25 +247,24 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     temporary = max(working.values(), default=0.0)
 
     coexist = strategy.accumulation > 1 or (strategy.data > 1 and zero_stage < 2) or strategy.pipeline > 1
-    if coexist:
-        moving = weight_copies + activations + temporary + grads
-    else:
-        # backward walks the layers from the last: as a layer's backward starts, the gradients of every layer
-        # after it exist, its own and earlier activations are still held, and its working set comes on top;
-        # as it ends, its gradients replace its activations and autocast's copies of its weights (a CNN peaks
-        # mid-way: its big activations are early, its big parameters late). Sharded units stay until the end.
-        grad_share = grads / max(1, stage.params)
-        order = [layer for layer in profile.layers if layer.name in kept]
-        # autocast's weight copies by layer; a checkpointed block's died with the forward's autocast cache
-        copies = {layer.name: 0.0 if full and layer.is_block else layer.params * copy_share for layer in order}
-        held = activations + (sum(copies.values()) if copy_share else weight_copies)
-        backward_peak, grads_so_far = 0.0, 0.0
-        for layer in reversed(order):
-            backward_peak = max(backward_peak, grads_so_far + held + working.get(layer.name, 0.0))
-            grads_so_far += layer.params * grad_share
-            held -= kept[layer.name] * in_flight + copies[layer.name]
-            backward_peak = max(backward_peak, grads_so_far + held)
-        moving = max(weight_copies + activations, backward_peak)
+    # backward walks the layers from the last: as a layer's backward starts, the gradients of every layer after
+    # it exist (of every layer, where they coexist with activations), its own and earlier activations are
+    # still held, and its working set comes on top; as it ends, its gradients replace its activations and
+    # autocast's copies of its weights (a CNN peaks mid-way: its big activations are early, its big parameters
+    # late). Sharded units stay until the end.
+    grad_share = 0.0 if coexist else grads / max(1, stage.params)
+    order = [layer for layer in profile.layers if layer.name in kept]
+    # autocast's weight copies by layer; a checkpointed block's died with the forward's autocast cache
+    copies = {layer.name: 0.0 if full and layer.is_block else layer.params * copy_share for layer in order}
+    held = activations + (sum(copies.values()) if copy_share else weight_copies)
+    grads_so_far = grads if coexist else 0.0
+    backward_peak = 0.0
+    for layer in reversed(order):
+        backward_peak = max(backward_peak, grads_so_far + held + working.get(layer.name, 0.0))
+        grads_so_far += layer.params * grad_share
+        held -= kept[layer.name] * in_flight + copies[layer.name]
+        backward_peak = max(backward_peak, grads_so_far + held)
+    moving = max(weight_copies + activations + (grads if coexist else 0.0), backward_peak)
     allocated = weights + optimizer + comm_buffers + moving
     return MemoryBreakdown(
         weights=weights,
