@@ -9,8 +9,9 @@ block's activation gradients; for a language model's head the loss's fp32 gradie
 on top of what is still held, and as the layer finishes its activations and autocast's copies of its weights
 go and its gradients arrive. An LM peaks in its loss's backward, a CNN part-way through (big activations
 early, big parameters late). Gradients exist from the start under DDP (its buckets hold every gradient),
-gradient accumulation (the previous micro-batches' gradients wait for the next backward) and pipelines. The optimizer is assumed fused (``fused=True``, as the runtime uses it), which needs no
-parameter-sized temporaries.
+gradient accumulation (the previous micro-batches' gradients wait for the next backward) and pipelines.
+The optimizer is assumed fused (``fused=True``, as the runtime uses it), which needs no parameter-sized
+temporaries.
 
 Checked against PyTorch's accounting of real steps (``tests/plan/test_plan_vs_memtracker.py``).
 """
