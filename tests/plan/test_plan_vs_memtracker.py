@@ -10,6 +10,7 @@ never more than 3% under. The GPU check compares with ``torch.cuda.max_memory_al
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -85,9 +86,11 @@ def real_step_peak(model, x, loss_of, accumulation: int = 1) -> int:
     return next(nbytes for category, nbytes in peak.items() if getattr(category, "value", category) == "Total")
 
 
-def check_bf16(profile, model, x, loss_of, accumulation: int = 1) -> float:
+def check_bf16(profile, model, x, loss_of, accumulation: int = 1, checkpointing: str = "none") -> float:
     batch = x.shape[0]
-    strategy = Strategy(data=1, precision="bf16", micro_batch=batch, accumulation=accumulation)
+    strategy = Strategy(
+        data=1, precision="bf16", micro_batch=batch, accumulation=accumulation, checkpointing=checkpointing
+    )
     predicted = memory_per_gpu(profile, strategy, 1).allocated
     ratio = predicted / real_step_peak(model.train(), x, loss_of, accumulation)
     assert 0.97 <= ratio <= 1.05, f"{profile.name} bf16 b={batch}: predicted/measured = {ratio:.3f}"
@@ -95,18 +98,28 @@ def check_bf16(profile, model, x, loss_of, accumulation: int = 1) -> float:
 
 
 @pytest.mark.parametrize(
-    ("name", "batch", "accumulation"), [("resnet50", 6, 1), ("vit-b-16", 2, 1), ("resnet50", 6, 2)]
+    ("name", "batch", "accumulation", "checkpointing"),
+    [("resnet50", 6, 1, "none"), ("vit-b-16", 2, 1, "none"), ("resnet50", 6, 2, "none"), ("vit-b-16", 4, 1, "full")],
 )
-def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int) -> None:
+def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int, checkpointing: str) -> None:
     """A CNN peaks part-way through its backward (weight copies and activations freed layer by layer while
     gradients arrive), a ViT at the start of it; the input batch is held throughout. Under accumulation every
-    gradient is there from the start of the last micro-batch's backward."""
+    gradient is there from the start of the last micro-batch's backward. With every block checkpointed (as
+    the runtime does it, non-reentrant) the peak comes late, when most gradients exist, and each block's
+    recomputation brings back its activations and weight copies."""
+    from torch.utils.checkpoint import checkpoint
+
     from redline.workload import zoo
+    from redline.workload.trace import find_blocks
 
     torch.manual_seed(0)
     model = {"resnet50": zoo.resnet50, "vit-b-16": zoo.vit_b_16}[name]()
+    if checkpointing == "full":
+        for _, block in find_blocks(model):
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     images = torch.randn(batch, 3, 224, 224)
-    check_bf16(preset_profile(name), model, images, lambda out: out.float().logsumexp(-1).mean(), accumulation)
+    loss_of = lambda out: out.float().logsumexp(-1).mean()  # noqa: E731
+    check_bf16(preset_profile(name), model, images, loss_of, accumulation, checkpointing)
 
 
 def test_hugging_face_gpt2_bf16_real_step(tmp_path) -> None:
