@@ -271,7 +271,8 @@ def _calibrated(profile, cluster, model, constraints, micro_batch):
     cuda = cluster.gpu is not None
     precision = constraints.precision or ("bf16" if cuda else "fp32")
     build = model_builder(model, profile.input_shape)  # run it on the inputs it was traced with
-    ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {sizes[0]} and {sizes[1]} (and 1) ...")
+    floor = "" if sizes[0] == 1 else " (and 1, for the floor)"
+    ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {sizes[0]} and {sizes[1]}{floor} ...")
     try:
         measured = measure(
             build.build,
