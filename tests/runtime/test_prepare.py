@@ -150,6 +150,32 @@ def test_activation_checkpointing_changes_nothing_numerically() -> None:
     torch.testing.assert_close(weights(checkpointed), weights(plain), rtol=1e-5, atol=1e-6)
 
 
+def test_checkpointing_a_hugging_face_model_turns_its_kv_cache_off() -> None:
+    """Each recomputation would append the block's keys and values to the cache again: the output would hold
+    every layer's twice. The gradients are those of the model without checkpointing."""
+    transformers = pytest.importorskip("transformers")
+    settings = {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 16, "vocab_size": 50}
+    ids = torch.randint(0, 50, (8, 16), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for checkpointing in ("none", "full"):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings, attn_pdrop=0.0, resid_pdrop=0.0))
+        model.transformer.drop.p = 0.0
+        run = prepare(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8),
+            plan=config(micro_batch=8, checkpointing=checkpointing),
+        )
+        ((batch,),) = run.micro_batches()
+        output = run.model(batch)
+        if checkpointing == "full":
+            assert output.past_key_values is None and not model.config.use_cache
+        run.backward(nn.functional.cross_entropy(output.logits.flatten(0, 1), batch.flatten()))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_a_ready_optimizer_must_hold_the_models_parameters() -> None:
     model = make_model()
     other = torch.optim.SGD(make_model().parameters(), lr=0.1)

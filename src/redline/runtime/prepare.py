@@ -190,8 +190,7 @@ class Run:
         if strategy.checkpointing == "full":
             if not blocks:
                 raise BadInput("the plan checkpoints activations per block, but this model has no repeated blocks")
-            for _, block in blocks:
-                block.forward = _checkpointed(block.forward)
+            checkpoint_blocks(model, [block for _, block in blocks])
         if self.config.compile:
             for _, block in blocks or [("", model)]:
                 block.compile()
@@ -627,6 +626,18 @@ def _destroy_process_group(store: dist.Store, world: int) -> None:
         while store.add("exit", 0) < world and time.monotonic() < deadline:
             time.sleep(0.01)
     dist.destroy_process_group()
+
+
+def checkpoint_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Full activation checkpointing: each block keeps its input and recomputes the rest in the backward
+    (non-reentrant ``torch.utils.checkpoint``). A Hugging Face model's KV cache is turned off, as its own
+    ``gradient_checkpointing_enable`` does: each recomputation would append the block's keys and values to
+    the cache again, and the output would hold both copies of every layer's."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+    for block in blocks:
+        block.forward = _checkpointed(block.forward)
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
