@@ -10,7 +10,6 @@ never more than 3% under. The GPU check compares with ``torch.cuda.max_memory_al
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -64,10 +63,12 @@ def real_step_peak(model, x, loss_of, accumulation: int = 1) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 
     def micro_batch() -> None:
-        with cuda_autocast_policy(), _fused_attention(), torch.autocast("cpu", dtype=torch.bfloat16):
-            output = model(x)  # held through the backward, as a training loop holds it
-            loss = loss_of(output)
-        loss.backward()
+        # the policy and fused attention stay on through the backward, where checkpointed blocks recompute
+        with cuda_autocast_policy(), _fused_attention():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                output = model(x)  # held through the backward, as a training loop holds it
+                loss = loss_of(output)
+            loss.backward()
         del output, loss
 
     def step() -> None:
@@ -107,34 +108,45 @@ def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int, che
     gradient is there from the start of the last micro-batch's backward. With every block checkpointed (as
     the runtime does it, non-reentrant) the peak comes late, when most gradients exist, and each block's
     recomputation brings back its activations and weight copies."""
-    from torch.utils.checkpoint import checkpoint
-
+    from redline.runtime.prepare import checkpoint_blocks
     from redline.workload import zoo
     from redline.workload.trace import find_blocks
 
     torch.manual_seed(0)
     model = {"resnet50": zoo.resnet50, "vit-b-16": zoo.vit_b_16}[name]()
     if checkpointing == "full":
-        for _, block in find_blocks(model):
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        checkpoint_blocks(model, [block for _, block in find_blocks(model)])
     images = torch.randn(batch, 3, 224, 224)
     loss_of = lambda out: out.float().logsumexp(-1).mean()  # noqa: E731
     check_bf16(preset_profile(name), model, images, loss_of, accumulation, checkpointing)
 
 
-def test_hugging_face_gpt2_bf16_real_step(tmp_path) -> None:
-    """An LM peaks in its loss's backward: every activation and the held logits, plus log-softmax's two fp32
-    gradients of b x s x V each."""
+@pytest.mark.parametrize(
+    ("layers", "batch", "seq_len", "checkpointing"),
+    [(2, 2, 512, "none"), (2, 1, 128, "none"), (4, 2, 512, "full"), (2, 1, 128, "full")],
+)
+def test_hugging_face_gpt2_bf16_real_step(tmp_path, layers: int, batch: int, seq_len: int, checkpointing: str) -> None:
+    """An LM with many tokens per step peaks in its loss's backward: every activation and the held logits, plus
+    log-softmax's two fp32 gradients of b x s x V each. With few tokens, or its blocks checkpointed, it peaks
+    at the very end, in the embedding's backward: every gradient, the held logits, and three fp32 tables of
+    V x h (the head's gradient of the tied table, the embedding's, and their sum)."""
+    from redline.runtime.prepare import checkpoint_blocks
+    from redline.workload.trace import find_blocks
+
     transformers = pytest.importorskip("transformers")
-    config = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "n_positions": 512, "vocab_size": 50257}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    profile = load_workload(str(tmp_path / "config.json"), seq_len=512)
+    config = {"n_embd": 256, "n_layer": layers, "n_head": 4, "n_positions": seq_len, "vocab_size": 50257}
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    profile = load_workload(str(tmp_path / "config.json"), seq_len=seq_len)
     torch.manual_seed(0)
     # the CPU's fused attention kernel has no dropout; a GPU's drops inside the kernel and saves no mask
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(attn_pdrop=0.0, **{k: v for k, v in config.items() if k != "model_type"})
-    )
-    ids = torch.randint(0, 50257, (2, 512))
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(attn_pdrop=0.0, **config))
+    if checkpointing == "full":
+        checkpoint_blocks(model, [block for _, block in find_blocks(model)])
+    ids = torch.randint(0, 50257, (batch, seq_len))
     check_bf16(  # Hugging Face's loss: cross-entropy over fp32-upcast logits
-        profile, model, ids, lambda out: F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten())
+        profile,
+        model,
+        ids,
+        lambda out: F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten()),
+        checkpointing=checkpointing,
     )

@@ -68,7 +68,9 @@ def test_linear_relu_linear_by_hand():
     # output, 4 values, which the loop holds until its backward. Under autocast the loop's fp32 input is held
     # beside the 16-bit copy the first layer saves.
     assert layer.activation_bytes_per_sample == {"fp32": (8 + 16 + 4) * 4, "16bit": 8 * 4 + (8 + 16 + 4) * 2}
-    assert layer.input_bytes_per_sample == 8 * 2
+    # its input arrives in fp32 either way; of its activations the output is what the loop holds to the end
+    assert layer.input_bytes_per_sample == {"fp32": 8 * 4, "16bit": 8 * 4}
+    assert layer.held_bytes_per_sample == {"fp32": 4 * 4, "16bit": 4 * 2}
     # backward: both weight gradients, the second layer's input gradient (the input needs none)
     assert any("backward FLOPs per sample 512," in note for note in profile.notes)
 
@@ -83,8 +85,9 @@ def test_blocks_stem_head_and_tied_embedding():
     assert sum(layer.params for layer in profile.layers) == profile.params_total
     # inferred from the leading nn.Embedding: token ids, a sequence of 12 tokens
     assert profile.sample_unit == "sequence" and profile.tokens_per_sample == 12
-    assert profile.layers[0].input_bytes_per_sample == 12 * 8  # int64 ids
-    assert profile.blocks[0].input_bytes_per_sample == 12 * 16 * 2
+    assert profile.layers[0].input_bytes_per_sample == {"fp32": 12 * 8, "16bit": 12 * 8}  # int64 ids
+    # the residual stream (embedding output plus each block's addition) stays fp32 under autocast
+    assert profile.blocks[0].input_bytes_per_sample == {"fp32": 12 * 16 * 4, "16bit": 12 * 16 * 4}
     assert {layer.forward_flops_per_sample for layer in profile.blocks} == {2 * 12 * 16 * 16}
     assert profile.layers[-1].forward_flops_per_sample == 2 * 12 * 16 * 100
     assert profile.layers[0].forward_flops_per_sample == 0
@@ -188,7 +191,7 @@ def test_gpt2_counts(gpt2_profile):
     # 2 N s plus attention scores (4 s^2 h per layer) minus the position table (no matmul): 1.14 here
     ratio = profile.forward_flops_per_sample / (2 * profile.params_total * 1024)
     assert 1.10 < ratio < 1.20, ratio
-    assert profile.blocks[0].input_bytes_per_sample == 1024 * 768 * 2
+    assert profile.blocks[0].input_bytes_per_sample == {"fp32": 1024 * 768 * 4, "16bit": 1024 * 768 * 4}
     assert profile.tokens_per_sample == 1024
 
 

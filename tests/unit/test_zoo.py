@@ -36,6 +36,9 @@ def test_resnet50_matches_torchvision(resnet50_profile):
     assert profile.layers[-1].params == 2048 * 1000 + 1000
     assert profile.largest_module_params == 512 * 512 * 9  # layer4's 3x3 convolutions
     assert profile.sample_unit == "image" and profile.tokens_per_sample == 1
+    # the first block's input: the stem's 64 x 56 x 56 output, 16-bit under autocast (convolution, batch norm
+    # and ReLU all stay in it)
+    assert profile.blocks[0].input_bytes_per_sample == {"fp32": 64 * 56 * 56 * 4, "16bit": 64 * 56 * 56 * 2}
 
 
 def test_vit_b_16_matches_torchvision(vit_profile):
@@ -47,8 +50,9 @@ def test_vit_b_16_matches_torchvision(vit_profile):
     # stem: patch projection, class token, positions; head: final LayerNorm and classifier
     assert profile.layers[0].params == 768 * 3 * 16 * 16 + 768 + 768 + 197 * 768
     assert profile.layers[-1].params == 2 * 768 + 768 * 1000 + 1000
-    # a block's input: 197 tokens of 768 values in 16 bits
-    assert profile.blocks[0].input_bytes_per_sample == 197 * 768 * 2
+    # a block's input: 197 tokens of 768 values, in fp32 under autocast too (class token and positions are added
+    # to the 16-bit patch projections in fp32)
+    assert profile.blocks[0].input_bytes_per_sample == {"fp32": 197 * 768 * 4, "16bit": 197 * 768 * 4}
 
 
 def test_zoo_lists_both_with_their_input_shapes():

@@ -5,11 +5,14 @@ figure the GPU check compares with); ``device_total`` adds what the PyTorch allo
 keeps in reserve (fragmentation, the CUDA context, NCCL's buffers) and must fit in the GPU's memory.
 
 The peak is found by walking the backward layer by layer from the last: each layer's working set (a
-block's activation gradients; for a language model's head the loss's fp32 gradients, b x s x V twice) comes
-on top of what is still held, and as the layer finishes its activations and autocast's copies of its weights
-go and its gradients arrive. An LM peaks in its loss's backward, a CNN part-way through (big activations
-early, big parameters late). Gradients exist from the start under DDP (its buckets hold every gradient),
-gradient accumulation (the previous micro-batches' gradients wait for the next backward) and pipelines.
+block's activation gradients; for a language model's head the loss's fp32 gradients, b x s x V twice; for
+an embedding the dense gradient of its table) comes on top of what is still held, and as the layer finishes
+its activations and autocast's copies of its weights go and its gradients arrive; the model's output, which
+the loop holds, stays to the end. An LM peaks in its loss's backward, or, with few tokens per step or its
+blocks checkpointed, in its embedding's: a table tied to the head has then three fp32 gradients at once
+(the head's, the embedding's and their sum). A CNN peaks part-way through (big activations early, big
+parameters late). Gradients exist from the start under DDP (its buckets hold every gradient), gradient
+accumulation (the previous micro-batches' gradients wait for the next backward) and pipelines.
 The optimizer is assumed fused (``fused=True``, as the runtime uses it), which needs no parameter-sized
 temporaries.
 
@@ -45,7 +48,7 @@ class MemoryBreakdown:
     optimizer: float  # optimizer states (and master weights), after sharding
     weight_copies: float  # 16-bit/fp8 copies of weights for compute: autocast's or FSDP's unsharded units
     activations: float  # saved for backward, all micro-batches in flight
-    temporary: float  # the working set of one block's backward (and of its recomputation)
+    temporary: float  # the largest working set of one layer's backward (a block's with its recomputation, the loss's)
     comm_buffers: float  # DDP buckets or FSDP's unsharded gradient of a unit
     fragmentation: float
     cuda_context: float
@@ -196,8 +199,18 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     grads = sharded(states.grads, 2)
     optimizer = sharded(states.optimizer + states.master, 1)
 
-    # compute copies of the weights: bf16/fp16 (and an fp8 copy on top under fp8)
+    # compute copies of the weights: bf16/fp16 (and an fp8 copy on top under fp8). Autocast casts the weights
+    # of matmuls and convolutions, not an embedding's table (a lookup), unless an LM head tied to it uses it
     copy_bytes = {"fp32": 0, "bf16": 2, "fp16": 2, "fp8": 3}[strategy.precision]
+    head = stage.fixed[-1] if last and stage.fixed else None
+    tied_table = 0.0  # parameters of an embedding table the LM head on this stage shares (or keeps a copy of)
+    if shape is not None and shape.lm_head and shape.tied_embeddings and head is not None:
+        tied_table = shape.vocab * shape.hidden / t
+    cast = {
+        layer.name: 0.0 if layer.kind == "embedding" else layer.params / t for layer in (*stage.blocks, *stage.fixed)
+    }
+    if head is not None:
+        cast[head.name] += tied_table
     largest_block = max((b.params for b in stage.blocks), default=0) / t
     fixed_params = sum(layer.params for layer in stage.fixed) / t
     if zero_stage >= 3:
@@ -212,7 +225,7 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         weight_copies = (copy_bytes or 4) * params
         comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
     else:
-        weight_copies = copy_bytes * params  # autocast keeps every cast weight saved for backward
+        weight_copies = copy_bytes * sum(cast.values())  # autocast keeps every cast weight saved for backward
         # DDP with gradient_as_bucket_view=True (the runtime sets it): gradients live in the buckets
         comm_buffers = 2 * DDP_BUCKET_BYTES if strategy.data > 1 else 0.0
 
@@ -220,14 +233,13 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     key = activation_key(strategy)
     in_flight = in_flight_micro_batches(strategy, stage.index)
     full_blocks = block_activations(profile, strategy, stage)
-    value = activation_value_bytes(strategy)
     sp_divisor = t if strategy.sequence_parallel else 1
     kept: dict[str, float] = {}
     for layer in (*stage.blocks, *stage.fixed):
         if not layer.is_block:
             kept[layer.name] = layer.activation_bytes_per_sample[key] * strategy.micro_batch / t
-        elif strategy.checkpointing == "full":  # the block's input, in the activation precision
-            kept[layer.name] = layer.input_bytes_per_sample * value / 2 / sp_divisor * strategy.micro_batch
+        elif strategy.checkpointing == "full":  # the block's input
+            kept[layer.name] = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor * strategy.micro_batch
         else:
             kept[layer.name] = full_blocks[layer.name]
     activations = sum(kept.values()) * in_flight
@@ -235,36 +247,51 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     # (under full checkpointing also its recomputed activations and the weight copies its recomputation casts
     # again); the loss's for an LM's head. Copies per parameter: autocast's, not FSDP's whole units.
     full = strategy.checkpointing == "full"
-    copy_share = weight_copies / max(1, stage.params) if zero_stage < 2 else 0.0
+    copy_share = copy_bytes if zero_stage < 2 else 0  # autocast's bytes per cast parameter
     working = {
-        block.name: full_blocks[block.name] * 2 + block.params * copy_share if full else full_blocks[block.name]
+        block.name: full_blocks[block.name] * 2 + cast[block.name] * copy_share if full else full_blocks[block.name]
         for block in stage.blocks
     }
-    if shape is not None and shape.lm_head and last and stage.fixed:
+    if shape is not None and shape.lm_head and head is not None:
         # cross-entropy runs in fp32, under autocast too: while log-softmax's backward runs, the fp32 gradients
         # of its output (the NLL's, dense) and of its input, b x s x V each
         tokens = strategy.micro_batch * profile.tokens_per_sample
-        working[stage.fixed[-1].name] = LOSS_BACKWARD_BYTES * tokens * shape.vocab / t
+        working[head.name] = LOSS_BACKWARD_BYTES * tokens * shape.vocab / t
+    # an embedding's backward writes a dense gradient of its whole table, which becomes its gradient or is added
+    # to the one there. A table tied to the LM head on the same GPU got the head's gradient first: autograd
+    # holds that from the head's backward on (``tied``) and sums the two into a third tensor here.
+    tied = states.grads * tied_table if strategy.pipeline == 1 and zero_stage < 2 else 0.0
+    if zero_stage < 2:
+        for layer in stage.fixed:
+            if layer.kind == "embedding":
+                working[layer.name] = states.grads * layer.params / t + tied
     temporary = max(working.values(), default=0.0)
 
     coexist = strategy.accumulation > 1 or (strategy.data > 1 and zero_stage < 2) or strategy.pipeline > 1
     # backward walks the layers from the last: as a layer's backward starts, the gradients of every layer after
     # it exist (of every layer, where they coexist with activations), its own and earlier activations are
-    # still held, and its working set comes on top; as it ends, its gradients replace its activations and
-    # autocast's copies of its weights (a CNN peaks mid-way: its big activations are early, its big parameters
-    # late). Sharded units stay until the end.
+    # still held, and its working set comes on top; as it ends, its gradients replace its activations (but for
+    # the model's output, which the loop holds to the end) and autocast's copies of its weights (a CNN peaks
+    # mid-way: its big activations are early, its big parameters late; a checkpointed LM at its embedding).
+    # Sharded units stay until the end.
     grad_share = 0.0 if coexist else grads / max(1, stage.params)
     order = [layer for layer in profile.layers if layer.name in kept]
     # autocast's weight copies by layer; a checkpointed block's died with the forward's autocast cache
-    copies = {layer.name: 0.0 if full and layer.is_block else layer.params * copy_share for layer in order}
+    copies = {layer.name: 0.0 if full and layer.is_block else cast[layer.name] * copy_share for layer in order}
     held = activations + (sum(copies.values()) if copy_share else weight_copies)
     grads_so_far = grads if coexist else 0.0
+    pending = 0.0  # the head's gradient of a tied embedding table, waiting for the embedding's
     backward_peak = 0.0
     for layer in reversed(order):
-        backward_peak = max(backward_peak, grads_so_far + held + working.get(layer.name, 0.0))
+        backward_peak = max(backward_peak, grads_so_far + pending + held + working.get(layer.name, 0.0))
         grads_so_far += layer.params * grad_share
-        held -= kept[layer.name] * in_flight + copies[layer.name]
-        backward_peak = max(backward_peak, grads_so_far + held)
+        output = min(layer.held_bytes_per_sample.get(key, 0.0) * strategy.micro_batch / t, kept[layer.name])
+        held -= (kept[layer.name] - output) * in_flight + copies[layer.name]
+        if layer is head:
+            pending = tied
+        elif layer.kind == "embedding":
+            pending = 0.0
+        backward_peak = max(backward_peak, grads_so_far + pending + held)
     moving = max(weight_copies + activations + (grads if coexist else 0.0), backward_peak)
     allocated = weights + optimizer + comm_buffers + moving
     return MemoryBreakdown(

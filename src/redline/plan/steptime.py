@@ -154,8 +154,8 @@ def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) ->
     if p > 1:
         if shape is not None:
             size = strategy.micro_batch * profile.tokens_per_sample * shape.hidden * value / t
-        else:  # a traced model: the input of the stage's first block, in the activation precision
-            size = stage.blocks[0].input_bytes_per_sample * value / 2 * strategy.micro_batch
+        else:  # a traced model: the input of the stage's first block, as it was traced
+            size = stage.blocks[0].input_bytes_per_sample.get(activation_key(strategy), 0.0) * strategy.micro_batch
         crossing = where.pp_crosses_nodes and cluster.nodes > 1 and cluster.inter is not None
         link = network_share(cluster.inter, cluster.gpus_per_node) if crossing else cluster.intra
         pp_s = 2 * (m + p - 1) * p2p_s(size, link)

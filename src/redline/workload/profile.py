@@ -84,8 +84,12 @@ class LayerProfile:
     forward_flops_per_sample: float
     # bytes saved for the backward pass, per sample, by activation precision
     activation_bytes_per_sample: dict[str, float]
-    # bytes the block's input takes per sample in 16-bit: what full activation checkpointing keeps
-    input_bytes_per_sample: float = 0.0
+    # bytes of the layer's input per sample by activation precision, in the dtype it arrives in (under autocast a
+    # residual stream stays fp32): what full activation checkpointing keeps of a block
+    input_bytes_per_sample: dict[str, float] = field(default_factory=dict)
+    # the part of the activations the training loop holds to the end of the step (the model's output, which
+    # no layer's backward frees)
+    held_bytes_per_sample: dict[str, float] = field(default_factory=dict)
     is_block: bool = True  # a repeated block (checkpointed, split over pipeline stages) or a fixed part
 
 

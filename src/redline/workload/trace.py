@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,11 +292,12 @@ class _Segment:
     kind: str
     is_block: bool
     params: int = 0
-    # per batch size: FLOPs, bytes saved for backward per precision, elements of the input
+    # per batch size: FLOPs; per batch size and precision: bytes saved for backward, bytes of the input (in the
+    # dtype it arrives in: under autocast a residual stream stays fp32) and bytes held to the step's end
     flops: dict[int, float] = field(default_factory=dict)
     saved_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
-    input_elements: dict[int, int] = field(default_factory=dict)
-    input_element_bytes: int = 2  # 16-bit for activations; integer inputs keep their width
+    input_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
+    held_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
 
 
 def _slope(values: dict[Any, float], key: Callable[[int], Any]) -> float:
@@ -304,11 +305,27 @@ def _slope(values: dict[Any, float], key: Callable[[int], Any]) -> float:
     return (values.get(key(large), 0.0) - values.get(key(small), 0.0)) / (large - small)
 
 
+def _tensor_leaves(*trees: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(trees) if isinstance(leaf, torch.Tensor)]
+
+
 def _first_tensor(*trees: Any) -> torch.Tensor | None:
-    for leaf in tree_leaves(trees):
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
+    leaves = _tensor_leaves(*trees)
+    return leaves[0] if leaves else None
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> dict[StorageWeakRef, int]:
+    """Bytes of each distinct storage behind ``tensors`` (views share one); layouts without one are left out."""
+    out = {}
+    for tensor in tensors:
+        with suppress(RuntimeError, NotImplementedError):
+            storage = tensor.untyped_storage()
+            out[StorageWeakRef(storage)] = storage.nbytes()
+    return out
 
 
 def training_loss(
@@ -443,8 +460,6 @@ class _Tracer:
         else:
             self.segments = [_Segment("model", type(module).__name__, False)]
             self.notes.append("no repeated blocks found: the model is one fixed part")
-        if integer_input:
-            self.segments[0].input_element_bytes = torch.empty((), dtype=input_dtype).element_size()
 
         # parameter and buffer storages are not activations even when autograd saves them (a Linear's weight)
         self.state_storages = {StorageWeakRef(t.untyped_storage()) for t in (*params.values(), *module.buffers())}
@@ -492,7 +507,7 @@ class _Tracer:
         self.counter = flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) if count_flops else None
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "16bit" else nullcontext()
         x = self.make_input(batch)
-        self.segments[0].input_elements[batch] = x.numel()
+        self.segments[0].input_bytes[(batch, precision)] = _nbytes(x)
         with (
             self.counter or nullcontext(),
             self.attention,
@@ -504,11 +519,16 @@ class _Tracer:
             self._pack(x)
             output = _guarded(self.name, lambda: self.module(x))
             self._charge_flops()
-            # a training loop holds the model's output until its backward (``out = model(x)``, Hugging Face's
-            # output object with its logits): memory of the step even where autograd saves none of it
-            for leaf in tree_leaves(output):
-                if isinstance(leaf, torch.Tensor):
-                    self._pack(leaf)
+            # a training loop holds the model's output through the backward (``out = model(x)``, Hugging Face's
+            # output object with its logits): memory of the step even where autograd saves none of it, and
+            # memory no layer's backward frees
+            leaves = _tensor_leaves(output)
+            for leaf in leaves:
+                self._pack(leaf)
+            held = _storage_bytes(leaves)
+            self.segments[self.current].held_bytes[(batch, precision)] = float(
+                sum(nbytes for ref, nbytes in held.items() if ref not in self.state_storages)
+            )
             # the loss (an LM's cross-entropy) runs after the last block: what it saves counts with the head
             loss = _guarded(self.name, lambda out=output: training_loss(out, x, self.vocab_size))
         if self.counter is not None:
@@ -570,7 +590,7 @@ class _Tracer:
                         self.between_blocks = True
                     self.current = index
                     first = _first_tensor(args, kwargs)
-                    self.segments[index].input_elements[self.batch] = first.numel() if first is not None else 0
+                    self.segments[index].input_bytes[(self.batch, self.precision)] = _nbytes(first)
 
             def leave(_module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
                 self.block_depth -= 1
@@ -578,7 +598,7 @@ class _Tracer:
                     self._charge_flops()
                     self.current = len(self.segments) - 1  # whatever runs between or after blocks is the head
                     last = _first_tensor(output)
-                    self.segments[-1].input_elements[self.batch] = last.numel() if last is not None else 0
+                    self.segments[-1].input_bytes[(self.batch, self.precision)] = _nbytes(last)
 
             handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(block.register_forward_hook(leave, with_kwargs=True))
@@ -634,7 +654,14 @@ class _Tracer:
                         precision: _slope(segment.saved_bytes, lambda b, p=precision: (b, p))
                         for precision in ("16bit", "fp32")
                     },
-                    input_bytes_per_sample=_slope(segment.input_elements, lambda b: b) * segment.input_element_bytes,
+                    input_bytes_per_sample={
+                        precision: _slope(segment.input_bytes, lambda b, p=precision: (b, p))
+                        for precision in ("16bit", "fp32")
+                    },
+                    held_bytes_per_sample={
+                        precision: _slope(segment.held_bytes, lambda b, p=precision: (b, p))
+                        for precision in ("16bit", "fp32")
+                    },
                     is_block=segment.is_block,
                 )
             )

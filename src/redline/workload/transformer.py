@@ -227,7 +227,8 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
                     "16bit": block_activation_bytes(shape, s, norm_input_bytes=4, decoder=decoder),
                     "fp32": block_activation_bytes(shape, s, bytes_per_value=4, decoder=decoder),
                 },
-                input_bytes_per_sample=block_input_bytes(shape, s),
+                # the residual stream, fp32 under autocast too
+                input_bytes_per_sample=dict.fromkeys(("16bit", "fp32"), block_input_bytes(shape, s, bytes_per_value=4)),
             )
         )
     # as PyTorch computes the loss: F.cross_entropy on fp32-upcast logits
@@ -240,6 +241,10 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
             params=head_params(shape),
             forward_flops_per_sample=logits_forward_flops(shape, s),
             activation_bytes_per_sample={"16bit": logits_16, "fp32": logits_32},
+            # the logits, which the training loop holds through the backward
+            held_bytes_per_sample={"16bit": 2.0 * s * shape.vocab, "fp32": 4.0 * s * shape.vocab}
+            if shape.lm_head
+            else {},
             is_block=False,
         )
     )
