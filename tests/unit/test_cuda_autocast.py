@@ -10,7 +10,12 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from redline.workload.cuda_autocast import FP32_OPS, FP32_UNLESS_DTYPE_OPS, cuda_autocast_policy  # noqa: E402
+from redline.workload.cuda_autocast import (  # noqa: E402
+    FP32_OPS,
+    FP32_UNLESS_DTYPE_OPS,
+    PROMOTE_OPS,
+    cuda_autocast_policy,
+)
 from redline.workload.trace import trace_module  # noqa: E402
 
 bf16 = torch.bfloat16
@@ -35,7 +40,7 @@ def test_fp32_ops_run_in_fp32_and_only_while_entered() -> None:
             cube = y**3
         assert saved == [torch.float32]  # pow keeps its input for backward: the fp32 cast, as on a GPU
         cube.sum().backward()  # the recorded cast sends the gradient back through bf16 to the layer
-    assert 30 < changed <= len(FP32_OPS) + len(FP32_UNLESS_DTYPE_OPS)
+    assert 40 < changed <= len(FP32_OPS) + len(FP32_UNLESS_DTYPE_OPS) + len(PROMOTE_OPS)
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
     with torch.autocast("cpu", dtype=bf16):
         assert (layer(x) ** 3).dtype == bf16  # CPU autocast's own behaviour is back
@@ -54,6 +59,22 @@ def test_a_reduction_given_no_dtype_computes_in_fp32_and_keeps_its_16_bit_input(
         norm = torch.linalg.vector_norm(y, dim=-1)
         assert torch.cumsum(y, 0, dtype=bf16).dtype == bf16
     assert norm.dtype == torch.float32 and bf16 in saved
+
+
+def test_ops_refusing_mixed_types_get_the_widest_as_on_cuda() -> None:
+    """Scattering 16-bit values into an fp32 buffer (a mixture-of-experts' combine) fails under CPU autocast and
+    runs in fp32 under CUDA's; the gradient goes back to the 16-bit values through the recorded cast."""
+    experts = torch.randn(6, 4, dtype=bf16, requires_grad=True)
+    index = torch.tensor([0, 1, 0, 2, 1, 2]).unsqueeze(1).expand(6, 4)
+    with torch.autocast("cpu", dtype=bf16), pytest.raises(RuntimeError):
+        torch.zeros(3, 4).scatter_add(0, index, experts)
+    with cuda_autocast_policy(), torch.autocast("cpu", dtype=bf16):
+        combined = torch.zeros(3, 4).scatter_add(0, index, experts)
+        assert combined.dtype == torch.float32
+        assert torch.dot(experts[0], torch.ones(4)).dtype == torch.float32
+        assert torch.dot(experts[0], experts[1]).dtype == bf16  # nothing wider to promote to
+    combined.sum().backward()
+    assert experts.grad.dtype == bf16 and torch.equal(experts.grad, torch.ones(6, 4, dtype=bf16))
 
 
 def test_nested_entries_share_one_registration() -> None:

@@ -8,25 +8,32 @@ their backward saves, and what follows them promotes to fp32 too. Hugging Face G
 (``0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3)))``) saves 16 bytes per value on a GPU and 10 on the CPU:
 about 20% of that model's activations.
 
-``cuda_autocast_policy()`` registers, for as long as it is entered, a kernel under the ``AutocastCPU``
-dispatch key for each op CUDA's autocast runs in fp32 that CPU's does not touch. As CUDA's kernels do, it
-casts the op's fp16/bf16 tensor arguments to fp32, or for the ops that take a ``dtype`` and were given none,
-asks for an fp32 result instead, then runs the op below autocast. It sits above autograd, as autocast does,
-so the cast is recorded and the backward saves what it saves on a GPU. The registration is process-wide
-(CPU autocast in another thread sees it too); nested and concurrent entries share one.
+CUDA's autocast also promotes the floating arguments of a few ops to the widest type among them (``index_put``,
+``scatter_add``, ``dot``, ...), ops that refuse mixed types otherwise: under CPU autocast a model that, say,
+scatters 16-bit expert outputs into an fp32 buffer does not run at all.
 
-The lists are ATen's (``aten/src/ATen/autocast_mode.h``: ``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE``).
+``cuda_autocast_policy()`` registers, for as long as it is entered, a kernel under the ``AutocastCPU``
+dispatch key for each such op CPU's autocast does not touch. As CUDA's kernels do, it casts the op's
+fp16/bf16 tensor arguments to fp32 (or for the ops that take a ``dtype`` and were given none, asks for an
+fp32 result instead), or promotes them to the widest, then runs the op below autocast. It sits above
+autograd, as autocast does, so the cast is recorded and the backward saves what it saves on a GPU. The
+registration is process-wide (CPU autocast in another thread sees it too); nested and concurrent entries
+share one.
+
+The lists are ATen's (``aten/src/ATen/autocast_mode.h``: ``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE``,
+``AT_FORALL_PROMOTE``).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 # CUDA autocast casts these to fp32 (overload names as in ATen's schema)
 FP32_OPS = (
@@ -79,6 +86,20 @@ FP32_UNLESS_DTYPE_OPS = (
     "sum",
     "sum.dim_IntList",
 )
+# ... and these take their floating arguments in the widest type among them
+PROMOTE_OPS = (
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "bilinear",
+    "cross",
+    "dot",
+    "vdot",
+    "grid_sampler",
+    "index_put",
+    "tensordot",
+    "scatter_add",
+)
 _LOWER_PRECISION = (torch.float16, torch.bfloat16)
 _BELOW_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
@@ -108,6 +129,23 @@ def _fp32_kernel(op: torch._ops.OpOverload, unless_dtype: bool) -> Callable[...,
     return kernel
 
 
+def _promote_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOCAST):
+            floating = [
+                t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()
+            ]
+            if floating:
+                widest = functools.reduce(torch.promote_types, floating)
+                args, kwargs = tree_map(
+                    lambda t: t.to(widest) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                    (args, kwargs),
+                )
+            return op(*args, **kwargs)
+
+    return kernel
+
+
 def _overload(qualified: str) -> torch._ops.OpOverload | None:
     name, _, overload = qualified.partition(".")
     packet = getattr(torch.ops.aten, name, None)
@@ -117,12 +155,17 @@ def _overload(qualified: str) -> torch._ops.OpOverload | None:
 def _register() -> tuple[Any, int]:
     library = torch.library.Library("aten", "IMPL")
     changed = 0
-    for unless_dtype, names in ((False, FP32_OPS), (True, FP32_UNLESS_DTYPE_OPS)):
+    policies: tuple[tuple[tuple[str, ...], Callable[[torch._ops.OpOverload], Callable[..., Any]]], ...] = (
+        (FP32_OPS, lambda op: _fp32_kernel(op, unless_dtype=False)),
+        (FP32_UNLESS_DTYPE_OPS, lambda op: _fp32_kernel(op, unless_dtype=True)),
+        (PROMOTE_OPS, _promote_kernel),
+    )
+    for names, make_kernel in policies:
         for qualified in names:
             op = _overload(qualified)
             if op is None or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "AutocastCPU"):
                 continue
-            library.impl(qualified, _fp32_kernel(op, unless_dtype), "AutocastCPU")
+            library.impl(qualified, make_kernel(op), "AutocastCPU")
             changed += 1
     return library, changed
 
