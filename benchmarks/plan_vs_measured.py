@@ -12,7 +12,8 @@ bandwidth); the benchmark runs those suites into a scratch REDLINE_HOME first, p
     python benchmarks/plan_vs_measured.py [--steps 5] [--json] [--out DIR]
 
 Models: ViT-B/16 and ResNet-50 from redline.workload.zoo, and GPT-2 small from transformers when it is
-installed. Sizes are kept small on a CPU so the whole run takes a few minutes.
+installed, also with every block checkpointed as the runtime does it (memory and uncalibrated step time
+only). Sizes are kept small on a CPU so the whole run takes a few minutes.
 """
 
 from __future__ import annotations
@@ -75,14 +76,25 @@ def models(device: str) -> list[dict]:
     def gpt2():
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=1024))
 
+    def gpt2_checkpointed():
+        from redline.runtime.prepare import checkpoint_blocks
+        from redline.workload.trace import find_blocks
+
+        model = gpt2()
+        checkpoint_blocks(model, [block for _, block in find_blocks(model)])
+        return model
+
+    lm = {"input": lambda b: torch.randint(0, 50257, (b, seq)), "shape": (seq,), "seq_len": seq, "profile": "gpt2"}
+    out.append(lm | {"name": "gpt2", "build": gpt2, "batch": 16 if cuda else 4})
+    # every block checkpointed as the runtime does it: memory and uncalibrated time only
     out.append(
-        {
-            "name": "gpt2",
-            "build": gpt2,
-            "input": lambda b: torch.randint(0, 50257, (b, seq)),
-            "shape": (seq,),
+        lm
+        | {
+            "name": "gpt2+ckpt",
+            "build": gpt2_checkpointed,
             "batch": 16 if cuda else 4,
-            "seq_len": seq,
+            "checkpointing": "full",
+            "calibrate": False,
         }
     )
     return out
@@ -91,7 +103,7 @@ def models(device: str) -> list[dict]:
 def profile_of(spec: dict):
     """The zoo models are presets (traced); GPT-2 is profiled as a user would: from its config.json, which
     traces the very Hugging Face module trained here (the analytic preset describes a fused implementation)."""
-    if spec["name"] != "gpt2":
+    if spec.get("profile") != "gpt2":
         return preset_profile(spec["name"])
     from redline.workload.load import load_workload
 
@@ -203,9 +215,13 @@ def main() -> None:
     if device != "cpu":
         cluster = cluster.with_nodes(1)
     rows = []
+    profiles = {}
     for spec in models(device):
-        profile = profile_of(spec)
-        strategy = Strategy(data=1, precision=precision, micro_batch=spec["batch"])
+        key = spec.get("profile", spec["name"])
+        profile = profiles[key] = profiles.get(key) or profile_of(spec)
+        strategy = Strategy(
+            data=1, precision=precision, micro_batch=spec["batch"], checkpointing=spec.get("checkpointing", "none")
+        )
         predicted = estimate(profile, strategy, cluster, Goal(spec["batch"]))
         measured = measure(spec, device, precision, args.steps)
         row = {
@@ -217,11 +233,15 @@ def main() -> None:
             "step_ratio": predicted.time.total / measured["step_s"],
             "predicted_allocated_bytes": predicted.memory.allocated,
             "measured_peak_allocated_bytes": measured["peak_allocated_bytes"],
+            "checkpointing": strategy.checkpointing,
             "ceilings": {p: c.source for p, c in cluster.matmul.items()},
         }
         if measured["peak_allocated_bytes"]:
             row["memory_ratio"] = predicted.memory.allocated / measured["peak_allocated_bytes"]
-        row |= calibrated(spec, profile, cluster, device, precision, args.steps)
+        if spec.get("calibrate", True):
+            row |= calibrated(spec, profile, cluster, device, precision, args.steps)
+        else:
+            row |= {"held_out": [], "held_out_too_large": []}
         rows.append(row)
         if not args.json:
             memory = f"  memory {row['memory_ratio']:.2f}" if "memory_ratio" in row else ""
@@ -230,6 +250,7 @@ def main() -> None:
                 + (f" memory {check['memory_ratio']:.2f}" if check["memory_ratio"] else "")
                 for check in row["held_out"]
             )
+            after = after if row["held_out"] else ""
             print(
                 f"{row['model']:10} b={row['batch']:<4} predicted {row['predicted_step_s']:.3f} s  "
                 f"measured {row['measured_step_s']:.3f} s  ratio {row['step_ratio']:.2f}{memory}{after}",
