@@ -150,3 +150,22 @@ def test_hugging_face_gpt2_bf16_real_step(tmp_path, layers: int, batch: int, seq
         lambda out: F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten()),
         checkpointing=checkpointing,
     )
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_language_model_from_a_factory_bf16_real_step(batch: int) -> None:
+    """A user's own LM, traced with no shape to go by: the tracer finds its cross-entropy over the vocabulary and
+    its output projection tied to the embedding, and the planner charges the loss's backward and the tied
+    table's gradients as for a known transformer."""
+    from redline.workload.profile import TransformerShape
+    from redline.workload.trace import trace_module
+    from reference_gpt import Gpt
+
+    shape = TransformerShape(
+        layers=2, hidden=256, heads=4, ffn_hidden=1024, vocab=50000, seq_len=256, position_embeddings=256, dropout=False
+    )
+    profile = trace_module(lambda: Gpt(shape), (shape.seq_len,), name="factory gpt", source="test")
+    assert profile.transformer is None
+    torch.manual_seed(0)
+    ids = torch.randint(0, shape.vocab, (batch, shape.seq_len))
+    check_bf16(profile, Gpt(shape), ids, lambda logits: F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()))

@@ -10,48 +10,15 @@ intermediate): the tracer sees it, the formula cannot, and the test records by h
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from redline.workload.profile import TransformerShape
 from redline.workload.trace import trace_module
 from redline.workload.transformer import block_activation_bytes, block_forward_flops, transformer_profile
+from reference_gpt import Gpt
 
 SHAPE = TransformerShape(
     layers=4, hidden=256, heads=4, ffn_hidden=1024, vocab=1000, seq_len=128, position_embeddings=128, dropout=False
 )
-
-
-class Block(nn.Module):
-    def __init__(self, h: int, heads: int, f: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, f), nn.Linear(f, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attention.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
-
-
-class Gpt(nn.Module):
-    def __init__(self, shape: TransformerShape) -> None:
-        super().__init__()
-        h = shape.hidden
-        self.wte, self.wpe = nn.Embedding(shape.vocab, h), nn.Embedding(shape.position_embeddings, h)
-        self.blocks = nn.ModuleList(Block(h, shape.heads, shape.ffn_hidden) for _ in range(shape.layers))
-        self.ln_f = nn.LayerNorm(h)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x) @ self.wte.weight.T  # tied output projection
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +30,9 @@ def test_parameters_agree_exactly(traced) -> None:
     analytic = transformer_profile(SHAPE, name="gpt", source="formula")
     assert traced.params_total == analytic.params_total
     assert [b.params for b in traced.blocks] == [b.params for b in analytic.blocks]
+    # the tracer finds what the shape says: a cross-entropy over the vocabulary, a head tied to the embedding
+    assert traced.loss_vocab == analytic.loss_vocab == SHAPE.vocab
+    assert traced.tied_params == analytic.tied_params == SHAPE.vocab * SHAPE.hidden
 
 
 def test_flops_agree(traced) -> None:
@@ -89,6 +59,7 @@ def test_hugging_face_gpt2_saves_more_than_the_formula_counts() -> None:
     profile = trace_module(
         lambda: transformers.GPT2LMHeadModel(config), (128,), name="hf gpt2", source="test", vocab_size=1000
     )
+    assert profile.loss_vocab == 1000 and profile.tied_params == 1000 * 256  # lm_head shares wte's table
     shape = TransformerShape(layers=2, hidden=256, heads=4, ffn_hidden=1024, vocab=1000, seq_len=128)
     formula = block_activation_bytes(shape, 128, bytes_per_value=4, flash_attention=True)
     ratio = profile.blocks[0].activation_bytes_per_sample["fp32"] / formula

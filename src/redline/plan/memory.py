@@ -176,11 +176,10 @@ def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage
 def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, gpus_per_node: int) -> MemoryBreakdown:
     """Memory of one GPU of ``stage`` at the peak of a step, by component (see the module docstring)."""
     t = strategy.tensor
-    shape = profile.transformer
     stage_params = stage.params
     last = stage.index == strategy.pipeline - 1
-    if last and strategy.pipeline > 1 and shape is not None and shape.lm_head and shape.tied_embeddings:
-        stage_params += shape.vocab * shape.hidden  # the last stage keeps its own copy of the tied embedding
+    if last and strategy.pipeline > 1:
+        stage_params += profile.tied_params  # the last stage keeps its own copy of a tied embedding table
     params = stage_params / t
 
     # model states: PyTorch keeps fp32 weights and gradients (autocast adds no master copy). ZeRO-1
@@ -203,9 +202,8 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     # of matmuls and convolutions, not an embedding's table (a lookup), unless an LM head tied to it uses it
     copy_bytes = {"fp32": 0, "bf16": 2, "fp16": 2, "fp8": 3}[strategy.precision]
     head = stage.fixed[-1] if last and stage.fixed else None
-    tied_table = 0.0  # parameters of an embedding table the LM head on this stage shares (or keeps a copy of)
-    if shape is not None and shape.lm_head and shape.tied_embeddings and head is not None:
-        tied_table = shape.vocab * shape.hidden / t
+    # parameters of an embedding table the LM head on this stage shares (or keeps a copy of)
+    tied_table = profile.tied_params / t if head is not None else 0.0
     cast = {
         layer.name: 0.0 if layer.kind == "embedding" else layer.params / t for layer in (*stage.blocks, *stage.fixed)
     }
@@ -252,11 +250,11 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         block.name: full_blocks[block.name] * 2 + cast[block.name] * copy_share if full else full_blocks[block.name]
         for block in stage.blocks
     }
-    if shape is not None and shape.lm_head and head is not None:
+    if profile.loss_vocab and head is not None:
         # cross-entropy runs in fp32, under autocast too: while log-softmax's backward runs, the fp32 gradients
         # of its output (the NLL's, dense) and of its input, b x s x V each
         tokens = strategy.micro_batch * profile.tokens_per_sample
-        working[head.name] = LOSS_BACKWARD_BYTES * tokens * shape.vocab / t
+        working[head.name] = LOSS_BACKWARD_BYTES * tokens * profile.loss_vocab / t
     # an embedding's backward writes a dense gradient of its whole table, which becomes its gradient or is added
     # to the one there. A table tied to the LM head on the same GPU got the head's gradient first: autograd
     # holds that from the head's backward on (``tied``) and sums the two into a third tensor here.

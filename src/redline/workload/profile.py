@@ -193,6 +193,10 @@ class WorkloadProfile:
     sample_unit: str = "sequence"  # "sequence" or "image"
     transformer: TransformerShape | None = None  # present when the analytic formulas apply
     input_shape: tuple[int, ...] | None = None  # per-sample input shape a traced model was run with
+    # a language model trained with cross-entropy over this many entries (its loss's backward holds b x s x V
+    # fp32 gradients); None for any other model
+    loss_vocab: int | None = None
+    tied_params: int = 0  # parameters of the first layer (an embedding table) the last one uses too
     # traced models: peak bytes of one fp32 Adam step at micro-batch 1 by category ("params", "grads",
     # "optimizer_states", "activations", "temporary", "total", ...), from PyTorch's MemTracker; None without it
     traced_peak_bytes: dict[str, int] | None = None

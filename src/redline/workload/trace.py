@@ -114,6 +114,8 @@ def trace_module(
         tokens_per_sample=tokens_per_sample,
         sample_unit=sample_unit,
         input_shape=shape,
+        loss_vocab=tracer.loss_vocab,
+        tied_params=tracer.tied_params,
         traced_peak_bytes=peak_bytes,
         notes=tuple(notes),
     )
@@ -328,6 +330,22 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> dict[StorageWeakRef, int]:
     return out
 
 
+def lm_logits(output: Any, inputs: torch.Tensor | None, vocab_size: int | None) -> torch.Tensor | None:
+    """The output of a language model (token ids in) that holds a score per vocabulary entry for each input
+    token, if there is one."""
+    if inputs is None or not vocab_size or inputs.is_floating_point():
+        return None
+    for leaf in _tensor_leaves(output):
+        if (
+            leaf.is_floating_point()
+            and leaf.requires_grad
+            and leaf.shape[-1] == vocab_size
+            and leaf.shape[:-1] == inputs.shape
+        ):
+            return leaf
+    return None
+
+
 def training_loss(
     output: Any, inputs: torch.Tensor | None = None, vocab_size: int | None = None
 ) -> torch.Tensor | None:
@@ -335,16 +353,9 @@ def training_loss(
     the vocabulary) the loss it trains with: cross-entropy on fp32-upcast logits, as Hugging Face models
     compute it, so the memory that loss keeps is measured too. Otherwise the sum of every floating output
     that needs a gradient."""
-    if inputs is not None and vocab_size and not inputs.is_floating_point():
-        for leaf in tree_leaves(output):
-            if (
-                isinstance(leaf, torch.Tensor)
-                and leaf.is_floating_point()
-                and leaf.requires_grad
-                and leaf.shape[-1] == vocab_size
-                and leaf.shape[:-1] == inputs.shape
-            ):
-                return torch.nn.functional.cross_entropy(leaf.float().flatten(0, -2), inputs.flatten())
+    logits = lm_logits(output, inputs, vocab_size)
+    if logits is not None:
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), inputs.flatten())
     parts = [
         leaf.sum()
         for leaf in tree_leaves(output)
@@ -464,6 +475,9 @@ class _Tracer:
         # parameter and buffer storages are not activations even when autograd saves them (a Linear's weight)
         self.state_storages = {StorageWeakRef(t.untyped_storage()) for t in (*params.values(), *module.buffers())}
         self.current = 0  # index of the running segment
+        self.head_uses: set[StorageWeakRef] = set()  # parameter storages the last segment saves for backward
+        self.loss_vocab: int | None = None  # set when the step's loss is a language model's cross-entropy
+        self.tied_params = 0  # parameters of the first segment the last one uses too (a tied LM head)
         self.block_depth = 0  # > 0 while a block runs (a block that calls another stays one segment)
         self.first_segment: dict[int, int] = {}  # id(module) -> segment running when it was first called
         self.between_blocks = False  # some FLOPs ran outside the blocks after the first one began
@@ -531,6 +545,8 @@ class _Tracer:
             )
             # the loss (an LM's cross-entropy) runs after the last block: what it saves counts with the head
             loss = _guarded(self.name, lambda out=output: training_loss(out, x, self.vocab_size))
+            if lm_logits(output, x, self.vocab_size) is not None:
+                self.loss_vocab = self.vocab_size
         if self.counter is not None:
             self.total_flops[batch] = float(self.counter.get_total_flops())
             self.backward_flops[batch] = self._backward(loss, formulas)
@@ -556,6 +572,8 @@ class _Tracer:
             self._charge_bytes(tensor.numel() * tensor.element_size())
             return tensor
         ref = StorageWeakRef(storage)
+        if ref in self.state_storages and self.current == len(self.segments) - 1:
+            self.head_uses.add(ref)
         if ref not in self.state_storages and ref not in self.saved:
             self.saved.add(ref)
             self.keep_alive.append(storage)
@@ -638,6 +656,13 @@ class _Tracer:
                     owner[id(p)] = (segment, p.numel())
         for segment, numel in owner.values():
             self.segments[segment].params += numel
+        if len(self.segments) > 1:
+            first = {key for key, (segment, _) in owner.items() if segment == 0}
+            self.tied_params = sum(
+                p.numel()
+                for p in self.module.parameters()
+                if id(p) in first and StorageWeakRef(p.untyped_storage()) in self.head_uses
+            )
 
     # -- results
 

@@ -261,4 +261,6 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
         tokens_per_sample=s,
         sample_unit="sequence",
         transformer=shape,
+        loss_vocab=shape.vocab if shape.lm_head else None,
+        tied_params=shape.vocab * shape.hidden if shape.lm_head and shape.tied_embeddings else 0,
     )
