@@ -60,7 +60,7 @@ def real_step_peak(model, x, loss_of, accumulation: int = 1) -> int:
     from redline.workload.cuda_autocast import cuda_autocast_policy
     from redline.workload.trace import _fused_attention, _peak_only_mem_tracker
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as the planner assumes
 
     def micro_batch() -> None:
         # the policy and fused attention stay on through the backward, where checkpointed blocks recompute

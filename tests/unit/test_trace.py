@@ -82,6 +82,10 @@ def test_blocks_stem_head_and_tied_embedding():
     # the output layer reuses the embedding's weight: counted once, in the embedding
     assert profile.params_total == 100 * 16 + 3 * (16 * 16 + 16) + 2 * 16
     assert [layer.params for layer in profile.layers] == [100 * 16, 272, 272, 272, 32]
+    # the embedding's table is a lookup (not cast by autocast, a dense gradient in its backward), shared with the
+    # output layer; the loss is the LM's cross-entropy
+    assert [layer.table_params for layer in profile.layers] == [100 * 16, 0, 0, 0, 0]
+    assert profile.tied_params == 100 * 16 and profile.loss_vocab == 100
     assert sum(layer.params for layer in profile.layers) == profile.params_total
     # inferred from the leading nn.Embedding: token ids, a sequence of 12 tokens
     assert profile.sample_unit == "sequence" and profile.tokens_per_sample == 12

@@ -450,6 +450,7 @@ def _breakdown(best, cluster) -> None:
         ("compute copies", memory.weight_copies),
         ("activations", memory.activations),
         ("backward working set", memory.temporary),
+        ("embedding table grads", memory.table_grads),
         ("comm buffers", memory.comm_buffers),
         ("allocator margin", memory.fragmentation),
         ("CUDA context + NCCL", memory.cuda_context + memory.nccl),

@@ -48,7 +48,8 @@ class MemoryBreakdown:
     optimizer: float  # optimizer states (and master weights), after sharding
     weight_copies: float  # 16-bit/fp8 copies of weights for compute: autocast's or FSDP's unsharded units
     activations: float  # saved for backward, all micro-batches in flight
-    temporary: float  # the largest working set of one layer's backward (a block's with its recomputation, the loss's)
+    temporary: float  # the largest working set of one block's backward (with its recomputation), or the LM loss's
+    table_grads: float  # an embedding's backward: the dense gradient of its tables (a tied one's three times)
     comm_buffers: float  # DDP buckets or FSDP's unsharded gradient of a unit
     fragmentation: float
     cuda_context: float
@@ -204,9 +205,7 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     head = stage.fixed[-1] if last and stage.fixed else None
     # parameters of an embedding table the LM head on this stage shares (or keeps a copy of)
     tied_table = profile.tied_params / t if head is not None else 0.0
-    cast = {
-        layer.name: 0.0 if layer.kind == "embedding" else layer.params / t for layer in (*stage.blocks, *stage.fixed)
-    }
+    cast = {layer.name: (layer.params - layer.table_params) / t for layer in (*stage.blocks, *stage.fixed)}
     if head is not None:
         cast[head.name] += tied_table
     largest_block = max((b.params for b in stage.blocks), default=0) / t
@@ -258,12 +257,14 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     # an embedding's backward writes a dense gradient of its whole table, which becomes its gradient or is added
     # to the one there. A table tied to the LM head on the same GPU got the head's gradient first: autograd
     # holds that from the head's backward on (``tied``) and sums the two into a third tensor here.
+    temporary = max(working.values(), default=0.0)  # the working sets that grow with the micro-batch
     tied = states.grads * tied_table if strategy.pipeline == 1 and zero_stage < 2 else 0.0
+    table_grads = 0.0
     if zero_stage < 2:
         for layer in stage.fixed:
-            if layer.kind == "embedding":
-                working[layer.name] = states.grads * layer.params / t + tied
-    temporary = max(working.values(), default=0.0)
+            if layer.table_params:
+                working[layer.name] = states.grads * layer.table_params / t + tied
+                table_grads = max(table_grads, working[layer.name])
 
     coexist = strategy.accumulation > 1 or (strategy.data > 1 and zero_stage < 2) or strategy.pipeline > 1
     # backward walks the layers from the last: as a layer's backward starts, the gradients of every layer after
@@ -287,7 +288,7 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         held -= (kept[layer.name] - output) * in_flight + copies[layer.name]
         if layer is head:
             pending = tied
-        elif layer.kind == "embedding":
+        elif layer.table_params:
             pending = 0.0
         backward_peak = max(backward_peak, grads_so_far + pending + held)
     moving = max(weight_copies + activations + (grads if coexist else 0.0), backward_peak)
@@ -299,6 +300,7 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         weight_copies=weight_copies,
         activations=activations,
         temporary=temporary,
+        table_grads=table_grads,
         comm_buffers=comm_buffers,
         fragmentation=FRAGMENTATION * allocated,
         cuda_context=CUDA_CONTEXT_BYTES,

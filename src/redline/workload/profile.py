@@ -90,6 +90,9 @@ class LayerProfile:
     # the part of the activations the training loop holds to the end of the step (the model's output, which
     # no layer's backward frees)
     held_bytes_per_sample: dict[str, float] = field(default_factory=dict)
+    # parameters of embedding tables (lookups): autocast leaves them in fp32, and their backward writes a dense
+    # gradient of the whole table
+    table_params: int = 0
     is_block: bool = True  # a repeated block (checkpointed, split over pipeline stages) or a fixed part
 
 

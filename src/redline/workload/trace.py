@@ -294,6 +294,7 @@ class _Segment:
     kind: str
     is_block: bool
     params: int = 0
+    table_params: int = 0  # of them, in nn.Embedding / nn.EmbeddingBag tables
     # per batch size: FLOPs; per batch size and precision: bytes saved for backward, bytes of the input (in the
     # dtype it arrives in: under autocast a residual stream stays fp32) and bytes held to the step's end
     flops: dict[int, float] = field(default_factory=dict)
@@ -648,16 +649,20 @@ class _Tracer:
             for sub in block.modules():
                 segment_of.setdefault(id(sub), index)
         last = len(self.segments) - 1
-        owner: dict[int, tuple[int, int]] = {}  # id(param) -> (segment, numel)
+        owner: dict[int, tuple[int, int, bool]] = {}  # id(param) -> (segment, numel, in an embedding table)
         for m in self.module.modules():
             segment = segment_of.get(id(m), self.first_segment.get(id(m), last))
+            table = isinstance(m, nn.Embedding | nn.EmbeddingBag)
             for p in m.parameters(recurse=False):
                 if id(p) not in owner or segment < owner[id(p)][0]:
-                    owner[id(p)] = (segment, p.numel())
-        for segment, numel in owner.values():
+                    owner[id(p)] = (segment, p.numel(), table or (id(p) in owner and owner[id(p)][2]))
+                elif table:
+                    owner[id(p)] = (*owner[id(p)][:2], True)
+        for segment, numel, table in owner.values():
             self.segments[segment].params += numel
+            self.segments[segment].table_params += numel if table else 0
         if len(self.segments) > 1:
-            first = {key for key, (segment, _) in owner.items() if segment == 0}
+            first = {key for key, (segment, _, _) in owner.items() if segment == 0}
             self.tied_params = sum(
                 p.numel()
                 for p in self.module.parameters()
@@ -674,6 +679,7 @@ class _Tracer:
                     name=segment.name,
                     kind=segment.kind,
                     params=segment.params,
+                    table_params=segment.table_params,
                     forward_flops_per_sample=_slope(segment.flops, lambda b: b),
                     activation_bytes_per_sample={
                         precision: _slope(segment.saved_bytes, lambda b, p=precision: (b, p))

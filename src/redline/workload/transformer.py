@@ -209,6 +209,7 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
             name="embedding",
             kind="embedding",
             params=embedding_params(shape) + shape.extra_params,
+            table_params=embedding_params(shape),
             forward_flops_per_sample=0.0,
             activation_bytes_per_sample={"16bit": mask_bytes, "fp32": mask_bytes},
             is_block=False,
