@@ -38,6 +38,7 @@ from redline.plan.hardware import local_cluster
 from redline.plan.strategy import Strategy
 from redline.workload import zoo
 from redline.workload.presets import preset_profile
+from redline.workload.trace import find_blocks, without_kv_cache
 
 
 def calibrate(home: Path, device: str) -> None:
@@ -74,14 +75,15 @@ def models(device: str) -> list[dict]:
     seq = 1024 if cuda else 256
 
     def gpt2():
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=1024))
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=1024))
+        without_kv_cache(model)  # as the runtime trains it
+        return model
 
     def gpt2_checkpointed():
         from redline.runtime.prepare import checkpoint_blocks
-        from redline.workload.trace import find_blocks
 
         model = gpt2()
-        checkpoint_blocks(model, [block for _, block in find_blocks(model)])
+        checkpoint_blocks([block for _, block in find_blocks(model)])
         return model
 
     lm = {"input": lambda b: torch.randint(0, 50257, (b, seq)), "shape": (seq,), "seq_len": seq, "profile": "gpt2"}

@@ -94,6 +94,7 @@ def check_bf16(profile, model, x, loss_of, accumulation: int = 1, checkpointing:
     )
     predicted = memory_per_gpu(profile, strategy, 1).allocated
     ratio = predicted / real_step_peak(model.train(), x, loss_of, accumulation)
+    print(f"{profile.name} bf16 x={tuple(x.shape)} accumulation {accumulation} {checkpointing}: {ratio:.3f}")  # -s
     assert 0.97 <= ratio <= 1.05, f"{profile.name} bf16 b={batch}: predicted/measured = {ratio:.3f}"
     return ratio
 
@@ -115,7 +116,7 @@ def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int, che
     torch.manual_seed(0)
     model = {"resnet50": zoo.resnet50, "vit-b-16": zoo.vit_b_16}[name]()
     if checkpointing == "full":
-        checkpoint_blocks(model, [block for _, block in find_blocks(model)])
+        checkpoint_blocks([block for _, block in find_blocks(model)])
     images = torch.randn(batch, 3, 224, 224)
     loss_of = lambda out: out.float().logsumexp(-1).mean()  # noqa: E731
     check_bf16(preset_profile(name), model, images, loss_of, accumulation, checkpointing)
@@ -131,7 +132,7 @@ def test_hugging_face_gpt2_bf16_real_step(tmp_path, layers: int, batch: int, seq
     at the very end, in the embedding's backward: every gradient, the held logits, and three fp32 tables of
     V x h (the head's gradient of the tied table, the embedding's, and their sum)."""
     from redline.runtime.prepare import checkpoint_blocks
-    from redline.workload.trace import find_blocks
+    from redline.workload.trace import find_blocks, without_kv_cache
 
     transformers = pytest.importorskip("transformers")
     config = {"n_embd": 256, "n_layer": layers, "n_head": 4, "n_positions": seq_len, "vocab_size": 50257}
@@ -140,8 +141,9 @@ def test_hugging_face_gpt2_bf16_real_step(tmp_path, layers: int, batch: int, seq
     torch.manual_seed(0)
     # the CPU's fused attention kernel has no dropout; a GPU's drops inside the kernel and saves no mask
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(attn_pdrop=0.0, **config))
+    without_kv_cache(model)  # as the runtime trains it
     if checkpointing == "full":
-        checkpoint_blocks(model, [block for _, block in find_blocks(model)])
+        checkpoint_blocks([block for _, block in find_blocks(model)])
     ids = torch.randint(0, 50257, (batch, seq_len))
     check_bf16(  # Hugging Face's loss: cross-entropy over fp32-upcast logits
         profile,
@@ -169,3 +171,42 @@ def test_a_language_model_from_a_factory_bf16_real_step(batch: int) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, shape.vocab, (batch, shape.seq_len))
     check_bf16(profile, Gpt(shape), ids, lambda logits: F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()))
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq_len", "checkpointing", "accumulation"),
+    [(1, 128, "none", 1), (4, 512, "none", 1), (4, 512, "full", 1), (4, 512, "none", 2)],
+)
+def test_llama_bf16_real_step(tmp_path, batch: int, seq_len: int, checkpointing: str, accumulation: int) -> None:
+    """A Llama-style LM: untied embedding and head, RMSNorm, SwiGLU, rotary positions, grouped-query attention
+    (2 key/value heads for 4 query heads), run as the runtime runs it (no KV cache)."""
+    from redline.runtime.prepare import checkpoint_blocks
+    from redline.workload.trace import find_blocks, without_kv_cache
+
+    transformers = pytest.importorskip("transformers")
+    config = {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 640,
+        "vocab_size": 4000,
+        "max_position_embeddings": 512,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    profile = load_workload(str(tmp_path / "config.json"), seq_len=seq_len)
+    assert profile.tied_params == 0 and profile.loss_vocab == 4000
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_dropout=0.0, **config))
+    without_kv_cache(model)
+    if checkpointing == "full":
+        checkpoint_blocks([block for _, block in find_blocks(model)])
+    ids = torch.randint(0, 4000, (batch, seq_len))
+    check_bf16(
+        profile,
+        model,
+        ids,
+        lambda out: F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten()),
+        accumulation=accumulation,
+        checkpointing=checkpointing,
+    )

@@ -150,9 +150,10 @@ def test_activation_checkpointing_changes_nothing_numerically() -> None:
     torch.testing.assert_close(weights(checkpointed), weights(plain), rtol=1e-5, atol=1e-6)
 
 
-def test_checkpointing_a_hugging_face_model_turns_its_kv_cache_off() -> None:
-    """Each recomputation would append the block's keys and values to the cache again: the output would hold
-    every layer's twice. The gradients are those of the model without checkpointing."""
+def test_a_hugging_face_model_trains_without_its_kv_cache() -> None:
+    """The cache would hold every layer's keys and values with the output to the end of the step, and under
+    checkpointing each recomputation would append them again. The user's config is left as it was; the
+    gradients with checkpointing are those without."""
     transformers = pytest.importorskip("transformers")
     settings = {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 16, "vocab_size": 50}
     ids = torch.randint(0, 50, (8, 16), generator=torch.Generator().manual_seed(2))
@@ -169,8 +170,8 @@ def test_checkpointing_a_hugging_face_model_turns_its_kv_cache_off() -> None:
         )
         ((batch,),) = run.micro_batches()
         output = run.model(batch)
-        if checkpointing == "full":
-            assert output.past_key_values is None and not model.config.use_cache
+        assert output.past_key_values is None and model.config.use_cache
+        assert run.model(batch, use_cache=True).past_key_values is not None  # asked for, it is there
         run.backward(nn.functional.cross_entropy(output.logits.flatten(0, 1), batch.flatten()))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0])

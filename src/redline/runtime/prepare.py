@@ -179,8 +179,9 @@ class Run:
     # ------------------------------------------------------------------------------------------ wrapping
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        from redline.workload.trace import find_blocks
+        from redline.workload.trace import find_blocks, without_kv_cache
 
+        without_kv_cache(model)
         blocks = find_blocks(model)
         strategy = self.config.strategy
         if strategy.checkpointing == "selective":
@@ -190,7 +191,7 @@ class Run:
         if strategy.checkpointing == "full":
             if not blocks:
                 raise BadInput("the plan checkpoints activations per block, but this model has no repeated blocks")
-            checkpoint_blocks(model, [block for _, block in blocks])
+            checkpoint_blocks([block for _, block in blocks])
         if self.config.compile:
             for _, block in blocks or [("", model)]:
                 block.compile()
@@ -628,14 +629,10 @@ def _destroy_process_group(store: dist.Store, world: int) -> None:
     dist.destroy_process_group()
 
 
-def checkpoint_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
+def checkpoint_blocks(blocks: list[nn.Module]) -> None:
     """Full activation checkpointing: each block keeps its input and recomputes the rest in the backward
-    (non-reentrant ``torch.utils.checkpoint``). A Hugging Face model's KV cache is turned off, as its own
-    ``gradient_checkpointing_enable`` does: each recomputation would append the block's keys and values to
-    the cache again, and the output would hold both copies of every layer's."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
+    (non-reentrant ``torch.utils.checkpoint``). A Hugging Face model must also run without its KV cache
+    (``workload.trace.without_kv_cache``), or each recomputation appends its keys and values again."""
     for block in blocks:
         block.forward = _checkpointed(block.forward)
 

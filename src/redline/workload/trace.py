@@ -22,6 +22,8 @@ that API is missing or fails the profile says so and the planner's analytic memo
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
@@ -85,6 +87,7 @@ def trace_module(
             module, built_shape = _guarded(name, lambda: unpack_build(build(), name))
         shape = _check_shape(name, input_shape if input_shape is not None else built_shape)
         _make_fake(module)
+        without_kv_cache(module)  # as the runtime trains it
         module.train()  # dropout masks and batch-norm statistics are part of a training step
         input_dtype, vocab_size, input_note = input_kind(module, input_dtype, vocab_size)
         token_ids = not input_dtype.is_floating_point and not input_dtype.is_complex
@@ -242,6 +245,29 @@ def _make_fake(module: nn.Module) -> None:
 
 
 # --- the model's structure --------------------------------------------------------------------------------
+
+
+def without_kv_cache(model: nn.Module) -> None:
+    """Training needs no KV cache, but a Hugging Face model builds one unless told not to (``use_cache``
+    defaults to its config's, True for most). The loop holds it with the output to the end of the step: every
+    layer's keys and values, a rotary model's keys in fp32 beside the 16-bit copy attention saved; and each
+    recomputation of a checkpointed block appends them again. Every module with a ``config`` whose forward
+    takes ``use_cache`` gets False unless the caller passes it; the config itself is left as it was."""
+    for module in model.modules():
+        if hasattr(module, "config") and "use_cache" in inspect.signature(module.forward).parameters:
+            module.forward = _no_cache_by_default(module.forward)
+
+
+def _no_cache_by_default(forward: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(forward)
+
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "use_cache" not in signature.bind_partial(*args, **kwargs).arguments:
+            kwargs["use_cache"] = False
+        return forward(*args, **kwargs)
+
+    return call
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
