@@ -73,6 +73,8 @@ def test_ops_refusing_mixed_types_get_the_widest_as_on_cuda() -> None:
         assert combined.dtype == torch.float32
         assert torch.dot(experts[0], torch.ones(4)).dtype == torch.float32
         assert torch.dot(experts[0], experts[1]).dtype == bf16  # nothing wider to promote to
+        with pytest.raises(RuntimeError):  # CUDA's autocast leaves float64 alone, and refuses this too
+            torch.dot(torch.ones(4), torch.ones(4, dtype=torch.float64))
     combined.sum().backward()
     assert experts.grad.dtype == bf16 and torch.equal(experts.grad, torch.ones(6, 4, dtype=bf16))
 

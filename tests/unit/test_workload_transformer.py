@@ -399,7 +399,7 @@ def test_block_activation_bytes_matches_korthikanti_table2(variant: str, s: int,
 
 def test_full_recompute_keeps_2sbh() -> None:
     # Korthikanti Table 2, "full recompute": 2sbh per layer
-    assert block_input_bytes(gpt(12288, 96, 96), 2048) == 2 * 2048 * 12288
+    assert block_input_bytes(gpt(12288, 96, 96), 2048, bytes_per_value=2) == 2 * 2048 * 12288
 
 
 @pytest.mark.parametrize(("ffn_ratio", "t"), [(3, 1), (3, 4), (8, 8)], ids=["f3h-t1", "f3h-t4", "f8h-t8"])

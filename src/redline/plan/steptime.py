@@ -148,14 +148,12 @@ def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) ->
         per_block = (6 if strategy.checkpointing == "full" else 4) * ring_s("all_reduce", size, t, cluster.intra)
         tp_micro_s = len(stage.blocks) * per_block
 
-    # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients),
-    # b*s*h values split t ways (Megatron's scatter/gather optimisation)
+    # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients): a
+    # block's input (a transformer's b*s*h residual stream, fp32 under autocast too), split t ways (Megatron's
+    # scatter/gather optimisation)
     pp_s = 0.0
     if p > 1:
-        if shape is not None:
-            size = strategy.micro_batch * profile.tokens_per_sample * shape.hidden * value / t
-        else:  # a traced model: the input of the stage's first block, as it was traced
-            size = stage.blocks[0].input_bytes_per_sample.get(activation_key(strategy), 0.0) * strategy.micro_batch
+        size = stage.blocks[0].input_bytes_per_sample.get(activation_key(strategy), 0.0) * strategy.micro_batch / t
         crossing = where.pp_crosses_nodes and cluster.nodes > 1 and cluster.inter is not None
         link = network_share(cluster.inter, cluster.gpus_per_node) if crossing else cluster.intra
         pp_s = 2 * (m + p - 1) * p2p_s(size, link)

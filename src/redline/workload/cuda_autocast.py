@@ -129,18 +129,18 @@ def _fp32_kernel(op: torch._ops.OpOverload, unless_dtype: bool) -> Callable[...,
     return kernel
 
 
+def _promotable(value: Any) -> bool:
+    """A floating tensor autocast may cast: float64 is left alone (and does not take part), as CUDA leaves it."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+
+
 def _promote_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(_BELOW_AUTOCAST):
-            floating = [
-                t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()
-            ]
+            floating = [t.dtype for t in tree_leaves((args, kwargs)) if _promotable(t)]
             if floating:
                 widest = functools.reduce(torch.promote_types, floating)
-                args, kwargs = tree_map(
-                    lambda t: t.to(widest) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                    (args, kwargs),
-                )
+                args, kwargs = tree_map(lambda t: t.to(widest) if _promotable(t) else t, (args, kwargs))
             return op(*args, **kwargs)
 
     return kernel
@@ -177,8 +177,9 @@ _registration: tuple[Any, int] | None = None
 
 @contextmanager
 def cuda_autocast_policy() -> Iterator[int]:
-    """CUDA's fp32 autocast ops run in fp32 under CPU autocast while entered; yields how many were changed.
-    Ops this PyTorch lacks, or that CPU autocast already handles, are left alone."""
+    """While entered, CPU autocast runs CUDA's fp32 ops in fp32 and promotes its promote ops' arguments as CUDA's
+    does; yields how many ops were changed. Ops this PyTorch lacks, or that CPU autocast already handles, are
+    left alone."""
     global _entered, _registration
     with _lock:
         if _registration is None:

@@ -190,8 +190,9 @@ def logits_activation_bytes(
     return (4 * s * h + (bytes_per_value + 4) * s * v) / tensor_parallel
 
 
-def block_input_bytes(shape: TransformerShape, seq_len: int, *, bytes_per_value: int = 2) -> float:
-    """What full activation checkpointing keeps per block: its input, s x h values."""
+def block_input_bytes(shape: TransformerShape, seq_len: int, *, bytes_per_value: int) -> float:
+    """What full activation checkpointing keeps per block: its input, s x h values (4 bytes each for PyTorch's
+    fp32 residual stream, under autocast too; 2 in Megatron's bf16 one)."""
     return float(bytes_per_value * seq_len * shape.hidden)
 
 
