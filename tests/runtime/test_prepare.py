@@ -220,6 +220,9 @@ SCRIPT = textwrap.dedent(
             json.dump([record.comm_s for record in run.metrics.records], f)
     torch.distributed.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
     torch.distributed.destroy_process_group()
+    # the results are written: skip the interpreter's teardown, where gloo's threads still abort now and then
+    # ("terminate called without an active exception", a clean-clone CI run in torch 2.13 saw it with FSDP2)
+    os._exit(0)
     """
 )
 
