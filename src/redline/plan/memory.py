@@ -13,8 +13,9 @@ blocks checkpointed, in its embedding's: a table tied to the head has then three
 (the head's, the embedding's and their sum). A CNN peaks part-way through (big activations early, big
 parameters late). Gradients exist from the start under DDP (its buckets hold every gradient), gradient
 accumulation (the previous micro-batches' gradients wait for the next backward) and pipelines.
-The optimizer is assumed fused (``fused=True``, as the runtime uses it), which needs no parameter-sized
-temporaries.
+The optimizer is assumed fused (``fused=True``), which needs no parameter-sized temporaries. PyTorch's
+default Adam/AdamW on a GPU (``foreach``) holds one more fp32 copy of what it steps while it runs (4 bytes a
+parameter), which is not counted here: pass ``fused=True``.
 
 Checked against PyTorch's accounting of real steps (``tests/plan/test_plan_vs_memtracker.py``).
 """
