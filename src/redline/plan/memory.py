@@ -255,10 +255,10 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         # of its output (the NLL's, dense) and of its input, b x s x V each
         tokens = strategy.micro_batch * profile.tokens_per_sample
         working[head.name] = LOSS_BACKWARD_BYTES * tokens * profile.loss_vocab / t
+    temporary = max(working.values(), default=0.0)  # the working sets that grow with the micro-batch
     # an embedding's backward writes a dense gradient of its whole table, which becomes its gradient or is added
     # to the one there. A table tied to the LM head on the same GPU got the head's gradient first: autograd
     # holds that from the head's backward on (``tied``) and sums the two into a third tensor here.
-    temporary = max(working.values(), default=0.0)  # the working sets that grow with the micro-batch
     tied = states.grads * tied_table if strategy.pipeline == 1 and zero_stage < 2 else 0.0
     table_grads = 0.0
     if zero_stage < 2:
