@@ -177,6 +177,17 @@ def test_a_hugging_face_model_trains_without_its_kv_cache() -> None:
     torch.testing.assert_close(grads[1], grads[0])
 
 
+def test_an_adam_step_is_flagged_unless_fused() -> None:
+    """The plan counts a fused step; foreach (PyTorch's default on a GPU) holds a parameter-sized temporary."""
+    from redline.runtime.prepare import unfused_adam
+
+    params = list(make_model().parameters())
+    assert unfused_adam(torch.optim.AdamW(params))
+    assert unfused_adam(torch.optim.Adam(params, foreach=True))
+    assert not unfused_adam(torch.optim.AdamW(params, fused=True))
+    assert not unfused_adam(torch.optim.SGD(params, lr=0.1))
+
+
 def test_a_ready_optimizer_must_hold_the_models_parameters() -> None:
     model = make_model()
     other = torch.optim.SGD(make_model().parameters(), lr=0.1)
