@@ -596,7 +596,7 @@ class _Tracer:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts: count the tensor
-            self._charge_bytes(tensor.numel() * tensor.element_size())
+            self._charge_bytes(_nbytes(tensor))
             return tensor
         ref = StorageWeakRef(storage)
         if ref in self.state_storages and self.current == len(self.segments) - 1:
@@ -675,20 +675,23 @@ class _Tracer:
             for sub in block.modules():
                 segment_of.setdefault(id(sub), index)
         last = len(self.segments) - 1
-        owner: dict[int, tuple[int, int, bool]] = {}  # id(param) -> (segment, numel, in an embedding table)
+        tables = {
+            id(p)
+            for m in self.module.modules()
+            if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+            for p in m.parameters(recurse=False)
+        }
+        owner: dict[int, tuple[int, int]] = {}  # id(param) -> (segment, numel)
         for m in self.module.modules():
             segment = segment_of.get(id(m), self.first_segment.get(id(m), last))
-            table = isinstance(m, nn.Embedding | nn.EmbeddingBag)
             for p in m.parameters(recurse=False):
                 if id(p) not in owner or segment < owner[id(p)][0]:
-                    owner[id(p)] = (segment, p.numel(), table or (id(p) in owner and owner[id(p)][2]))
-                elif table:
-                    owner[id(p)] = (*owner[id(p)][:2], True)
-        for segment, numel, table in owner.values():
+                    owner[id(p)] = (segment, p.numel())
+        for key, (segment, numel) in owner.items():
             self.segments[segment].params += numel
-            self.segments[segment].table_params += numel if table else 0
+            self.segments[segment].table_params += numel if key in tables else 0
         if len(self.segments) > 1:
-            first = {key for key, (segment, _, _) in owner.items() if segment == 0}
+            first = {key for key, (segment, _) in owner.items() if segment == 0}
             self.tied_params = sum(
                 p.numel()
                 for p in self.module.parameters()
@@ -698,6 +701,9 @@ class _Tracer:
     # -- results
 
     def layer_profiles(self) -> tuple[LayerProfile, ...]:
+        def per_sample(values: dict[tuple[int, str], float]) -> dict[str, float]:
+            return {precision: _slope(values, lambda b, p=precision: (b, p)) for precision in ("16bit", "fp32")}
+
         profiles = []
         for segment in self.segments:
             profiles.append(
@@ -707,18 +713,9 @@ class _Tracer:
                     params=segment.params,
                     table_params=segment.table_params,
                     forward_flops_per_sample=_slope(segment.flops, lambda b: b),
-                    activation_bytes_per_sample={
-                        precision: _slope(segment.saved_bytes, lambda b, p=precision: (b, p))
-                        for precision in ("16bit", "fp32")
-                    },
-                    input_bytes_per_sample={
-                        precision: _slope(segment.input_bytes, lambda b, p=precision: (b, p))
-                        for precision in ("16bit", "fp32")
-                    },
-                    held_bytes_per_sample={
-                        precision: _slope(segment.held_bytes, lambda b, p=precision: (b, p))
-                        for precision in ("16bit", "fp32")
-                    },
+                    activation_bytes_per_sample=per_sample(segment.saved_bytes),
+                    input_bytes_per_sample=per_sample(segment.input_bytes),
+                    held_bytes_per_sample=per_sample(segment.held_bytes),
                     is_block=segment.is_block,
                 )
             )
