@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -99,6 +100,44 @@ def test_full_checkpointing_keeps_block_inputs_only() -> None:
     block = block_activation(LLAMA7, LLAMA7.blocks[0], strategy(micro_batch=4), decoder=False)
     # the recomputed block, its gradients and the bf16 copies of its weights its recomputation casts again
     assert full.temporary == pytest.approx(2 * block + 2 * LLAMA7.blocks[0].params)
+
+
+def test_measured_working_sets_replace_what_a_block_saved() -> None:
+    """A traced block's backward needs what the tracer measured on top of what it saved (without a measurement:
+    all it saved, again); its forward's temporaries count while it runs."""
+    from torch import nn
+
+    from redline.workload.trace import trace_module
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+        def forward(self, x):
+            return x + self.down(self.up(x).exp().sin())
+
+    profile = trace_module(lambda: nn.Sequential(*(Wide() for _ in range(4))), (128, 64), name="wide", source="t")
+    plain = strategy(data=1, precision="fp32", micro_batch=16)
+    traced = memory_per_gpu(profile, plain, gpus_per_node=1)
+    saved = block_activation(profile, profile.blocks[1], plain, decoder=False)
+    measured = max(c + 16 * x for c, x in profile.blocks[1].backward_working["fp32"])
+    assert traced.temporary == pytest.approx(measured) and measured != pytest.approx(saved)
+    unmeasured = dataclasses.replace(
+        profile,
+        layers=tuple(dataclasses.replace(layer, forward_rise={}, backward_working={}) for layer in profile.layers),
+    )
+    assert memory_per_gpu(unmeasured, plain, gpus_per_node=1).temporary == pytest.approx(saved)
+    # a forward far above what the blocks keep raises the peak by its excess
+    rise = 100 * saved
+    heavy = dataclasses.replace(
+        profile,
+        layers=tuple(
+            dataclasses.replace(layer, forward_rise={"fp32": ((0.0, rise / 16),)}) if layer.is_block else layer
+            for layer in profile.layers
+        ),
+    )
+    assert memory_per_gpu(heavy, plain, gpus_per_node=1).allocated > traced.allocated + 0.9 * rise
 
 
 def test_activations_grow_with_micro_batch_and_pipeline_in_flight() -> None:

@@ -4,16 +4,22 @@
 figure the GPU check compares with); ``device_total`` adds what the PyTorch allocator does not count or
 keeps in reserve (fragmentation, the CUDA context, NCCL's buffers) and must fit in the GPU's memory.
 
-The peak is found by walking the backward layer by layer from the last: each layer's working set (a
-block's activation gradients; for a language model's head the loss's fp32 gradients, b x s x V twice; for
-an embedding the dense gradient of its table) comes on top of what is still held, and as the layer finishes
-its activations and autocast's copies of its weights go and its gradients arrive; the model's output, which
-the loop holds, stays to the end. An LM peaks in its loss's backward, or, with few tokens per step or its
-blocks checkpointed, in its embedding's: a table tied to the head has then three fp32 gradients at once
-(the head's, the embedding's and their sum). A CNN peaks part-way through (big activations early, big
-parameters late). Gradients exist from the start under DDP (its buckets hold every gradient), gradient
-accumulation (the previous micro-batches' gradients wait for the next backward) and pipelines.
-The optimizer is assumed fused (``fused=True``), which needs no parameter-sized temporaries. PyTorch's
+The peak is the larger of two walks. Through the forward, each layer's rise (what it saves, its temporaries,
+autocast's copies of its weights) comes on top of what the layers before it saved. Through the backward, from
+the last layer, each layer's working set (a block's activation gradients and temporaries; under full
+checkpointing also its recomputation; for a language model's head the loss's fp32 gradients, b x s x V twice;
+for an embedding the dense gradient of its table) comes on top of what is still held, and as the layer
+finishes its activations and autocast's copies of its weights go and its gradients arrive; the model's output,
+which the loop holds, stays to the end. For a traced model the rise and a block's working set are measured
+(``LayerProfile.forward_rise``, ``backward_working``); without a measurement a layer's rise is what it saves
+and a block's working set all it saved, again (an upper bound: an encoder's needs a fifth of it).
+
+An LM peaks in its loss's backward, or, with few tokens per step or its blocks checkpointed, in its embedding's:
+a table tied to the head has then three fp32 gradients at once (the head's, the embedding's and their sum). A
+CNN peaks part-way through its backward (big activations early, big parameters late), an encoder with a small
+vocabulary in its last block's forward. Gradients exist from the start under DDP (its buckets hold every
+gradient), gradient accumulation (the previous micro-batches' gradients wait for the next backward) and
+pipelines. The optimizer is assumed fused (``fused=True``), which needs no parameter-sized temporaries. PyTorch's
 default Adam/AdamW on a GPU (``foreach``) holds one more fp32 copy of what it steps while it runs (4 bytes a
 parameter), which is not counted here: pass ``fused=True``.
 
@@ -152,6 +158,21 @@ def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: St
     return per_sample * strategy.micro_batch
 
 
+def measured_bytes(
+    lines: dict[str, tuple[tuple[float, float], ...]], layer: LayerProfile, strategy: Strategy, saved: float
+) -> float | None:
+    """A figure the tracer measured of ``layer`` as lines in the micro-batch (``LayerProfile.forward_rise``,
+    ``backward_working``) at this micro-batch: its constant part split as the weights are, its per-sample part as
+    the layer's saved activations (``saved`` bytes for this micro-batch and split). None where not measured."""
+    key = activation_key(strategy)
+    if not lines.get(key):
+        return None
+    m, t = strategy.micro_batch, strategy.tensor
+    unsplit = layer.activation_bytes_per_sample[key] * m
+    share = saved / unsplit if unsplit > 0 else 1 / t
+    return max(0.0, max(c / t + x * m * share for c, x in lines[key]))
+
+
 def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> int:
     """1F1B: stage i of p holds the activations of min(p - i, m) micro-batches, the first stage the most
     (Narayanan et al. 2021); without a pipeline, micro-batches run one after the other."""
@@ -246,10 +267,23 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     # again); the loss's for an LM's head. Copies per parameter: autocast's, not FSDP's whole units.
     full = strategy.checkpointing == "full"
     copy_share = copy_bytes if zero_stage < 2 else 0  # autocast's bytes per cast parameter
-    working = {
-        block.name: full_blocks[block.name] * 2 + cast[block.name] * copy_share if full else full_blocks[block.name]
-        for block in stage.blocks
-    }
+
+    def forward_rise(layer: LayerProfile, saved: float) -> float:
+        """How far memory rises while the layer's forward runs: measured, or what it saves and its weight copies."""
+        rise = measured_bytes(layer.forward_rise, layer, strategy, saved)
+        return saved + cast[layer.name] * copy_share if rise is None else rise
+
+    working = {}
+    for block in stage.blocks:
+        saved = full_blocks[block.name]
+        backward = measured_bytes(block.backward_working, block, strategy, saved)
+        if backward is None:  # not measured: all it saved, at most
+            backward = saved
+        if full:
+            # the recomputation's forward (its rise counts the block's input, which is already held, where the
+            # gradient of its output now waits), then the backward on what it saved and the weight copies it cast
+            backward = max(forward_rise(block, saved), saved + backward + cast[block.name] * copy_share)
+        working[block.name] = backward
     if profile.loss_vocab and head is not None:
         # cross-entropy runs in fp32, under autocast too: while log-softmax's backward runs, the fp32 gradients
         # of its output (the NLL's, dense) and of its input, b x s x V each
@@ -292,7 +326,14 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         elif layer.table_params:
             pending = 0.0
         backward_peak = max(backward_peak, grads_so_far + pending + held)
-    moving = max(weight_copies + activations + (grads if coexist else 0.0), backward_peak)
+    # the forward before it: each layer's temporaries on top of what the layers before it left (all of it for the
+    # micro-batches in flight before), a checkpointed block's saved activations among them
+    held = (activations - sum(kept.values())) + (grads if coexist else 0.0) + (0.0 if copy_share else weight_copies)
+    forward_peak = 0.0
+    for layer in order:
+        forward_peak = max(forward_peak, held + forward_rise(layer, full_blocks.get(layer.name, kept[layer.name])))
+        held += kept[layer.name] + copies[layer.name]
+    moving = max(forward_peak, held, backward_peak)
     allocated = weights + optimizer + comm_buffers + moving
     return MemoryBreakdown(
         weights=weights,

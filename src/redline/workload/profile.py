@@ -90,6 +90,14 @@ class LayerProfile:
     # the part of the activations the training loop holds to the end of the step (the model's output, which
     # no layer's backward frees)
     held_bytes_per_sample: dict[str, float] = field(default_factory=dict)
+    # measured by the tracer, by activation precision, as lines (bytes, bytes per sample): at micro-batch m the
+    # figure is the largest ``bytes + m x bytes per sample``. Empty where not measured (the planner then takes what
+    # the layer saves). How far memory rises while the layer's forward runs above what the layers before it saved
+    # (what it saves, its temporaries, its input where no layer before saved it, autocast's copies of its weights):
+    forward_rise: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # what a block's backward needs at its most on top of what it saved, which it frees as it goes (the gradient it
+    # is given, activation gradients, temporaries, its weight gradients as they arrive):
+    backward_working: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     # parameters of embedding tables (lookups): autocast leaves them in fp32, and their backward writes a dense
     # gradient of the whole table
     table_params: int = 0

@@ -10,11 +10,17 @@ that forward pass:
   thing by hand). It is measured in fp32 and under autocast to bfloat16 ("16bit") with CUDA's policy of which
   ops stay in fp32 (``cuda_autocast``) and attention as a fused kernel, as a GPU runs them;
 - forward hooks on the repeated blocks (GPT-2's ``h``, Llama's ``layers``, ResNet's Bottlenecks) split both
-  figures into the part before the blocks, each block, and the part after.
+  figures into the part before the blocks, each block, and the part after;
+- a dispatch mode follows every storage the operators allocate until it is freed, as PyTorch's MemTracker does,
+  through the forward and the backward pass (hooks on each block's output mark where its backward begins):
+  how far memory rises while each part's forward runs, and what each block's backward needs on top of what it
+  saved, which it frees as it goes.
 
 Each figure is measured at two batch sizes and the per-sample value is the difference divided by the batch
 difference: what grows with the batch, without constant terms (a broadcast mask, autocast's bf16 copies of the
-weights) and without special cases a batch of 1 can take.
+weights) and without special cases a batch of 1 can take. The working sets are maxima over a pass, whose place
+can move with the batch: they are kept as lines, one per operator (what was live after it, at the two batch
+sizes), of which those that are the largest at some micro-batch.
 
 Finally one Adam training step runs under PyTorch's private ``MemTracker`` for its peak memory by category; if
 that API is missing or fails the profile says so and the planner's analytic memory model stands alone.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
@@ -42,6 +49,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from redline.errors import BadInput
@@ -327,6 +335,10 @@ class _Segment:
     saved_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
     input_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
     held_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
+    # per batch size and precision, what was live after each operator of its forward above what the segments
+    # before it saved, and of a block's backward above what was live as it began less the gradient it was given
+    forward_live: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    backward_live: dict[tuple[int, str], list[int]] = field(default_factory=dict)
 
 
 def _slope(values: dict[Any, float], key: Callable[[int], Any]) -> float:
@@ -345,6 +357,25 @@ def _first_tensor(*trees: Any) -> torch.Tensor | None:
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _lines(live: dict[tuple[int, str], list[int]], precision: str) -> tuple[tuple[float, float], ...]:
+    """What was live after each operator at the two batch sizes, as lines in the batch (bytes at none, bytes per
+    sample: the same operators ran at both), of which only those that are the largest at some micro-batch: the
+    working set at micro-batch m is the largest ``c + m x``. Constant terms stay (a block's weight gradients as
+    they arrive). Empty where it was not measured."""
+    small, large = BATCHES
+    at_small, at_large = live.get((small, precision)), live.get((large, precision))
+    if not at_small or not at_large:
+        return ()
+    if len(at_small) != len(at_large):  # the batches ran different operators: their largest only
+        at_small, at_large = [max(at_small)], [max(at_large)]
+    lines = set()
+    for a, b in zip(at_small, at_large, strict=True):
+        per_sample = (b - a) / (large - small)
+        lines.add((a - small * per_sample, per_sample))
+    largest = {max(lines, key=lambda line, m=2**k: line[0] + m * line[1]) for k in range(21)}
+    return tuple(sorted(largest, key=lambda line: line[1]))
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> dict[StorageWeakRef, int]:
@@ -464,6 +495,44 @@ def _fused_attention() -> Any:
     return _FusedAttention() if fused else nullcontext()
 
 
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages the operators it sees create, for as long as they live (a weak reference says when
+    one goes, as PyTorch's MemTracker counts), and what was live after each operator since the last ``take``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.history: list[int] = [0]
+        self._refs: dict[StorageWeakRef, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = _storage_bytes(_tensor_leaves(args, kwargs))  # a view or an in-place result allocates nothing
+        for leaf in _tensor_leaves(out):
+            with suppress(RuntimeError, NotImplementedError):  # storage-less layouts
+                storage = leaf.untyped_storage()
+                key = StorageWeakRef(storage)
+                if key not in inputs and key not in self._refs:
+                    self._track(key, storage)
+        self.history.append(self.live)
+        return out
+
+    def _track(self, key: StorageWeakRef, storage: torch.UntypedStorage) -> None:
+        nbytes = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes))
+        self.live += nbytes
+
+    def _freed(self, key: StorageWeakRef, nbytes: int, _ref: weakref.ref) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.live -= nbytes
+
+    def take(self) -> list[int]:
+        """What was live after each operator since the last take, and now; the next take starts from now."""
+        history, self.history = [*self.history, self.live], [self.live]
+        return history
+
+
 class _Tracer:
     """Runs the module on fake inputs and keeps what each segment did. Used under the fake mode."""
 
@@ -544,17 +613,21 @@ class _Tracer:
         self.current, self.block_depth, self.flops_mark = 0, 0, 0.0
         self.saved: set[StorageWeakRef] = set()
         self.keep_alive: list[Any] = []  # saved storages stay alive so that no other can reuse their address
+        self.memory = _LiveBytes()
+        self.window: tuple[int, int] | None = None  # the block whose backward runs, and its base
+        self.saved_total = self.saved_before = 0  # bytes saved for backward in this run; before the running segment
         formulas = _flop_formulas()
         self.counter = flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) if count_flops else None
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "16bit" else nullcontext()
-        x = self.make_input(batch)
-        self.segments[0].input_bytes[(batch, precision)] = _nbytes(x)
         with (
             self.counter or nullcontext(),
             self.attention,
             autocast,
             torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved),
+            self.memory,
         ):
+            x = self.make_input(batch)
+            self.segments[0].input_bytes[(batch, precision)] = _nbytes(x)
             # the input batch is held through the whole step, like the first layer's activations (it is one of
             # them in fp32; under autocast the first layer saves a 16-bit copy of it)
             self._pack(x)
@@ -574,23 +647,34 @@ class _Tracer:
             loss = _guarded(self.name, lambda out=output: training_loss(out, x, self.vocab_size))
             if lm_logits(output, x, self.vocab_size) is not None:
                 self.loss_vocab = self.vocab_size
+            self._forward_boundary()
         if self.counter is not None:
             self.total_flops[batch] = float(self.counter.get_total_flops())
-            self.backward_flops[batch] = self._backward(loss, formulas)
-        self.counter = None
-        del output, loss
+        # autograd frees what it saved as the backward goes; the forward's bookkeeping kept it alive
         self.saved.clear()
         self.keep_alive.clear()
+        backward_flops = self._backward(loss, formulas)
+        if self.counter is not None:
+            self.backward_flops[batch] = backward_flops
+        self.counter = None
+        del output, loss
 
     def _backward(self, loss: torch.Tensor | None, formulas: dict[Any, Any]) -> float:
+        """Run the backward pass from a first micro-batch's state (no gradients yet), measuring each block's
+        working set; its FLOPs when this run counts them. The gradients stay: the training-step measurement
+        creates Adam's states from them."""
         if loss is None:
             if not any("no output needs a gradient" in note for note in self.notes):
-                self.notes.append("no output needs a gradient: backward FLOPs not measured")
+                self.notes.append("no output needs a gradient: backward FLOPs and working sets not measured")
             return 0.0
-        with flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) as counter, self.attention:
+        for p in self.module.parameters():
+            p.grad = None
+        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) if self.counter else None
+        with counter or nullcontext(), self.attention, self.memory:
+            self._backward_window(None)
             _guarded(self.name, loss.backward)
-        # the gradients stay: the training-step measurement creates Adam's states from them
-        return float(counter.get_total_flops())
+            self._backward_window(None)
+        return float(counter.get_total_flops()) if counter else 0.0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         try:
@@ -608,6 +692,7 @@ class _Tracer:
         return tensor
 
     def _charge_bytes(self, nbytes: int) -> None:
+        self.saved_total += nbytes
         saved = self.segments[self.current].saved_bytes
         key = (self.batch, self.precision)
         saved[key] = saved.get(key, 0) + nbytes
@@ -630,20 +715,25 @@ class _Tracer:
             def enter(_module: nn.Module, args: Any, kwargs: Any, index: int = index) -> None:
                 self.block_depth += 1
                 if self.block_depth == 1:
+                    self._forward_boundary()
                     charged = self._charge_flops()
                     if self.current == len(self.segments) - 1 and charged > 0:
                         self.between_blocks = True
                     self.current = index
                     first = _first_tensor(args, kwargs)
                     self.segments[index].input_bytes[(self.batch, self.precision)] = _nbytes(first)
+                    if index == 1:  # the first block's backward ends where the stem's begins
+                        self._mark_backward(first, 0)
 
-            def leave(_module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+            def leave(_module: nn.Module, _args: Any, _kwargs: Any, output: Any, index: int = index) -> None:
                 self.block_depth -= 1
                 if self.block_depth == 0:
+                    self._forward_boundary()
                     self._charge_flops()
                     self.current = len(self.segments) - 1  # whatever runs between or after blocks is the head
                     last = _first_tensor(output)
                     self.segments[-1].input_bytes[(self.batch, self.precision)] = _nbytes(last)
+                    self._mark_backward(last, index)
 
             handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(block.register_forward_hook(leave, with_kwargs=True))
@@ -652,6 +742,28 @@ class _Tracer:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _forward_boundary(self) -> None:
+        """The running segment's forward ends: note the most that was live while it ran above what the segments
+        before it saved (all else that is live then, its input among it, is charged to it)."""
+        live = self.segments[self.current].forward_live.setdefault((self.batch, self.precision), [])
+        live += [nbytes - self.saved_before for nbytes in self.memory.take()]
+        self.saved_before = self.saved_total
+
+    def _mark_backward(self, tensor: torch.Tensor | None, segment: int) -> None:
+        """The backward of ``segment`` starts when the gradient of ``tensor``, its output, is complete."""
+        if tensor is not None and tensor.requires_grad:
+            tensor.register_hook(lambda grad: self._backward_window(segment, grad))
+
+    def _backward_window(self, segment: int | None, incoming: torch.Tensor | None = None) -> None:
+        """Close the running block's backward window and open ``segment``'s (None: outside the blocks), whose
+        working set is measured above what is live now less the gradient it is given."""
+        history = self.memory.take()
+        if self.window is not None:
+            index, base = self.window
+            live = self.segments[index].backward_live.setdefault((self.batch, self.precision), [])
+            live += [nbytes - base for nbytes in history]
+        self.window = None if segment is None else (segment, self.memory.live - _nbytes(incoming))
 
     @contextmanager
     def _first_call_hooks(self) -> Iterator[None]:
@@ -704,6 +816,9 @@ class _Tracer:
         def per_sample(values: dict[tuple[int, str], float]) -> dict[str, float]:
             return {precision: _slope(values, lambda b, p=precision: (b, p)) for precision in ("16bit", "fp32")}
 
+        def lines(live: dict[tuple[int, str], list[int]]) -> dict[str, tuple[tuple[float, float], ...]]:
+            return {precision: found for precision in ("16bit", "fp32") if (found := _lines(live, precision))}
+
         profiles = []
         for segment in self.segments:
             profiles.append(
@@ -716,6 +831,8 @@ class _Tracer:
                     activation_bytes_per_sample=per_sample(segment.saved_bytes),
                     input_bytes_per_sample=per_sample(segment.input_bytes),
                     held_bytes_per_sample=per_sample(segment.held_bytes),
+                    forward_rise=lines(segment.forward_live),
+                    backward_working=lines(segment.backward_live),
                     is_block=segment.is_block,
                 )
             )
