@@ -38,10 +38,13 @@ def dataset() -> torch.utils.data.TensorDataset:
     )
 
 
-def train(config: RunConfig, epochs: int = 1, **overrides) -> nn.Module:
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.1), "adamw": lambda params: torch.optim.AdamW(params)}
+
+
+def train(config: RunConfig, epochs: int = 1, optimizer: str = "sgd", **overrides) -> nn.Module:
     model = make_model()
     loader = torch.utils.data.DataLoader(dataset(), batch_size=config.per_rank_batch)
-    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, plan=config, **overrides)
+    run = prepare(model, OPTIMIZERS[optimizer](model.parameters()), loader, plan=config, **overrides)
     for x, y in run.micro_batches(epochs=epochs):
         with run.accumulate():
             run.backward(nn.functional.mse_loss(run.model(x), y))
@@ -177,15 +180,33 @@ def test_a_hugging_face_model_trains_without_its_kv_cache() -> None:
     torch.testing.assert_close(grads[1], grads[0])
 
 
-def test_an_adam_step_is_flagged_unless_fused() -> None:
-    """The plan counts a fused step; foreach (PyTorch's default on a GPU) holds a parameter-sized temporary."""
-    from redline.runtime.prepare import unfused_adam
+def test_adam_steps_fused_unless_its_maker_chose() -> None:
+    """The plan counts a fused step; foreach (PyTorch's default on a GPU) holds a parameter-sized temporary.
+    prepare() fuses an Adam/AdamW left to PyTorch's default, and flags one whose maker chose otherwise."""
+    from redline.runtime.prepare import fuse_adam, unfused_adam
 
     params = list(make_model().parameters())
     assert unfused_adam(torch.optim.AdamW(params))
     assert unfused_adam(torch.optim.Adam(params, foreach=True))
     assert not unfused_adam(torch.optim.AdamW(params, fused=True))
     assert not unfused_adam(torch.optim.SGD(params, lr=0.1))
+    chosen = [torch.optim.Adam(params, foreach=True), torch.optim.AdamW(params, fused=False)]
+    assert not any(fuse_adam(optimizer) for optimizer in chosen)
+    stepped = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    stepped.step()  # its states exist in the form the unfused step keeps them
+    assert not fuse_adam(stepped) and unfused_adam(stepped)
+
+    model = make_model()
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=8)
+    run = prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01), loader, plan=config(micro_batch=8))
+    assert not unfused_adam(run.optimizer) and run.optimizer.param_groups[0]["fused"] is True
+    before = weights(model)
+    for x, y in run.micro_batches():
+        with run.accumulate():
+            run.backward(nn.functional.mse_loss(run.model(x), y))
+    assert torch.isfinite(weights(model)).all() and not torch.equal(before, weights(model))
 
 
 def test_a_ready_optimizer_must_hold_the_models_parameters() -> None:
@@ -205,7 +226,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from torch import nn
     sys.path.insert(0, {tests!r})
-    from test_prepare import dataset, make_model, weights
+    from test_prepare import OPTIMIZERS, dataset, make_model, weights
     from redline.plan.strategy import Strategy
     from redline.runtime.config import RunConfig
     from redline.runtime.prepare import prepare
@@ -217,7 +238,8 @@ SCRIPT = textwrap.dedent(
     )
     model = make_model()
     loader = torch.utils.data.DataLoader(dataset(), batch_size=4)
-    run = prepare(model, lambda params: torch.optim.SGD(params, lr=0.1), loader, plan=RunConfig(strategy=strategy))
+    optimizer = OPTIMIZERS[os.environ["OPTIMIZER"]]
+    run = prepare(model, optimizer, loader, plan=RunConfig(strategy=strategy))
     for x, y in run.micro_batches():
         with run.accumulate():
             run.backward(nn.functional.mse_loss(run.model(x), y))
@@ -229,6 +251,9 @@ SCRIPT = textwrap.dedent(
         torch.save(full, os.environ["OUT"])
         with open(os.environ["OUT"] + ".comm.json", "w") as f:
             json.dump([record.comm_s for record in run.metrics.records], f)
+        inner = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO-1's shard optimizer
+        with open(os.environ["OUT"] + ".fused.json", "w") as f:
+            json.dump(inner.param_groups[0].get("fused"), f)
     torch.distributed.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
     torch.distributed.destroy_process_group()
     # the results are written: skip the interpreter's teardown, where gloo's threads still abort now and then
@@ -238,7 +263,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def two_ranks(tmp_path: Path, strategy: dict) -> dict[str, torch.Tensor]:
+def two_ranks(tmp_path: Path, strategy: dict, optimizer: str = "sgd") -> dict[str, torch.Tensor]:
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
     out = tmp_path / "weights.pt"
@@ -251,6 +276,7 @@ def two_ranks(tmp_path: Path, strategy: dict) -> dict[str, torch.Tensor]:
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": "2",
             "STRATEGY": json.dumps(strategy),
+            "OPTIMIZER": optimizer,
             "OUT": str(out),
         }
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True))
@@ -279,6 +305,20 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path: Path, sh
         assert len(comm) == SAMPLES // 16 and all(c is not None and c >= 0 for c in comm)
     else:
         assert comm == [None] * (SAMPLES // 16)  # not measurable under FSDP2: said so, not guessed
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_a_rebuilt_adamw_steps_fused_and_matches_one_process(tmp_path: Path, sharding: str) -> None:
+    """ZeRO-1 and FSDP2 rebuild the optimizer from its class and settings: it comes out fused, and two ranks
+    still train as one process does."""
+    ranks = two_ranks(
+        tmp_path, {"data": 2, "micro_batch": 4, "accumulation": 2, "sharding": sharding, "precision": "fp32"}, "adamw"
+    )
+    assert json.loads((tmp_path / "weights.pt.fused.json").read_text()) is True
+    single = train(config(micro_batch=16, accumulation=1), optimizer="adamw")
+    ranks = {name.removeprefix("module."): value for name, value in ranks.items()}
+    for name, param in single.named_parameters():
+        torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_resume_from_a_checkpoint_finishes_like_an_uninterrupted_run(tmp_path: Path) -> None:

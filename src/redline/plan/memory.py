@@ -19,9 +19,9 @@ a table tied to the head has then three fp32 gradients at once (the head's, the 
 CNN peaks part-way through its backward (big activations early, big parameters late), an encoder with a small
 vocabulary in its last block's forward. Gradients exist from the start under DDP (its buckets hold every
 gradient), gradient accumulation (the previous micro-batches' gradients wait for the next backward) and
-pipelines. The optimizer is assumed fused (``fused=True``), which needs no parameter-sized temporaries. PyTorch's
-default Adam/AdamW on a GPU (``foreach``) holds one more fp32 copy of what it steps while it runs (4 bytes a
-parameter), which is not counted here: pass ``fused=True``.
+pipelines. The optimizer is assumed fused (``fused=True``, which ``redline.prepare`` sets where the user left
+the choice to PyTorch): it needs no parameter-sized temporaries. PyTorch's default Adam/AdamW on a GPU
+(``foreach``) holds one more fp32 copy of what it steps while it runs (4 bytes a parameter), not counted here.
 
 Checked against PyTorch's accounting of real steps (``tests/plan/test_plan_vs_memtracker.py``).
 """

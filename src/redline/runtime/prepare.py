@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import inspect
 import itertools
 import logging
 import os
@@ -117,8 +118,8 @@ class Run:
         self.optimizer = self._build_optimizer(optimizer)
         if self.device.type == "cuda" and self.rank == 0 and unfused_adam(self.optimizer):
             log.warning(
-                "%s steps without fused=True: it holds one more fp32 copy of the parameters while it steps (4 bytes "
-                "a parameter the plan does not count); fused=True needs none and is faster",
+                "%s steps without fused=True, as asked: it holds one more fp32 copy of the parameters while it "
+                "steps (4 bytes a parameter the plan does not count); fused=True needs none and is faster",
                 type(self.optimizer).__name__,
             )
         self.scheduler = self._build_scheduler(scheduler)
@@ -265,6 +266,7 @@ class Run:
             owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if owned != {id(p) for p in params}:
                 raise BadInput("the optimizer does not hold exactly the model's trainable parameters")
+            fuse_adam(optimizer)
             return optimizer
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             factory = optimizer
@@ -276,7 +278,7 @@ class Run:
                 )
             # the group's current settings: a scheduler or the user may have changed lr after construction
             cls = type(optimizer)
-            settings = {k: v for k, v in optimizer.param_groups[0].items() if k not in ("params", "initial_lr")}
+            settings = constructor_settings(cls, optimizer.param_groups[0])
 
             def factory(ps: Any) -> torch.optim.Optimizer:
                 return cls(ps, **settings)
@@ -287,9 +289,12 @@ class Run:
             built = factory(params)
             if len(built.param_groups) > 1:
                 raise BadInput("ZeRO-1 takes one parameter group: the optimizer factory made several")
-            settings = {k: v for k, v in built.param_groups[0].items() if k != "params"}
+            fuse_adam(built)  # ZeRO-1 copies its groups' settings into its shard's optimizer at every step
+            settings = constructor_settings(type(built), built.param_groups[0])
             return ZeroRedundancyOptimizer(params, optimizer_class=type(built), **settings)
-        return factory(params)
+        built = factory(params)
+        fuse_adam(built)
+        return built
 
     def _build_scheduler(self, scheduler: Any) -> Any:
         """A ready LR scheduler must drive the optimizer in use; where that was rebuilt (FSDP2, ZeRO-1), pass
@@ -633,6 +638,33 @@ def _destroy_process_group(store: dist.Store, world: int) -> None:
         while store.add("exit", 0) < world and time.monotonic() < deadline:
             time.sleep(0.01)
     dist.destroy_process_group()
+
+
+def constructor_settings(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings that ``cls`` takes as arguments: a group holds more (its parameters, a
+    scheduler's ``initial_lr``, AdamW's ``decoupled_weight_decay``, which AdamW's constructor refuses)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return {key: value for key, value in group.items() if key in accepted and key != "params"}
+
+
+def fuse_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """Make an Adam or AdamW step fused (``fused=True``) where its maker left the choice to PyTorch (neither
+    ``fused`` nor ``foreach`` given) and it has not stepped yet, on GPUs and CPUs: one kernel over all parameters
+    and no parameter-sized temporary, as the plan assumes (PyTorch's default on a GPU, foreach, holds the square
+    roots of the second moments, 4 bytes a parameter). True if it did."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable") for g in groups):
+        return False
+    params = [p for g in groups for p in g["params"]]
+    if not all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params):
+        return False
+    for group in groups:
+        group["fused"] = True
+    optimizer.defaults["fused"] = True
+    optimizer._step_supports_amp_scaling = True  # as Adam(fused=True) sets: GradScaler hands it the scale
+    return True
 
 
 def unfused_adam(optimizer: torch.optim.Optimizer) -> bool:
