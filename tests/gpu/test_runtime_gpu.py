@@ -37,6 +37,7 @@ def test_precision_policies_train(precision: str) -> None:
     plan = RunConfig(strategy=Strategy(precision=precision, micro_batch=64, accumulation=2))
     run = train(mlp(), plan, samples=64 * 2 * 8)
     assert run.step == 8
+    assert run.optimizer.param_groups[0]["fused"] is True  # AdamW left to PyTorch's default (foreach) steps fused
     record = run.metrics.records[-1]
     assert record.peak_memory_bytes and record.peak_memory_bytes > 0
     assert record.mfu_catalog is None or 0 < record.mfu_catalog < 1
