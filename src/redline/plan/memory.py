@@ -43,6 +43,9 @@ DDP_BUCKET_BYTES = 25 * MiB  # DistributedDataParallel(bucket_cap_mb=25); two bu
 FRAGMENTATION = 0.05  # the caching allocator's reserved-over-allocated margin for a steady training loop
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernels with lazy loading (CUDA_MODULE_LOADING=LAZY)
 NCCL_BUFFER_BYTES = 256 * MiB  # NCCL's own cudaMalloc'd channels/buffers, outside PyTorch's allocator
+# PyTorch gives cuBLAS a workspace from its caching allocator, so it counts in memory_allocated from the first
+# matmul on: 32 MiB on Hopper (its recommended size), 8 MiB elsewhere; one per stream, and a step runs on one
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
 LOSS_BACKWARD_BYTES = 4 + 4  # per token and vocabulary entry: log-softmax's fp32 output and input gradients
 
 
@@ -58,6 +61,7 @@ class MemoryBreakdown:
     temporary: float  # the largest working set of one block's backward (with its recomputation), or the LM loss's
     table_grads: float  # an embedding's backward: the dense gradient of its tables (a tied one's three times)
     comm_buffers: float  # DDP buckets or FSDP's unsharded gradient of a unit
+    workspaces: float  # cuBLAS's, from PyTorch's allocator (a GPU's, not a CPU's)
     fragmentation: float
     cuda_context: float
     nccl: float
@@ -334,7 +338,7 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         forward_peak = max(forward_peak, held + forward_rise(layer, full_blocks.get(layer.name, kept[layer.name])))
         held += kept[layer.name] + copies[layer.name]
     moving = max(forward_peak, held, backward_peak)
-    allocated = weights + optimizer + comm_buffers + moving
+    allocated = weights + optimizer + comm_buffers + CUBLAS_WORKSPACE_BYTES + moving
     return MemoryBreakdown(
         weights=weights,
         grads=grads,
@@ -344,6 +348,7 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         temporary=temporary,
         table_grads=table_grads,
         comm_buffers=comm_buffers,
+        workspaces=CUBLAS_WORKSPACE_BYTES,
         fragmentation=FRAGMENTATION * allocated,
         cuda_context=CUDA_CONTEXT_BYTES,
         nccl=NCCL_BUFFER_BYTES if strategy.gpus > 1 else 0.0,
