@@ -68,11 +68,12 @@ def real_step_peak(model, x, loss_of, accumulation: int = 1) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as the planner assumes
 
     def micro_batch() -> None:
-        # the policy and fused attention stay on through the backward, where checkpointed blocks recompute
-        with cuda_autocast_policy(), _fused_attention():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                output = model(x)  # held through the backward, as a training loop holds it
-                loss = loss_of(output)
+        # the policy and fused attention stay on through the backward, where checkpointed blocks recompute; the
+        # backward runs inside autocast without its weight cache, as redline.prepare runs a step
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+        with cuda_autocast_policy(), _fused_attention(), autocast:
+            output = model(x)  # held through the backward, as a training loop holds it
+            loss = loss_of(output)
             loss.backward()
         del output, loss
 
@@ -106,14 +107,21 @@ def check_bf16(profile, model, x, loss_of, accumulation: int = 1, checkpointing:
 
 @pytest.mark.parametrize(
     ("name", "batch", "accumulation", "checkpointing"),
-    [("resnet50", 6, 1, "none"), ("vit-b-16", 2, 1, "none"), ("resnet50", 6, 2, "none"), ("vit-b-16", 4, 1, "full")],
+    [
+        ("resnet50", 6, 1, "none"),
+        ("vit-b-16", 2, 1, "none"),
+        ("resnet50", 6, 2, "none"),
+        ("vit-b-16", 4, 1, "full"),
+        ("vit-b-16", 2, 2, "full"),
+    ],
 )
 def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int, checkpointing: str) -> None:
     """A CNN peaks part-way through its backward (weight copies and activations freed layer by layer while
     gradients arrive), a ViT at the start of it; the input batch is held throughout. Under accumulation every
     gradient is there from the start of the last micro-batch's backward. With every block checkpointed (as
     the runtime does it, non-reentrant) the peak comes late, when most gradients exist, and each block's
-    recomputation brings back its activations and weight copies."""
+    recomputation brings back its activations and weight copies; with accumulation too, the gradients are there
+    all through the forward, whose peak is at its end."""
     from redline.runtime.prepare import checkpoint_blocks
     from redline.workload import zoo
     from redline.workload.trace import find_blocks
@@ -249,3 +257,34 @@ def test_bert_encoder_bf16_real_step(tmp_path, batch: int, checkpointing: str) -
         lambda out: out.last_hidden_state.sum() + out.pooler_output.sum(),
         checkpointing=checkpointing,
     )
+
+
+def test_the_runtimes_own_step_peaks_where_the_plan_says() -> None:
+    """The plan is the runtime's contract: a step run by redline.prepare itself (ViT-B/16, every block
+    checkpointed, two micro-batches of two images) against the plan's peak."""
+    from redline.runtime.config import RunConfig
+    from redline.runtime.prepare import prepare
+    from redline.workload import zoo
+    from redline.workload.cuda_autocast import cuda_autocast_policy
+    from redline.workload.trace import _fused_attention, _peak_only_mem_tracker
+
+    strategy = Strategy(data=1, precision="bf16", micro_batch=2, accumulation=2, checkpointing="full")
+    torch.manual_seed(0)
+    model = zoo.vit_b_16()
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3, 224, 224), torch.randint(0, 1000, (8,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    run = prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loader, plan=RunConfig(strategy=strategy))
+    tracker = _peak_only_mem_tracker()()
+    with cuda_autocast_policy(), _fused_attention():
+        for index, (images, labels) in enumerate(run.micro_batches()):
+            if index == 3:  # the second step's last micro-batch (MemTracker follows one forward of each module)
+                tracker.track_external(run.model, run.optimizer, images)
+                tracker.__enter__()
+            with run.accumulate():
+                run.backward(F.cross_entropy(run.model(images).float(), labels))
+        tracker.__exit__(None, None, None)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    measured = next(nbytes for category, nbytes in peak.items() if getattr(category, "value", category) == "Total")
+    ratio = without_gpu_workspaces(memory_per_gpu(preset_profile("vit-b-16"), strategy, 1)) / measured
+    print(f"redline.prepare's own step, ViT-B/16 2 x 2 checkpointed: {ratio:.3f}")  # -s
+    assert 0.97 <= ratio <= 1.05, f"predicted/measured = {ratio:.3f}"

@@ -198,15 +198,40 @@ def test_adam_steps_fused_unless_its_maker_chose() -> None:
     stepped.step()  # its states exist in the form the unfused step keeps them
     assert not fuse_adam(stepped) and unfused_adam(stepped)
 
+    class Custom(torch.optim.AdamW):  # a step of its own may ignore the flag: left alone
+        pass
+
+    assert not fuse_adam(Custom(params)) and unfused_adam(Custom(params))
+
     model = make_model()
     loader = torch.utils.data.DataLoader(dataset(), batch_size=8)
     run = prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01), loader, plan=config(micro_batch=8))
     assert not unfused_adam(run.optimizer) and run.optimizer.param_groups[0]["fused"] is True
+    run.optimizer.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())  # a checkpoint's settings
+    assert unfused_adam(run.optimizer)  # read from the groups, as the step reads them
     before = weights(model)
     for x, y in run.micro_batches():
         with run.accumulate():
             run.backward(nn.functional.mse_loss(run.model(x), y))
     assert torch.isfinite(weights(model)).all() and not torch.equal(before, weights(model))
+
+
+def test_a_rebuilt_optimizer_keeps_the_settings_its_constructor_takes() -> None:
+    """ZeRO-1 and FSDP2 rebuild the optimizer from its class and its group's settings: AdamW's group holds
+    ``decoupled_weight_decay``, which AdamW's constructor refuses; a subclass taking ``**kwargs`` passes its
+    base's arguments on."""
+    from redline.runtime.prepare import constructor_settings
+
+    class Wrapped(torch.optim.AdamW):
+        def __init__(self, params, **settings):
+            super().__init__(params, **settings)
+
+    params = list(make_model().parameters())
+    for cls in (torch.optim.AdamW, Wrapped):
+        settings = constructor_settings(cls, cls(params, lr=0.5, weight_decay=0.3).param_groups[0])
+        assert settings["lr"] == 0.5 and settings["weight_decay"] == 0.3
+        assert "decoupled_weight_decay" not in settings and "params" not in settings
+        cls(params, **settings)  # takes them all
 
 
 def test_a_ready_optimizer_must_hold_the_models_parameters() -> None:

@@ -119,6 +119,15 @@ def test_forward_rise_and_backward_working_set_by_hand():
     assert second.backward_working["fp32"] == ((weight_grads, 2 * u),)
 
 
+def test_working_sets_keep_every_line_that_is_the_largest_somewhere():
+    """What was live after each operator at batches 2 and 4 becomes lines in the batch; every line that is the
+    largest at some micro-batch from 1 on is kept, also one that leads only between powers of two."""
+    lines = trace._lines({(2, "fp32"): [100, 0, 99], (4, "fp32"): [100, 200, 199]}, "fp32")
+    assert lines == ((100.0, 0.0), (-1.0, 50.0), (-200.0, 100.0))
+    assert max(c + 3 * x for c, x in lines) == 149  # the middle operator's, at micro-batch 3
+    assert trace.upper_envelope({(0.0, 1.0), (5.0, 0.0), (-1.0, 1.0)}) == ((5.0, 0.0), (0.0, 1.0))
+
+
 def test_find_blocks_takes_the_largest_homogeneous_group():
     # one class in two lists: all four are blocks; the lists themselves are not
     model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([Block(8), Block(8)]), nn.ModuleList([Block(64), Block(64)]))

@@ -44,8 +44,9 @@ FRAGMENTATION = 0.05  # the caching allocator's reserved-over-allocated margin f
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernels with lazy loading (CUDA_MODULE_LOADING=LAZY)
 NCCL_BUFFER_BYTES = 256 * MiB  # NCCL's own cudaMalloc'd channels/buffers, outside PyTorch's allocator
 # PyTorch gives cuBLAS a workspace from its caching allocator, so it counts in memory_allocated from the first
-# matmul on: 32 MiB on Hopper (its recommended size), 8 MiB elsewhere; one per stream, and a step runs on one
-CUBLAS_WORKSPACE_BYTES = 32 * MiB
+# matmul on: 32 MiB on Hopper (its recommended size), 8 MiB elsewhere, one per handle and stream. Handles are per
+# thread: the forward's (the training loop's thread) and the backward's (the autograd engine's device thread)
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
 LOSS_BACKWARD_BYTES = 4 + 4  # per token and vocabulary entry: log-softmax's fp32 output and input gradients
 
 
@@ -61,7 +62,7 @@ class MemoryBreakdown:
     temporary: float  # the largest working set of one block's backward (with its recomputation), or the LM loss's
     table_grads: float  # an embedding's backward: the dense gradient of its tables (a tied one's three times)
     comm_buffers: float  # DDP buckets or FSDP's unsharded gradient of a unit
-    workspaces: float  # cuBLAS's, from PyTorch's allocator (a GPU's, not a CPU's)
+    workspaces: float  # cuBLAS's, from PyTorch's allocator (on a GPU, not a CPU)
     fragmentation: float
     cuda_context: float
     nccl: float
@@ -314,7 +315,8 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     # Sharded units stay until the end.
     grad_share = 0.0 if coexist else grads / max(1, stage.params)
     order = [layer for layer in profile.layers if layer.name in kept]
-    # autocast's weight copies by layer; a checkpointed block's died with the forward's autocast cache
+    # autocast's weight copies by layer, saved for the backward; a checkpointed block saves none (autocast without
+    # its weight cache, as the runtime runs it: a loop with the cache on holds them to the end of the forward)
     copies = {layer.name: 0.0 if full and layer.is_block else cast[layer.name] * copy_share for layer in order}
     held = activations + (sum(copies.values()) if copy_share else weight_copies)
     grads_so_far = grads if coexist else 0.0
@@ -330,8 +332,8 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         elif layer.table_params:
             pending = 0.0
         backward_peak = max(backward_peak, grads_so_far + pending + held)
-    # the forward before it: each layer's temporaries on top of what the layers before it left (all of it for the
-    # micro-batches in flight before), a checkpointed block's saved activations among them
+    # the forward before it: each layer's rise on top of what the layers before it keep (all of it for the
+    # micro-batches in flight before)
     held = (activations - sum(kept.values())) + (grads if coexist else 0.0) + (0.0 if copy_share else weight_copies)
     forward_peak = 0.0
     for layer in order:

@@ -401,7 +401,11 @@ class Run:
         failed = False
         with self.metrics.compute():
             try:
-                with self._no_sync(boundary), torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                # without autocast's weight cache: each cast copy lives only as long as the op that saved it, so
+                # the backward (here, inside the autocast region) frees a layer's copies as it finishes it, and a
+                # checkpointed block's recomputation does not pile its copies up in the cache
+                autocast = torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=False)
+                with self._no_sync(boundary), autocast:
                     yield
             except torch.OutOfMemoryError as exc:
                 if self.world_size > 1 and (boundary or self.config.strategy.sharding != "ddp"):
@@ -563,6 +567,8 @@ class Run:
             self.accumulation = int(extra["accumulation"])
             if self.rank == 0:
                 log.warning("resumed from step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_in_epoch)
+                if self.device.type == "cuda" and unfused_adam(self.optimizer):  # the checkpoint's settings came back
+                    log.warning("the restored optimizer steps without fused=True: 4 bytes a parameter the plan omits")
         recorded = self.checkpointer.recorded_micro_batch()
         if recorded is not None:
             micro, accumulation = recorded
@@ -642,8 +648,16 @@ def _destroy_process_group(store: dist.Store, world: int) -> None:
 
 def constructor_settings(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's settings that ``cls`` takes as arguments: a group holds more (its parameters, a
-    scheduler's ``initial_lr``, AdamW's ``decoupled_weight_decay``, which AdamW's constructor refuses)."""
-    accepted = inspect.signature(cls.__init__).parameters
+    scheduler's ``initial_lr``, AdamW's ``decoupled_weight_decay``, which AdamW's constructor refuses). A
+    constructor taking ``**kwargs`` passes them on: its base class's arguments count too."""
+    accepted: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        accepted |= {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if all(p.kind is not p.VAR_KEYWORD for p in parameters):
+            break
     return {key: value for key, value in group.items() if key in accepted and key != "params"}
 
 
@@ -651,8 +665,9 @@ def fuse_adam(optimizer: torch.optim.Optimizer) -> bool:
     """Make an Adam or AdamW step fused (``fused=True``) where its maker left the choice to PyTorch (neither
     ``fused`` nor ``foreach`` given) and it has not stepped yet, on GPUs and CPUs: one kernel over all parameters
     and no parameter-sized temporary, as the plan assumes (PyTorch's default on a GPU, foreach, holds the square
-    roots of the second moments, 4 bytes a parameter). True if it did."""
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or optimizer.state:
+    roots of the second moments, 4 bytes a parameter). Subclasses, whose step may differ, are left alone. Under
+    fp16 GradScaler unscales the gradients itself, as for any optimizer. True if it did."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
         return False
     groups = optimizer.param_groups
     if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable") for g in groups):
@@ -662,16 +677,15 @@ def fuse_adam(optimizer: torch.optim.Optimizer) -> bool:
         return False
     for group in groups:
         group["fused"] = True
-    optimizer.defaults["fused"] = True
-    optimizer._step_supports_amp_scaling = True  # as Adam(fused=True) sets: GradScaler hands it the scale
     return True
 
 
 def unfused_adam(optimizer: torch.optim.Optimizer) -> bool:
-    """Adam or AdamW (also inside ZeRO-1) built without ``fused=True``: PyTorch's default on a GPU is ``foreach``,
+    """Adam or AdamW (also inside ZeRO-1) whose step is not fused: PyTorch's default on a GPU is ``foreach``,
     whose step makes a temporary of every parameter's size (the square roots of the second moments)."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps the local optimizer here
-    return isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and not inner.defaults.get("fused")
+    adam = isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
+    return adam and not all(group.get("fused") for group in inner.param_groups)
 
 
 def checkpoint_blocks(blocks: list[nn.Module]) -> None:

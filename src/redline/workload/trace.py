@@ -374,8 +374,22 @@ def _lines(live: dict[tuple[int, str], list[int]], precision: str) -> tuple[tupl
     for a, b in zip(at_small, at_large, strict=True):
         per_sample = (b - a) / (large - small)
         lines.add((a - small * per_sample, per_sample))
-    largest = {max(lines, key=lambda line, m=2**k: line[0] + m * line[1]) for k in range(21)}
-    return tuple(sorted(largest, key=lambda line: line[1]))
+    return upper_envelope(lines)
+
+
+def upper_envelope(lines: Iterable[tuple[float, float]], start: float = 1.0) -> tuple[tuple[float, float], ...]:
+    """Of lines ``(c, x)``, those that are the largest ``c + m x`` for some ``m >= start``, by slope: from the
+    largest at ``start``, each next is the steeper line that overtakes the current one first."""
+    lines = set(lines)
+    current = max(lines, key=lambda line: (line[0] + start * line[1], line[1]))
+    envelope, at = [current], start
+    while steeper := [line for line in lines if line[1] > current[1]]:
+        # where each steeper line overtakes the current one (none does before ``at``, where the current is the
+        # largest); the first to, the steepest of those on a tie
+        c, x = current
+        at, _, current = min((max(at, (c - c2) / (x2 - x)), -x2, (c2, x2)) for c2, x2 in steeper)
+        envelope.append(current)
+    return tuple(envelope)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> dict[StorageWeakRef, int]:
