@@ -132,14 +132,15 @@ def measure(spec: dict, device: str, precision: str, steps: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device != "cpu")
     batch = spec["input"](spec["batch"]).to(device)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    autocast = torch.autocast(device.split(":")[0], dtype=dtype, enabled=precision != "fp32")
+    # as redline.prepare runs a micro-batch: autocast without its weight cache, the backward inside it
+    autocast = torch.autocast(device.split(":")[0], dtype=dtype, enabled=precision != "fp32", cache_enabled=False)
     is_lm = "seq_len" in spec
 
     def step() -> None:
         with autocast:
             out = model(batch, labels=batch) if is_lm else model(batch)
             loss = out.loss if is_lm else out.float().logsumexp(-1).mean()
-        loss.backward()
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

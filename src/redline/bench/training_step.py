@@ -1,11 +1,11 @@
 """Real training steps of the user's model on this machine's device: what `redline plan --calibrate` fits.
 
-One step is what the runtime runs: autocast forward, the loss the tracer uses (cross-entropy on fp32 logits
-for a language model, else the sum of the outputs), backward, a fused AdamW step (foreach on the CPU). The
-forward+backward and the optimizer step are timed apart (CUDA events on a GPU, one synchronisation a step;
-wall time on a CPU), medians over ``steps`` after ``warmup`` steps; the peak is
-``torch.cuda.max_memory_allocated`` over the timed steps (None off CUDA). Synthetic inputs: token ids below
-the vocabulary, or standard-normal images.
+One step is what the runtime runs: autocast (without its weight cache) around the forward, the loss the
+tracer uses (cross-entropy on fp32 logits for a language model, else the sum of the outputs) and the
+backward, then a fused AdamW step (foreach on the CPU). The forward+backward and the optimizer step are
+timed apart (CUDA events on a GPU, one synchronisation a step; wall time on a CPU), medians over ``steps``
+after ``warmup`` steps; the peak is ``torch.cuda.max_memory_allocated`` over the timed steps (None off CUDA).
+Synthetic inputs: token ids below the vocabulary, or standard-normal images.
 """
 
 from __future__ import annotations
@@ -80,11 +80,12 @@ def measure_training_steps(
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             start = mark()
-            with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype is not None):
+            # as redline.prepare runs a micro-batch: autocast without its weight cache, the backward inside it
+            with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype is not None, cache_enabled=False):
                 loss = training_loss(model(batch), batch, vocab_size)
-            if loss is None:
-                raise BadInput(f"{name}: its output has nothing to call backward on")
-            loss.backward()
+                if loss is None:
+                    raise BadInput(f"{name}: its output has nothing to call backward on")
+                loss.backward()
             middle = mark()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
