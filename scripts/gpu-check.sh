@@ -80,7 +80,7 @@ PY
 # the training runtime on the GPU: an example with bf16 autocast and step metrics (the gpu-marked tests
 # below also cover fp16 + GradScaler, torch.compile and out-of-memory adaptation on the real allocator)
 step runtime-example "$py" examples/train_gpt.py --epochs 1
-step pytest-gpu "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+step pytest-gpu "$py" -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider  # -s: the plan-memory ratios
 
 # the monitor against the real NVML: which fields this GPU and driver answer, then a record taken while the
 # example trains, and the report of it (diagnosis, HTML)
