@@ -274,7 +274,9 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     copy_share = copy_bytes if zero_stage < 2 else 0  # autocast's bytes per cast parameter
 
     def forward_rise(layer: LayerProfile, saved: float) -> float:
-        """How far memory rises while the layer's forward runs: measured, or what it saves and its weight copies."""
+        """How far memory rises while the layer's forward runs: measured, or what it saves and its weight copies.
+        (The measurement ran under autocast: under FSDP, whose 16-bit units make autocast's copies unnecessary, it
+        counts a layer's weights once more, on the safe side.)"""
         rise = measured_bytes(layer.forward_rise, layer, strategy, saved)
         return saved + cast[layer.name] * copy_share if rise is None else rise
 
