@@ -541,6 +541,10 @@ class _LiveBytes(TorchDispatchMode):
         if self._refs.pop(key, None) is not None:
             self.live -= nbytes
 
+    def holds(self, key: StorageWeakRef) -> bool:
+        """Whether the storage was made while this mode watched and still lives."""
+        return key in self._refs
+
     def take(self) -> list[int]:
         """What was live after each operator since the last take, and now; the next take starts from now."""
         history, self.history = [*self.history, self.live], [self.live]
@@ -629,7 +633,8 @@ class _Tracer:
         self.keep_alive: list[Any] = []  # saved storages stay alive so that no other can reuse their address
         self.memory = _LiveBytes()
         self.window: tuple[int, int] | None = None  # the block whose backward runs, and its base
-        self.saved_total = self.saved_before = 0  # bytes saved for backward in this run; before the running segment
+        # bytes saved for backward in this run that live counts too; those saved before the running segment
+        self.saved_total = self.saved_before = 0
         formulas = _flop_formulas()
         self.counter = flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) if count_flops else None
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "16bit" else nullcontext()
@@ -703,10 +708,11 @@ class _Tracer:
             self.saved.add(ref)
             self.keep_alive.append(storage)
             self._charge_bytes(storage.nbytes())
+            if self.memory.holds(ref):  # made in this pass (not a constant from outside it): live counts it too
+                self.saved_total += storage.nbytes()
         return tensor
 
     def _charge_bytes(self, nbytes: int) -> None:
-        self.saved_total += nbytes
         saved = self.segments[self.current].saved_bytes
         key = (self.batch, self.precision)
         saved[key] = saved.get(key, 0) + nbytes
