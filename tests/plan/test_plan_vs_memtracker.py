@@ -135,6 +135,31 @@ def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int, che
     check_bf16(preset_profile(name), model, images, loss_of, accumulation, checkpointing)
 
 
+def hugging_face(tmp_path, model_type: str, config: dict, seq_len: int, checkpointing: str, **dropout_off):
+    """The profile the planner makes of a ``config.json`` and the model it describes, built as the runtime trains
+    it (no KV cache; every block checkpointed under "full"). Attention dropout is off: the CPU's fused attention
+    kernel has none, a GPU's drops inside the kernel and saves no mask."""
+    from redline.runtime.prepare import checkpoint_blocks
+    from redline.workload.trace import find_blocks, without_kv_cache
+
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": model_type}))
+    profile = load_workload(str(tmp_path / "config.json"), seq_len=seq_len)
+    torch.manual_seed(0)
+    settings = transformers.AutoConfig.for_model(model_type, **config, **dropout_off)
+    auto = transformers.AutoModelForCausalLM if profile.loss_vocab else transformers.AutoModel
+    model = auto.from_config(settings)
+    without_kv_cache(model)
+    if checkpointing == "full":
+        checkpoint_blocks([block for _, block in find_blocks(model)])
+    return profile, model
+
+
+def lm_loss(ids: torch.Tensor):
+    """Hugging Face's loss: cross-entropy over fp32-upcast logits."""
+    return lambda out: F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten())
+
+
 @pytest.mark.parametrize(
     ("layers", "batch", "seq_len", "checkpointing"),
     [(2, 2, 512, "none"), (2, 1, 128, "none"), (4, 2, 512, "full"), (2, 1, 128, "full")],
@@ -144,27 +169,10 @@ def test_hugging_face_gpt2_bf16_real_step(tmp_path, layers: int, batch: int, seq
     log-softmax's two fp32 gradients of b x s x V each. With few tokens, or its blocks checkpointed, it peaks
     at the very end, in the embedding's backward: every gradient, the held logits, and three fp32 tables of
     V x h (the head's gradient of the tied table, the embedding's, and their sum)."""
-    from redline.runtime.prepare import checkpoint_blocks
-    from redline.workload.trace import find_blocks, without_kv_cache
-
-    transformers = pytest.importorskip("transformers")
     config = {"n_embd": 256, "n_layer": layers, "n_head": 4, "n_positions": seq_len, "vocab_size": 50257}
-    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
-    profile = load_workload(str(tmp_path / "config.json"), seq_len=seq_len)
-    torch.manual_seed(0)
-    # the CPU's fused attention kernel has no dropout; a GPU's drops inside the kernel and saves no mask
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(attn_pdrop=0.0, **config))
-    without_kv_cache(model)  # as the runtime trains it
-    if checkpointing == "full":
-        checkpoint_blocks([block for _, block in find_blocks(model)])
+    profile, model = hugging_face(tmp_path, "gpt2", config, seq_len, checkpointing, attn_pdrop=0.0)
     ids = torch.randint(0, 50257, (batch, seq_len))
-    check_bf16(  # Hugging Face's loss: cross-entropy over fp32-upcast logits
-        profile,
-        model,
-        ids,
-        lambda out: F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten()),
-        checkpointing=checkpointing,
-    )
+    check_bf16(profile, model, ids, lm_loss(ids), checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -193,10 +201,6 @@ def test_a_language_model_from_a_factory_bf16_real_step(batch: int) -> None:
 def test_llama_bf16_real_step(tmp_path, batch: int, seq_len: int, checkpointing: str, accumulation: int) -> None:
     """A Llama-style LM: untied embedding and head, RMSNorm, SwiGLU, rotary positions, grouped-query attention
     (2 key/value heads for 4 query heads), run as the runtime runs it (no KV cache)."""
-    from redline.runtime.prepare import checkpoint_blocks
-    from redline.workload.trace import find_blocks, without_kv_cache
-
-    transformers = pytest.importorskip("transformers")
     config = {
         "hidden_size": 256,
         "num_hidden_layers": 4,
@@ -206,23 +210,10 @@ def test_llama_bf16_real_step(tmp_path, batch: int, seq_len: int, checkpointing:
         "vocab_size": 4000,
         "max_position_embeddings": 512,
     }
-    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
-    profile = load_workload(str(tmp_path / "config.json"), seq_len=seq_len)
+    profile, model = hugging_face(tmp_path, "llama", config, seq_len, checkpointing, attention_dropout=0.0)
     assert profile.tied_params == 0 and profile.loss_vocab == 4000
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_dropout=0.0, **config))
-    without_kv_cache(model)
-    if checkpointing == "full":
-        checkpoint_blocks([block for _, block in find_blocks(model)])
     ids = torch.randint(0, 4000, (batch, seq_len))
-    check_bf16(
-        profile,
-        model,
-        ids,
-        lambda out: F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten()),
-        accumulation=accumulation,
-        checkpointing=checkpointing,
-    )
+    check_bf16(profile, model, ids, lm_loss(ids), accumulation=accumulation, checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize(("batch", "checkpointing"), [(2, "none"), (4, "none"), (4, "full")])
@@ -230,10 +221,6 @@ def test_bert_encoder_bf16_real_step(tmp_path, batch: int, checkpointing: str) -
     """A post-norm encoder with a small vocabulary, so that activations set the peak: it peaks in its last block's
     forward (the temporaries of its MLP on top of every activation), and its blocks' backward needs far less than
     they saved. Charging a block's backward all it saved put this 14-23% over."""
-    from redline.runtime.prepare import checkpoint_blocks
-    from redline.workload.trace import find_blocks
-
-    transformers = pytest.importorskip("transformers")
     config = {
         "hidden_size": 256,
         "num_hidden_layers": 2,
@@ -242,21 +229,11 @@ def test_bert_encoder_bf16_real_step(tmp_path, batch: int, checkpointing: str) -
         "vocab_size": 1000,
         "max_position_embeddings": 512,
     }
-    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "bert"}))
-    profile = load_workload(str(tmp_path / "config.json"), seq_len=512)
-    torch.manual_seed(0)
-    model = transformers.BertModel(transformers.BertConfig(attention_probs_dropout_prob=0.0, **config))
-    if checkpointing == "full":
-        checkpoint_blocks([block for _, block in find_blocks(model)])
+    profile, model = hugging_face(tmp_path, "bert", config, 512, checkpointing, attention_probs_dropout_prob=0.0)
     ids = torch.randint(0, 1000, (batch, 512))
     # the tracer's loss for a model that is not an LM: the sum of what it returns
-    check_bf16(
-        profile,
-        model,
-        ids,
-        lambda out: out.last_hidden_state.sum() + out.pooler_output.sum(),
-        checkpointing=checkpointing,
-    )
+    loss = lambda out: out.last_hidden_state.sum() + out.pooler_output.sum()  # noqa: E731
+    check_bf16(profile, model, ids, loss, checkpointing=checkpointing)
 
 
 def test_the_runtimes_own_step_peaks_where_the_plan_says() -> None:
