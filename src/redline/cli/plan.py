@@ -452,7 +452,7 @@ def _breakdown(best, cluster) -> None:
         ("backward working set", memory.temporary),
         ("embedding table grads", memory.table_grads),
         ("comm buffers", memory.comm_buffers),
-        ("cuBLAS workspace", memory.workspaces),
+        ("cuBLAS workspaces", memory.workspaces),
         ("allocator margin", memory.fragmentation),
         ("CUDA context + NCCL", memory.cuda_context + memory.nccl),
     ]
