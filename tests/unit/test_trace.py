@@ -235,6 +235,34 @@ def test_gpt2_activations_are_fused_attention_sized(gpt2_profile):
     assert any("fused kernel" in note for note in gpt2_profile.notes)
 
 
+def test_a_mixture_of_experts_traces_with_its_experts_flops():
+    """Hugging Face's MoE layers multiply through grouped_mm, whose fake kernel takes bf16 only: the tracer routes
+    them through transformers' fallback operator and counts its FLOPs (each token times its k experts)."""
+    transformers = pytest.importorskip("transformers")
+    moe = pytest.importorskip("transformers.integrations.moe")
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        pytest.skip("this transformers has no grouped-matmul experts")
+    h, f, experts, active, layers, vocab, s = 256, 512, 4, 2, 2, 1000, 128
+    config = transformers.MixtralConfig(
+        hidden_size=h,
+        intermediate_size=f,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=active,
+        vocab_size=vocab,
+    )
+    chooser = moe._can_use_grouped_mm
+    profile = trace_module(lambda: transformers.MixtralForCausalLM(config), (s,), name="mixtral", source="test")
+    assert moe._can_use_grouped_mm is chooser  # put back
+    idle_experts = layers * (experts - active) * 3 * h * f
+    matmul = 2 * s * (profile.params_total - idle_experts - vocab * h)  # the embedding is a lookup
+    attention = layers * 4 * s * s * h  # scores and their weighted sum
+    assert profile.forward_flops_per_sample == pytest.approx(matmul + attention, rel=0.01)
+    assert len(profile.blocks) == layers and profile.loss_vocab == vocab
+
+
 def test_llama_7b_traces_in_seconds():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

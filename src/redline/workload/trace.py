@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -106,8 +107,9 @@ def trace_module(
         tracer = _Tracer(module, shape, input_dtype, vocab_size, name)
         if input_note:
             tracer.notes.insert(0, input_note)
-        tracer.measure()
-        peak_bytes, peak_note = _training_step_peak(tracer)
+        with _traceable_experts():
+            tracer.measure()
+            peak_bytes, peak_note = _training_step_peak(tracer)
     notes = [*tracer.notes, peak_note]
     notes.append(
         f"traced in {time.perf_counter() - started_s:.1f} s on fake tensors (batches {BATCHES[0]} and "
@@ -438,7 +440,7 @@ def training_loss(
 
 def _flop_formulas() -> dict[Any, Any]:
     """FLOP formulas PyTorch lacks: its CPU flash attention, which the fake run takes where a GPU takes another
-    fused kernel (the same arithmetic)."""
+    fused kernel (the same arithmetic), and transformers' grouped matmul for mixture-of-experts layers."""
     aten = torch.ops.aten
     formulas = {}
     for op, formula in (
@@ -447,7 +449,38 @@ def _flop_formulas() -> dict[Any, Any]:
     ):
         if hasattr(aten, op) and hasattr(flop_counter, formula):
             formulas[getattr(aten, op)] = _as_raw(getattr(flop_counter, formula))
+    # transformers' grouped matmul of mixture-of-experts layers (see _traceable_experts), where it is registered
+    with suppress(AttributeError, RuntimeError):
+        formulas[torch.ops.transformers.grouped_mm_fallback] = _grouped_mm_flop
+        formulas[torch.ops.transformers.grouped_mm_fallback_backward] = _grouped_mm_backward_flop
     return formulas
+
+
+def _grouped_mm_flop(input_shape: Any, weight_shape: Any, *_args: Any, **_kwargs: Any) -> int:
+    """Each of S rows times its expert's k x n matrix: 2 S k n (the experts' weights are E x k x n)."""
+    return 2 * input_shape[0] * input_shape[1] * weight_shape[2]
+
+
+def _grouped_mm_backward_flop(input_shape: Any, weight_shape: Any, *_args: Any, **_kwargs: Any) -> int:
+    """The input's gradient and the weights', each as many FLOPs as the forward."""
+    return 2 * _grouped_mm_flop(input_shape, weight_shape)
+
+
+@contextmanager
+def _traceable_experts() -> Iterator[None]:
+    """Hugging Face's mixture-of-experts layers multiply through ``grouped_mm``, whose fake kernel takes bf16
+    only (their eager alternative asks for data-dependent shapes): while tracing, they take transformers' own
+    fallback operator, the same arithmetic with a fake kernel of its own. Nothing changes for other models."""
+    moe = sys.modules.get("transformers.integrations.moe")  # imported by the model's own module, if any
+    if moe is None or not hasattr(moe, "_can_use_grouped_mm"):
+        yield
+        return
+    chooser = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *_args, **_kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = chooser
 
 
 def _as_raw(formula: Callable[..., int]) -> Callable[..., int]:
