@@ -236,6 +236,32 @@ def test_bert_encoder_bf16_real_step(tmp_path, batch: int, checkpointing: str) -
     check_bf16(profile, model, ids, loss, checkpointing=checkpointing)
 
 
+def test_a_mixture_of_experts_bf16_real_step(tmp_path) -> None:
+    """A Mixtral-style LM (4 experts, top-2). The step runs its experts through transformers' fallback grouped matmul,
+    as the tracer does (PyTorch's grouped_mm takes bf16 weights only); autocast copies none of the experts'
+    weights, which the tracer notes."""
+    from redline.workload.trace import _traceable_experts
+
+    moe = pytest.importorskip("transformers.integrations.moe")
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        pytest.skip("this transformers has no grouped-matmul experts")
+    config = {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 1000,
+        "max_position_embeddings": 512,
+    }
+    profile, model = hugging_face(tmp_path, "mixtral", config, 512, "none", attention_dropout=0.0)
+    ids = torch.randint(0, 1000, (4, 512))
+    with _traceable_experts():
+        check_bf16(profile, model, ids, lm_loss(ids))
+
+
 def test_the_runtimes_own_step_peaks_where_the_plan_says() -> None:
     """The plan is the runtime's contract: a step run by redline.prepare itself (ViT-B/16, every block
     checkpointed, two micro-batches of two images) against the plan's peak."""

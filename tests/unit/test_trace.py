@@ -128,6 +128,16 @@ def test_working_sets_keep_every_line_that_is_the_largest_somewhere():
     assert trace.upper_envelope({(0.0, 1.0), (5.0, 0.0), (-1.0, 1.0)}) == ((5.0, 0.0), (0.0, 1.0))
 
 
+def test_the_parameters_autocast_copies_are_counted():
+    """Autocast copies the weights of matmuls into 16 bits, not a norm's (CUDA runs layer_norm in fp32) nor an
+    embedding table's: the tracer notes which parameters it copied, layer by layer."""
+    profile = trace_module(TinyLM, (12,), name="tiny", source="test")
+    embedding, *blocks, head = profile.layers
+    assert embedding.cast_params == 0  # its table is a lookup (the tied head's use of it is the head's to count)
+    assert all(block.cast_params == block.params == 16 * 16 + 16 for block in blocks)
+    assert head.params == 2 * 16 and head.cast_params == 0  # the final norm's weight and bias
+
+
 def test_find_blocks_takes_the_largest_homogeneous_group():
     # one class in two lists: all four are blocks; the lists themselves are not
     model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([Block(8), Block(8)]), nn.ModuleList([Block(64), Block(64)]))

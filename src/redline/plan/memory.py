@@ -232,7 +232,10 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     head = stage.fixed[-1] if last and stage.fixed else None
     # parameters of an embedding table the LM head on this stage shares (or keeps a copy of)
     tied_table = profile.tied_params / t if head is not None else 0.0
-    cast = {layer.name: (layer.params - layer.table_params) / t for layer in (*stage.blocks, *stage.fixed)}
+    cast = {
+        layer.name: (layer.params - layer.table_params if layer.cast_params is None else layer.cast_params) / t
+        for layer in (*stage.blocks, *stage.fixed)
+    }
     if head is not None:
         cast[head.name] += tied_table
     largest_block = max((b.params for b in stage.blocks), default=0) / t

@@ -101,6 +101,9 @@ class LayerProfile:
     # parameters of embedding tables (lookups): autocast leaves them in fp32, and their backward writes a dense
     # gradient of the whole table
     table_params: int = 0
+    # of the other parameters, those autocast copies into 16 bits (a matmul's or convolution's weights, not a norm's
+    # or those of an operator autocast does not know): measured by the tracer; None, all of them, where not
+    cast_params: int | None = None
     is_block: bool = True  # a repeated block (checkpointed, split over pipeline stages) or a fixed part
 
 

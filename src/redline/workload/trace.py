@@ -331,6 +331,7 @@ class _Segment:
     is_block: bool
     params: int = 0
     table_params: int = 0  # of them, in nn.Embedding / nn.EmbeddingBag tables
+    cast_params: int = 0  # of the others, those autocast copied into 16 bits
     # per batch size: FLOPs; per batch size and precision: bytes saved for backward, bytes of the input (in the
     # dtype it arrives in: under autocast a residual stream stays fp32) and bytes held to the step's end
     flops: dict[int, float] = field(default_factory=dict)
@@ -551,11 +552,14 @@ class _LiveBytes(TorchDispatchMode):
         self.live = 0
         self.history: list[int] = [0]
         self._refs: dict[StorageWeakRef, weakref.ref] = {}
+        self.converted: set[StorageWeakRef] = set()  # storages an operator copied into another dtype (autocast's)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = _storage_bytes(_tensor_leaves(args, kwargs))  # a view or an in-place result allocates nothing
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype != args[0].dtype:
+            self.converted.update(inputs)
         for leaf in _tensor_leaves(out):
             with suppress(RuntimeError, NotImplementedError):  # storage-less layouts
                 storage = leaf.untyped_storage()
@@ -629,6 +633,7 @@ class _Tracer:
         self.first_segment: dict[int, int] = {}  # id(module) -> segment running when it was first called
         self.between_blocks = False  # some FLOPs ran outside the blocks after the first one began
         self.attention = _fused_attention()  # one instance, entered for every pass
+        self.cast_storages: set[StorageWeakRef] = set()  # what autocast copied into 16 bits, over the 16-bit runs
 
     # -- measuring
 
@@ -702,6 +707,8 @@ class _Tracer:
             self._forward_boundary()
         if self.counter is not None:
             self.total_flops[batch] = float(self.counter.get_total_flops())
+        if precision == "16bit":
+            self.cast_storages |= self.memory.converted
         # autograd frees what it saved as the backward goes; the forward's bookkeeping kept it alive
         self.saved.clear()
         self.keep_alive.clear()
@@ -852,9 +859,11 @@ class _Tracer:
             for p in m.parameters(recurse=False):
                 if id(p) not in owner or segment < owner[id(p)][0]:
                     owner[id(p)] = (segment, p.numel())
+        cast = {id(p) for p in self.module.parameters() if StorageWeakRef(p.untyped_storage()) in self.cast_storages}
         for key, (segment, numel) in owner.items():
             self.segments[segment].params += numel
             self.segments[segment].table_params += numel if key in tables else 0
+            self.segments[segment].cast_params += numel if key in cast and key not in tables else 0
         if len(self.segments) > 1:
             first = {key for key, (segment, _) in owner.items() if segment == 0}
             self.tied_params = sum(
@@ -880,6 +889,7 @@ class _Tracer:
                     kind=segment.kind,
                     params=segment.params,
                     table_params=segment.table_params,
+                    cast_params=segment.cast_params,
                     forward_flops_per_sample=_slope(segment.flops, lambda b: b),
                     activation_bytes_per_sample=per_sample(segment.saved_bytes),
                     input_bytes_per_sample=per_sample(segment.input_bytes),
