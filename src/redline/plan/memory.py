@@ -172,10 +172,10 @@ def measured_bytes(
     key = activation_key(strategy)
     if not lines.get(key):
         return None
-    m, t = strategy.micro_batch, strategy.tensor
-    unsplit = layer.activation_bytes_per_sample[key] * m
-    share = saved / unsplit if unsplit > 0 else 1 / t
-    return max(0.0, max(c / t + x * m * share for c, x in lines[key]))
+    per_sample = layer.activation_bytes_per_sample[key]
+    # samples, in effect: the micro-batch, scaled as the saved activations are split
+    samples = saved / per_sample if per_sample > 0 else strategy.micro_batch / strategy.tensor
+    return max(0.0, max(c / strategy.tensor + x * samples for c, x in lines[key]))
 
 
 def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> int:

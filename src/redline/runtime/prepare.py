@@ -116,12 +116,7 @@ class Run:
         self._apply_numerics()
         self.model = self._wrap(model.to(self.device))
         self.optimizer = self._build_optimizer(optimizer)
-        if self.device.type == "cuda" and self.rank == 0 and unfused_adam(self.optimizer):
-            log.warning(
-                "%s steps without fused=True, as asked: it holds one more fp32 copy of the parameters while it "
-                "steps (4 bytes a parameter the plan does not count); fused=True needs none and is faster",
-                type(self.optimizer).__name__,
-            )
+        self._flag_unfused_adam("as asked")
         self.scheduler = self._build_scheduler(scheduler)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.loader = self._prepare_loader(data)
@@ -295,6 +290,16 @@ class Run:
         built = factory(params)
         fuse_adam(built)
         return built
+
+    def _flag_unfused_adam(self, why: str) -> None:
+        """On a GPU, say when Adam/AdamW steps without fused=True: what the plan does not count."""
+        if self.device.type == "cuda" and self.rank == 0 and unfused_adam(self.optimizer):
+            log.warning(
+                "%s steps without fused=True, %s: it holds one more fp32 copy of the parameters while it steps "
+                "(4 bytes a parameter the plan does not count); fused=True needs none and is faster",
+                type(self.optimizer).__name__,
+                why,
+            )
 
     def _build_scheduler(self, scheduler: Any) -> Any:
         """A ready LR scheduler must drive the optimizer in use; where that was rebuilt (FSDP2, ZeRO-1), pass
@@ -567,8 +572,7 @@ class Run:
             self.accumulation = int(extra["accumulation"])
             if self.rank == 0:
                 log.warning("resumed from step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_in_epoch)
-                if self.device.type == "cuda" and unfused_adam(self.optimizer):  # the checkpoint's settings came back
-                    log.warning("the restored optimizer steps without fused=True: 4 bytes a parameter the plan omits")
+            self._flag_unfused_adam("as the checkpoint had it")  # a restore brings back the saved groups' settings
         recorded = self.checkpointer.recorded_micro_batch()
         if recorded is not None:
             micro, accumulation = recorded

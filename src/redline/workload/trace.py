@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 from redline.errors import BadInput
 from redline.workload.cuda_autocast import cuda_autocast_policy
-from redline.workload.profile import ActivationPrecision, LayerProfile, WorkloadProfile
+from redline.workload.profile import ACTIVATION_PRECISIONS, ActivationPrecision, LayerProfile, WorkloadProfile
 
 # Two batch sizes; per-sample figures are their slope. Neither is 1: some models squeeze a batch of one.
 BATCHES = (2, 4)
@@ -876,10 +876,10 @@ class _Tracer:
 
     def layer_profiles(self) -> tuple[LayerProfile, ...]:
         def per_sample(values: dict[tuple[int, str], float]) -> dict[str, float]:
-            return {precision: _slope(values, lambda b, p=precision: (b, p)) for precision in ("16bit", "fp32")}
+            return {precision: _slope(values, lambda b, p=precision: (b, p)) for precision in ACTIVATION_PRECISIONS}
 
         def lines(live: dict[tuple[int, str], list[int]]) -> dict[str, tuple[tuple[float, float], ...]]:
-            return {precision: found for precision in ("16bit", "fp32") if (found := _lines(live, precision))}
+            return {precision: found for precision in ACTIVATION_PRECISIONS if (found := _lines(live, precision))}
 
         profiles = []
         for segment in self.segments:
