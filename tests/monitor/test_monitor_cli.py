@@ -185,3 +185,60 @@ def test_report_of_an_empty_record_is_one_line(tmp_path: Path) -> None:
     record = tmp_path / "empty.rlm"
     Store.open(record).close()
     _one_line_error(run_cli("report", str(record)), "no samples")
+
+
+def test_a_second_monitor_on_one_record_is_refused_and_the_first_keeps_it(tmp_path: Path) -> None:
+    record = tmp_path / "two.rlm"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "redline", "monitor", "--record", str(record), "--interval", "0.2", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline()  # recording
+        _one_line_error(
+            run_cli("monitor", "--record", str(record), "--interval", "0.2", "--duration", "1"),
+            str(record),
+            f"pid {first.pid}",
+        )
+        first.send_signal(signal.SIGTERM)
+        out, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err
+    with Store.read(record) as store:
+        assert store.count() == 1 + len(out.splitlines())  # the first monitor's samples, and only those
+
+
+def test_report_leaves_the_record_and_its_wal_as_they_were(tmp_path: Path) -> None:
+    record = tmp_path / "run.rlm"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "redline", "monitor", "--record", str(record), "--interval", "0.1", "--json"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for _ in range(5):
+        assert proc.stdout.readline()
+    proc.kill()  # SIGKILL: its commits stay in the WAL
+    proc.communicate(timeout=30)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "run.rlm-shm"}
+    result = run_cli("report", str(record), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["samples"] >= 5
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "run.rlm-shm"} == before
+
+
+def test_a_window_shorter_than_the_rules_need_is_said_once(tmp_path: Path) -> None:
+    record = record_of("throttling", tmp_path)  # one sample a second: the rules need 10 of them
+    short = run_cli("report", str(record), "--window", "5s", "--json")
+    assert short.returncode == 0, short.stderr
+    assert json.loads(short.stdout)["findings"] == []
+    assert short.stderr.count("--window 5s is shorter than the diagnosis needs") == 1
+    assert "--window 10s or more" in short.stderr
+    enough = run_cli("report", str(record), "--window", "10s", "--json")
+    assert json.loads(enough.stdout)["findings"] and "shorter" not in enough.stderr
+
+    live = run_cli("monitor", "--interval", "2", "--window", "12s", "--duration", "0.5")
+    assert live.returncode == 0 and "--window 20s or more" in live.stderr  # 10 samples at 2 s: 20 s

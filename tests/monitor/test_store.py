@@ -442,3 +442,64 @@ def test_a_reader_sees_a_running_writer_and_does_not_block_it(tmp_path):
         assert writer.returncode == 0
         assert reader.count() == 150
     assert len(set(seen)) > 3 and seen == sorted(seen)  # it watched the record grow
+
+
+# -- one writer, readers that change nothing -----------------------------------------------------------------
+
+
+def test_a_second_writer_is_refused_with_the_holders_pid_and_the_first_records_on(tmp_path):
+    path = tmp_path / "rec.db"
+    with Store.open(path) as first:
+        first.append(full_sample(1))
+        with pytest.raises(BadInput, match=f"being written by another process \\(pid {os.getpid()}\\)") as err:
+            Store.open(path)
+        assert "\n" not in str(err.value) and str(path) in str(err.value)
+        first.append(full_sample(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec.db"]  # the lock goes with its writer
+    with Store.open(path) as again:  # ... and the next writer may come
+        assert again.count() == 2
+
+
+def test_a_killed_writers_lock_is_taken_over(tmp_path):
+    path = tmp_path / "rec.db"
+    writer = _writer(path, 100_000, 0.01)
+    assert writer.stdout.readline()
+    with pytest.raises(BadInput, match=f"pid {writer.pid}"):
+        Store.open(path)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=30)
+    writer.stdout.close()
+    assert (tmp_path / "rec.db.lock").exists()  # left behind by the kill; the kernel released the lock itself
+    with Store.open(path) as store:
+        assert store.count() >= 1
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_reading_a_record_changes_no_byte_of_it_after_a_killed_writer(tmp_path):
+    """A writer killed with its last commits in the WAL: a reader sees them and leaves the WAL unfolded."""
+    path = tmp_path / "rec.db"
+    writer = _writer(path, 100_000, 0.0)
+    while int(writer.stdout.readline()) < 50:
+        pass
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=30)
+    writer.stdout.close()
+    before = _files(tmp_path)
+    assert before["rec.db-wal"]  # the commits that a read-write close would fold into rec.db
+    with Store.read(path) as store:
+        assert store.count() >= 51
+    after = _files(tmp_path)
+    assert after["rec.db"] == before["rec.db"] and after["rec.db-wal"] == before["rec.db-wal"]
+
+
+def test_reading_a_closed_record_creates_nothing_beside_it(tmp_path):
+    path = tmp_path / "rec.db"
+    with Store.open(path) as store:
+        store.append_many(full_sample(k) for k in range(3))
+    before = _files(tmp_path)
+    with Store.read(path) as store:
+        assert store.count() == 3 and len(list(store.samples())) == 3
+    assert _files(tmp_path) == before

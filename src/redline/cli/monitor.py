@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import signal
 import sys
 import threading
@@ -72,6 +73,8 @@ def monitor(
     window_s = _duration("--window", window)
     if window_s / interval > MAX_WINDOW_SAMPLES:
         raise BadInput(f"--window {window} holds more than {MAX_WINDOW_SAMPLES:,} samples: shorten it")
+    if not once:
+        _warn_short_window(window, window_s, interval)
     stop_after_s = _duration("--duration", duration) if duration is not None else None
     if port is not None and not 0 < port < 65536:
         raise BadInput(f"--port {port} is not a TCP port (1-65535)")
@@ -90,6 +93,18 @@ def monitor(
             session.run(json_out, stop_after_s)
     if record is not None and session.recorded:
         ui.warn(f"recorded {session.recorded} samples to {record}")
+
+
+def _warn_short_window(option: str, window_s: float, interval_s: float) -> None:
+    """A window shorter than the rules need is allowed (the screen still works) but never yields a finding."""
+    from redline.monitor.diagnose import shortest_window_s
+
+    shortest = shortest_window_s(interval_s)
+    if window_s < shortest:
+        ui.warn(
+            f"--window {option} is shorter than the diagnosis needs at one sample every {interval_s:.3g} s "
+            f"({shortest:.3g} s): it will report no finding; give --window {math.ceil(shortest):d}s or more"
+        )
 
 
 def _open_record(record: Path | None, retention_s: float | None, stack: contextlib.ExitStack) -> Any:
@@ -266,6 +281,9 @@ def report(
         span = store.time_range()
         if span is None:
             raise BadInput(f"{record} holds no samples yet")
+        count = store.count()
+        if count > 1:
+            _warn_short_window(window, window_s, (span[1] - span[0]) / (count - 1))
         findings = diagnose_record(store, window_s)
         if html is not None:
             from redline.monitor.report import render_html
@@ -278,7 +296,6 @@ def report(
             for path in render_pngs(store, png):
                 ui.warn(f"wrote {path}")
         gpu_stats, step_stats = store.gpu_stats(), store.step_stats()
-        count = store.count()
     summary = {
         "record": str(record),
         "start": span[0],

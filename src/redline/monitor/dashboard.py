@@ -9,8 +9,9 @@ built from ``Sample``s, so the same code draws a live screen (rich ``Live``) and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
@@ -21,26 +22,54 @@ from redline.units import fmt_bytes, fmt_count, fmt_duration
 SPARK = "▁▂▃▄▅▆▇█"
 BAR_WIDTH = 10
 SPARK_WIDTH = 30
+MIN_SPARK_WIDTH = 8  # fewer readings than this show no trend: the history is left out instead
 MAX_RANK_LINES = 4
 # reasons that only say the GPU has nothing to do, or sits where a setting put it: not worth a column
 QUIET_REASONS = frozenset({"gpu_idle", "applications_clocks_setting", "display_clock_setting"})
+# clock-event reasons as the table names them (nvidia-smi's words, shortened so a set one fits at 80 columns)
+REASON_LABELS = {
+    "sw_power_cap": "power cap",
+    "hw_slowdown": "HW slowdown",
+    "sync_boost": "sync boost",
+    "sw_thermal_slowdown": "SW thermal",
+    "hw_thermal_slowdown": "HW thermal",
+    "hw_power_brake_slowdown": "power brake",
+    "board_limit": "board limit",
+}
+COLUMNS = (  # header, justify
+    ("GPU", "right"),
+    ("busy", "left"),
+    ("memory", "left"),
+    ("SM MHz", "right"),
+    ("W", "right"),
+    ("°C", "right"),
+    ("PCIe", "left"),
+    ("clock events", "left"),
+    ("procs", "right"),
+)
+_EVENTS = 7  # the clock-events column: the one that may wrap, one reason to a line at the narrowest
+COLUMN_GAP = 2  # padding (0, 1) without the outer edges: two spaces between columns
 SEVERITY_STYLE = {Severity.FAIL: "bold white on red", Severity.WARN: "bold black on yellow", Severity.INFO: "blue"}
 
 
 def bar(ratio: float | None, width: int = BAR_WIDTH) -> Text:
-    """'███████░░░ 72%'; 'n/a' when unknown. Green to red as the ratio climbs, as in nvtop."""
+    """'███████░░░  72%'; ' 72%' alone at width 0; 'n/a' when unknown. Green to red as the ratio climbs, as in
+    nvtop."""
     if ratio is None:
         return Text("n/a", style="dim")
     ratio = min(max(ratio, 0.0), 1.0)
+    percent = f"{100 * ratio:3.0f}%"
+    if width <= 0:
+        return Text(percent)
     filled = round(ratio * width)
     style = "green" if ratio < 0.7 else "yellow" if ratio < 0.9 else "red"
-    return Text.assemble(("█" * filled, style), ("░" * (width - filled), "dim"), f" {100 * ratio:3.0f}%")
+    return Text.assemble(("█" * filled, style), ("░" * (width - filled), "dim"), f" {percent}")
 
 
 def sparkline(values: Sequence[float | None], width: int = SPARK_WIDTH) -> Text:
     """The last ``width`` ratios (0..1) as block characters; a gap where a value is unknown."""
     chars = []
-    for value in list(values)[-width:]:
+    for value in list(values)[-width:] if width > 0 else []:
         if value is None:
             chars.append(" ")
         else:
@@ -56,60 +85,112 @@ def _mhz(hertz: float | None) -> str:
     return "n/a" if hertz is None else f"{hertz / 1e6:.0f}"
 
 
-def _gpu_row(gpu: GpuSample, history: list[float | None]) -> list[RenderableType]:
+def reason_label(reason: str) -> str:
+    return REASON_LABELS.get(reason, reason)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How wide the elastic parts of a GPU row are drawn: the history first gives way, then the bars."""
+
+    bar: int
+    spark: int
+
+
+def _gpu_row(gpu: GpuSample, history: list[float | None], layout: _Layout) -> list[Text]:
     if gpu.lost:
-        return [str(gpu.index), Text("lost: NVML cannot reach this GPU", style="bold red"), "", "", "", "", "", "", ""]
+        cells = [Text(str(gpu.index)), Text("lost", style="bold red")] + [Text()] * 7
+        cells[_EVENTS] = Text("NVML cannot reach this GPU", style="bold red")
+        return cells
+    busy = bar(gpu.utilization_ratio, layout.bar)
+    if layout.spark:
+        busy = Text.assemble(busy, " ", sparkline(history, layout.spark))
     memory = Text.assemble(
-        bar(_ratio(gpu.memory_used_bytes, gpu.memory_total_bytes)),
+        bar(_ratio(gpu.memory_used_bytes, gpu.memory_total_bytes), layout.bar),
         f" {fmt_bytes(gpu.memory_used_bytes)}" if gpu.memory_used_bytes is not None else "",
     )
-    clock = f"{_mhz(gpu.sm_clock_hertz)}/{_mhz(gpu.sm_clock_max_hertz)}"
     power = "n/a" if gpu.power_watts is None else f"{gpu.power_watts:.0f}"
     if gpu.power_limit_watts is not None:
         power += f"/{gpu.power_limit_watts:.0f}"
-    temperature = "n/a" if gpu.temperature_celsius is None else f"{gpu.temperature_celsius:.0f}"
     link = Text("n/a", style="dim")
     if gpu.pcie_link_generation is not None and gpu.pcie_link_width is not None:
         degraded = (gpu.pcie_link_width_max or 0) > gpu.pcie_link_width or (
             gpu.pcie_link_generation_max or 0
         ) > gpu.pcie_link_generation
         link = Text(f"gen{gpu.pcie_link_generation} x{gpu.pcie_link_width}", style="yellow" if degraded else "")
-    reasons = [r for r in gpu.clock_event_reasons or [] if r not in QUIET_REASONS]
+    reasons = [reason_label(r) for r in gpu.clock_event_reasons or [] if r not in QUIET_REASONS]
     return [
-        str(gpu.index),
-        Text.assemble(bar(gpu.utilization_ratio), " ", sparkline(history)),
+        Text(str(gpu.index)),
+        busy,
         memory,
-        clock,
-        power,
-        temperature,
+        Text(f"{_mhz(gpu.sm_clock_hertz)}/{_mhz(gpu.sm_clock_max_hertz)}"),
+        Text(power),
+        Text("n/a" if gpu.temperature_celsius is None else f"{gpu.temperature_celsius:.0f}"),
         link,
         Text(", ".join(reasons), style="bold red" if reasons else ""),
-        str(len(gpu.processes)),
+        Text(str(len(gpu.processes))),
     ]
 
 
-def gpu_table(samples: Sequence[Sample]) -> Table:
+def _table_width(rows: list[list[Text]], headers: list[str], wrap_events: bool) -> int:
+    widths = []
+    for column, header in enumerate(headers):
+        cells = [row[column] for row in rows]
+        if column == _EVENTS and wrap_events:  # wrapped at ", ": only its longest reason must fit on one line
+            longest = max((len(part) for cell in cells for part in cell.plain.split(", ")), default=0)
+        else:
+            longest = max((cell.cell_len for cell in cells), default=0)
+        widths.append(max(len(header), longest))
+    return sum(widths) + COLUMN_GAP * (len(headers) - 1)
+
+
+def gpu_table(samples: Sequence[Sample], width: int = 120) -> Table:
+    """The GPU rows of the newest sample, laid out for ``width`` columns.
+
+    Every column carries what some finding is about (clocks and their reasons for throttling, power for a cap,
+    temperature, memory, the PCIe link, processes), so none is dropped or cut: the busy history shrinks
+    first, then the bars, down to the bare numbers (which fit 80 columns)."""
     latest = samples[-1]
-    table = Table(box=None, padding=(0, 1), header_style="bold")
-    for name, justify in (
-        ("GPU", "right"),
-        ("busy (recent)", "left"),
-        ("memory", "left"),
-        ("SM MHz", "right"),
-        ("W", "right"),
-        ("°C", "right"),
-        ("PCIe", "left"),
-        ("clock events", "left"),
-        ("procs", "right"),
-    ):
-        # the bars keep their width; only the list of clock events may wrap
-        table.add_column(name, justify=justify, no_wrap=name != "clock events")  # type: ignore[arg-type]
-    for gpu in latest.gpus:
-        history = [
+    histories = {
+        gpu.index: [
             next((g.utilization_ratio for g in s.gpus if g.index == gpu.index), None) for s in samples[-SPARK_WIDTH:]
         ]
-        table.add_row(*_gpu_row(gpu, history))
+        for gpu in latest.gpus
+    }
+
+    def rows(layout: _Layout) -> list[list[Text]]:
+        return [_gpu_row(gpu, histories[gpu.index], layout) for gpu in latest.gpus]
+
+    headers = [name for name, _ in COLUMNS]
+    layout = _Layout(bar=0, spark=0)
+    # the reasons on one line before any bar, the bars before wrapping the reasons; the history takes what is left
+    tries = [(bar_width, wrap) for wrap in (False, True) for bar_width in (BAR_WIDTH, BAR_WIDTH // 2, 0)]
+    for bar_width, wrap in tries:
+        spare = width - _table_width(rows(_Layout(bar_width, 0)), headers, wrap)
+        if spare >= 0:
+            # ... beside whole bars, when there is room for enough of it to show a trend
+            spark = min(SPARK_WIDTH, spare - 1) if bar_width == BAR_WIDTH and spare > MIN_SPARK_WIDTH else 0
+            layout = _Layout(bar_width, spark)
+            break
+    if layout.spark:
+        headers[1] = "busy (recent)"
+    table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
+    for (name, justify), header in zip(COLUMNS, headers, strict=True):
+        # only the clock events may wrap (at ", "): the rest keep their width
+        table.add_column(header, justify=justify, no_wrap=name != "clock events")  # type: ignore[arg-type]
+    for gpu in latest.gpus:
+        table.add_row(*_gpu_row(gpu, histories[gpu.index], layout))
     return table
+
+
+@dataclass(frozen=True)
+class GpuTable:
+    """``gpu_table`` drawn at whatever width the console gives it (a live screen is resized under it)."""
+
+    samples: Sequence[Sample]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield gpu_table(self.samples, options.max_width)
 
 
 def host_line(host: HostSample | None) -> Text:
@@ -180,7 +261,7 @@ def render(
     """The whole screen from the recent samples (oldest first), the active findings and each rank's newest step."""
     parts: list[RenderableType] = [Text(header, style="bold cyan")]
     if samples and samples[-1].gpus:
-        parts.append(gpu_table(samples))
+        parts.append(GpuTable(samples))
     else:
         parts.append(Text("no GPUs visible to NVML", style="dim"))
     parts.append(host_line(samples[-1].host if samples else None))

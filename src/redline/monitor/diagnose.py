@@ -255,6 +255,13 @@ def diagnose_report(
     return DoctorReport(findings=findings, rules_checked=checked, rule_errors=errors)
 
 
+def shortest_window_s(interval_s: float, config: DiagnosisConfig | None = None) -> float:
+    """The shortest window in which the rules that judge a duration can say anything: ``min_samples`` readings
+    and ``min_duration_s`` of them. A shorter one never yields a finding."""
+    config = config or DiagnosisConfig()
+    return max(config.min_duration_s, config.min_samples * interval_s)
+
+
 def diagnose(
     window: Sequence[Sample], *, job_pids: set[int] | None = None, config: DiagnosisConfig | None = None
 ) -> list[Finding]:

@@ -19,6 +19,9 @@ Layout, and why:
   take many seconds; from the rollups it reads 70k. Plots over long ranges and the summaries use them;
   summaries read raw rows only at the two partial buckets at the ends of a range, so they stay exact.
 
+One writer: ``Store.open`` holds ``FILE.lock`` (``redline.lockfile``) while it records; a second monitor
+recording into the same file is refused with one line instead of interleaving its samples with the first's.
+
 Durability: WAL journal with ``synchronous=NORMAL`` and one transaction per ``append``. A committed
 transaction survives the writer being killed (kill -9, OOM killer): only the sample being written is lost.
 (A power cut may also drop the last commits since the latest checkpoint, never corrupt the file.) Readers in
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from redline.errors import BadInput, RedlineError
+from redline.lockfile import WriterLock
 from redline.monitor.sample import GpuSample, HostSample, Sample, StepSample
 
 # "RDLM" in SQLite's header: which application wrote the file (https://www.sqlite.org/fileformat.html)
@@ -308,6 +312,11 @@ def _make_folder(path: Path) -> None:
         raise BadInput(f"cannot create the folder of monitor record {path}: {reason or exc}") from None
 
 
+def _has_sidecars(path: Path) -> bool:
+    """A -wal or -shm beside the record: a writer runs, or one was killed and left its last commits there."""
+    return any(path.with_name(path.name + suffix).exists() for suffix in ("-wal", "-shm"))
+
+
 def _has_wal(path: Path) -> bool:
     try:
         return path.with_name(path.name + "-wal").stat().st_size > 0
@@ -343,6 +352,7 @@ class Store:
         self._last_prune: float | None = None
         self._last_gpu: dict[int, _GpuLast] = {}
         self._closed = False
+        self._writer_lock: WriterLock | None = None  # held by a Store that records into a file
 
     # -- opening ---------------------------------------------------------------------------------------------
 
@@ -355,7 +365,14 @@ class Store:
         path = Path(path)
         new = _check_header(path)
         _make_folder(path)
-        store = cls(cls._connect(path), str(path), retention_s, writable=True)
+        # two monitors appending to one file would interleave their samples, and every report would mix them
+        lock = WriterLock(path, what="monitor record").acquire()
+        try:
+            store = cls(cls._connect(path), str(path), retention_s, writable=True)
+        except BaseException:
+            lock.release()
+            raise
+        store._writer_lock = lock
         with store._closing_on_error("record into"):
             if new:
                 store._create()
@@ -369,20 +386,28 @@ class Store:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Store:
-        """An existing record, for reading only: never created, never written, never pruned."""
+        """An existing record, for reading only: never created, never written, never pruned, never folded.
+
+        A read-write connection would fold the WAL into the file when it closes (the last connection to a WAL
+        database checkpoints), so a report would change the record it reads. Readers therefore open it with
+        ``mode=ro``, which sees what a running (or killed) writer left in the WAL and writes nothing back; a
+        record closed cleanly, with no WAL and no writer, is read ``immutable`` so that no -wal/-shm file is
+        even created beside it.
+        """
         path = Path(path)
         if _check_header(path):
             raise BadInput(f"no monitor record at {path}" + (" (the file is empty)" if path.exists() else ""))
+        settled = not _has_sidecars(path) and not WriterLock(path).path.exists()
         try:
-            store = cls(cls._connect(path), str(path), None, writable=False)
+            store = cls(cls._connect(path, mode="immutable" if settled else "ro"), str(path), None, writable=False)
             with store._closing_on_error("read"):
                 store._validate(deep=False)
         except BadInput as exc:
-            if "unable to open" not in str(exc):
+            if "unable to open" not in str(exc) or settled:
                 raise
             # a record in a folder we may not write (a read-only mount, someone else's): SQLite cannot make the
             # WAL index beside it, so read the file as it stands (what a writer left in its WAL is not seen)
-            store = cls(cls._connect(path, immutable=True), str(path), None, writable=False)
+            store = cls(cls._connect(path, mode="immutable"), str(path), None, writable=False)
             with store._closing_on_error("read"):
                 store._validate(deep=False)
         return store
@@ -397,11 +422,14 @@ class Store:
         return store
 
     @staticmethod
-    def _connect(path: Path, immutable: bool = False) -> sqlite3.Connection:
-        target = f"{path.resolve().as_uri()}?immutable=1" if immutable else str(path)
+    def _connect(path: Path, mode: str = "rw") -> sqlite3.Connection:
+        """``mode``: "rw" (create or append), "ro" (read, see the WAL, write nothing), "immutable" (read the file
+        alone: no locks, no WAL, nothing created beside it)."""
+        query = {"rw": "", "ro": "?mode=ro", "immutable": "?immutable=1"}[mode]
+        target = f"{path.resolve().as_uri()}{query}" if query else str(path)
         try:
             # autocommit: transactions are explicit (BEGIN IMMEDIATE), so each one is exactly what we decide
-            return sqlite3.connect(target, isolation_level=None, check_same_thread=False, timeout=10.0, uri=immutable)
+            return sqlite3.connect(target, isolation_level=None, check_same_thread=False, timeout=10.0, uri=bool(query))
         except sqlite3.Error as exc:
             raise BadInput(f"cannot open monitor record {path}: {exc}{_hint(exc)}") from None
 
@@ -410,11 +438,16 @@ class Store:
         try:
             yield
         except sqlite3.DatabaseError as exc:
-            self._conn.close()
+            self._close_connection()
             raise self._error(exc, doing, BadInput) from None
         except BaseException:
-            self._conn.close()
+            self._close_connection()
             raise
+
+    def _close_connection(self) -> None:
+        self._conn.close()
+        if self._writer_lock is not None:
+            self._writer_lock.release()
 
     def _create(self) -> None:
         # one transaction, in rollback-journal mode before WAL is switched on: the header then carries the
@@ -578,7 +611,7 @@ class Store:
                 self.prune()
             finally:
                 self._closed = True
-                self._conn.close()
+                self._close_connection()
 
     def __enter__(self) -> Store:
         return self
