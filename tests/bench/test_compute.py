@@ -3,6 +3,7 @@ helpers that can be checked without a GPU (PCI matching, fp8 operands, L2 rotati
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from builders import healthy_server
+from conftest import run_cli
 from redline.bench import compute
 from redline.bench.context import BenchContext
 from redline.errors import BadInput
@@ -143,3 +145,34 @@ def test_agrees_with_torch_utils_benchmark(monkeypatch):
     assert ours > 0 and peer > 0
     # a factor-of-2 mistake lands outside; a loaded 2-core runner has been seen at 0.6 and 1.6
     assert 0.55 < ratio < 1.8, f"redline {ours:.4f} vs torch.utils.benchmark {peer:.4f} TFLOP/s"
+
+
+def test_the_cpu_side_is_sized_by_a_first_call(monkeypatch):
+    """n^3 work: a precision four times slower per call at the probe side gets a side 4^(1/3) smaller."""
+    monkeypatch.setattr(compute, "matmul_call", lambda precision, size, device: precision)
+    per_call = {"fp32": 0.001, "bf16": 0.008}
+    monkeypatch.setattr(compute, "time_calls", lambda call, warmup, repeats: [per_call[call]] * repeats)
+    fast = compute.cpu_size("fp32", 0.125, 4096)  # 256 * (0.125 / 0.001)^(1/3) = 1280
+    slow = compute.cpu_size("bf16", 0.125, 4096)  # 256 * (0.125 / 0.008)^(1/3) = 640
+    assert (fast, slow) == (1280, 640)
+    assert compute.cpu_size("fp32", 10.0, 1536) == 1536  # capped
+    assert compute.cpu_size("bf16", 1e-6, 1536) == compute.CPU_MIN_SIZE  # never below the floor
+
+
+def test_bf16_without_bf16_units_is_sized_down_and_said_to_be_emulated(tmp_path):
+    """oneDNN capped at AVX2 has no bf16 instructions, as on a CPU without AVX512-BF16 or AMX: a fixed 1536^3
+    side took 26 s a call there. The side follows the first call; the report says the precision is emulated."""
+    env = {"ONEDNN_MAX_CPU_ISA": "AVX2", "REDLINE_HOME": str(tmp_path)}
+    result = run_cli("bench", "compute", "--quick", "--json", env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    by_name = {m["name"]: m for m in json.loads(result.stdout)["measurements"]}
+    fp32, bf16 = by_name["matmul_fp32"], by_name["matmul_bf16"]
+    assert bf16["extra"]["emulated"] is True and bf16["extra"]["vs_fp32_ratio"] < compute.EMULATED_BELOW
+    assert "emulated" not in fp32["extra"]
+    assert bf16["size"]["m"] < fp32["size"]["m"]  # less work where each flop costs more
+    # a call of the chosen side takes about the target; generous, for a loaded machine
+    assert 2 * bf16["size"]["m"] ** 3 / (bf16["value"] * 1e12) < 20 * compute.CPU_CALL_S[True]
+
+    text = run_cli("bench", "compute", "--quick", "--precision", "bf16", env=env, timeout=300)
+    assert text.returncode == 0, text.stderr
+    assert "bf16 is emulated on this CPU" in " ".join(text.stdout.split())

@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from builders import healthy_server
+from conftest import run_cli
 from redline.bench import dataloader
 from redline.bench.context import BenchContext
 from redline.errors import BadInput
@@ -169,3 +170,18 @@ def test_bad_factories(user_module, attribute, message):
 def test_bad_specs(spec, message):
     with pytest.raises(BadInput, match=message):
         dataloader.load_dataset(spec)
+
+
+def test_the_terminal_shows_the_grid_the_winner_and_the_advice(user_module, tmp_path):
+    """What --json holds is on the screen too: every setting with its rate, the one to use, and why."""
+    result = run_cli(
+        "bench", "dataloader", "--quick", "--dataset", f"{user_module}:build", env={"REDLINE_HOME": str(tmp_path)}
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "dataloader: every setting tried" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["2"])]
+    assert [row[0] for row in rows] == ["0", "2"]  # --quick: 0 and 2 workers
+    assert sum("<-" in row for row in rows) == 1  # one recommended
+    advice = " ".join(out.split())
+    assert "use DataLoader(num_workers=" in advice and "the single-process loader" in advice

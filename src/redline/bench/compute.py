@@ -40,10 +40,17 @@ GPU_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 CPU_PRECISIONS = ("fp32", "bf16")
 
 # square GEMM side. GPU: 8192 keeps every part of an H100/B200 busy (A, B, C are 128-256 MiB each, far
-# beyond any L2). CPU (measured on 2 cores of a cloud VM, torch 2.13): 2560 takes ~0.15 s in fp32 and
-# ~0.5 s in bf16 per call, 1536 ~0.03 s / ~0.1 s.
+# beyond any L2).
 GPU_SIZE = {False: 8192, True: 4096}
+# CPU: no fixed side serves every CPU. bf16 runs at fp32's rate or better where the CPU has bf16 matmul
+# instructions (AVX512-BF16, AMX, Arm's BF16) and 20-250x slower where oneDNN emulates it: 1536^3 took 0.02 s
+# on one 2-core VM and 26 s on another. So the side is sized by a first timed call, to take about
+# CPU_CALL_S per call, between CPU_MIN_SIZE and CPU_SIZE (2560 is ~0.15 s in fp32 on 2 cores of a cloud VM).
 CPU_SIZE = {False: 2560, True: 1536}
+CPU_MIN_SIZE = 256
+CPU_CALL_S = {False: 0.25, True: 0.05}
+# bf16 below half of fp32's rate: the CPU has no bf16 units and converts to fp32 (oneDNN's reference path)
+EMULATED_BELOW = 0.5
 # (minimum warm-up seconds, timed repeats)
 GPU_TIMING = {False: (1.0, 50), True: (0.3, 20)}
 CPU_TIMING = {False: (0.5, 10), True: (0.2, 5)}
@@ -59,7 +66,20 @@ def require_torch(suite: str) -> None:
     capability.require_torch(f"the {suite} bench")
 
 
+def check(ctx: BenchContext) -> None:
+    """Before any suite runs: the precisions asked for are ones this suite knows."""
+    requested = ctx.extra.get("precisions")
+    if requested is None:
+        return
+    if not requested:
+        raise BadInput(f"--precision takes a comma-separated list such as fp32,bf16 from {', '.join(GPU_PRECISIONS)}")
+    unknown = [p for p in requested if p not in GPU_PRECISIONS]
+    if unknown:
+        raise BadInput(f"unknown precision {', '.join(map(repr, unknown))}; choose from {', '.join(GPU_PRECISIONS)}")
+
+
 def run(ctx: BenchContext) -> list[Measurement]:
+    check(ctx)
     require_torch(SUITE)
     requested = ctx.extra.get("precisions")
     if ctx.device == "cpu":
@@ -209,16 +229,28 @@ def timed_matmul(
 # -------------------------------------------------------------------------------------------- CPU
 
 
+def cpu_size(precision: str, target_s: float, largest: int) -> int:
+    """The square side, a multiple of 128 in [CPU_MIN_SIZE, largest], whose matmul takes about ``target_s`` here.
+
+    From the fastest of three calls at the smallest side, scaled by the cube root of the time ratio (the work
+    grows as n^3). Small products run below a CPU's best rate, so this errs towards a shorter call.
+    """
+    call = matmul_call(precision, CPU_MIN_SIZE, "cpu")
+    seconds = min(time_calls(call, warmup=1, repeats=3))
+    side = CPU_MIN_SIZE * (target_s / max(seconds, 1e-9)) ** (1 / 3)
+    return min(largest, max(CPU_MIN_SIZE, round(side) // 128 * 128))
+
+
 def measure_cpu(ctx: BenchContext, requested: list[str] | None = None, size: int | None = None) -> list[Measurement]:
     import torch
 
     precisions, skipped = select_precisions(requested, "cpu")
-    size = size or CPU_SIZE[ctx.quick]
     warmup_s, repeats = CPU_TIMING[ctx.quick]
     out = []
     with ctx.task("compute: matmul on cpu", len(precisions)) as step:
         for precision in precisions:
-            samples, warmup = timed_matmul(precision, size, "cpu", warmup_s=warmup_s, repeats=repeats)
+            side = size or cpu_size(precision, CPU_CALL_S[ctx.quick], CPU_SIZE[ctx.quick])
+            samples, warmup = timed_matmul(precision, side, "cpu", warmup_s=warmup_s, repeats=repeats)
             spread = Spread.of(samples)
             out.append(
                 Measurement(
@@ -226,22 +258,51 @@ def measure_cpu(ctx: BenchContext, requested: list[str] | None = None, size: int
                     name=f"matmul_{precision}",
                     value=spread.median,
                     unit="TFLOP/s",
-                    method=f"torch.matmul {size}x{size}x{size} randn {precision}, 2*M*N*K/t, median of "
-                    f"{repeats} after {warmup} warm-up calls (perf_counter); no catalog peak for CPUs",
+                    method=f"torch.matmul {side}x{side}x{side} randn {precision} (side sized for "
+                    f"~{CPU_CALL_S[ctx.quick]:g} s a call), 2*M*N*K/t, median of {repeats} after {warmup} warm-up "
+                    "calls (perf_counter); no catalog peak for CPUs",
                     device="cpu",
-                    size={"m": size, "n": size, "k": size, "dtype": precision},
+                    size={"m": side, "n": side, "k": side, "dtype": precision},
                     repeats=repeats,
                     spread=spread,
                     extra={
                         "threads": torch.get_num_threads(),
-                        # which SIMD path ATen dispatched to: bf16 without AVX512-BF16/AMX is emulated
+                        # the SIMD level ATen dispatched to; it does not say whether bf16 has its own units
                         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                         "skipped_precisions": skipped,
                     },
                 )
             )
             step()
+    _flag_emulated(out, warmup_s=warmup_s, repeats=repeats)
     return out
+
+
+def _flag_emulated(measurements: list[Measurement], *, warmup_s: float, repeats: int) -> None:
+    """Mark a 16-bit figure far below fp32's on the same CPU: no bf16 units, every product converted to fp32.
+    Judged by measurement, not by CPU flags: oneDNN may be capped below what the flags offer
+    (ONEDNN_MAX_CPU_ISA, a VM that hides AVX512-BF16).
+
+    Compares the best call of each (a busy machine slows calls down, never speeds them up), so the judgment
+    holds on a loaded host where the medians scatter."""
+    by_name = {m.name: m for m in measurements}
+    for m in measurements:
+        if m.size["dtype"] == "fp32":
+            continue
+        fp32 = by_name.get("matmul_fp32")
+        if fp32 is not None:
+            reference = fp32.spread.maximum
+        else:  # fp32 was not asked for: time it at the same side for the comparison alone
+            samples, _ = timed_matmul("fp32", m.size["m"], "cpu", warmup_s=warmup_s, repeats=repeats)
+            reference = max(samples)
+        ratio = m.spread.maximum / reference
+        m.extra["vs_fp32_ratio"] = ratio
+        if ratio < EMULATED_BELOW:
+            m.extra["emulated"] = True
+            m.extra.setdefault("notes", []).append(
+                f"{m.size['dtype']} is emulated on this CPU: {ratio:.2g}x the fp32 rate (no bf16 matmul "
+                "instructions such as AVX512-BF16 or AMX reach PyTorch here); train in fp32 on it"
+            )
 
 
 # -------------------------------------------------------------------------------------------- GPU

@@ -306,12 +306,23 @@ def _batch_len(batch: Any) -> int:
     return int(first.shape[0]) if first is not None and first.dim() else BATCH_SIZE
 
 
+def check(ctx: BenchContext) -> None:
+    """Before any suite runs: the user's Dataset is imported, built and checked (kept for ``run``), so a wrong
+    ``--dataset`` is one line in seconds, not after the other suites."""
+    if ctx.dataset and "dataset" not in ctx.extra:
+        from redline.bench.compute import require_torch
+
+        require_torch(SUITE)
+        ctx.extra["dataset"] = load_dataset(ctx.dataset)
+
+
 def run(ctx: BenchContext) -> list[Measurement]:
     from redline.bench.compute import require_torch
 
     require_torch(SUITE)
+    check(ctx)
     if ctx.dataset:
-        dataset, source = load_dataset(ctx.dataset), f"--dataset {ctx.dataset}"
+        dataset, source = ctx.extra["dataset"], f"--dataset {ctx.dataset}"
     else:
         dataset, source = SyntheticImages(), "synthetic images (3x224x224 uint8, ~1.5-2 ms CPU per sample)"
     cuda = ctx.device != "cpu"
@@ -358,6 +369,7 @@ def summarize(
     extra: dict[str, Any] = {
         "dataset": source,
         "best": best.setting.loader_kwargs(),
+        "recommended": enough.setting.loader_kwargs(),
         "recommendation": recommendation,
         "single_process_samples_per_s": single.samples_per_s,
         "usable_cores": cores,
@@ -376,6 +388,9 @@ def summarize(
     if device == "cpu":
         extra["pin_memory"] = "skipped: no GPU (pinning only speeds host-to-GPU copies)"
     extra.update(_shm_check(ctx, results))
+    extra["notes"] = [f"use DataLoader({recommendation.replace(':', '):', 1)}"]
+    if "shm_warning" in extra:
+        extra["notes"].append(extra["shm_warning"])
     spread = Spread.of(best.windows_samples_per_s)
     return Measurement(
         suite=SUITE,

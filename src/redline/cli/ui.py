@@ -48,11 +48,15 @@ def write_output(path: Path, text: str, *, marker: str, protect: Path | None = N
     snapshot (``protect``) is never replaced. The write goes to a temporary file renamed over the target,
     so an interrupted run leaves the old file whole.
     """
-    if path.is_dir():
-        raise BadInput(f"{path} is a directory; give a file name")
-    if protect is not None and path.resolve() == protect.resolve():
-        raise BadInput(f"refusing to overwrite the input snapshot {path}")
-    if path.exists() and marker not in _head(path):
+    try:
+        if path.is_dir():
+            raise BadInput(f"{path} is a directory; give a file name")
+        if protect is not None and path.resolve() == protect.resolve():
+            raise BadInput(f"refusing to overwrite the input snapshot {path}")
+        exists = path.exists()
+    except OSError as exc:  # a folder this user may not look into
+        raise BadInput(f"cannot write {path}: {exc.strerror or exc}") from None
+    if exists and marker not in _head(path):
         raise BadInput(f"{path} exists and was not written by redline; remove it or choose another name")
     tmp = path.with_name(f".{path.name}.redline-tmp")
     try:
@@ -159,3 +163,45 @@ def print_measurements(measurements: list[Measurement]) -> None:
     console.print(table)
     for i, method in enumerate(methods, 1):
         console.print(Text(f"[{i}] {method}", style="dim"))
+    for m in measurements:
+        if m.extra.get("grid"):
+            console.print(_grid_table(m))
+    for m in measurements:  # what a reader must know about a figure: an emulated precision, advice
+        for note in m.extra.get("notes", []):
+            console.print(Text(f"{m.suite} {m.name}: {note}", style="yellow"))
+
+
+def _grid_table(m: Measurement) -> Table:
+    """Every setting a suite tried (``extra["grid"]``: flat rows), the recommended one (``extra["recommended"]``,
+    the settings that pick it out) marked."""
+    rows: list[dict[str, Any]] = m.extra["grid"]
+    chosen = m.extra.get("recommended") or {}
+    table = Table(title=f"{m.suite}: every setting tried", title_justify="left", box=None, padding=(0, 1))
+    columns = list(rows[0])
+    for column in columns:
+        table.add_column(GRID_LABELS.get(column, column), justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    for row in rows:
+        picked = bool(chosen) and all(row.get(k) == v for k, v in chosen.items())
+        cells = [_cell(row.get(c)) for c in columns]
+        table.add_row(*cells, Text("<- use" if picked else "", style="bold green"))
+    return table
+
+
+# short headers for the keys of a suite's grid rows (the JSON keeps the full names, e.g. DataLoader's kwargs)
+GRID_LABELS = {
+    "num_workers": "workers",
+    "prefetch_factor": "prefetch",
+    "persistent_workers": "persistent",
+    "pin_memory": "pin",
+    "samples_per_s": "samples/s",
+    "startup_s": "start-up s",
+}
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
