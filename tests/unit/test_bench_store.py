@@ -81,7 +81,9 @@ def test_doctor_bench_reads_the_run_saved_for_the_snapshots_machine(redline_home
         peak_source="catalog",
         extra={"gpu_state": {"5": {"clock_event_reasons": ["hw_thermal_slowdown"]}}},
     )
-    store.save(BenchRun(fingerprint, machine, "2026-11-29T12:00:00+00:00", [gemm]))
+    disk = Measurement("storage", "seq_read", 2500.0, "MB/s", "m")
+    older = store.save(BenchRun(fingerprint, machine, "2026-11-29T11:00:00+00:00", [disk]))
+    saved = store.save(BenchRun(fingerprint, machine, "2026-11-29T12:00:00+00:00", [gemm]))
     proc = run_cli(
         "doctor",
         "--from",
@@ -93,6 +95,13 @@ def test_doctor_bench_reads_the_run_saved_for_the_snapshots_machine(redline_home
     assert proc.returncode == 0, proc.stderr
     rules = {f["rule"]: f for f in json.loads(proc.stdout)["findings"]}
     assert rules["power_thermal.gemm-below-peak"]["severity"] == "fail"
+    # which file it judged, said once on stderr (stdout stays JSON)
+    said = " ".join(proc.stderr.split())
+    assert f"judging the bench results in {saved} (taken 2026-11-29T12:00:00+00:00)" in said
+    assert "from 1 older run beside it" in said
+
+    named = run_cli("doctor", "--from", str(FIXTURES / "h100x8-faulty.json"), "--bench-file", str(older))
+    assert named.returncode == 0 and f"judging the bench results in {older}" in " ".join(named.stderr.split())
 
 
 def test_doctor_bench_without_saved_results_is_bad_input(redline_home):

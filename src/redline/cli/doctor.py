@@ -74,7 +74,9 @@ def _bench_run(snapshot, latest: bool, path: Path | None):
     from redline.errors import BadInput
 
     if path is not None:
-        return store.load(path)
+        run = store.load(path)
+        ui.warn(f"judging the bench results in {path} (taken {run.taken_at})")
+        return run
     fingerprint, _ = store.fingerprint(snapshot)
     run = store.latest(fingerprint)
     if run is None:
@@ -82,6 +84,10 @@ def _bench_run(snapshot, latest: bool, path: Path | None):
             f"no saved bench results for this machine (fingerprint {fingerprint}); "
             "run `redline bench --save` first, or pass --bench-file"
         )
+    paths = store.saved_runs(fingerprint)
+    n = len(paths) - 1
+    older = f", with the newest figure of each kind from {n} older run{'s' * (n > 1)} beside it" if n else ""
+    ui.warn(f"judging the bench results in {paths[-1]} (taken {run.taken_at}){older}")
     return run
 
 
