@@ -248,13 +248,14 @@ def test_receiver_counts_only_after_the_warm_up():
 def test_cli_serve_and_connect_over_loopback():
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "redline", "bench", "network", "--serve", "--port", str(port)],
+        [sys.executable, "-m", "redline", "bench", "network", "--serve", "--listen", "127.0.0.1", "--port", str(port)],
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        ready, _, _ = select.select([server.stderr], [], [], 30)  # the CLI probes the machine first
-        assert ready and "serving on" in server.stderr.readline()
+        # the CLI probes the machine first: a generous bound, that only a hung start reaches on a loaded host
+        ready, _, _ = select.select([server.stderr], [], [], 300)
+        assert ready and f"serving on 127.0.0.1, port {port}" in server.stderr.readline()
         result = run_cli(
             "bench", "network", "--connect", "127.0.0.1", "--port", str(port), "--streams", "1", "--quick", "--json"
         )
@@ -263,11 +264,19 @@ def test_cli_serve_and_connect_over_loopback():
         assert names == ["rtt", "loss", "tcp_1_stream", "bdp", "streams_needed"]
     finally:
         server.send_signal(signal.SIGINT)
-        assert server.wait(timeout=10) == 130  # Ctrl-C: "interrupted"
+        assert server.wait(timeout=120) == 130  # Ctrl-C: "interrupted"
         server.stderr.close()
     with socket.socket() as probe:  # the server let go of its port
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(("0.0.0.0", port))
+        probe.bind(("127.0.0.1", port))
+
+
+def test_serve_takes_only_addresses_to_listen_on():
+    """'0', '*' or a name would bind every interface, or something nobody meant: only addresses and 'all'."""
+    for value in ("*", "0", "", "example.org"):
+        bad = run_cli("bench", "network", "--serve", "--listen", value)
+        assert bad.returncode == 2 and "--listen takes an IP address" in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_cli_bad_host_is_one_line_and_exit_2():
@@ -305,6 +314,7 @@ def test_bench_sees_the_emulated_link(link):
     assert by_name["bdp"]["value"] > 0
 
 
+@pytest.mark.slow
 @needs_link
 def test_redline_throughput_matches_iperf3(link):
     """The short version of benchmarks/network_vs_iperf3.py: BBR, 1 and 8 streams, 3 alternating rounds of

@@ -74,7 +74,7 @@ def test_sigterm_closes_the_record_with_every_sample(tmp_path: Path) -> None:
         for _ in range(5):  # five samples printed, so five committed
             assert proc.stdout.readline()
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
@@ -101,7 +101,7 @@ def test_the_metrics_endpoint_serves_while_monitoring(tmp_path: Path) -> None:
         assert "redline_host_memory_total_bytes" in body and "redline_monitor_up 1.0" in body
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        proc.communicate(timeout=120)
         proc.kill()
 
 
@@ -203,7 +203,7 @@ def test_a_second_monitor_on_one_record_is_refused_and_the_first_keeps_it(tmp_pa
             f"pid {first.pid}",
         )
         first.send_signal(signal.SIGTERM)
-        out, err = first.communicate(timeout=60)
+        out, err = first.communicate(timeout=120)
     finally:
         first.kill()
     assert first.returncode == 0, err
@@ -222,7 +222,7 @@ def test_report_leaves_the_record_and_its_wal_as_they_were(tmp_path: Path) -> No
     for _ in range(5):
         assert proc.stdout.readline()
     proc.kill()  # SIGKILL: its commits stay in the WAL
-    proc.communicate(timeout=30)
+    proc.communicate(timeout=120)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "run.rlm-shm"}
     result = run_cli("report", str(record), "--json")
     assert result.returncode == 0, result.stderr
@@ -242,3 +242,8 @@ def test_a_window_shorter_than_the_rules_need_is_said_once(tmp_path: Path) -> No
 
     live = run_cli("monitor", "--interval", "2", "--window", "12s", "--duration", "0.5")
     assert live.returncode == 0 and "--window 20s or more" in live.stderr  # 10 samples at 2 s: 20 s
+
+
+def test_listen_takes_addresses_and_all_only() -> None:
+    for value in ("0", "*", "", "metrics.example"):
+        _one_line_error(run_cli("monitor", "--port", "9400", "--listen", value, "--once"), "--listen takes")

@@ -179,10 +179,47 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def _local_ranks(ctx: BenchContext, plan: Plan) -> int:
+# what one CPU rank holds: torch imported with gloo (~220 MiB measured), plus its send and receive buffers of
+# the largest size (all_gather's output is ranks x the input: counted as the whole size, twice)
+RANK_BASE_BYTES = 256 * MiB
+
+
+def check(ctx: BenchContext) -> None:
+    """Before any suite runs: the ranks this host can start. Thousands of processes that each import torch
+    take the machine down with them; a CPU rank beyond the cores only time-slices with the others."""
+    if under_torchrun():
+        return
     nranks = ctx.ranks
     if nranks < 2:
         raise BadInput("collective needs at least 2 ranks (--ranks 2 or more)")
+    if ctx.device.startswith("cuda"):
+        return  # one rank per GPU: checked against the GPUs torch sees when the suite starts
+    host = ctx.snapshot.host if ctx.snapshot else None
+    cores = len(os.sched_getaffinity(0))
+    if host is not None and host.cgroup_cpu_limit_cores:
+        cores = min(cores, max(1, int(host.cgroup_cpu_limit_cores)))
+    most = max(2, cores)
+    if nranks > most:
+        raise BadInput(f"--ranks {nranks}: this host can run {most} CPU ranks (one per usable core); give at most that")
+    available = _available_memory(host)
+    per_rank = RANK_BASE_BYTES + 2 * max(plan_for(ctx).sizes_bytes)
+    if available is not None and nranks * per_rank > available:
+        raise BadInput(
+            f"--ranks {nranks}: {nranks} ranks need about {nranks * per_rank / GiB:.1f} GiB and "
+            f"{available / GiB:.1f} GiB is available; give at most {max(2, available // per_rank)}"
+        )
+
+
+def _available_memory(host: Any) -> int | None:
+    if host is None or host.memory_available_bytes is None:
+        return None
+    limit = host.cgroup_memory_limit_bytes
+    return min(host.memory_available_bytes, limit) if limit else host.memory_available_bytes
+
+
+def _local_ranks(ctx: BenchContext, plan: Plan) -> int:
+    check(ctx)
+    nranks = ctx.ranks
     if plan.device == "cuda":
         if ctx.device != "cuda":
             raise BadInput(f"collective runs one rank per GPU: use --device cuda (all GPUs), not {ctx.device}")

@@ -18,8 +18,10 @@ class BenchContext:
     snapshot: Snapshot | None = None
     # storage: where to read and write test files
     path: str | None = None
-    # network: run as server, or connect to one; port; parallel stream counts to try
+    # network: run as server (on ``listen``: every interface unless told), or connect to one; port; parallel
+    # stream counts to try
     serve: bool = False
+    listen: str = "0.0.0.0"
     connect: str | None = None
     port: int = 5211
     streams: list[int] = field(default_factory=lambda: [1, 4, 8, 16])

@@ -41,6 +41,8 @@ from redline.bench.net.streams import BLOCK_BYTES
 from redline.errors import BadInput
 from redline.units import MiB, fmt_bytes
 
+MAX_STREAMS = 128  # iperf3's -P ceiling: past it a host runs out of sockets and threads, not bandwidth
+
 SUITE = "network"
 # a stream count is "enough" when it reaches this share of the best count's throughput
 ENOUGH = 0.90
@@ -78,11 +80,20 @@ class Plan:
         return plan
 
 
-def run(ctx: BenchContext) -> list[Measurement]:
+def check(ctx: BenchContext) -> None:
+    """Before any suite runs: the options that decide where this suite talks."""
     if ctx.serve and ctx.connect:
         raise BadInput("network: --serve and --connect exclude each other (one host serves, the other connects)")
+    if not 1 <= ctx.port <= 65535:
+        raise BadInput(f"--port {ctx.port} is not a TCP port (1-65535)")
+    if max(ctx.streams, default=1) > MAX_STREAMS:
+        raise BadInput(f"--streams: at most {MAX_STREAMS} parallel streams (as iperf3 -P), not {max(ctx.streams)}")
+
+
+def run(ctx: BenchContext) -> list[Measurement]:
+    check(ctx)
     if ctx.serve:
-        serve(ctx.port, duration_s=ctx.duration_s)
+        serve(ctx.port, duration_s=ctx.duration_s, host=ctx.listen)
         return []
     plan = Plan.for_context(ctx)
     local_tcp = dataclasses.asdict(ctx.snapshot.network.tcp) if ctx.snapshot else local_tcp_settings()
@@ -99,9 +110,11 @@ def run(ctx: BenchContext) -> list[Measurement]:
 
 
 def serve(port: int, duration_s: float | None = None, host: str = "0.0.0.0") -> None:
-    """Serve until Ctrl-C (or ``duration_s``); the sockets close on the way out either way."""
+    """Serve until Ctrl-C (or ``duration_s``); the sockets close on the way out either way. Every interface
+    by default, as iperf3 does: the peer is another machine (``--listen`` narrows it)."""
     with Server(host, port) as server:
-        server.log(f"network bench: serving on {host}:{server.port} (TCP and UDP); Ctrl-C to stop")
+        where = "every interface (--listen ADDR to narrow)" if host in ("0.0.0.0", "::") else host
+        server.log(f"network bench: serving on {where}, port {server.port} (TCP and UDP); Ctrl-C to stop")
         stop = threading.Event()
         timer = threading.Timer(duration_s, stop.set) if duration_s is not None else None
         if timer:

@@ -31,3 +31,11 @@ def resolve(names: list[str]) -> list[str]:
 
 def runner(name: str) -> Callable[[BenchContext], list[Measurement]]:
     return importlib.import_module(f"redline.bench.{name}").run
+
+
+def check(names: list[str], ctx: BenchContext) -> None:
+    """Every chosen suite's ``check(ctx)``, before the first one runs: a bad option for the last suite is
+    refused in a second, not after minutes of the others' measurements."""
+    for name in names:
+        module = importlib.import_module(f"redline.bench.{name}")
+        getattr(module, "check", lambda ctx: None)(ctx)

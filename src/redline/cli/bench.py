@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
-from redline.cli import ui
-from redline.errors import RedlineError
+from redline.cli import params, ui
+from redline.errors import BadInput, RedlineError
 
 SUITE_HELP = "Suites to run (default: all that need no peer): " + ", ".join(
     ["compute", "memory", "collective", "storage", "network", "dataloader"]
@@ -24,6 +24,9 @@ def bench(
     device: str = typer.Option("auto", "--device", help="auto (GPUs when present), cpu, cuda or cuda:N."),
     path: Path = typer.Option(Path("."), "--path", help="storage: directory to test (a dataset's disk)."),
     serve: bool = typer.Option(False, "--serve", help="network: wait for a peer's --connect."),
+    listen: str = typer.Option(
+        "all", "--listen", help=f"network --serve: where to listen, {params.LISTEN_HELP}.", show_default=True
+    ),
     connect: str | None = typer.Option(None, "--connect", help="network: the peer running --serve."),
     port: int = typer.Option(5211, "--port", help="network: TCP port of the peer."),
     streams: str = typer.Option("1,4,8,16", "--streams", help="network: parallel stream counts to try."),
@@ -37,8 +40,7 @@ def bench(
     from redline.bench import store
     from redline.bench.context import BenchContext
     from redline.bench.model import BenchRun
-    from redline.bench.suites import resolve, runner
-    from redline.errors import BadInput
+    from redline.bench.suites import check, resolve, runner
     from redline.hw.probe import take_snapshot
 
     names = resolve(list(dict.fromkeys(suites or [])))
@@ -48,6 +50,16 @@ def bench(
         raise BadInput(
             "under torchrun only `redline bench collective` makes sense: other suites would run once per rank"
         )
+    _refuse_options_of_other_suites(
+        names,
+        {
+            "compute": {"--precision": precision is not None},
+            "collective": {"--ranks": ranks is not None},
+            "network": {"--serve": serve, "--connect": connect is not None, "--listen": listen != "all"},
+            "dataloader": {"--dataset": dataset is not None},
+        },
+    )
+    listen_host = params.listen_address("--listen", listen)
     try:
         stream_counts = sorted({int(s) for s in streams.split(",") if s.strip()})
     except ValueError:
@@ -68,14 +80,16 @@ def bench(
         snapshot=snapshot,
         path=str(path),
         serve=serve,
+        listen=listen_host,
         connect=connect,
         port=port,
         streams=stream_counts,
         ranks=ranks or (_cuda_device_count() if resolved_device == "cuda" and len(snapshot.gpus) > 1 else 2),
         dataset=dataset,
     )
-    if precision:
+    if precision is not None:
         ctx.extra["precisions"] = [p.strip() for p in precision.split(",") if p.strip()]
+    check(names, ctx)  # every suite's options, before the first suite runs
     fingerprint, machine = store.fingerprint(snapshot)
     run = BenchRun(
         fingerprint=fingerprint,
@@ -114,6 +128,17 @@ def bench(
         ui.warn(f"saved to {saved}; `redline doctor --bench` reads it")
     if failures:
         raise typer.Exit(max(failures))
+
+
+def _refuse_options_of_other_suites(names: list[str], given: dict[str, dict[str, bool]]) -> None:
+    """An option of a suite this run leaves out would be ignored in silence: say so instead."""
+    for suite, options in given.items():
+        named = [option for option, present in options.items() if present]
+        if named and suite not in names:
+            raise BadInput(
+                f"{' and '.join(named)} {'applies' if len(named) == 1 else 'apply'} to the {suite} suite, which this "
+                f"run leaves out ({', '.join(names)}): `redline bench {suite} {' '.join(named)} ...`"
+            )
 
 
 def _cuda_device_count() -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from redline.cli import ui
+from redline.cli import params, ui
 from redline.errors import BadInput, RedlineError
 from redline.units import parse_duration
 
@@ -52,7 +52,7 @@ def monitor(
     retention: str | None = typer.Option(None, "--retention", help="With --record: keep this much (12h, 7d)."),
     port: int | None = typer.Option(None, "--port", help="Serve Prometheus metrics on this port (127.0.0.1)."),
     listen: str | None = typer.Option(
-        None, "--listen", help="Serve the metrics on this address instead of 127.0.0.1 (0.0.0.0: every interface)."
+        None, "--listen", help=f"Serve the metrics on this address instead of 127.0.0.1: {params.LISTEN_HELP}."
     ),
     steps: list[str] = typer.Option(
         [], "--steps", help="The training run's metrics JSON lines (a path or glob, '{rank}' allowed); repeatable."
@@ -76,8 +76,10 @@ def monitor(
     if not once:
         _warn_short_window(window, window_s, interval)
     stop_after_s = _duration("--duration", duration) if duration is not None else None
-    if port is not None and not 0 < port < 65536:
-        raise BadInput(f"--port {port} is not a TCP port (1-65535)")
+    if port is not None:
+        params.tcp_port("--port", port)
+    if listen is not None:
+        listen = params.listen_address("--listen", listen)
 
     from redline.monitor.sampler import Sampler
 
