@@ -65,6 +65,8 @@ def main() -> None:
             raise
         ui.error(f"internal error: {type(exc).__name__}: {exc} (set REDLINE_DEBUG=1 for the traceback)")
         sys.exit(1)
+    if code == 130:  # typer turns a KeyboardInterrupt inside a command into Exit(130), silently
+        ui.error("interrupted")
     if isinstance(code, int) and code:
         sys.exit(code)
 

@@ -77,6 +77,7 @@ def plan(
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
     from redline.plan.estimate import Goal
+    from redline.plan.hardware import MAX_NODES
     from redline.workload.load import load_workload
     from redline.workload.presets import PRESET_NAMES
 
@@ -86,6 +87,8 @@ def plan(
     for name, value in (("--top", top), ("--max-nodes", max_nodes)):
         if value < 1:
             raise BadInput(f"{name} must be at least 1, not {value}")
+    if max_nodes > MAX_NODES:
+        raise BadInput(f"--max-nodes must be at most {MAX_NODES}, not {max_nodes}")
     if rank_by not in ("time", "cost"):
         raise BadInput(f"--rank must be time or cost, not '{rank_by}'")
     profile = load_workload(
@@ -142,6 +145,8 @@ def plan(
         raise BadInput(f"{cluster.name} has no price: rank by time, or plan for a cloud instance (or --cloud)")
     if calibrate_micro_batch is not None and not calibrate:
         raise BadInput("--calibrate-micro-batch goes with --calibrate")
+    if calibrate:
+        _check_calibration(model, cluster, calibrate_micro_batch)
     batch = global_batch if global_batch is not None else default_global_batch(profile, cluster.gpus)
     goal = Goal(batch, tokens=tokens_total, samples=samples)
     result = search(profile, cluster, goal, constraints)
@@ -253,6 +258,19 @@ def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, 
     )
 
 
+def _check_calibration(model, cluster, micro_batch: int | None) -> None:
+    """What --calibrate needs, checked before any planning: PyTorch, a model it can run, this machine."""
+    from redline import capability
+
+    capability.require_torch("--calibrate (it times real training steps)")
+    if model is None:
+        raise BadInput("--calibrate runs the model: give it as --model (a config.json, a factory, resnet50, vit-b-16)")
+    if cluster.name != "local":
+        raise BadInput("--calibrate measures this machine: plan with --hardware local")
+    if micro_batch is not None and micro_batch < 1:
+        raise BadInput(f"--calibrate-micro-batch must be at least 1, not {micro_batch}")
+
+
 def _calibrated(profile, cluster, model, constraints, micro_batch):
     """The profile corrected by real steps on this machine's first device, and the constraints pinned to the
     precision it was measured in (a calibration holds for that precision only)."""
@@ -261,12 +279,6 @@ def _calibrated(profile, cluster, model, constraints, micro_batch):
     from redline.plan.calibrate import calibrate, line_sizes, measure
     from redline.workload.load import model_builder
 
-    if model is None:
-        raise BadInput("--calibrate runs the model: give it as --model (a config.json, a factory, resnet50, vit-b-16)")
-    if cluster.name != "local":
-        raise BadInput("--calibrate measures this machine: plan with --hardware local")
-    if micro_batch < 1:
-        raise BadInput(f"--calibrate-micro-batch must be at least 1, not {micro_batch}")
     sizes = line_sizes(micro_batch)
     cuda = cluster.gpu is not None
     precision = constraints.precision or ("bf16" if cuda else "fp32")

@@ -16,8 +16,12 @@ def check_data_paths(paths: list[str]) -> list[str]:
     from redline.errors import BadInput
 
     for path in paths:
-        if not Path(path).exists():
-            raise BadInput(f"--data {path}: no such file or directory")
+        try:
+            Path(path).stat()
+        except FileNotFoundError:
+            raise BadInput(f"--data {path}: no such file or directory") from None
+        except OSError as exc:  # not ours to see: the probe could say nothing about where it lives
+            raise BadInput(f"--data {path}: {exc.strerror or exc} (as this user)") from None
     return paths
 
 

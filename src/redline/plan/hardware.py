@@ -37,6 +37,9 @@ NETWORK_LATENCY_S = 20e-6
 PCIE_X16_GBS = {3: 15.75, 4: 31.5, 5: 63.0, 6: 121.0}
 # the largest NVLink domain of one server (HGX/DGX boards); more GPUs are more nodes
 MAX_GPUS_PER_NODE = 8
+# the largest training clusters published (Llama 3: 16k H100s; xAI: ~100k) fit in 16384 nodes of 8; past it the
+# planner's search, linear in the GPU count, would run for hours on a typo
+MAX_NODES = 16384
 # inter-node bandwidth when the hardware names GPUs but not a network: a 400 Gbit/s NIC per node
 DEFAULT_NETWORK_GBPS = 400.0
 
@@ -74,8 +77,8 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
     def with_nodes(self, nodes: int) -> Cluster:
-        if nodes < 1:
-            raise BadInput(f"--nodes must be at least 1, not {nodes}")
+        if not 1 <= nodes <= MAX_NODES:
+            raise BadInput(f"--nodes must be between 1 and {MAX_NODES}, not {nodes}")
         if nodes > 1 and self.inter is None:
             raise BadInput(f"{self.name}: no inter-node network is known; pass --network-gbps")
         notes = self.notes
