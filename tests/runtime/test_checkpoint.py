@@ -442,7 +442,7 @@ def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
         for rank in range(2)
     ]
     try:
-        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+        outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -307,7 +307,7 @@ def two_ranks(tmp_path: Path, strategy: dict, optimizer: str = "sgd") -> dict[st
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True))
     try:
         for proc in procs:
-            _, err = proc.communicate(timeout=120)
+            _, err = proc.communicate(timeout=600)
             assert proc.returncode == 0, err
     finally:
         for proc in procs:
