@@ -169,7 +169,9 @@ def test_bf16_without_bf16_units_is_sized_down_and_said_to_be_emulated(tmp_path)
     fp32, bf16 = by_name["matmul_fp32"], by_name["matmul_bf16"]
     assert bf16["extra"]["emulated"] is True and bf16["extra"]["vs_fp32_ratio"] < compute.EMULATED_BELOW
     assert "emulated" not in fp32["extra"]
-    assert bf16["size"]["m"] < fp32["size"]["m"]  # less work where each flop costs more
+    # less work where each flop costs more: sized below the old fixed side, and not above fp32's (under load
+    # both may sit at the floor)
+    assert bf16["size"]["m"] < compute.CPU_SIZE[True] and bf16["size"]["m"] <= fp32["size"]["m"]
     # a call of the chosen side takes about the target; generous, for a loaded machine
     assert 2 * bf16["size"]["m"] ** 3 / (bf16["value"] * 1e12) < 20 * compute.CPU_CALL_S[True]
 

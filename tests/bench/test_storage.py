@@ -274,9 +274,11 @@ def test_agrees_with_fio_on_the_same_file(tmp_path):
     file) checks that, and its medians land within a few percent here. This CI version has ~18 s: 5
     rounds of <= 0.4 s per pattern on a 2-core VM whose virtual disk is shared with other tenants, where
     single passes of the *same* tool scatter by -30%..+60% from one second to the next (the p10-p90 the
-    benchmark prints). Over repeated runs here the median of 5 paired ratios ranged 0.76-1.07, so the
-    band is a factor of 1.5 either way (0.67-1.5): honest for that noise, and still far from what a
-    broken reader gives (answered from the page cache, wrong block size, serialised threads: 2x-10x).
+    benchmark prints). Over repeated runs here the median of 5 paired ratios ranged 0.76-1.07 on an idle
+    machine, and fell to 0.60 with the test suite and two CPU hogs beside it (redline's reader threads are
+    Python's, fio's are C: CPU contention costs redline more). So the band is a factor of 2 either way: honest
+    for that noise under load, and still clear of what a broken reader gives (answered from the page cache
+    5-10x, the 4 threads serialised 4x, 4 KiB blocks for 128 KiB ones far more).
     """
     with storage.test_file(str(tmp_path), 384 * MiB) as tf:
         ratios = {
@@ -285,4 +287,4 @@ def test_agrees_with_fio_on_the_same_file(tmp_path):
     assert _left_in(tmp_path) == []
     print("redline/fio:", {name: round(ratio, 3) for name, ratio in ratios.items()})
     for name, ratio in ratios.items():
-        assert 1 / 1.5 <= ratio <= 1.5, f"{name}: redline/fio = {ratio:.2f} (all: {ratios})"
+        assert 1 / 2 <= ratio <= 2, f"{name}: redline/fio = {ratio:.2f} (all: {ratios})"
