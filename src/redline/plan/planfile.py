@@ -73,6 +73,7 @@ def describe_cluster(cluster: Cluster) -> dict[str, Any]:
     return {
         "name": cluster.name,
         "device": cluster.device,
+        "accelerator": "cuda" if cluster.gpu is not None else "cpu",
         "gpus_per_node": cluster.gpus_per_node,
         "nodes": cluster.nodes,
         "memory_bytes": cluster.memory_bytes,

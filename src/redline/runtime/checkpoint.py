@@ -262,6 +262,15 @@ class Checkpointer:
         os.replace(scratch, path)  # atomic: a restart reads the old record or the new one, never half
         _sync_dir(self.directory)
 
+    @property
+    def micro_batch_path(self) -> Path:
+        return self.directory / MICRO_BATCH_FILE
+
+    def clear_micro_batch(self) -> None:
+        """Forget the recorded micro-batch: the run it was for has completed."""
+        with contextlib.suppress(FileNotFoundError):
+            self.micro_batch_path.unlink()
+
     def recorded_micro_batch(self) -> tuple[int, int] | None:
         """``(micro_batch, accumulation)`` recorded by ``record_micro_batch``; None if none (or unreadable)."""
         try:

@@ -33,11 +33,15 @@ class RunConfig:
     ddp_static_graph: bool = False
     comm_hook: str = "none"  # compress DDP's all-reduce: fp16/bf16, or PowerSGD for slow inter-node links
     powersgd_rank: int = 4
+    sync_batchnorm: bool = True  # under DDP on GPUs, BatchNorm normalises over the global batch (SyncBatchNorm)
     # DataLoader: None keeps what the user's loader has
     num_workers: int | None = None
     pin_memory: bool | None = None
     persistent_workers: bool | None = None
     prefetch_factor: int | None = None
+    # a loader with workers and no timeout of its own that gives no batch for this long ends the run, naming
+    # the worker that owes the batch; 0: wait forever
+    loader_stall_s: float = 300.0
     # checkpoints and metrics
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
@@ -47,20 +51,17 @@ class RunConfig:
     predicted: dict[str, Any] | None = None
     training_flops_per_sample: float | None = None
     tokens_per_sample: int = 1
+    planned_device: str | None = None  # the device the plan was made for ("NVIDIA H100 SXM5 80GB", "cpu")
+    planned_params: int | None = None  # the model's parameters as the planner counted them
 
     def __post_init__(self) -> None:
-        s = self.strategy
-        if s.tensor > 1 or s.pipeline > 1:
-            raise BadInput(
-                f"the plan asks for tensor degree {s.tensor} and pipeline degree {s.pipeline}; redline's runtime "
-                "applies data parallelism (DDP, ZeRO, FSDP) only so far: plan with --tp 1 --pp 1"
-            )
-        if s.precision == "fp8":
-            raise BadInput("fp8 training is not supported by redline's runtime yet: plan with --precision bf16")
+        check_runnable(self.strategy)
         if self.comm_hook not in COMM_HOOKS:
             raise BadInput(f"comm_hook '{self.comm_hook}' is not one of {', '.join(COMM_HOOKS)}")
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise BadInput(f"grad_clip_norm must be positive, not {self.grad_clip_norm}")
+        if self.loader_stall_s < 0:
+            raise BadInput(f"loader_stall_s must be 0 (no limit) or more, not {self.loader_stall_s}")
         if self.checkpoint_every < 0:
             raise BadInput(f"checkpoint_every must be 0 or more, not {self.checkpoint_every}")
 
@@ -71,6 +72,18 @@ class RunConfig:
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_runnable(strategy: Strategy, where: str = "the plan") -> None:
+    """What the runtime cannot apply yet, refused before training (and by ``redline run`` before any rank
+    starts)."""
+    if strategy.tensor > 1 or strategy.pipeline > 1:
+        raise BadInput(
+            f"{where} asks for tensor degree {strategy.tensor} and pipeline degree {strategy.pipeline}; redline's "
+            "runtime applies data parallelism (DDP, ZeRO, FSDP) only so far: plan with --tp 1 --pp 1"
+        )
+    if strategy.precision == "fp8":
+        raise BadInput(f"{where}: fp8 training is not supported by redline's runtime yet: plan with --precision bf16")
 
 
 def from_plan_file(path: str | Path, **overrides: Any) -> RunConfig:
@@ -84,6 +97,8 @@ def from_plan_file(path: str | Path, **overrides: Any) -> RunConfig:
         predicted=plan.predicted,
         training_flops_per_sample=model.get("training_flops_per_sample"),
         tokens_per_sample=int(model.get("tokens_per_sample") or 1),
+        planned_device=_planned_device(plan.hardware or {}),
+        planned_params=model.get("params"),
         **overrides,
     )
 
@@ -93,3 +108,10 @@ def default_config(world_size: int, per_rank_batch: int, *, cuda: bool, bf16: bo
     bf16 autocast where the GPU has it, fp32 on a CPU."""
     precision = "bf16" if cuda and bf16 else ("fp16" if cuda else "fp32")
     return RunConfig(strategy=Strategy(data=world_size, micro_batch=per_rank_batch, precision=precision))
+
+
+def _planned_device(hardware: dict[str, Any]) -> str | None:
+    """The GPU's name a plan was made for, or "cpu" (a plan for ``--hardware local`` on a machine without one)."""
+    if hardware.get("accelerator") == "cpu":
+        return "cpu"
+    return hardware.get("device")

@@ -82,7 +82,7 @@ def print_to_stderr(line: str) -> None:
 class StepRecord:
     """One optimizer step, as measured. Units are in the names; see the module docstring for conventions."""
 
-    step: int  # 1 for the first optimizer step this StepMetrics saw
+    step: int  # the optimizer step's number in the run: a resumed run continues the count (continue_from)
     time_s: float  # host wall time of the whole step
     data_s: float  # host wall time waiting for batches
     compute_s: float  # forward + backward of every micro-batch (device time on CUDA)
@@ -100,6 +100,7 @@ class StepRecord:
     accumulation: int  # micro-batches per optimizer step
     skipped: bool  # the optimizer step was skipped (fp16 GradScaler found inf/nan gradients)
     rank: int
+    attempt: int = 0  # 0 for a fresh start, then one more for each resume from the run's checkpoints
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -269,6 +270,8 @@ class StepMetrics:
         self.peak_flops_measured = peak_flops_measured
         self.interval_s = interval_s
         self.records: list[StepRecord] = []
+        self.first_step = 1  # the number the next step of this object gets, if it is the first
+        self.attempt = 0
 
         self._clock = clock
         cuda = self.device.type == "cuda"
@@ -339,6 +342,12 @@ class StepMetrics:
         self._begin()
         self._spans.append(("comm", start, end))
 
+    def continue_from(self, steps_done: int, attempt: int) -> None:
+        """A run resumed after ``steps_done`` steps, as its ``attempt``-th resume: records go on counting from
+        there, so a metrics file appended to by several attempts reads as one run."""
+        self.first_step = steps_done + 1
+        self.attempt = attempt
+
     # ------------------------------------------------------------------------------ steps
 
     def end_step(
@@ -373,7 +382,7 @@ class StepMetrics:
         global_samples = samples * self.world_size
         samples_per_s = global_samples / time_s if time_s > 0 else 0.0
         record = StepRecord(
-            step=len(self.records) + 1,
+            step=self.first_step + len(self.records),
             time_s=time_s,
             data_s=self._data_s,
             compute_s=phase_s["compute"],
@@ -395,6 +404,7 @@ class StepMetrics:
             accumulation=accumulation,
             skipped=skipped,
             rank=self.rank,
+            attempt=self.attempt,
         )
         self.records.append(record)
         self._sink.write(record)
@@ -591,11 +601,14 @@ def _throughput(samples_per_s: float | None, tokens_per_s: float | None, tokens_
 
 
 def _mfu(catalog: float | None, measured: float | None) -> str | None:
+    """Utilisation as a share of a peak; above 100% it cannot be: the peak is wrong (a bench run on other
+    hardware, a CPU figure under a GPU run) or the FLOPs per sample are, and the line says so instead."""
     parts = []
-    if catalog is not None:
-        parts.append(f"MFU {100 * catalog:.1f}%")
-    if measured is not None:
-        parts.append(f"{100 * measured:.1f}% of measured peak")
+    for label, value in (("MFU", catalog), ("of measured peak", measured)):
+        if value is None:
+            continue
+        text = f"{100 * value:.1f}%" if value <= 1.0 else f"{100 * value:.0f}% (over 100%: a wrong peak or FLOP count)"
+        parts.append(f"MFU {text}" if label == "MFU" else f"{text} {label}")
     return ", ".join(parts) or None
 
 

@@ -22,10 +22,14 @@ it, so the loop has one code path):
 6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave,
    or rebuilt from the ready optimizer's class and settings;
 7. precision: autocast to bf16/fp16 around each micro-batch, a GradScaler for fp16;
-8. data: a DistributedSampler (deterministic shuffling per epoch, also on one rank, so a resumed run sees
-   the same order), the plan's per-rank batch, DataLoader workers and pinning; each loaded batch is split
-   into the plan's micro-batches;
-9. checkpoints (resume from the newest on start) and step metrics.
+8. data: the user's DataLoader with every setting kept, its sampler (any) or its IterableDataset shared out
+   over the ranks (deterministic per epoch, also on one rank, so a resumed run sees the same order), the
+   plan's per-rank batch (without a plan, the loader's batch is the global batch); each loaded batch, of any
+   shape (tensors, tuples, dicts, ``BatchEncoding``, dataclasses, lists of strings), is moved to the device
+   and split into the plan's micro-batches (``data.py``, ``batch.py``);
+9. checkpoints (resume from the newest on start), step metrics (the loss is the global batch's, summed over
+   the ranks in one small all-reduce per step), and with a checkpoint directory SIGTERM/SIGINT stop the run
+   at the next step boundary after a checkpoint (a spot instance's preemption notice).
 
 Out of memory: a CUDA OOM inside ``accumulate()`` halves the micro-batch (to the largest divisor of the
 per-rank batch at most half of it) and makes up the rest with accumulation (the per-rank batch, and so the
@@ -42,9 +46,10 @@ import atexit
 import contextlib
 import gc
 import inspect
-import itertools
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,7 +60,9 @@ import torch.distributed as dist
 from torch import nn
 
 from redline.errors import BadInput, RedlineError
+from redline.runtime.batch import split, to_device
 from redline.runtime.config import RunConfig, default_config, from_plan_file
+from redline.runtime.data import next_batch, set_position
 
 log = logging.getLogger("redline.runtime")
 
@@ -72,6 +79,11 @@ class OutOfMemoryAtMinimum(RedlineError):
 
 class OutOfMemoryDuringCollective(RedlineError):
     """Out of memory where the ranks cannot agree in place; a restart resumes with a smaller micro-batch."""
+
+
+class Stopped(SystemExit):
+    """Asked to stop by a signal, the run checkpointed at a step boundary: exits 128 + the signal's number
+    (SystemExit: no traceback, and the code after the user's loop does not run as if training had finished)."""
 
 
 def prepare(
@@ -114,6 +126,7 @@ class Run:
         self.micro_batch = strategy.micro_batch
         self.accumulation = strategy.accumulation
         self._apply_numerics()
+        self._check_plan_matches(model)
         self.model = self._wrap(model.to(self.device))
         self.optimizer = self._build_optimizer(optimizer)
         self._flag_unfused_adam("as asked")
@@ -142,6 +155,7 @@ class Run:
             self.checkpointer = Checkpointer(self.config.checkpoint_dir)
 
         self.step = 0  # optimizer steps done
+        self.attempt = 0  # starts of this run before this one that resumed from its checkpoints
         self.epoch = 0
         self.batch_in_epoch = 0  # per-rank batches of this epoch already trained on
         self.oom_events: list[dict[str, Any]] = []
@@ -151,6 +165,9 @@ class Run:
         self._oom_hook = _parse_oom_hook(os.environ.get(OOM_HOOK_ENV))
         self._last_bucket_ready: Any = None  # metrics.mark() of the last DDP bucket ready in this backward
         self._failed = False  # an error left a micro-batch: the loop ends without a collective checkpoint
+        self._stop: int | None = None  # the signal that asked this rank to stop
+        self._stop_agreed = False  # some rank was asked: all checkpoint at this step's end and leave
+        self._previous_handlers = self._catch_stop_signals()
         self._resume()
 
     # ----------------------------------------------------------------------------------- configuration
@@ -162,8 +179,20 @@ class Run:
         if path:
             return from_plan_file(path, **overrides)
         batch = data.batch_size or 1
+        if batch % self.world_size:
+            raise BadInput(
+                f"without a plan the loader's batch of {batch} is the global batch, which {self.world_size} ranks "
+                f"cannot share evenly: give the loader a multiple of {self.world_size}, or a plan"
+            )
+        if self.world_size > 1 and self.rank == 0:
+            log.warning(
+                "no plan: the loader's batch of %d is the global batch, %d per rank over %d ranks",
+                batch,
+                batch // self.world_size,
+                self.world_size,
+            )
         bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        config = default_config(self.world_size, batch, cuda=torch.cuda.is_available(), bf16=bf16)
+        config = default_config(self.world_size, batch // self.world_size, cuda=torch.cuda.is_available(), bf16=bf16)
         return config.replace(**overrides) if overrides else config
 
     def _check_precision(self) -> None:
@@ -171,6 +200,25 @@ class Run:
             raise BadInput(f"{torch.cuda.get_device_name(self.device)} has no bf16: plan with --precision fp16")
         if self.device.type == "cpu" and self.precision == "fp16":
             raise BadInput("fp16 autocast with loss scaling needs a GPU; on the CPU plan with bf16 or fp32")
+
+    def _check_plan_matches(self, model: nn.Module) -> None:
+        """A plan made for other hardware, or for another model, still runs (its strategy may suit), but its
+        predictions do not hold here: said once."""
+        if self.rank != 0:
+            return
+        planned, here = self.config.planned_device, _device_name(self.device)
+        if planned and _device_kind(planned) != _device_kind(here):
+            log.warning(
+                "the plan was made for %s and runs on %s: its memory and time predictions do not apply", planned, here
+            )
+        if self.config.planned_params:
+            count = sum(p.numel() for p in model.parameters())
+            if abs(count - self.config.planned_params) > 0.05 * self.config.planned_params:
+                log.warning(
+                    "the model has %s parameters and the plan was made for %s: is it the planned model?",
+                    f"{count:,}",
+                    f"{self.config.planned_params:,}",
+                )
 
     def _apply_numerics(self) -> None:
         if self.device.type == "cuda":
@@ -184,6 +232,8 @@ class Run:
         from redline.workload.trace import find_blocks, without_kv_cache
 
         without_kv_cache(model)
+        if self.world_size > 1:
+            self._sync_batchnorm(model)
         blocks = find_blocks(model)
         strategy = self.config.strategy
         if strategy.checkpointing == "selective":
@@ -202,6 +252,24 @@ class Run:
         if strategy.sharding in ("ddp", "zero1"):
             return self._ddp(model)
         return self._fully_shard(model, [block for _, block in blocks])
+
+    def _sync_batchnorm(self, model: nn.Module) -> None:
+        """BatchNorm over several ranks normalises each rank's share of the batch by its own statistics: not
+        what one process computes (a small CNN's weights differed by 0.17 after a few steps). On GPUs its layers
+        become SyncBatchNorm, statistics over the global batch; PyTorch has no SyncBatchNorm for CPUs, and
+        there the difference is said."""
+        count = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        if not count:
+            return
+        if self.config.sync_batchnorm and self.device.type == "cuda":
+            sync_batchnorm(model)
+            note = "%d BatchNorm layers made SyncBatchNorm: statistics over the global batch, as one process has"
+        elif self.config.sync_batchnorm:
+            note = "%d BatchNorm layers normalise over each rank's share of the batch (SyncBatchNorm needs a GPU)"
+        else:
+            note = "sync_batchnorm=False: %d BatchNorm layers normalise over each rank's share of the batch"
+        if self.rank == 0:
+            log.warning(note, count)
 
     def _ddp(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
@@ -264,12 +332,13 @@ class Run:
             fuse_adam(optimizer)
             return optimizer
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-            factory = optimizer
+            factory = _explained(optimizer)
         else:
             if len(optimizer.param_groups) > 1:
                 raise BadInput(
-                    "the optimizer has several parameter groups; pass a factory instead: "
-                    "prepare(model, lambda params: MyOptimizer(...), loader)"
+                    "the optimizer has several parameter groups; pass a factory instead, which receives the flat "
+                    "list of the wrapped model's trainable parameters: prepare(model, lambda params: "
+                    "MyOptimizer(params, ...), loader)"
                 )
             # the group's current settings: a scheduler or the user may have changed lr after construction
             cls = type(optimizer)
@@ -316,68 +385,73 @@ class Run:
         return scheduler
 
     def _prepare_loader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
-        """The user's DataLoader, rebuilt with the plan's per-rank batch and a DistributedSampler."""
-        from torch.utils.data import DataLoader, RandomSampler
+        """The user's DataLoader for this rank: every setting kept, its sampler or stream shared out over the
+        ranks, the plan's per-rank batch (``runtime/data.py``)."""
+        from redline.runtime.data import distributed_loader
 
-        shuffle = isinstance(loader.sampler, RandomSampler)
-        # every step takes the plan's global batch: a short last batch is dropped (as Megatron does), so
-        # accumulation and the loss scaling stay exact
-        sampler = _ResumableSampler(
-            loader.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle, seed=self.config.seed
-        )
-        workers = self.config.num_workers if self.config.num_workers is not None else loader.num_workers
-        settings: dict[str, Any] = {
-            "batch_size": self.config.per_rank_batch,
-            "sampler": sampler,
-            "num_workers": workers,
-            "collate_fn": loader.collate_fn,
-            "drop_last": True,
-            # seeded per epoch (micro_batches): worker seeds come from it, not from the global RNG, so
-            # making an iterator does not shift the model's random stream and a resumed run sees the same
-            "generator": torch.Generator(),
-            "pin_memory": self.config.pin_memory if self.config.pin_memory is not None else loader.pin_memory,
-        }
-        if workers > 0:
-            settings["persistent_workers"] = (
-                self.config.persistent_workers
-                if self.config.persistent_workers is not None
-                else loader.persistent_workers
-            )
-            settings["prefetch_factor"] = self.config.prefetch_factor or loader.prefetch_factor
         if loader.batch_size not in (None, self.config.per_rank_batch) and self.rank == 0:
             log.info(
-                "loader batch size %s replaced by the plan's per-rank batch %s (micro-batch %s x accumulation %s)",
+                "loader batch size %s replaced by the per-rank batch %s (micro-batch %s x accumulation %s)",
                 loader.batch_size,
                 self.config.per_rank_batch,
                 self.micro_batch,
                 self.accumulation,
             )
-        return DataLoader(loader.dataset, **settings)
+        self._iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
+        workers = self.config.num_workers if self.config.num_workers is not None else loader.num_workers
+        return distributed_loader(
+            loader,
+            world=self.world_size,
+            rank=self.rank,
+            per_rank_batch=self.config.per_rank_batch,
+            seed=self.config.seed,
+            overrides={
+                "num_workers": self.config.num_workers,
+                "pin_memory": self.config.pin_memory,
+                "persistent_workers": self.config.persistent_workers,
+                "prefetch_factor": self.config.prefetch_factor,
+                # a loader with workers and no timeout would wait for a hung worker forever
+                "timeout": self.config.loader_stall_s if not loader.timeout and workers else None,
+            },
+        )
 
     # ------------------------------------------------------------------------------------------ the loop
 
     def micro_batches(self, epochs: int = 1) -> Iterator[Any]:
         """Micro-batches on the device, ``accumulation`` per optimizer step, for ``epochs`` epochs (counted
         from the start of the run, so a resumed run finishes the same epochs)."""
+        if self.epoch >= epochs and self.rank == 0:
+            log.warning(
+                "nothing to train: the checkpoint in %s is at step %d, after epoch %d of %d (raise epochs to go on, "
+                "or give another checkpoint_dir to start again)",
+                self.config.checkpoint_dir,
+                self.step,
+                self.epoch,
+                epochs,
+            )
         try:
             while self.epoch < epochs:
-                self.loader.sampler.set_epoch(self.epoch)
-                # per epoch and rank: workers on different ranks must not draw the same augmentations
-                self.loader.generator.manual_seed(self.config.seed + 1_000_003 * self.epoch + self.rank)
-                # resumed mid-epoch: the sampler starts after what the checkpoint already trained on, so those
-                # samples are not loaded again (the order is the same; with DataLoader workers, per-worker
-                # random augmentations draw differently from an uninterrupted run)
-                self.loader.sampler.skip = self.batch_in_epoch * self.loader.batch_size
+                # resumed mid-epoch: the sampler (or stream) starts after what the checkpoint already trained on,
+                # so those samples are not loaded again (the order is the same; with DataLoader workers,
+                # per-worker random augmentations draw differently from an uninterrupted run)
+                set_position(
+                    self.loader,
+                    epoch=self.epoch,
+                    batches_done=self.batch_in_epoch,
+                    seed=self.config.seed,
+                    rank=self.rank,
+                )
+                self._check_ranks_drew_alike()
                 batches = iter(self.loader)
                 while True:
                     with self.metrics.data_wait():
-                        batch = next(batches, None)
-                    if batch is None:
+                        batch = next_batch(batches, self.loader)
+                    if not self._all_ranks_have(batch is not None):
                         break
-                    batch = _to_device(batch, self.device)
+                    batch = to_device(batch, self.device)
                     while True:  # replays the batch, split finer, after an agreed out-of-memory
                         self._retry = False
-                        for index, micro in enumerate(_split(batch, self.accumulation)):
+                        for index, micro in enumerate(split(batch, self.accumulation)):
                             self._micro_index = index
                             yield micro
                             if self._retry:
@@ -385,6 +459,8 @@ class Run:
                         if not self._retry:
                             break
                     self.batch_in_epoch += 1
+                    if self._stop_agreed:  # a SIGTERM or SIGINT reached some rank: checkpoint here and leave
+                        self._stop_at_boundary()
                     if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
                         self.save_checkpoint()
                 self.epoch += 1
@@ -449,6 +525,7 @@ class Run:
         return contextlib.nullcontext()
 
     def _optimizer_step(self) -> None:
+        shared, pending = self._share_step()
         with self.metrics.optimizer():
             skipped = False
             if self.config.grad_clip_norm is not None:
@@ -462,15 +539,97 @@ class Run:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scheduler is not None and not skipped:
                 self.scheduler.step()
+        if pending is not None:
+            pending.wait()
         self.step += 1
         self.metrics.end_step(
             samples=self.micro_batch * self.accumulation,
-            loss=self._loss_sum / self.accumulation,
+            loss=shared[0] / (self.accumulation * self.world_size),
             micro_batch=self.micro_batch,
             accumulation=self.accumulation,
             skipped=skipped,
         )
         self._loss_sum = 0.0
+        self._stop_agreed = bool(shared[1] > 0)  # read after end_step's synchronisation: no extra wait
+
+    def _share_step(self) -> tuple[torch.Tensor, Any]:
+        """The step's summed loss and whether this rank was asked to stop, summed over the ranks in one small
+        all-reduce per optimizer step, started before the optimizer's work so it overlaps it: the reported loss
+        is the global batch's, and every rank learns of a stop at the same step boundary."""
+        shared = torch.zeros(2, device=self.device)
+        shared[0] = self._loss_sum
+        shared[1] = float(self._stop is not None)
+        if self.world_size == 1:
+            return shared, None
+        return shared, dist.all_reduce(shared, async_op=True)
+
+    # -------------------------------------------------------------------------------- ranks in step
+
+    def _all_ranks_have(self, has_batch: bool) -> bool:
+        """Whether every rank loaded a batch. A map-style dataset gives every rank as many (DistributedView);
+        a stream may end sooner on one rank, and a rank that stopped while the others step would leave them in a
+        collective forever: the ranks agree per batch, over one tiny all-reduce, and stop together."""
+        if self.world_size == 1 or not self._iterable:
+            return has_batch
+        value = torch.tensor([1.0 if has_batch else 0.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
+    def _check_ranks_drew_alike(self) -> None:
+        """Once per epoch: the ranks' samplers drew one order, else their shares overlap and miss samples."""
+        if self.world_size == 1 or self._iterable:
+            return
+        mine = self.loader.sampler.fingerprint()
+        value = torch.tensor([mine, -mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        if value[0].item() != -value[1].item():
+            raise BadInput(
+                f"the DataLoader's sampler ({type(self.loader.sampler.sampler).__name__}) drew a different order "
+                "on each rank: give it a generator (the same seed on every rank) or a set_epoch method"
+            )
+
+    # ----------------------------------------------------------------------------------- stopping
+
+    def _catch_stop_signals(self) -> dict[int, Any]:
+        """With a checkpoint directory, SIGTERM (a spot instance's preemption notice, torchrun stopping its
+        workers) and SIGINT end the run at the next step boundary, after a checkpoint, instead of at once; a
+        second signal acts as it would have. Only the main thread can take signals."""
+        if self.checkpointer is None or threading.current_thread() is not threading.main_thread():
+            return {}
+        handlers = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            handlers[sig] = signal.signal(sig, self._on_stop_signal)
+        return handlers
+
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        if self._stop is not None:  # the second: as if redline were not there
+            previous = self._previous_handlers.get(signum, signal.SIG_DFL)
+            self._restore_signals()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.raise_signal(signum)
+            return
+        self._stop = signum
+        if self.rank == 0:
+            log.warning(
+                "%s: checkpointing at the end of step %d, then stopping (send it again to stop at once)",
+                signal.Signals(signum).name,
+                self.step + 1,
+            )
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers = {}
+
+    def _stop_at_boundary(self) -> NoReturn:
+        """Every rank at the same step boundary: the checkpoint a restart resumes from, then exit 128+signal."""
+        path = self.save_checkpoint()
+        signum = self._stop or signal.SIGTERM  # another rank was signalled; this one leaves as they do
+        if self.rank == 0:
+            log.warning("stopped after step %d; checkpoint %s", self.step, path)
+        raise Stopped(128 + signum)
 
     # ----------------------------------------------------------------------------------- out of memory
 
@@ -550,6 +709,7 @@ class Run:
 
     def _position(self) -> dict[str, int]:
         return {
+            "attempt": self.attempt,
             "step": self.step,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
@@ -570,12 +730,27 @@ class Run:
             self.batch_in_epoch = int(extra["batch_in_epoch"])
             self.micro_batch = int(extra["micro_batch"])
             self.accumulation = int(extra["accumulation"])
+            self.attempt = int(extra.get("attempt", 0)) + 1
+            self.metrics.continue_from(self.step, self.attempt)
             if self.rank == 0:
-                log.warning("resumed from step %d (epoch %d, batch %d)", self.step, self.epoch, self.batch_in_epoch)
+                log.warning(
+                    "resumed from step %d (epoch %d, batch %d), attempt %d",
+                    self.step,
+                    self.epoch,
+                    self.batch_in_epoch,
+                    self.attempt,
+                )
             self._flag_unfused_adam("as the checkpoint had it")  # a restore brings back the saved groups' settings
         recorded = self.checkpointer.recorded_micro_batch()
         if recorded is not None:
             micro, accumulation = recorded
+            if self.rank == 0:
+                log.warning(
+                    "%s records micro-batch %d x %d after an out-of-memory; it is cleared when the run completes",
+                    self.checkpointer.micro_batch_path,
+                    micro,
+                    accumulation,
+                )
             if micro < self.micro_batch and micro * accumulation == self.micro_batch * self.accumulation:
                 self.micro_batch, self.accumulation = micro, accumulation
                 self.oom_events.append({"step": self.step, "micro_batch": micro, "accumulation": accumulation})
@@ -588,26 +763,16 @@ class Run:
 
     def close(self, *, checkpoint: bool = True) -> None:
         """End of training: a last checkpoint, the metrics summary against the plan."""
+        self._restore_signals()
         if checkpoint and self.checkpointer is not None and self.checkpointer.latest_step() != self.step:
             self.save_checkpoint()
+        if checkpoint and self.checkpointer is not None and self.rank == 0:
+            self.checkpointer.clear_micro_batch()  # it was for the restarts of this run, not for later ones
         self.summary = self.metrics.summary(self.config.predicted)
         self.metrics.close(self.config.predicted)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-
-class _ResumableSampler(torch.utils.data.DistributedSampler):
-    """A DistributedSampler that starts its epoch ``skip`` indices in (Megatron's consumed-samples idea), so a
-    run resumed mid-epoch does not load and throw away the batches it already trained on."""
-
-    skip = 0
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self) -> int:
-        return super().__len__() - self.skip
 
 
 def _init_distributed() -> tuple[int, int, int]:
@@ -648,6 +813,37 @@ def _destroy_process_group(store: dist.Store, world: int) -> None:
         while store.add("exit", 0) < world and time.monotonic() < deadline:
             time.sleep(0.01)
     dist.destroy_process_group()
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _device_kind(name: str) -> str:
+    """What decides a plan's figures in a device's name: its model (H100, A100, L40S, MI300X), or cpu."""
+    import re
+
+    if "cpu" in name.lower():
+        return "cpu"
+    models = re.findall(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
+    return models[0] if models else name.lower()
+
+
+def _explained(factory: OptimizerFactory) -> OptimizerFactory:
+    """The user's optimizer factory, its failure on what it is given said as such: it receives a flat list of
+    parameters (FSDP2's sharded ones), not the model or named groups."""
+
+    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        try:
+            return factory(params)
+        except (TypeError, AttributeError, ValueError) as exc:
+            raise BadInput(
+                f"the optimizer factory failed ({type(exc).__name__}: {exc}); it receives a flat list of the "
+                "wrapped model's trainable parameters (sharded DTensors under FSDP2), not the model or named "
+                "groups: prepare(model, lambda params: AdamW(params, lr=...), loader)"
+            ) from exc
+
+    return build
 
 
 def constructor_settings(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict[str, Any]:
@@ -692,6 +888,13 @@ def unfused_adam(optimizer: torch.optim.Optimizer) -> bool:
     return adam and not all(group.get("fused") for group in inner.param_groups)
 
 
+def sync_batchnorm(model: nn.Module) -> None:
+    """Every BatchNorm layer of ``model`` made SyncBatchNorm in place (its weights and statistics kept)."""
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if converted is not model:  # the model itself was a BatchNorm layer: nothing to hold the new one
+        raise BadInput("the model is a single BatchNorm layer: wrap it in a module")
+
+
 def checkpoint_blocks(blocks: list[nn.Module]) -> None:
     """Full activation checkpointing: each block keeps its input and recomputes the rest in the backward
     (non-reentrant ``torch.utils.checkpoint``). A Hugging Face model must also run without its KV cache
@@ -707,33 +910,6 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, tuple | list):
-        return type(batch)(_to_device(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    return batch
-
-
-def _split(batch: Any, parts: int) -> list[Any]:
-    """``parts`` micro-batches along the first dimension of every tensor in the batch."""
-    if parts == 1:
-        return [batch]
-    if isinstance(batch, torch.Tensor):
-        if batch.shape[0] % parts:
-            raise BadInput(f"a batch of {batch.shape[0]} samples does not split into {parts} micro-batches")
-        return list(batch.chunk(parts))
-    if isinstance(batch, tuple | list):
-        columns = [_split(item, parts) for item in batch]
-        return [type(batch)(column[i] for column in columns) for i in range(parts)]
-    if isinstance(batch, dict):
-        columns = {key: _split(value, parts) for key, value in batch.items()}
-        return [{key: column[i] for key, column in columns.items()} for i in range(parts)]
-    return [batch] * parts
 
 
 def _parse_oom_hook(text: str | None) -> tuple[int, int, int] | None:
