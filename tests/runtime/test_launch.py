@@ -34,6 +34,7 @@ from redline.runtime.launch import (
     execute,
     parse_nodes,
     resolve_nproc_per_node,
+    thread_settings,
 )
 from redline.workload.presets import preset_profile
 
@@ -94,19 +95,43 @@ def test_world_size_checks() -> None:
         check_world_size(Strategy(data=3, tensor=2), 1, Nodes(1, 6), "p.yaml")
 
 
+def test_each_process_gets_its_share_of_the_cores_unless_the_user_chose(monkeypatch) -> None:
+    """One process under `redline run` had no thread setting; torchrun sets 1 for several and none for one."""
+    from redline.hw import host
+
+    monkeypatch.setattr(host, "usable_cores", lambda fs=None: 16)
+    assert thread_settings(1, {}) == {"OMP_NUM_THREADS": "16"}
+    assert thread_settings(4, {}) == {"OMP_NUM_THREADS": "4"}
+    assert thread_settings(32, {}) == {"OMP_NUM_THREADS": "1"}
+    assert thread_settings(4, {"OMP_NUM_THREADS": "3"}) == {}
+
+
+def test_usable_cores_follow_affinity_and_the_cgroup_quota(tmp_path: Path) -> None:
+    from redline.hw.host import usable_cores
+    from redline.hw.sysfs import SysFs
+
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text("0::/\n")
+    (tmp_path / "sys/fs/cgroup").mkdir(parents=True)
+    (tmp_path / "sys/fs/cgroup/cpu.max").write_text("150000 100000\n")  # 1.5 cores
+    assert usable_cores(SysFs(tmp_path)) == 1
+    (tmp_path / "sys/fs/cgroup/cpu.max").write_text("max 100000\n")
+    assert usable_cores(SysFs(tmp_path)) == len(os.sched_getaffinity(0))
+
+
 def test_torchrun_command_lines(tmp_path: Path) -> None:
     script = str(_script(tmp_path, "train.py", "pass\n"))
     alone = build_launch(script, ["-x"], nproc_per_node=1, nodes=Nodes(), python="py")
-    assert alone.argv == ("py", script, "-x") and not alone.torchrun and alone.env == {}
+    assert alone.argv == ("py", script, "-x") and not alone.torchrun and set(alone.env) <= {"OMP_NUM_THREADS"}
     restarts = build_launch(script, [], nproc_per_node=1, nodes=Nodes(), max_restarts=2, python="py")
     assert restarts.torchrun and "--standalone" in restarts.argv  # restarts need torchrun's agent
     elastic = build_launch(
         script, ["a"], nproc_per_node=8, nodes=Nodes(1, 2), rdzv_endpoint="h:29400", rdzv_id="job", python="py"
     )
     assert elastic.argv == (
-        *("py", "-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "1:2"),
+        *("py", "-m", "redline.runtime.elastic", "--nproc-per-node", "8", "--nnodes", "1:2"),
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--rdzv-id", "job", "--max-restarts", "0"),
-        *(script, "a"),
+        *("-m", "redline.runtime.supervised", script, "a"),
     )
     for kwargs, message in (
         ({"nodes": Nodes(2, 2)}, "needs --rdzv-endpoint"),
@@ -206,12 +231,16 @@ def test_dry_run_prints_the_launch(tmp_path: Path, plan2: Path) -> None:
     shell = run_cli("run", "--dry-run", "--plan", str(plan2), "--nproc-per-node", "2", str(script), "--lr", "1e-3")
     assert shell.returncode == 0, shell.stderr
     line = shell.stdout.strip()
-    assert line.startswith(f"REDLINE_PLAN={plan2.resolve()} {sys.executable} -m torch.distributed.run")
-    assert line.endswith(f"--standalone --max-restarts 0 {script} --lr 1e-3")
+    from redline.hw.host import usable_cores
+
+    threads = max(1, usable_cores() // 2) if "OMP_NUM_THREADS" not in os.environ else None
+    env = f"REDLINE_PLAN={plan2.resolve()}" + (f" OMP_NUM_THREADS={threads}" if threads else "")
+    assert line.startswith(f"{env} {sys.executable} -m redline.runtime.elastic"), line
+    assert line.endswith(f"--standalone --max-restarts 0 -m redline.runtime.supervised {script} --lr 1e-3")
     as_json = run_cli("run", "--dry-run", "--json", "--plan", str(plan2), "--nproc-per-node", "2", str(script))
     launch = json.loads(as_json.stdout)
     assert launch["world_size"] == 2 and launch["launcher"] == "torchrun"
-    assert launch["env"] == {"REDLINE_PLAN": str(plan2.resolve())}
+    assert launch["env"]["REDLINE_PLAN"] == str(plan2.resolve())
 
 
 # --- signals ---
@@ -353,3 +382,145 @@ def test_out_of_memory_inside_the_gradient_all_reduce_restarts_smaller_with_the_
     ranks = torch.load(out)
     for name, param in single.named_parameters():
         torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("target", ["redline", "its process group"])
+def test_kill_9_of_redline_run_leaves_no_process_of_the_job(tmp_path: Path, target: str) -> None:
+    """torchrun starts its workers in sessions of their own: they used to train on, unsupervised, to the end."""
+    import psutil
+
+    script = _script(
+        tmp_path,
+        "train.py",
+        """
+        import os, sys, time
+        open(os.path.join(sys.argv[1], f"{os.environ['RANK']}.pid"), "w").write(f"{os.getpid()} {os.getppid()}")
+        time.sleep(3600)
+        """,
+    )
+    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"}
+    redline = subprocess.Popen(
+        [sys.executable, "-m", "redline", "run", "--nproc-per-node", "2", str(script), str(tmp_path)],
+        env=env,
+        start_new_session=True,  # its own group, to kill as a user's shell would
+        stderr=subprocess.DEVNULL,
+    )
+    job = []
+    try:
+        deadline = time.monotonic() + 600  # a hang guard: both workers write their pid once started
+        while len(job) < 2 and time.monotonic() < deadline and redline.poll() is None:
+            time.sleep(0.1)
+            job = [tmp_path / f"{rank}.pid" for rank in (0, 1) if (tmp_path / f"{rank}.pid").exists()]
+        assert len(job) == 2, "the workers did not start"
+        time.sleep(0.2)  # the pid file may be written but not yet closed
+        pids = {int(n) for path in job for n in path.read_text().split()}  # the workers and torchrun
+        if target == "redline":
+            os.kill(redline.pid, signal.SIGKILL)
+        else:
+            os.killpg(redline.pid, signal.SIGKILL)
+        redline.wait()
+        _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=5)
+        assert not alive, f"still running 5 s after kill -9 of {target}: {alive}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(redline.pid, signal.SIGKILL)
+        for path in job:
+            for pid in map(int, path.read_text().split()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_the_resumed_run_is_bit_identical(tmp_path: Path) -> None:
+    """A spot instance's preemption notice: SIGTERM used to end the run with no checkpoint."""
+    script = _script(
+        tmp_path,
+        "train.py",
+        """
+        import os, sys, time
+        import torch
+        from torch import nn
+        import redline
+
+        ckpt, out, gate = sys.argv[1:4]
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        run = redline.prepare(model, optimizer, loader, checkpoint_dir=ckpt)
+        for x, y in run.micro_batches(epochs=2):
+            with run.accumulate():
+                run.backward(nn.functional.mse_loss(run.model(x), y))
+            if run.step == 3 and gate != "-":  # hold here until the test has signalled (an event, not a delay)
+                print("at step 3", file=sys.stderr, flush=True)
+                while not os.path.exists(gate):
+                    time.sleep(0.02)
+        torch.save(model.state_dict(), out)
+        """,
+    )
+    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"}
+
+    def launch(ckpt: str, out: str, gate: str) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "redline", "run", str(script), ckpt, out, gate]
+        return subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+    whole = launch(str(tmp_path / "ckpt-whole"), str(tmp_path / "whole.pt"), "-")
+    assert whole.wait(timeout=600) == 0, whole.stderr.read()
+
+    stopped = launch(str(tmp_path / "ckpt"), str(tmp_path / "resumed.pt"), str(tmp_path / "gate"))
+    try:
+        lines = iter(stopped.stderr.readline, "")
+        assert any("at step 3" in line for line in lines)
+        stopped.send_signal(signal.SIGTERM)  # to redline run, which passes it on
+        assert any("SIGTERM: checkpointing at the end of step 4" in line for line in lines)
+        (tmp_path / "gate").touch()
+        assert stopped.wait(timeout=600) == 128 + signal.SIGTERM
+        rest = stopped.stderr.read()
+        assert "stopped after step 4" in rest, rest
+        assert not (tmp_path / "resumed.pt").exists()  # the code after the loop did not run
+    finally:
+        stopped.kill()
+    resumed = launch(str(tmp_path / "ckpt"), str(tmp_path / "resumed.pt"), "-")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
+    assert "resumed from step 4" in resumed.stderr.read()
+    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_a_redline_error_in_two_ranks_is_a_line_per_rank_and_a_short_summary(tmp_path: Path) -> None:
+    """It used to be each rank's traceback and 86 lines of torchrun's failure table."""
+    script = _script(
+        tmp_path,
+        "train.py",
+        """
+        import torch
+        import redline
+
+        model = torch.nn.Linear(2, 1)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=3)
+        redline.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)  # 3 does not split over 2
+        """,
+    )
+    result = run_cli("run", "--nproc-per-node", "2", str(script), timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"redline: rank {rank}: without a plan the loader's batch of 3 is the global batch" in result.stderr
+    assert "failed first (exit 2); 1 other process failed too" in result.stderr
+    assert len(result.stderr.splitlines()) < 12, result.stderr
+
+
+def test_a_plan_the_runtime_cannot_apply_is_refused_before_any_rank_starts(tmp_path: Path, plan2: Path) -> None:
+    """A tensor-parallel plan passed the launcher's check and then failed in every rank."""
+    import yaml
+
+    plan = yaml.safe_load(plan2.read_text())
+    plan["strategy"] |= {"data": 1, "tensor": 2}
+    tp = tmp_path / "tp.yaml"
+    tp.write_text(yaml.safe_dump(plan))
+    marker = tmp_path / "ran"
+    script = _script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
+    result = run_cli("run", "--plan", str(tp), "--nproc-per-node", "2", str(script))
+    assert result.returncode == 2 and "tensor degree 2" in result.stderr and result.stderr.count("\n") == 1
+    assert not marker.exists()

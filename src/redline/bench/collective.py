@@ -194,11 +194,10 @@ def check(ctx: BenchContext) -> None:
         raise BadInput("collective needs at least 2 ranks (--ranks 2 or more)")
     if ctx.device.startswith("cuda"):
         return  # one rank per GPU: checked against the GPUs torch sees when the suite starts
+    from redline.hw.host import usable_cores
+
     host = ctx.snapshot.host if ctx.snapshot else None
-    cores = len(os.sched_getaffinity(0))
-    if host is not None and host.cgroup_cpu_limit_cores:
-        cores = min(cores, max(1, int(host.cgroup_cpu_limit_cores)))
-    most = max(2, cores)
+    most = max(2, usable_cores())
     if nranks > most:
         raise BadInput(f"--ranks {nranks}: this host can run {most} CPU ranks (one per usable core); give at most that")
     available = _available_memory(host)

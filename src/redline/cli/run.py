@@ -59,6 +59,9 @@ def run(
     if plan is not None:
         plan_path = str(plan.resolve())
         strategy = load_plan(plan).strategy
+        from redline.runtime.config import check_runnable
+
+        check_runnable(strategy, str(plan))  # before any rank starts: each would fail the same way
     nproc, why = launcher.resolve_nproc_per_node(nproc_per_node, nodes, strategy, launcher.visible_cuda_gpus)
     if strategy is not None:
         launcher.check_world_size(strategy, nproc, nodes, str(plan))

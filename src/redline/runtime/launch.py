@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,11 @@ from typing import Any
 from redline.capability import is_available
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
+from redline.runtime.supervised import die_with_parent
 
 PLAN_ENV = "REDLINE_PLAN"
+SUPERVISED = "redline.runtime.supervised"  # the module torchrun's workers run the script through
+ELASTIC = "redline.runtime.elastic"  # torchrun (torch.distributed.run), its failure report one line
 # How long a signalled script may take to stop before it is killed. torchrun gives its own workers 30 s
 # after SIGTERM before killing them; killing torchrun earlier would orphan them.
 STOP_GRACE_S = 45.0
@@ -179,6 +182,7 @@ def build_launch(
     if rdzv_id is not None and rdzv_endpoint is None:
         raise BadInput("--rdzv-id goes with --rdzv-endpoint (a single-node launch makes its own rendezvous)")
     env = {PLAN_ENV: plan_path} if plan_path else {}
+    env |= thread_settings(nproc_per_node)
     common = {
         "script": script,
         "nproc_per_node": nproc_per_node,
@@ -189,15 +193,30 @@ def build_launch(
     }
     if nproc_per_node == 1 and nodes.max == 1 and rdzv_endpoint is None and max_restarts == 0:
         return Launch(argv=(python, script, *script_args), torchrun=False, **common)
-    argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nodes)]
+    # torchrun's main through redline.runtime.elastic: the same launch, a one-line report when a worker fails
+    argv = [python, "-m", ELASTIC, "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nodes)]
     if rdzv_endpoint is None:
         argv.append("--standalone")
     else:
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
         if rdzv_id is not None:
             argv += ["--rdzv-id", rdzv_id]
-    argv += ["--max-restarts", str(max_restarts), script, *script_args]
+    # each worker runs the script through redline.runtime.supervised: it dies with torchrun, as torchrun does
+    # with redline (execute)
+    argv += ["--max-restarts", str(max_restarts), "-m", SUPERVISED, script, *script_args]
     return Launch(argv=tuple(argv), torchrun=True, **common)
+
+
+def thread_settings(nproc_per_node: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Each process's CPU threads: the usable cores shared among the node's processes (at least one), in
+    ``OMP_NUM_THREADS``, which PyTorch's intra-op pool and OpenMP/MKL read. Processes that together ask for more
+    threads than there are cores time-slice, and a matmul waits for its slowest thread. A value the user set
+    is theirs. (torchrun sets 1 for several processes, and nothing for one.)"""
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    from redline.hw.host import usable_cores
+
+    return {"OMP_NUM_THREADS": str(max(1, usable_cores() // nproc_per_node))}
 
 
 def _check_endpoint(endpoint: str) -> None:
@@ -242,7 +261,8 @@ def execute(launch: Launch, *, stop_grace_s: float = STOP_GRACE_S) -> Outcome:
     directly and it behaves as under plain python (KeyboardInterrupt, a debugger reads the terminal);
     torchrun, in the same place, stops its workers itself. SIGTERM or SIGHUP sent to redline alone, and a
     SIGINT sent with kill, are passed on. Once redline is signalled, the script has ``stop_grace_s`` to
-    stop before it is killed.
+    stop before it is killed. The child dies with redline however redline ends (``supervised``: a kill -9 of
+    redline, or of its process group, leaves no part of the job running).
     """
     received: list[int] = []
     child: list[subprocess.Popen] = []
@@ -254,7 +274,10 @@ def execute(launch: Launch, *, stop_grace_s: float = STOP_GRACE_S) -> Outcome:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
-        proc = subprocess.Popen(list(launch.argv), env=os.environ | launch.env)
+        launcher = os.getpid()
+        proc = subprocess.Popen(
+            list(launch.argv), env=os.environ | launch.env, preexec_fn=lambda: die_with_parent(launcher)
+        )
         child.append(proc)
         if received:  # signalled while the child was starting: it has not seen the signal
             proc.terminate()
