@@ -13,7 +13,11 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def run_cli(
-    *args: str, stdin: str | None = None, timeout: float = 900, env: dict[str, str] | None = None
+    *args: str,
+    stdin: str | None = None,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run `redline ARGS` as a user would: a separate process, real exit code, real stdout/stderr.
 
@@ -23,10 +27,12 @@ def run_cli(
     return subprocess.run(
         [sys.executable, "-m", "redline", *args],
         input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None,  # a command that reads stdin gets an empty one
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env,
+        cwd=cwd,
         check=False,
     )
 

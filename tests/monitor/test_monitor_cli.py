@@ -61,14 +61,19 @@ def test_a_terminal_user_gets_a_line_per_sample_in_a_pipe() -> None:
     assert 3 <= len(lines) <= 5 and all("cpu " in line for line in lines)
 
 
-def test_sigterm_closes_the_record_with_every_sample(tmp_path: Path) -> None:
-    record = tmp_path / "run.rlm"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "redline", "monitor", "--record", str(record), "--interval", "0.1", "--json"],
+def _recording(record: Path, interval: str) -> subprocess.Popen[str]:
+    """`redline monitor --record RECORD --json` in the background: a line on stdout per committed sample."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "redline", "monitor", "--record", str(record), "--interval", interval, "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_sigterm_closes_the_record_with_every_sample(tmp_path: Path) -> None:
+    record = tmp_path / "run.rlm"
+    proc = _recording(record, interval="0.1")
     try:
         assert proc.stdout is not None
         for _ in range(5):  # five samples printed, so five committed
@@ -189,12 +194,7 @@ def test_report_of_an_empty_record_is_one_line(tmp_path: Path) -> None:
 
 def test_a_second_monitor_on_one_record_is_refused_and_the_first_keeps_it(tmp_path: Path) -> None:
     record = tmp_path / "two.rlm"
-    first = subprocess.Popen(
-        [sys.executable, "-m", "redline", "monitor", "--record", str(record), "--interval", "0.2", "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = _recording(record, interval="0.2")
     try:
         assert first.stdout is not None and first.stdout.readline()  # recording
         _one_line_error(

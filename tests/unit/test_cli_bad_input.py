@@ -262,23 +262,12 @@ def test_no_bad_value_of_any_option_gets_a_traceback(tmp_path: Path) -> None:
 
     (tmp_path / "train.py").write_text("print('trained')\n")
     Store.open(tmp_path / "run.rlm").close()  # an empty record: report refuses it, options first
-    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {
-        "COLUMNS": "120",
-        "REDLINE_HOME": str(tmp_path / "home"),
-    }
+    env = {"REDLINE_HOME": str(tmp_path / "home")}
 
     def run(case):
         argv = case[2]
         try:
-            result = subprocess.run(
-                [sys.executable, "-m", "redline", *argv],
-                capture_output=True,
-                text=True,
-                env=env,
-                cwd=tmp_path,
-                timeout=CASE_TIMEOUT_S,
-                stdin=subprocess.DEVNULL,
-            )
+            result = run_cli(*argv, env=env, timeout=CASE_TIMEOUT_S, cwd=tmp_path)
         except subprocess.TimeoutExpired:
             return f"redline {' '.join(argv)}: still running after {CASE_TIMEOUT_S} s"
         output = result.stdout + result.stderr
