@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, Ten
 
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
-from redline.runtime.batch import batch_size, split, to_device
+from redline.runtime.batch import split, to_device
 from redline.runtime.config import RunConfig
 from redline.runtime.data import DistributedView, distributed_loader, set_position
 from redline.runtime.prepare import prepare
@@ -199,8 +199,7 @@ def test_every_field_with_a_batch_dimension_is_split() -> None:
         "scale": torch.tensor(2.0),
         "tag": "train",
     }
-    assert batch_size(batch) == 8
-    parts = split(batch, 2)
+    parts = split(batch, 2, 8)
     assert type(parts[0]["enc"]) is BatchEncoding
     assert parts[1]["enc"]["input_ids"].tolist() == [[8, 9], [10, 11], [12, 13], [14, 15]]
     assert parts[1]["text"] == ["s4", "s5", "s6", "s7"]
@@ -214,9 +213,19 @@ def test_every_field_with_a_batch_dimension_is_split() -> None:
 
 def test_a_batch_that_does_not_divide_is_refused() -> None:
     with pytest.raises(BadInput, match="6 samples does not split into 4"):
-        split((torch.zeros(6, 1), torch.zeros(6)), 4)
-    with pytest.raises(BadInput, match="no batch dimension"):
-        split({"a": 1.0}, 2)
+        split((torch.zeros(6, 1), torch.zeros(6)), 4, 6)
+    with pytest.raises(BadInput, match="no field of the dict batch has 4 entries"):
+        split({"a": 1.0, "b": torch.zeros(3)}, 2, 4)
+
+
+def test_per_sample_lists_are_split_by_sample() -> None:
+    """Detection collators give a tuple of per-sample images of their own sizes: the batch size is not any
+    tensor's first dimension (3, the channels), and each micro-batch must get its own samples."""
+    images = tuple(torch.zeros(3, 8 + i, 8) for i in range(4))
+    targets = [{"boxes": torch.zeros(i + 1, 4)} for i in range(4)]
+    first, second = split((images, targets), 2, 4)
+    assert [t.shape[1] for t in second[0]] == [10, 11] and second[1] == targets[2:]
+    assert len(first[0]) == len(first[1]) == 2
 
 
 def test_a_hugging_face_batch_is_split_into_micro_batches() -> None:
@@ -418,3 +427,92 @@ def test_batchnorm_becomes_sync_batchnorm_on_gpus_and_is_said_on_cpus(caplog) ->
             Run._sync_batchnorm(run, model)
         assert expected in caplog.text and "1 BatchNorm" in caplog.text
         assert type(model[1]) is nn.BatchNorm2d
+
+
+# ------------------------------------------------------------------------------- from a review
+
+
+def test_a_users_distributed_sampler_is_shared_out_once() -> None:
+    """A DDP script's own DistributedSampler already took one rank's share: wrapped as it was, each rank got a
+    quarter, and the ranks drew different orders."""
+    dataset = TensorDataset(torch.arange(16))
+    mine = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=False)
+    loader = DataLoader(dataset, batch_size=4, sampler=mine)
+    seen = []
+    for rank in range(2):
+        rebuilt = distributed_loader(loader, world=2, rank=rank, per_rank_batch=4, seed=0, overrides={})
+        set_position(rebuilt, epoch=0, batches_done=0, seed=0, rank=rank)
+        seen += [v for (b,) in rebuilt for v in b.tolist()]
+    assert sorted(seen) == list(range(16))
+
+
+def test_a_stream_keeps_no_persistent_workers_and_its_own_attributes(caplog) -> None:
+    """A persistent worker keeps the epoch and skip it started with; a worker_init_fn reads the user's dataset."""
+    stream = Stream(8)
+    stream.shard_names = ["a", "b"]
+    loader = DataLoader(stream, batch_size=2, num_workers=1, persistent_workers=True)
+    with caplog.at_level("WARNING", logger="redline.runtime"):
+        rebuilt = distributed_loader(loader, world=2, rank=0, per_rank_batch=2, seed=0, overrides={})
+    assert rebuilt.persistent_workers is False and "persistent_workers=True set to False" in caplog.text
+    assert rebuilt.dataset.shard_names == ["a", "b"]
+
+
+def test_a_hugging_face_stream_is_not_sharded_twice() -> None:
+    class Streaming(Stream):  # what datasets.IterableDataset has: it shards itself over workers
+        n_shards = 4
+        _distributed = None
+
+    loader = DataLoader(Streaming(8), batch_size=2)
+    with pytest.raises(BadInput, match="split_dataset_by_node"):
+        distributed_loader(loader, world=2, rank=0, per_rank_batch=2, seed=0, overrides={})
+    kept = distributed_loader(loader, world=2, rank=0, per_rank_batch=2, seed=0, overrides={}, shard_stream=False)
+    assert isinstance(kept.dataset, Streaming)
+
+
+def test_a_second_sigterm_is_the_same_request(tmp_path) -> None:
+    """One sent to a process group reaches the script directly and again through its launcher: the second
+    used to skip the checkpoint."""
+    import signal
+
+    model = nn.Linear(1, 1)
+    loader = DataLoader(Stream(8), batch_size=4)
+    run = prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader, plan=config(4), checkpoint_dir=str(tmp_path)
+    )
+    try:
+        run._on_stop_signal(signal.SIGTERM, None)
+        run._on_stop_signal(signal.SIGTERM, None)  # would raise the default action (end the process) if taken
+        assert run._stop == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == run._on_stop_signal
+    finally:
+        run.close(checkpoint=False)
+    assert signal.getsignal(signal.SIGTERM) is not run._on_stop_signal
+
+
+def test_a_resume_with_another_batch_layout_goes_on_from_the_same_sample(tmp_path, caplog) -> None:
+    """An elastic restart with fewer nodes changes the ranks (and a new plan the per-rank batch): the position
+    counts samples of the shared order, not batches."""
+    dataset = TensorDataset(torch.arange(32.0).unsqueeze(1))
+
+    def start(batch: int):
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        loader = DataLoader(dataset, batch_size=batch)
+        return prepare(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            loader,
+            plan=config(batch),
+            checkpoint_dir=str(tmp_path),
+        )
+
+    run = start(4)
+    for step, (x,) in enumerate(run.micro_batches(), 1):
+        with run.accumulate():
+            run.backward(run.model(x).sum())
+        if step == 4:  # 16 samples trained on
+            break
+    with caplog.at_level("WARNING", logger="redline.runtime"):
+        resumed = start(8)
+    assert resumed.batch_in_epoch == 2 and "goes on from sample 16 of its order" in caplog.text
+    firsts = [x[0].item() for (x,) in resumed.micro_batches()]
+    assert firsts == [16.0, 24.0]

@@ -1,11 +1,12 @@
 """A batch of any shape the user's loader yields: split into micro-batches and moved to the device.
 
 A batch is a tree: tensors, numbers and strings at the leaves; tuples, lists, mappings (a dict, Hugging Face's
-``BatchEncoding``, any ``Mapping``) and dataclasses above them. Its batch size is the leading dimension of its
-first tensor. Splitting cuts every field that has that many entries along its first dimension: a tensor whose
-first dimension is the batch size, and a list or tuple of plain values (strings, numbers) as long as the batch.
-Anything else (a 0-dim tensor, a tensor shared by every sample, a config string) goes to every micro-batch as
-it is. A list of tensors, as ``default_collate`` makes of ``(x, y)`` samples, is a list of fields.
+``BatchEncoding``, any ``Mapping``) and dataclasses above them. Its batch size is known (the loader's per-rank
+batch), and splitting cuts every field that has that many entries: a tensor whose first dimension is the batch
+size, and a list or tuple of one entry per sample (strings, per-sample tensors of any shape as detection
+collators make them, per-sample dicts). A list whose entries are batched tensors (``default_collate`` makes
+one of ``(x, y)`` samples) is a list of fields. Anything else (a 0-dim tensor, a tensor shared by every sample,
+a config string) goes to every micro-batch as it is.
 """
 
 from __future__ import annotations
@@ -18,32 +19,21 @@ import torch
 
 from redline.errors import BadInput
 
-PLAIN = (str, bytes, int, float, bool, type(None))
 
-
-def batch_size(batch: Any) -> int | None:
-    """The leading dimension of the first tensor with one, else the length of the first list of plain values;
-    None for a batch with neither."""
-    found = _first(batch, lambda x: isinstance(x, torch.Tensor) and x.dim() > 0)
-    if found is not None:
-        return int(found.shape[0])
-    values = _first(batch, _is_values)
-    return len(values) if values is not None else None
-
-
-def split(batch: Any, parts: int) -> list[Any]:
-    """``parts`` micro-batches of equal size; BadInput when the batch size does not divide."""
+def split(batch: Any, parts: int, size: int) -> list[Any]:
+    """``parts`` micro-batches of ``size // parts`` samples each; BadInput when they do not divide, or when no
+    field of the batch has ``size`` entries (nothing to split: every micro-batch would train on all of it)."""
     if parts == 1:
         return [batch]
-    size = batch_size(batch)
-    if size is None:
-        raise BadInput(
-            f"a batch of {type(batch).__name__} has no batch dimension to split into {parts} micro-batches "
-            "(no tensor, no list of values): yield tensors, or plan without accumulation"
-        )
     if size % parts:
         raise BadInput(f"a batch of {size} samples does not split into {parts} micro-batches")
-    return [_take(batch, size, i * (size // parts), (i + 1) * (size // parts)) for i in range(parts)]
+    if not _has_batch_dim(batch, size):
+        raise BadInput(
+            f"no field of the {type(batch).__name__} batch has {size} entries (the batch size) to split into {parts} "
+            "micro-batches: yield tensors with the batch first, or plan without accumulation"
+        )
+    step = size // parts
+    return [_take(batch, size, i * step, (i + 1) * step) for i in range(parts)]
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -53,17 +43,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def _take(node: Any, size: int, start: int, stop: int) -> Any:
     if isinstance(node, torch.Tensor):
-        return node[start:stop] if node.dim() > 0 and node.shape[0] == size else node
-    if _is_values(node):
-        return node[start:stop] if len(node) == size else node
+        return node[start:stop] if _batched(node, size) else node
+    if _per_sample(node, size):
+        return node[start:stop]
     return _rebuild(node, lambda child: _take(child, size, start, stop))
 
 
 def _map(node: Any, fn: Any) -> Any:
     if isinstance(node, torch.Tensor):
         return fn(node)
-    if _is_values(node):
-        return node
     return _rebuild(node, lambda child: _map(child, fn))
 
 
@@ -85,22 +73,24 @@ def _rebuild(node: Any, fn: Any) -> Any:
     return node
 
 
-def _is_values(node: Any) -> bool:
-    """A list or tuple of plain values (one per sample, as a collator's list of strings), not a namedtuple."""
+def _batched(node: Any, size: int) -> bool:
+    return isinstance(node, torch.Tensor) and node.dim() > 0 and node.shape[0] == size
+
+
+def _per_sample(node: Any, size: int) -> bool:
+    """A list or tuple (not a namedtuple) of one entry per sample: as long as the batch, and not a list of
+    batched fields."""
     return (
         isinstance(node, list | tuple)
         and not hasattr(node, "_fields")
-        and len(node) > 0
-        and all(isinstance(v, PLAIN) for v in node)
+        and len(node) == size
+        and not any(_batched(child, size) for child in node)
     )
 
 
-def _first(node: Any, wanted: Any) -> Any:
-    """The first node in the tree, depth first in field order, for which ``wanted`` is true."""
-    if wanted(node):
-        return node
-    if isinstance(node, torch.Tensor) or _is_values(node):
-        return None
+def _has_batch_dim(node: Any, size: int) -> bool:
+    if _batched(node, size) or _per_sample(node, size):
+        return True
     if isinstance(node, Mapping):
         children: Any = node.values()
     elif isinstance(node, tuple | list):
@@ -108,9 +98,5 @@ def _first(node: Any, wanted: Any) -> Any:
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
         children = [getattr(node, f.name) for f in dataclasses.fields(node)]
     else:
-        return None
-    for child in children:
-        found = _first(child, wanted)
-        if found is not None:
-            return found
-    return None
+        return False
+    return any(_has_batch_dim(child, size) for child in children)

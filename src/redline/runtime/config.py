@@ -33,7 +33,8 @@ class RunConfig:
     ddp_static_graph: bool = False
     comm_hook: str = "none"  # compress DDP's all-reduce: fp16/bf16, or PowerSGD for slow inter-node links
     powersgd_rank: int = 4
-    sync_batchnorm: bool = True  # under DDP on GPUs, BatchNorm normalises over the global batch (SyncBatchNorm)
+    sync_batchnorm: bool = True  # on several GPUs, BatchNorm normalises over the global batch (SyncBatchNorm)
+    shard_stream: bool = True  # an IterableDataset is shared over ranks and workers; False: it shards itself
     # DataLoader: None keeps what the user's loader has
     num_workers: int | None = None
     pin_memory: bool | None = None

@@ -116,6 +116,12 @@ class RankShard(IterableDataset):
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
+    def __getattr__(self, name: str) -> Any:
+        """The user's dataset's own attributes (a ``worker_init_fn`` reading ``get_worker_info().dataset``)."""
+        if name == "dataset":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
@@ -128,11 +134,19 @@ class RankShard(IterableDataset):
 
 
 def distributed_loader(
-    loader: DataLoader, *, world: int, rank: int, per_rank_batch: int, seed: int, overrides: dict[str, Any]
+    loader: DataLoader,
+    *,
+    world: int,
+    rank: int,
+    per_rank_batch: int,
+    seed: int,
+    overrides: dict[str, Any],
+    shard_stream: bool = True,
 ) -> DataLoader:
     """The user's loader for this rank: its settings (``overrides`` from the run's config win where not None),
     its sampler or stream shared out, the per-rank batch. The loader's ``generator`` (or a new one) seeds the
-    workers per epoch and rank (``seed_workers``)."""
+    workers per epoch and rank (``set_position``). ``shard_stream=False`` leaves an IterableDataset that shards
+    itself over the ranks as it is."""
     if loader.batch_size is None:
         if loader.batch_sampler is not None:
             raise BadInput(
@@ -150,24 +164,67 @@ def distributed_loader(
         settings["prefetch_factor"] = 2
     generator = loader.generator if loader.generator is not None else torch.Generator()
     if isinstance(loader.dataset, IterableDataset):
-        dataset: Any = RankShard(loader.dataset, world=world, rank=rank, batch_size=per_rank_batch)
+        dataset = _stream_for_rank(loader.dataset, world=world, rank=rank, batch=per_rank_batch, shard=shard_stream)
+        if isinstance(dataset, RankShard):
+            # the shares and the resume arithmetic follow the loader's turn over its workers, and a persistent
+            # worker would keep the epoch and skip it was started with
+            for name, wanted in (("persistent_workers", False), ("in_order", True)):
+                if settings.get(name, wanted) != wanted:
+                    log.warning(
+                        "%s=%s set to %s for a stream shared over ranks and workers", name, settings[name], wanted
+                    )
+                    settings[name] = wanted
         return DataLoader(dataset, batch_size=per_rank_batch, drop_last=True, generator=generator, **settings)
-    sampler = DistributedView(loader.sampler, world=world, rank=rank, seed=seed)
+    sampler = DistributedView(_undistributed(loader.sampler), world=world, rank=rank, seed=seed)
     return DataLoader(
         loader.dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, generator=generator, **settings
     )
+
+
+def _stream_for_rank(dataset: IterableDataset, *, world: int, rank: int, batch: int, shard: bool) -> Any:
+    """The stream read through ``RankShard``, unless it shards itself (``shard_stream=False``). A Hugging Face
+    ``IterableDataset`` shards itself over DataLoader workers already: sharing it again would read a square of
+    the workers' share."""
+    if not shard:
+        return dataset
+    if hasattr(dataset, "n_shards") and hasattr(dataset, "_distributed"):  # datasets.IterableDataset
+        raise BadInput(
+            "a Hugging Face IterableDataset shards itself over DataLoader workers: split it over the ranks with "
+            "datasets.distributed.split_dataset_by_node(dataset, rank, world_size) and pass shard_stream=False"
+        )
+    return RankShard(dataset, world=world, rank=rank, batch_size=batch)
+
+
+def _undistributed(sampler: Sampler[int]) -> Sampler[int]:
+    """A user's own DistributedSampler (from a DDP script) already takes one rank's share: the order it shares
+    out is a plain one, which DistributedView shares out instead."""
+    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
+
+    if not isinstance(sampler, DistributedSampler):
+        return sampler
+    log.info("the loader's DistributedSampler is replaced by the order it shares out; redline shares it over the ranks")
+    if sampler.shuffle:
+        return RandomSampler(sampler.dataset, generator=torch.Generator().manual_seed(sampler.seed))
+    return SequentialSampler(sampler.dataset)
 
 
 def set_position(loader: DataLoader, *, epoch: int, batches_done: int, seed: int, rank: int) -> None:
     """Before iterating an epoch: the sampler's (or stream's) epoch, the batches to skip, and the workers' seed.
     The workers' seed is drawn from the loader's generator, seeded per epoch and rank: workers on different
     ranks must not draw the same augmentations, and a resumed run draws as the interrupted one did."""
-    source = loader.dataset if isinstance(loader.dataset, RankShard) else loader.sampler
-    source.set_epoch(epoch)
-    if isinstance(source, RankShard):
-        source.skip = batches_done
-    else:
-        source.skip = batches_done * loader.batch_size
+    if isinstance(loader.sampler, DistributedView):
+        loader.sampler.set_epoch(epoch)
+        loader.sampler.skip = batches_done * loader.batch_size
+    elif isinstance(loader.dataset, RankShard):
+        loader.dataset.set_epoch(epoch)
+        loader.dataset.skip = batches_done
+    else:  # a stream that shards itself: its epoch; it cannot be told where to resume
+        if hasattr(loader.dataset, "set_epoch"):
+            loader.dataset.set_epoch(epoch)
+        if batches_done and rank == 0:
+            log.warning(
+                "the stream shards itself: resumed at batch %d of the epoch, it starts the epoch again", batches_done
+            )
     loader.generator.manual_seed(seed + 1_000_003 * epoch + rank)
 
 

@@ -15,11 +15,16 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     try:
         torchrun(argv)
+    except SignalException as exc:  # redline passed on a SIGTERM or SIGINT; torchrun stopped its workers
+        if os.environ.get("REDLINE_DEBUG"):
+            raise
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         if os.environ.get("REDLINE_DEBUG"):
             raise

@@ -113,6 +113,7 @@ class Run:
         **overrides: Any,
     ) -> None:
         self.world_size, self.rank, self.local_rank = _init_distributed()
+        self._batchnorm_synced = False  # SyncBatchNorm layers: collectives in every forward and backward
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         self.config = self._resolve_config(plan, data, overrides)
         strategy = self.config.strategy
@@ -165,6 +166,7 @@ class Run:
         self._oom_hook = _parse_oom_hook(os.environ.get(OOM_HOOK_ENV))
         self._last_bucket_ready: Any = None  # metrics.mark() of the last DDP bucket ready in this backward
         self._failed = False  # an error left a micro-batch: the loop ends without a collective checkpoint
+        self._stepped = False  # the current batch's optimizer step is done
         self._stop: int | None = None  # the signal that asked this rank to stop
         self._stop_agreed = False  # some rank was asked: all checkpoint at this step's end and leave
         self._previous_handlers = self._catch_stop_signals()
@@ -178,7 +180,11 @@ class Run:
         path = plan if plan is not None else os.environ.get("REDLINE_PLAN")
         if path:
             return from_plan_file(path, **overrides)
-        batch = data.batch_size or 1
+        if data.batch_size is None:
+            raise BadInput(
+                "the DataLoader has batch_size=None: give it the batch size (a global batch, without a plan)"
+            )
+        batch = data.batch_size
         if batch % self.world_size:
             raise BadInput(
                 f"without a plan the loader's batch of {batch} is the global batch, which {self.world_size} ranks "
@@ -263,6 +269,7 @@ class Run:
             return
         if self.config.sync_batchnorm and self.device.type == "cuda":
             sync_batchnorm(model)
+            self._batchnorm_synced = True
             note = "%d BatchNorm layers made SyncBatchNorm: statistics over the global batch, as one process has"
         elif self.config.sync_batchnorm:
             note = "%d BatchNorm layers normalise over each rank's share of the batch (SyncBatchNorm needs a GPU)"
@@ -405,6 +412,7 @@ class Run:
             rank=self.rank,
             per_rank_batch=self.config.per_rank_batch,
             seed=self.config.seed,
+            shard_stream=self.config.shard_stream,
             overrides={
                 "num_workers": self.config.num_workers,
                 "pin_memory": self.config.pin_memory,
@@ -449,9 +457,10 @@ class Run:
                     if not self._all_ranks_have(batch is not None):
                         break
                     batch = to_device(batch, self.device)
+                    self._stepped = False  # set by this batch's optimizer step
                     while True:  # replays the batch, split finer, after an agreed out-of-memory
                         self._retry = False
-                        for index, micro in enumerate(split(batch, self.accumulation)):
+                        for index, micro in enumerate(split(batch, self.accumulation, self.loader.batch_size)):
                             self._micro_index = index
                             yield micro
                             if self._retry:
@@ -459,6 +468,7 @@ class Run:
                         if not self._retry:
                             break
                     self.batch_in_epoch += 1
+                    self._stepped = False
                     if self._stop_agreed:  # a SIGTERM or SIGINT reached some rank: checkpoint here and leave
                         self._stop_at_boundary()
                     if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
@@ -466,6 +476,8 @@ class Run:
                 self.epoch += 1
                 self.batch_in_epoch = 0
         except GeneratorExit:  # the loop stopped early: a break (every rank alike), or an error in its body
+            if self._stepped:  # a break after the batch's optimizer step: the checkpoint counts the batch
+                self.batch_in_epoch += 1
             # after an error the other ranks may sit in a collective: a checkpoint (collective) would hang
             self.close(checkpoint=not self._failed)
             raise
@@ -489,9 +501,11 @@ class Run:
                 with self._no_sync(boundary), autocast:
                     yield
             except torch.OutOfMemoryError as exc:
-                if self.world_size > 1 and (boundary or self.config.strategy.sharding != "ddp"):
-                    # the other ranks are inside a gradient collective (DDP's sync step, FSDP2's gathers and
-                    # reduce-scatters): no agreement is possible, so end here and come back smaller
+                in_collective = boundary or self.config.strategy.sharding != "ddp" or self._batchnorm_synced
+                if self.world_size > 1 and in_collective:
+                    # the other ranks are inside a collective (DDP's sync step, FSDP2's gathers and
+                    # reduce-scatters, SyncBatchNorm's statistics in every forward and backward): no agreement
+                    # is possible, so end here and come back smaller
                     self._failed = True
                     self._restart_smaller(exc)
                 failed = True
@@ -525,6 +539,7 @@ class Run:
         return contextlib.nullcontext()
 
     def _optimizer_step(self) -> None:
+        self._stepped = True
         shared, pending = self._share_step()
         with self.metrics.optimizer():
             skipped = False
@@ -592,17 +607,26 @@ class Run:
 
     def _catch_stop_signals(self) -> dict[int, Any]:
         """With a checkpoint directory, SIGTERM (a spot instance's preemption notice, torchrun stopping its
-        workers) and SIGINT end the run at the next step boundary, after a checkpoint, instead of at once; a
-        second signal acts as it would have. Only the main thread can take signals."""
+        workers) and SIGINT end the run at the next step boundary, after a checkpoint, instead of at once. A
+        second Ctrl-C acts as it would have; a second SIGTERM is the same request again (one sent to a process
+        group reaches the script directly and through its launcher). Only the main thread can take signals;
+        DataLoader workers forked from it leave as they would have."""
         if self.checkpointer is None or threading.current_thread() is not threading.main_thread():
             return {}
+        self._signal_pid = os.getpid()
         handlers = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, self._on_stop_signal)
         return handlers
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        if self._stop is not None:  # the second: as if redline were not there
+        if os.getpid() != self._signal_pid:  # a forked DataLoader worker inherited the handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self._stop is not None and signum == signal.SIGTERM:
+            return  # the same request again
+        if self._stop is not None:  # a second Ctrl-C: as if redline were not there
             previous = self._previous_handlers.get(signum, signal.SIG_DFL)
             self._restore_signals()
             if callable(previous):
@@ -619,6 +643,8 @@ class Run:
             )
 
     def _restore_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # close() from a garbage-collected generator elsewhere: only the main thread may
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers = {}
@@ -709,6 +735,8 @@ class Run:
 
     def _position(self) -> dict[str, int]:
         return {
+            "world_size": self.world_size,
+            "per_rank_batch": self.loader.batch_size,
             "attempt": self.attempt,
             "step": self.step,
             "epoch": self.epoch,
@@ -727,9 +755,10 @@ class Run:
             _, extra = restored
             self.step = int(extra["step"])
             self.epoch = int(extra["epoch"])
-            self.batch_in_epoch = int(extra["batch_in_epoch"])
-            self.micro_batch = int(extra["micro_batch"])
-            self.accumulation = int(extra["accumulation"])
+            self.batch_in_epoch = self._batches_done(extra)
+            if int(extra["micro_batch"]) * int(extra["accumulation"]) == self.loader.batch_size:
+                self.micro_batch = int(extra["micro_batch"])  # as the last attempt ran it (after an OOM: smaller)
+                self.accumulation = int(extra["accumulation"])
             self.attempt = int(extra.get("attempt", 0)) + 1
             self.metrics.continue_from(self.step, self.attempt)
             if self.rank == 0:
@@ -760,6 +789,31 @@ class Run:
                         micro,
                         accumulation,
                     )
+
+    def _batches_done(self, saved: dict[str, Any]) -> int:
+        """This epoch's batches already trained on, in this run's per-rank batches. The ranks share one order
+        (``DistributedView``), so what a checkpoint trained on is a count of samples of it, whatever its ranks
+        and batch were: an elastic restart with fewer nodes goes on from the same sample (to a whole global
+        batch). A stream's shares are per rank, and change with the ranks."""
+        done = int(saved["batch_in_epoch"])
+        was = (int(saved.get("world_size", self.world_size)), int(saved.get("per_rank_batch", self.loader.batch_size)))
+        if was == (self.world_size, self.loader.batch_size):
+            return done
+        samples = done * was[0] * was[1]
+        now = samples // (self.world_size * self.loader.batch_size)
+        if self.rank == 0:
+            log.warning(
+                "the checkpoint was written by %d rank(s) x %d samples, this run has %d x %d: the epoch goes on "
+                "from sample %d of its order%s",
+                *was,
+                self.world_size,
+                self.loader.batch_size,
+                now * self.world_size * self.loader.batch_size,
+                " (a stream's shares change with the ranks: some samples of this epoch may be read twice or not at all)"
+                if self._iterable
+                else "",
+            )
+        return now
 
     def close(self, *, checkpoint: bool = True) -> None:
         """End of training: a last checkpoint, the metrics summary against the plan."""

@@ -21,13 +21,16 @@ import sys
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+# resolved at import: die_with_parent runs between fork and exec (preexec_fn), where loading a library is unsafe
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def die_with_parent(parent: int) -> None:
     """SIGKILL this process when its parent ends; ``parent`` is the pid it should still have (if the parent
     ended before the request, the process was already handed to another and leaves now). Not Linux: nothing."""
-    if not sys.platform.startswith("linux"):
+    if _prctl is None:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+    if _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return  # a kernel or sandbox that refuses it: the job runs unsupervised, as without redline
     if os.getppid() != parent:
         os._exit(128 + signal.SIGKILL)
@@ -39,7 +42,11 @@ def main() -> None:
         sys.exit("usage: python -m redline.runtime.supervised SCRIPT [ARGS...]")
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    # as `python SCRIPT` sets it: the script's own folder first, in place of the one `-m` put there (none
+    # under -P / PYTHONSAFEPATH)
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
     from redline.errors import RedlineError
 
     try:
