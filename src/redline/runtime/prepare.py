@@ -261,9 +261,9 @@ class Run:
 
     def _sync_batchnorm(self, model: nn.Module) -> None:
         """BatchNorm over several ranks normalises each rank's share of the batch by its own statistics: not
-        what one process computes (a small CNN's weights differed by 0.17 after a few steps). On GPUs its layers
-        become SyncBatchNorm, statistics over the global batch; PyTorch has no SyncBatchNorm for CPUs, and
-        there the difference is said."""
+        what one process computes (a small CNN's weights differed by 0.17 after a few steps). Its layers become
+        SyncBatchNorm on GPUs and CrossRankBatchNorm on CPUs (PyTorch's is GPU-only): statistics over the global
+        batch. ``sync_batchnorm=False`` keeps them per rank, said."""
         count = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         if not count:
             return
@@ -272,7 +272,11 @@ class Run:
             self._batchnorm_synced = True
             note = "%d BatchNorm layers made SyncBatchNorm: statistics over the global batch, as one process has"
         elif self.config.sync_batchnorm:
-            note = "%d BatchNorm layers normalise over each rank's share of the batch (SyncBatchNorm needs a GPU)"
+            from redline.runtime.batchnorm import cross_rank_batchnorm
+
+            cross_rank_batchnorm(model)
+            self._batchnorm_synced = True
+            note = "%d BatchNorm layers normalise over the global batch (CrossRankBatchNorm: SyncBatchNorm is GPU-only)"
         else:
             note = "sync_batchnorm=False: %d BatchNorm layers normalise over each rank's share of the batch"
         if self.rank == 0:
