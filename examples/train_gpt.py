@@ -3,7 +3,7 @@
     python examples/train_gpt.py                                  # one process, CPU or GPU, defaults
     redline plan --params 20M --hardware local -o plan.yaml       # or plan it first ...
     redline run --plan plan.yaml examples/train_gpt.py            # ... and run the plan
-    redline run --nproc-per-node 2 examples/train_gpt.py --steps 50
+    redline run --nproc-per-node 2 examples/train_gpt.py --epochs 1
 
 The lines marked `# redline` are all that differs from the same loop without redline.
 """
