@@ -301,11 +301,12 @@ import os, sys
 import torch
 sys.path.insert(0, {tests!r})
 torch.distributed.init_process_group(
-    "gloo", init_method="file://" + os.environ["STORE"], rank=int(os.environ["RANK"]), world_size=2
+    "gloo", init_method="file://" + os.environ["STORE"], rank=int(os.environ["RANK"]),
+    world_size=int(os.environ["WORLD_SIZE"]),
 )
 from test_data import {loop}
 result = {loop}()
-gathered = [None, None]
+gathered = [None] * int(os.environ["WORLD_SIZE"])
 torch.distributed.all_gather_object(gathered, result["first_tokens"])
 if os.environ["RANK"] == "0":
     torch.save(result | {{"first_tokens": gathered}}, os.environ["OUT"])
@@ -315,16 +316,18 @@ os._exit(0)  # the results are written: skip gloo's teardown at interpreter exit
 """
 
 
-def two_ranks(tmp_path, loop: str) -> dict:
+def two_ranks(tmp_path, loop: str, world: int = 2) -> dict:
+    """``loop`` run by ``world`` fresh processes (one: the reference, out of this test process's state)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    tmp_path.mkdir(exist_ok=True)
     script = tmp_path / "worker.py"
     script.write_text(TWO_RANKS.format(tests=str(Path(__file__).parent), loop=loop))
     out = tmp_path / "result.pt"
-    base = os.environ | {"STORE": str(tmp_path / "store"), "WORLD_SIZE": "2", "OUT": str(out)}
+    base = os.environ | {"STORE": str(tmp_path / "store"), "WORLD_SIZE": str(world), "OUT": str(out)}
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)],
@@ -332,7 +335,7 @@ def two_ranks(tmp_path, loop: str) -> dict:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank in range(2)
+        for rank in range(world)
     ]
     try:
         for proc in procs:
@@ -348,8 +351,8 @@ def test_two_ranks_train_a_hugging_face_loop_as_one_process(tmp_path) -> None:
     """Collator batches (BatchEncoding) split over the ranks, the weighted sampler kept, the loader's batch the
     global batch, the reported loss the global batch's: weights and losses match one process (fp32)."""
     pytest.importorskip("transformers")
-    alone = gpt2_loop()
-    ranks = two_ranks(tmp_path, "gpt2_loop")
+    alone = two_ranks(tmp_path / "one", "gpt2_loop", world=1)
+    ranks = two_ranks(tmp_path / "two", "gpt2_loop")
     for name, param in alone["weights"].items():
         torch.testing.assert_close(ranks["weights"][name], param, rtol=1e-4, atol=1e-5)
     assert len(ranks["losses"]) == len(alone["losses"]) == 4  # 32 samples, a global batch of 8
@@ -357,7 +360,7 @@ def test_two_ranks_train_a_hugging_face_loop_as_one_process(tmp_path) -> None:
     # every sample drawn has weight 1 (the even items), and the ranks drew disjoint halves of each batch
     rank0, rank1 = ranks["first_tokens"]
     assert len(rank0) == len(rank1) == 16
-    assert sorted(rank0 + rank1) == sorted(alone["first_tokens"])
+    assert sorted(rank0 + rank1) == sorted(alone["first_tokens"][0])
 
 
 # ------------------------------------------------------------------------------- stalls, BatchNorm
@@ -440,8 +443,8 @@ def cnn_loop() -> dict:
 def test_two_ranks_train_a_batchnorm_cnn_as_one_process(tmp_path, caplog) -> None:
     """Per-rank BatchNorm statistics made two ranks differ from one process by 0.17 with no warning; the
     running statistics must agree too."""
-    alone = cnn_loop()
-    ranks = two_ranks(tmp_path, "cnn_loop")
+    alone = two_ranks(tmp_path / "one", "cnn_loop", world=1)
+    ranks = two_ranks(tmp_path / "two", "cnn_loop")
     for name, value in alone["weights"].items():
         torch.testing.assert_close(ranks["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
     torch.testing.assert_close(torch.tensor(ranks["losses"]), torch.tensor(alone["losses"]), rtol=1e-4, atol=1e-5)
