@@ -23,7 +23,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    get_worker_info,
+)
 
 from redline.errors import BadInput, RedlineError
 
@@ -198,8 +206,6 @@ def _stream_for_rank(dataset: IterableDataset, *, world: int, rank: int, batch: 
 def _undistributed(sampler: Sampler[int]) -> Sampler[int]:
     """A user's own DistributedSampler (from a DDP script) already takes one rank's share: the order it shares
     out is a plain one, which DistributedView shares out instead."""
-    from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
-
     if not isinstance(sampler, DistributedSampler):
         return sampler
     log.info("the loader's DistributedSampler is replaced by the order it shares out; redline shares it over the ranks")

@@ -472,7 +472,6 @@ class Run:
                         if not self._retry:
                             break
                     self.batch_in_epoch += 1
-                    self._stepped = False
                     if self._stop_agreed:  # a SIGTERM or SIGINT reached some rank: checkpoint here and leave
                         self._stop_at_boundary()
                     if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
@@ -588,11 +587,9 @@ class Run:
         """Whether every rank loaded a batch. A map-style dataset gives every rank as many (DistributedView);
         a stream may end sooner on one rank, and a rank that stopped while the others step would leave them in a
         collective forever: the ranks agree per batch, over one tiny all-reduce, and stop together."""
-        if self.world_size == 1 or not self._iterable:
+        if not self._iterable:
             return has_batch
-        value = torch.tensor([1.0 if has_batch else 0.0], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        return bool(value.item())
+        return self._agree(has_batch, dist.ReduceOp.MIN)
 
     def _check_ranks_drew_alike(self) -> None:
         """Once per epoch: the ranks' samplers drew one order, else their shares overlap and miss samples."""
@@ -665,10 +662,14 @@ class Run:
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether any rank hit out-of-memory in this micro-batch: every rank asks, so all decide alike."""
+        return self._agree(flag, dist.ReduceOp.MAX)
+
+    def _agree(self, flag: bool, op: dist.ReduceOp) -> bool:
+        """One flag reduced over the ranks in a tiny all-reduce (MAX: any rank; MIN: every rank)."""
         if self.world_size == 1:
             return flag
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        dist.all_reduce(value, op=op)
         return bool(value.item())
 
     def _smaller_micro_batch(self) -> tuple[int, int]:
