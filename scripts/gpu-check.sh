@@ -80,6 +80,22 @@ PY
 # the training runtime on the GPU: an example with bf16 autocast and step metrics (the gpu-marked tests
 # below also cover fp16 + GradScaler, torch.compile and out-of-memory adaptation on the real allocator)
 step runtime-example "$py" examples/train_gpt.py --epochs 1
+# the user's loader kept on a GPU: a loader with pinned memory and workers (batches copied asynchronously);
+# on 2+ GPUs, BatchNorm made SyncBatchNorm under DDP through redline run (said on stderr)
+step runtime-pinned-loader "$py" - <<'PY'
+import torch, redline
+from torch import nn
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+data = torch.utils.data.TensorDataset(torch.randn(512, 64), torch.randn(512, 1))
+loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, num_workers=2, pin_memory=True)
+run = redline.prepare(model, torch.optim.AdamW(model.parameters()), loader)
+for x, y in run.micro_batches():
+    assert x.is_cuda and y.is_cuda
+    with run.accumulate():
+        run.backward(nn.functional.mse_loss(run.model(x), y))
+print("pinned loader: ok, steps", run.step)
+PY
+step runtime-syncbn bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || { echo "skipped: needs 2 GPUs"; exit 0; }; "$0" -m redline run --nproc-per-node 2 examples/train_cnn.py --epochs 1 2>&1 | tee /dev/stderr | grep -q "made SyncBatchNorm"' "$py"
 step pytest-gpu "$py" -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider  # -s: the plan-memory ratios
 
 # the monitor against the real NVML: which fields this GPU and driver answer, then a record taken while the
