@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import multiprocessing
 
 import pytest
@@ -65,11 +66,54 @@ def test_every_setting_of_the_users_loader_is_kept() -> None:
     assert tuned.num_workers == 0 and tuned.timeout == 7.5 and tuned.collate_fn is collate
 
 
-def test_a_batch_sampler_is_refused_with_what_to_do() -> None:
-    data = TensorDataset(torch.zeros(8, 1))
-    loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
-    with pytest.raises(BadInput, match="batch_sampler"):
-        distributed_loader(loader, world=1, rank=0, per_rank_batch=2, seed=0, overrides={})
+class ByLength(torch.utils.data.Sampler):
+    """A user's batch sampler of the kind that buckets by length: batches of 2 to 9 samples (of an even number
+    with ``even``), drawn in a random order from its own generator."""
+
+    def __init__(self, n: int, generator: torch.Generator | None = None, even: bool = False) -> None:
+        self.n = n
+        self.generator = generator
+        self.even = even
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        if self.even:
+            sizes = (torch.randint(1, 5, (self.n,), generator=self.generator) * 2).tolist()
+        else:
+            sizes = torch.randint(2, 10, (self.n,), generator=self.generator).tolist()
+        start = 0
+        for size in sizes:
+            if start >= self.n:
+                return
+            yield order[start : start + size]
+            start += size
+
+
+def test_a_batch_sampler_of_the_users_own_keeps_its_batches_split_over_the_ranks() -> None:
+    data = TensorDataset(torch.arange(60))
+    loader = DataLoader(data, batch_sampler=ByLength(60, torch.Generator().manual_seed(3)))
+    ranks = [distributed_loader(loader, world=2, rank=r, per_rank_batch=1, seed=0, overrides={}) for r in range(2)]
+    (alone,) = [distributed_loader(loader, world=1, rank=0, per_rank_batch=1, seed=0, overrides={})]
+    whole = [b[0].tolist() for b in alone]
+    assert len({len(b) for b in whole}) > 2  # the sizes vary
+    pairs = list(zip(*([b[0].tolist() for b in rank] for rank in ranks), strict=True))
+    shared = [batch for batch in whole if len(batch) >= 2]
+    assert len(pairs) == len(shared)
+    for (mine, theirs), batch in zip(pairs, shared, strict=True):
+        assert mine == batch[0 : len(batch) // 2 * 2 : 2] and theirs == batch[1 : len(batch) // 2 * 2 : 2]
+    assert ranks[0].batch_sampler.sizes == [len(b) for b, _ in pairs]
+    # resumed two batches in, the epoch goes on from the third
+    set_position(ranks[0], epoch=0, batches_done=2, seed=0, rank=0)
+    assert [b[0].tolist() for b in ranks[0]] == [mine for mine, _ in pairs[2:]]
+    # the user's generator is where it was: the draws used one seeded per epoch
+    assert loader.batch_sampler.generator.initial_seed() == 3
+
+
+def test_torchs_batch_sampler_is_its_sampler_and_batch_size() -> None:
+    sampler = torch.utils.data.BatchSampler(SequentialSampler(range(12)), batch_size=6, drop_last=False)
+    loader = DataLoader(TensorDataset(torch.arange(12)), batch_sampler=sampler)
+    rebuilt = distributed_loader(loader, world=2, rank=1, per_rank_batch=3, seed=0, overrides={})
+    assert [b[0].tolist() for b in rebuilt] == [[1, 3, 5], [7, 9, 11]]
 
 
 # ------------------------------------------------------------------------------------------ samplers
@@ -363,6 +407,63 @@ def test_two_ranks_train_a_hugging_face_loop_as_one_process(tmp_path) -> None:
     assert sorted(rank0 + rank1) == sorted(alone["first_tokens"][0])
 
 
+def classifier_loop() -> dict:
+    """A Hugging Face GPT-2 sequence classifier on sentences of 3 to 11 tokens, padded per batch by
+    DataCollatorWithPadding: each rank pads its share to its own longest, and the attention mask and the last
+    real token make the padding not count, so the ranks train as one process padding the whole batch."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    vocab = {"[PAD]": 0, "[UNK]": 1} | {f"w{i}": i for i in range(2, VOCAB)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")), pad_token="[PAD]", unk_token="[UNK]"
+    )
+    draw = torch.Generator().manual_seed(6)
+    lengths = torch.randint(3, 12, (32,), generator=draw).tolist()
+    samples = [
+        {"input_ids": torch.randint(2, VOCAB, (n,), generator=draw).tolist(), "labels": int(n > 7)} for n in lengths
+    ]
+    loader = DataLoader(samples, batch_size=8, shuffle=True, collate_fn=transformers.DataCollatorWithPadding(tokenizer))
+    torch.manual_seed(0)
+    model = transformers.GPT2ForSequenceClassification(
+        transformers.GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=16,
+            vocab_size=VOCAB,
+            num_labels=2,
+            pad_token_id=0,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            summary_first_dropout=0.0,
+        )
+    )
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), loader)
+    widths = []
+    for batch in run.micro_batches():
+        widths.append(batch["input_ids"].shape[1])
+        with run.accumulate():
+            run.backward(run.model(**batch).loss)
+    return {
+        "weights": {name: p.detach().clone() for name, p in model.named_parameters()},
+        "losses": [record.loss for record in run.metrics.records],
+        "first_tokens": widths,
+    }
+
+
+def test_two_ranks_train_a_padded_hugging_face_classifier_as_one_process(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    alone = two_ranks(tmp_path / "one", "classifier_loop", world=1)
+    ranks = two_ranks(tmp_path / "two", "classifier_loop")
+    assert ranks["first_tokens"][0] != ranks["first_tokens"][1]  # the ranks padded to different widths
+    assert len(ranks["losses"]) == len(alone["losses"]) == 4
+    for name, value in alone["weights"].items():
+        torch.testing.assert_close(ranks["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(torch.tensor(ranks["losses"]), torch.tensor(alone["losses"]), rtol=1e-4, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------- stalls, BatchNorm
 
 
@@ -406,6 +507,25 @@ def test_a_hung_worker_ends_the_run_naming_it() -> None:
     assert mine.loader.timeout == 60
 
 
+def test_a_dataset_stuck_in_the_main_process_ends_the_run_naming_the_line() -> None:
+    """Without workers the DataLoader has no timeout at all: a stuck read hung the run forever."""
+    import signal
+
+    from redline.runtime.data import LoaderStalled
+
+    model = nn.Linear(1, 1)
+    loader = DataLoader(HangsAt(9), batch_size=4)
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, plan=config(4), loader_stall_s=2)
+    steps = 0
+    with pytest.raises(LoaderStalled, match=r"no batch for 2 s: .* stuck at .*test_data.py:\d+ in __getitem__"):
+        for x in run.micro_batches():
+            with run.accumulate():
+                run.backward(model(x).sum())
+            steps += 1
+    assert steps == 2
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
 def test_batchnorm_becomes_sync_batchnorm_for_gpus() -> None:
     from redline.runtime.prepare import sync_batchnorm
 
@@ -445,6 +565,43 @@ def test_two_ranks_train_a_batchnorm_cnn_as_one_process(tmp_path, caplog) -> Non
     running statistics must agree too."""
     alone = two_ranks(tmp_path / "one", "cnn_loop", world=1)
     ranks = two_ranks(tmp_path / "two", "cnn_loop")
+    for name, value in alone["weights"].items():
+        torch.testing.assert_close(ranks["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(torch.tensor(ranks["losses"]), torch.tensor(alone["losses"]), rtol=1e-4, atol=1e-5)
+
+
+def bucketed_loop() -> dict:
+    """A regression trained on the batches of a user's batch sampler (2 to 9 samples each), each batch split
+    in 2 micro-batches per rank: on two ranks these are uneven (a share of 3 is 2 + 1), and each micro-batch's
+    loss must count by its samples for the step to be the batch's mean. Batches of an even size: two ranks
+    would leave out an odd batch's last sample, one process would not."""
+    import os
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(80, 4, generator=torch.Generator().manual_seed(1))
+    y = x.sum(dim=1, keepdim=True).sin()
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=ByLength(80, torch.Generator().manual_seed(5), even=True))
+    world = int(os.environ["WORLD_SIZE"])
+    plan = RunConfig(strategy=Strategy(data=world, micro_batch=1, accumulation=2, precision="fp32"))
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.2), loader, plan=plan)
+    sizes = []
+    for inputs, targets in run.micro_batches():
+        sizes.append(len(inputs))
+        with run.accumulate():
+            run.backward(nn.functional.mse_loss(run.model(inputs), targets))
+    return {
+        "weights": {name: p.detach().clone() for name, p in model.named_parameters()},
+        "losses": [record.loss for record in run.metrics.records],
+        "first_tokens": sizes,
+    }
+
+
+def test_two_ranks_train_a_batch_samplers_batches_as_one_process(tmp_path) -> None:
+    alone = two_ranks(tmp_path / "one", "bucketed_loop", world=1)
+    ranks = two_ranks(tmp_path / "two", "bucketed_loop")
+    assert any(a != b for a, b in itertools.pairwise(ranks["first_tokens"][0][::2])), "uneven micro-batches"
+    assert len(ranks["losses"]) == len(alone["losses"]) > 5
     for name, value in alone["weights"].items():
         torch.testing.assert_close(ranks["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
     torch.testing.assert_close(torch.tensor(ranks["losses"]), torch.tensor(alone["losses"]), rtol=1e-4, atol=1e-5)
@@ -536,6 +693,39 @@ def test_a_second_sigterm_is_the_same_request(tmp_path) -> None:
     finally:
         run.close(checkpoint=False)
     assert signal.getsignal(signal.SIGTERM) is not run._on_stop_signal
+
+
+def _term_myself() -> None:
+    import os
+    import signal
+    import time
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)  # reached only if the signal was taken as the run's stop request
+
+
+def test_a_forked_process_leaves_on_sigterm_as_it_would_have(tmp_path) -> None:
+    """A process forked from the training process (a user's multiprocessing.Process) inherits the run's stop
+    handler: a SIGTERM meant for it must end it, not be taken as the run's request to checkpoint. (DataLoader
+    workers set their own SIGTERM handler in torch's C code.)"""
+    import signal
+
+    model = nn.Linear(1, 1)
+    run = prepare(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=4),
+        plan=config(4),
+        checkpoint_dir=str(tmp_path),
+    )
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_term_myself)
+        child.start()
+        child.join(timeout=60)  # a hang guard: the child ends at once
+        assert child.exitcode == -signal.SIGTERM
+        assert run._stop is None
+    finally:
+        run.close(checkpoint=False)
 
 
 def test_a_resume_with_another_batch_layout_goes_on_from_the_same_sample(tmp_path, caplog) -> None:

@@ -51,6 +51,30 @@ def test_a_resumed_run_continues_the_step_count_with_its_attempt(tmp_path: Path)
     ]
 
 
+def test_restarts_that_resume_from_one_checkpoint_have_their_own_attempts(tmp_path: Path) -> None:
+    """Each attempt was the saved checkpoint's + 1: two crashes after one checkpoint read as one attempt."""
+    metrics = tmp_path / "steps.jsonl"
+    settings = {"checkpoint_dir": str(tmp_path / "ckpt"), "metrics_path": str(metrics), "checkpoint_every": 2}
+
+    def crash_at(step: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        plan = RunConfig(strategy=Strategy(micro_batch=4, precision="fp32"), **settings)
+        run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), plan=plan)
+        with pytest.raises(RuntimeError, match="crash"):
+            for x, y in run.micro_batches():
+                with run.accumulate():
+                    if run.step == step:
+                        raise RuntimeError("crash")  # in the step: no checkpoint on the way out
+                    run.backward(nn.functional.mse_loss(run.model(x), y))
+
+    crash_at(3)  # checkpoint at step 2, then a crash after step 3
+    crash_at(3)  # resumes from step 2, crashes after step 3 again: no new checkpoint
+    train(1, **settings)  # resumes from step 2 and completes
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["step"], r["attempt"]) for r in lines] == [(1, 0), (2, 0), (3, 0), (3, 1), (3, 2), (4, 2)]
+
+
 def test_a_finished_run_run_again_says_so(tmp_path: Path, caplog) -> None:
     train(1, checkpoint_dir=str(tmp_path / "ckpt"))
     with caplog.at_level("WARNING", logger="redline.runtime"):

@@ -12,6 +12,7 @@ a config string) goes to every micro-batch as it is.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,20 +21,28 @@ import torch
 from redline.errors import BadInput
 
 
-def split(batch: Any, parts: int, size: int) -> list[Any]:
-    """``parts`` micro-batches of ``size // parts`` samples each; BadInput when they do not divide, or when no
-    field of the batch has ``size`` entries (nothing to split: every micro-batch would train on all of it)."""
+def split(batch: Any, parts: int, size: int, *, uneven: bool = False) -> list[Any]:
+    """``parts`` micro-batches of ``size // parts`` samples each; BadInput when they do not divide (unless
+    ``uneven``: then sizes differ by one at most, see ``bounds``), or when no field of the batch has ``size``
+    entries (nothing to split: every micro-batch would train on all of it)."""
     if parts == 1:
         return [batch]
-    if size % parts:
+    if size % parts and not uneven:
         raise BadInput(f"a batch of {size} samples does not split into {parts} micro-batches")
     if not _has_batch_dim(batch, size):
         raise BadInput(
             f"no field of the {type(batch).__name__} batch has {size} entries (the batch size) to split into {parts} "
             "micro-batches: yield tensors with the batch first, or plan without accumulation"
         )
-    step = size // parts
-    return [_take(batch, size, i * step, (i + 1) * step) for i in range(parts)]
+    edges = bounds(size, parts)
+    return [_take(batch, size, start, stop) for start, stop in itertools.pairwise(edges)]
+
+
+def bounds(size: int, parts: int) -> list[int]:
+    """Where ``parts`` micro-batches of a batch of ``size`` start and end, as even as they can be (at most
+    ``size`` parts: none is empty)."""
+    parts = min(parts, size)
+    return [size * i // parts for i in range(parts + 1)]
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

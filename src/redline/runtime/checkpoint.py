@@ -66,6 +66,7 @@ from redline.errors import BadInput, RedlineError
 MARKER = "COMPLETE"
 # the micro-batch a restart must use after an out-of-memory inside a gradient collective (see record_micro_batch)
 MICRO_BATCH_FILE = ".micro-batch.json"
+ATTEMPTS_FILE = ".attempts"  # how many times a run started on this directory (hidden, like the record)
 FORMAT = 1  # of the COMPLETE marker and the per-rank files
 # A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
 # test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
@@ -244,6 +245,27 @@ class Checkpointer:
             if _read_marker(path, step) is not None:
                 return step
         return None
+
+    # ------------------------------------------------------------------------------ attempts
+
+    def count_start(self) -> int:
+        """This start's number among the starts of the run on this directory (0 for the first), counted in
+        ``ATTEMPTS_FILE``: restarts that resume from one checkpoint (crashes before the next) are told apart.
+        Collective: rank 0 counts and tells the others."""
+        number = [0]
+        if self.rank == 0:
+            path = self.directory / ATTEMPTS_FILE
+            try:
+                number[0] = int(path.read_text(encoding="utf-8")) + 1
+            except (OSError, ValueError):
+                number[0] = 0
+            self.directory.mkdir(parents=True, exist_ok=True)
+            scratch = path.with_name(f"{path.name}.{os.getpid()}")
+            _write_synced(scratch, lambda f: f.write(str(number[0]).encode()))
+            os.replace(scratch, path)
+        if _distributed():
+            dist.broadcast_object_list(number, src=0)
+        return number[0]
 
     # ------------------------------------------------------------------------------ micro-batch record
 

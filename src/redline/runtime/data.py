@@ -10,20 +10,28 @@ every other setting it has is carried over as it is (``KEPT``). What changes:
 - an ``IterableDataset`` is read through ``RankShard``: every (ranks x workers)-th item, so each rank and each
   of its DataLoader workers reads a disjoint share;
 - the batch size becomes the per-rank batch, and a short last batch is dropped (every step takes the plan's
-  global batch, so accumulation and the loss scaling stay exact, as in Megatron).
+  global batch, so accumulation and the loss scaling stay exact, as in Megatron);
+- a batch sampler of the user's own (batches by length or token budget) is wrapped in ``DistributedBatches``:
+  each batch it draws stays one global batch, split over the ranks; torch's plain ``BatchSampler`` is its
+  sampler and batch size, and goes the first way.
 
-Both resume mid-epoch without loading again what a checkpoint already trained on.
+All three resume mid-epoch without loading again what a checkpoint already trained on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     DistributedSampler,
     IterableDataset,
@@ -68,8 +76,7 @@ class DistributedView(Sampler[int]):
         self.sampler = sampler
         self.world = world
         self.rank = rank
-        own = getattr(sampler, "generator", None)
-        self.seed = own.initial_seed() if isinstance(own, torch.Generator) else seed
+        self.seed = _own_seed(sampler, seed)
         self.skip = 0
         self._order: list[int] = []
         self._fingerprint = 0
@@ -77,18 +84,7 @@ class DistributedView(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Draw the epoch's order now, in the main process, before any worker starts."""
-        if hasattr(self.sampler, "generator"):
-            saved = self.sampler.generator
-            self.sampler.generator = torch.Generator().manual_seed(self.seed + epoch)
-            try:
-                order = list(self.sampler)
-            finally:
-                self.sampler.generator = saved
-        else:
-            if hasattr(self.sampler, "set_epoch"):
-                self.sampler.set_epoch(epoch)
-            order = list(self.sampler)
-        order = [int(i) for i in order]
+        order = [int(i) for i in _draw(self.sampler, self.seed, epoch)]
         self._fingerprint = hash(tuple(order))
         usable = len(order) // self.world * self.world
         self._order = order[self.rank : usable : self.world]
@@ -103,6 +99,82 @@ class DistributedView(Sampler[int]):
 
     def __len__(self) -> int:
         return max(0, len(self._order) - self.skip)
+
+
+class DistributedBatches(Sampler[list[int]]):
+    """This rank's share of a user's batch sampler (batches by length, by token budget): of each batch the
+    sampler draws for the epoch, the indices at ``rank, rank + world, ...``, the batch cut to a multiple of
+    ``world`` (a batch smaller than ``world`` is left out), starting ``skip`` batches in. Each batch the sampler
+    draws stays one global batch, whatever its size; the epoch's order is drawn as ``DistributedView`` draws
+    it, and ``sizes`` are this rank's batch sizes in that order (the loader yields batches in order)."""
+
+    def __init__(self, batch_sampler: Sampler[list[int]], *, world: int, rank: int, seed: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.world = world
+        self.rank = rank
+        self.seed = _own_seed(batch_sampler, seed)
+        self.skip = 0
+        self.sizes: list[int] = []
+        self._batches: list[list[int]] = []
+        self._fingerprint = 0
+        self.set_epoch(0)
+
+    @property
+    def sampler(self) -> Sampler[list[int]]:  # what the ranks' check names when they differ
+        return self.batch_sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        drawn = [[int(i) for i in batch] for batch in _draw(self.batch_sampler, self.seed, epoch)]
+        self._fingerprint = hash(tuple(map(tuple, drawn)))
+        self._batches = [
+            batch[self.rank : len(batch) // self.world * self.world : self.world]
+            for batch in drawn
+            if len(batch) >= self.world
+        ]
+        self.sizes = [len(batch) for batch in self._batches]
+
+    def fingerprint(self) -> int:
+        return self._fingerprint
+
+    def mean_batch(self) -> float:
+        """The mean global batch of the epoch drawn."""
+        return self.world * sum(self.sizes) / max(1, len(self.sizes))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._batches[self.skip :])
+
+    def __len__(self) -> int:
+        return max(0, len(self._batches) - self.skip)
+
+
+def _own_seed(sampler: Any, seed: int) -> int:
+    """The seed of the generator the user gave the sampler (or its inner sampler), else the run's."""
+    own = getattr(_drawing(sampler), "generator", None)
+    return own.initial_seed() if isinstance(own, torch.Generator) else seed
+
+
+def _drawing(sampler: Any) -> Any:
+    """The object whose ``generator`` draws the order: the sampler, or the sampler a batch sampler batches."""
+    if not hasattr(sampler, "generator") and hasattr(getattr(sampler, "sampler", None), "generator"):
+        return sampler.sampler
+    return sampler
+
+
+def _draw(sampler: Any, seed: int, epoch: int) -> list[Any]:
+    """The sampler's order for the epoch, the same in every process: drawn with a generator seeded with
+    ``seed + epoch`` where it draws from one (the user's generator is put back after), else after
+    ``set_epoch``, else as it is (a deterministic sampler)."""
+    source = _drawing(sampler)
+    if hasattr(source, "generator"):
+        saved = source.generator
+        source.generator = torch.Generator().manual_seed(seed + epoch)
+        try:
+            return list(sampler)
+        finally:
+            source.generator = saved
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    return list(sampler)
 
 
 class RankShard(IterableDataset):
@@ -155,12 +227,7 @@ def distributed_loader(
     its sampler or stream shared out, the per-rank batch. The loader's ``generator`` (or a new one) seeds the
     workers per epoch and rank (``set_position``). ``shard_stream=False`` leaves an IterableDataset that shards
     itself over the ranks as it is."""
-    if loader.batch_size is None:
-        if loader.batch_sampler is not None:
-            raise BadInput(
-                "the DataLoader has its own batch_sampler: redline sets the per-rank batch itself; give the loader "
-                "batch_size and a sampler instead (batch_sampler support is not there yet)"
-            )
+    if loader.batch_size is None and loader.batch_sampler is None:
         raise BadInput("the DataLoader has batch_size=None (each item already a batch): give it a batch_size")
     settings = {name: getattr(loader, name) for name in KEPT if hasattr(loader, name)}
     settings |= {key: value for key, value in overrides.items() if value is not None}
@@ -176,17 +243,45 @@ def distributed_loader(
         if isinstance(dataset, RankShard):
             # the shares and the resume arithmetic follow the loader's turn over its workers, and a persistent
             # worker would keep the epoch and skip it was started with
-            for name, wanted in (("persistent_workers", False), ("in_order", True)):
-                if settings.get(name, wanted) != wanted:
-                    log.warning(
-                        "%s=%s set to %s for a stream shared over ranks and workers", name, settings[name], wanted
-                    )
-                    settings[name] = wanted
+            _require(settings, "a stream shared over ranks and workers", persistent_workers=False, in_order=True)
         return DataLoader(dataset, batch_size=per_rank_batch, drop_last=True, generator=generator, **settings)
-    sampler = DistributedView(_undistributed(loader.sampler), world=world, rank=rank, seed=seed)
+    if batches_vary(loader):
+        _require(settings, "a batch sampler's batches (their sizes are looked up in order)", in_order=True)
+        batches = DistributedBatches(loader.batch_sampler, world=world, rank=rank, seed=seed)
+        return DataLoader(loader.dataset, batch_sampler=batches, generator=generator, **settings)
+    sampler = DistributedView(_undistributed(loader.batch_sampler.sampler), world=world, rank=rank, seed=seed)
     return DataLoader(
         loader.dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, generator=generator, **settings
     )
+
+
+def loader_batch(loader: DataLoader) -> int | None:
+    """The loader's batch: its ``batch_size``, or that of the torch ``BatchSampler`` it was given; None for a
+    batch sampler of the user's own, whose batches may vary in size."""
+    if loader.batch_size is not None:
+        return loader.batch_size
+    if type(loader.batch_sampler) is BatchSampler:
+        return loader.batch_sampler.batch_size
+    return None
+
+
+def batches_vary(loader: DataLoader) -> bool:
+    """Whether the loader draws its batches from a batch sampler of the user's own (``DistributedBatches``)."""
+    return loader.batch_sampler is not None and loader_batch(loader) is None
+
+
+def rank_view(loader: DataLoader) -> DistributedView | DistributedBatches | None:
+    """What shares a prepared map-style loader out over the ranks (None for a stream)."""
+    if isinstance(loader.batch_sampler, DistributedBatches):
+        return loader.batch_sampler
+    return loader.sampler if isinstance(loader.sampler, DistributedView) else None
+
+
+def _require(settings: dict[str, Any], why: str, **wanted: Any) -> None:
+    for name, value in wanted.items():
+        if settings.get(name, value) != value:
+            log.warning("%s=%s set to %s for %s", name, settings[name], value, why)
+            settings[name] = value
 
 
 def _stream_for_rank(dataset: IterableDataset, *, world: int, rank: int, batch: int, shard: bool) -> Any:
@@ -218,9 +313,10 @@ def set_position(loader: DataLoader, *, epoch: int, batches_done: int, seed: int
     """Before iterating an epoch: the sampler's (or stream's) epoch, the batches to skip, and the workers' seed.
     The workers' seed is drawn from the loader's generator, seeded per epoch and rank: workers on different
     ranks must not draw the same augmentations, and a resumed run draws as the interrupted one did."""
-    if isinstance(loader.sampler, DistributedView):
-        loader.sampler.set_epoch(epoch)
-        loader.sampler.skip = batches_done * loader.batch_size
+    view = rank_view(loader)
+    if view is not None:
+        view.set_epoch(epoch)
+        view.skip = batches_done if isinstance(view, DistributedBatches) else batches_done * loader.batch_size
     elif isinstance(loader.dataset, RankShard):
         loader.dataset.set_epoch(epoch)
         loader.dataset.skip = batches_done
@@ -238,15 +334,58 @@ class LoaderStalled(RedlineError):
     """A DataLoader worker gave no batch within the loader's timeout."""
 
 
-def next_batch(batches: Iterator[Any], loader: DataLoader) -> Any:
+def next_batch(batches: Iterator[Any], loader: DataLoader, *, stall_s: float = 0) -> Any:
     """The next batch, None at the end. A timeout (the user's, or the run's ``loader_stall_s``) ends the run
-    with the worker that owes the batch, its pid and state, instead of DataLoader's bare "timed out"."""
+    with the worker that owes the batch, its pid and state, instead of DataLoader's bare "timed out". Without
+    workers the Dataset runs in this process, and a timer (``stall_s``) interrupts it where it is stuck."""
+    if loader.num_workers == 0 and stall_s > 0:
+        with _stall_alarm(stall_s):
+            return next(batches, None)
     try:
         return next(batches, None)
     except RuntimeError as exc:
         if "DataLoader timed out" not in str(exc):
             raise
         raise LoaderStalled(f"the DataLoader gave no batch for {loader.timeout:g} s: {_owing(batches)}") from None
+
+
+@contextlib.contextmanager
+def _stall_alarm(seconds: float) -> Iterator[None]:
+    """SIGALRM after ``seconds`` raises LoaderStalled where the main thread is (a read, a lock, a sleep), naming
+    the line. Only the main thread gets signals, and a SIGALRM handler of the user's own is left alone; a read
+    the kernel cannot interrupt (a hard NFS mount) cannot be reached by any signal until it returns."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGALRM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        yield
+        return
+
+    def stalled(signum: int, frame: Any) -> None:
+        raise LoaderStalled(
+            f"the DataLoader gave no batch for {seconds:g} s: its Dataset (no workers: in this process) is stuck at "
+            f"{_where(frame)} (a stuck read or a deadlock? set loader_stall_s to wait longer)"
+        )
+
+    signal.signal(signal.SIGALRM, stalled)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+
+def _where(frame: Any) -> str:
+    """The innermost line outside torch and redline: the user's Dataset code the process was running."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    inner = frame
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(skip):
+            break
+        frame = frame.f_back
+    frame = frame or inner
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _owing(batches: Any) -> str:

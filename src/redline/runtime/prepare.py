@@ -60,9 +60,17 @@ import torch.distributed as dist
 from torch import nn
 
 from redline.errors import BadInput, RedlineError
-from redline.runtime.batch import split, to_device
+from redline.runtime.batch import bounds, split, to_device
 from redline.runtime.config import RunConfig, default_config, from_plan_file
-from redline.runtime.data import next_batch, set_position
+from redline.runtime.data import (
+    DistributedBatches,
+    batches_vary,
+    distributed_loader,
+    loader_batch,
+    next_batch,
+    rank_view,
+    set_position,
+)
 
 log = logging.getLogger("redline.runtime")
 
@@ -156,11 +164,13 @@ class Run:
             self.checkpointer = Checkpointer(self.config.checkpoint_dir)
 
         self.step = 0  # optimizer steps done
-        self.attempt = 0  # starts of this run before this one that resumed from its checkpoints
+        self.attempt = 0  # starts of this run on its checkpoint directory before this one
         self.epoch = 0
         self.batch_in_epoch = 0  # per-rank batches of this epoch already trained on
         self.oom_events: list[dict[str, Any]] = []
         self._micro_index = 0
+        self._last_micro = self.accumulation == 1  # the micro-batch in hand ends its batch
+        self._micro_divisor = float(self.accumulation)  # its loss over this is its share of the batch's mean
         self._retry = False
         self._loss_sum = 0.0
         self._oom_hook = _parse_oom_hook(os.environ.get(OOM_HOOK_ENV))
@@ -180,17 +190,23 @@ class Run:
         path = plan if plan is not None else os.environ.get("REDLINE_PLAN")
         if path:
             return from_plan_file(path, **overrides)
-        if data.batch_size is None:
-            raise BadInput(
-                "the DataLoader has batch_size=None: give it the batch size (a global batch, without a plan)"
-            )
-        batch = data.batch_size
+        batch = loader_batch(data)
+        if batch is None:  # a batch sampler of the user's own: each batch it draws is a global batch
+            if data.batch_sampler is None:
+                raise BadInput(
+                    "the DataLoader has batch_size=None: give it the batch size (a global batch, without a plan)"
+                )
+            if self.world_size > 1 and self.rank == 0:
+                log.warning(
+                    "no plan: each batch of the batch sampler is a global batch, split over %d ranks", self.world_size
+                )
+            batch = self.world_size  # a placeholder: the batches set the micro-batch (_prepare_loader)
         if batch % self.world_size:
             raise BadInput(
                 f"without a plan the loader's batch of {batch} is the global batch, which {self.world_size} ranks "
                 f"cannot share evenly: give the loader a multiple of {self.world_size}, or a plan"
             )
-        if self.world_size > 1 and self.rank == 0:
+        if self.world_size > 1 and self.rank == 0 and not batches_vary(data):
             log.warning(
                 "no plan: the loader's batch of %d is the global batch, %d per rank over %d ranks",
                 batch,
@@ -398,19 +414,18 @@ class Run:
     def _prepare_loader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         """The user's DataLoader for this rank: every setting kept, its sampler or stream shared out over the
         ranks, the plan's per-rank batch (``runtime/data.py``)."""
-        from redline.runtime.data import distributed_loader
-
-        if loader.batch_size not in (None, self.config.per_rank_batch) and self.rank == 0:
+        given = loader_batch(loader)
+        if given not in (None, self.config.per_rank_batch) and self.rank == 0:
             log.info(
                 "loader batch size %s replaced by the per-rank batch %s (micro-batch %s x accumulation %s)",
-                loader.batch_size,
+                given,
                 self.config.per_rank_batch,
                 self.micro_batch,
                 self.accumulation,
             )
         self._iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
         workers = self.config.num_workers if self.config.num_workers is not None else loader.num_workers
-        return distributed_loader(
+        prepared = distributed_loader(
             loader,
             world=self.world_size,
             rank=self.rank,
@@ -426,6 +441,25 @@ class Run:
                 "timeout": self.config.loader_stall_s if not loader.timeout and workers else None,
             },
         )
+        self._batches = prepared.batch_sampler if isinstance(prepared.batch_sampler, DistributedBatches) else None
+        if self._batches is not None:
+            # the batches set the per-rank batch; the plan's (or the run's) accumulation splits each of them
+            mean = self._batches.mean_batch() / self.world_size
+            self.micro_batch = max(1, round(mean / self.accumulation))
+            if self.rank == 0:
+                log.info(
+                    "the batch sampler's batches are kept: %.1f samples per global batch on average, each split in "
+                    "%d micro-batch(es) per rank",
+                    self._batches.mean_batch(),
+                    self.accumulation,
+                )
+        return prepared
+
+    def _batch_size(self) -> int:
+        """Samples in this rank's current batch (a batch sampler's batches vary; otherwise the per-rank batch)."""
+        if self._batches is None:
+            return self.loader.batch_size
+        return self._batches.sizes[self.batch_in_epoch]
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -457,15 +491,21 @@ class Run:
                 batches = iter(self.loader)
                 while True:
                     with self.metrics.data_wait():
-                        batch = next_batch(batches, self.loader)
+                        batch = next_batch(batches, self.loader, stall_s=self.config.loader_stall_s)
                     if not self._all_ranks_have(batch is not None):
                         break
                     batch = to_device(batch, self.device)
                     self._stepped = False  # set by this batch's optimizer step
+                    size = self._batch_size()
                     while True:  # replays the batch, split finer, after an agreed out-of-memory
                         self._retry = False
-                        for index, micro in enumerate(split(batch, self.accumulation, self.loader.batch_size)):
+                        micros = split(batch, self.accumulation, size, uneven=self._batches is not None)
+                        edges = bounds(size, len(micros))
+                        for index, micro in enumerate(micros):
                             self._micro_index = index
+                            self._last_micro = index == len(micros) - 1
+                            # its loss's share of the batch's mean: 1 / accumulation, or its samples' share
+                            self._micro_divisor = size / (edges[index + 1] - edges[index]) if len(micros) > 1 else 1
                             yield micro
                             if self._retry:
                                 break
@@ -492,7 +532,7 @@ class Run:
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
         """One micro-batch: autocast, no gradient sync before the last of the step, then the optimizer step."""
-        boundary = self._micro_index == self.accumulation - 1
+        boundary = self._last_micro
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         failed = False
         with self.metrics.compute():
@@ -524,10 +564,11 @@ class Run:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
         self._maybe_raise_test_oom()
-        self._loss_sum = self._loss_sum + loss.detach()  # a tensor: reading it would sync the GPU every micro-batch
+        share = loss / self._micro_divisor
+        self._loss_sum = self._loss_sum + share.detach()  # a tensor: reading it would sync the GPU every micro-batch
         self._last_bucket_ready = None
         with torch.autocast(self.device.type, enabled=False):
-            self.scaler.scale(loss / self.accumulation).backward()
+            self.scaler.scale(share).backward()
         if self._last_bucket_ready is not None:  # DDP reduced gradients in this backward (the boundary one)
             self.metrics.add_comm_span(self._last_bucket_ready, self.metrics.mark())
             self._last_bucket_ready = None
@@ -561,8 +602,8 @@ class Run:
             pending.wait()
         self.step += 1
         self.metrics.end_step(
-            samples=self.micro_batch * self.accumulation,
-            loss=shared[0] / (self.accumulation * self.world_size),
+            samples=self._batch_size(),
+            loss=shared[0] / self.world_size,
             micro_batch=self.micro_batch,
             accumulation=self.accumulation,
             skipped=skipped,
@@ -595,12 +636,13 @@ class Run:
         """Once per epoch: the ranks' samplers drew one order, else their shares overlap and miss samples."""
         if self.world_size == 1 or self._iterable:
             return
-        mine = self.loader.sampler.fingerprint()
+        view = rank_view(self.loader)
+        mine = view.fingerprint()
         value = torch.tensor([mine, -mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         if value[0].item() != -value[1].item():
             raise BadInput(
-                f"the DataLoader's sampler ({type(self.loader.sampler.sampler).__name__}) drew a different order "
+                f"the DataLoader's sampler ({type(view.sampler).__name__}) drew a different order "
                 "on each rank: give it a generator (the same seed on every rank) or a set_epoch method"
             )
 
@@ -610,8 +652,8 @@ class Run:
         """With a checkpoint directory, SIGTERM (a spot instance's preemption notice, torchrun stopping its
         workers) and SIGINT end the run at the next step boundary, after a checkpoint, instead of at once. A
         second Ctrl-C acts as it would have; a second SIGTERM is the same request again (one sent to a process
-        group reaches the script directly and through its launcher). Only the main thread can take signals;
-        DataLoader workers forked from it leave as they would have."""
+        group reaches the script directly and through its launcher). Only the main thread can take signals; a
+        process forked from it (DataLoader workers set their own SIGTERM handler) leaves as it would have."""
         if self.checkpointer is None or threading.current_thread() is not threading.main_thread():
             return {}
         self._signal_pid = os.getpid()
@@ -621,7 +663,7 @@ class Run:
         return handlers
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._signal_pid:  # a forked DataLoader worker inherited the handler
+        if os.getpid() != self._signal_pid:  # a process forked from this one inherited the handler
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -675,6 +717,10 @@ class Run:
     def _smaller_micro_batch(self) -> tuple[int, int]:
         """(micro-batch, accumulation): the largest micro-batch at most half the current one that still divides
         the per-rank batch, and the accumulation that makes it up (so the result stays the same)."""
+        if self._batches is not None:  # batches of every size: each split in twice as many parts
+            if self.micro_batch == 1:
+                raise OutOfMemoryAtMinimum("out of memory with a micro-batch of 1: the plan does not fit this GPU")
+            return max(1, self.micro_batch // 2), self.accumulation * 2
         per_rank = self.micro_batch * self.accumulation
         smaller = next((m for m in range(self.micro_batch // 2, 0, -1) if per_rank % m == 0), None)
         if smaller is None:
@@ -741,7 +787,7 @@ class Run:
     def _position(self) -> dict[str, int]:
         return {
             "world_size": self.world_size,
-            "per_rank_batch": self.loader.batch_size,
+            "per_rank_batch": self.loader.batch_size,  # None for a batch sampler's batches
             "attempt": self.attempt,
             "step": self.step,
             "epoch": self.epoch,
@@ -753,6 +799,8 @@ class Run:
     def _resume(self) -> None:
         if self.checkpointer is None:
             return
+        self.attempt = self.checkpointer.count_start()
+        self.metrics.continue_from(0, self.attempt)
         restored = self.checkpointer.load_latest(
             model=self.model, optimizer=self.optimizer, scaler=self.scaler, scheduler=self.scheduler
         )
@@ -761,10 +809,12 @@ class Run:
             self.step = int(extra["step"])
             self.epoch = int(extra["epoch"])
             self.batch_in_epoch = self._batches_done(extra)
-            if int(extra["micro_batch"]) * int(extra["accumulation"]) == self.loader.batch_size:
+            as_saved = int(extra["micro_batch"]) * int(extra["accumulation"]) == self.loader.batch_size
+            if as_saved or self._batches is not None:
                 self.micro_batch = int(extra["micro_batch"])  # as the last attempt ran it (after an OOM: smaller)
                 self.accumulation = int(extra["accumulation"])
-            self.attempt = int(extra.get("attempt", 0)) + 1
+            # the starts counted next to the checkpoints; a directory of an older redline has the saved one's
+            self.attempt = max(self.attempt, int(extra.get("attempt", 0)) + 1)
             self.metrics.continue_from(self.step, self.attempt)
             if self.rank == 0:
                 log.warning(
@@ -801,6 +851,8 @@ class Run:
         and batch were: an elastic restart with fewer nodes goes on from the same sample (to a whole global
         batch). A stream's shares are per rank, and change with the ranks."""
         done = int(saved["batch_in_epoch"])
+        if self._batches is not None:  # the batch sampler's batches are global batches, whatever the ranks
+            return done
         was = (int(saved.get("world_size", self.world_size)), int(saved.get("per_rank_batch", self.loader.batch_size)))
         if was == (self.world_size, self.loader.batch_size):
             return done
