@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from redline.doctor.model import Area, Finding, Severity
-from redline.monitor.diagnose import RULES, DiagnosisConfig, diagnose, diagnose_report
+from redline.monitor.diagnose import DiagnosisConfig, all_rules, diagnose, diagnose_report
 from redline.monitor.sample import GpuProcess, GpuSample, HostSample, Sample, StepSample
 from redline.units import GiB, MiB
 
@@ -18,6 +18,7 @@ T0 = 1_764_000_000.0
 GPUS = 8
 H100_TOTAL = 81559 * MiB
 JOB_PIDS = {1000 + i for i in range(GPUS)}
+RULES = all_rules()
 
 GpuFault = Callable[[int, int], dict[str, Any]]  # (second, GPU index) -> fields to change
 HostFault = Callable[[int], dict[str, Any]]

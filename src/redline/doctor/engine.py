@@ -1,4 +1,9 @@
-"""The rule registry and the loop that runs every rule over a snapshot."""
+"""The rule engine: a registry of rules over one kind of evidence, and the loop that runs them all.
+
+The doctor judges a snapshot (``Audit``), the monitor's diagnosis a window of samples; both keep their rules
+in a ``Registry`` whose rules live one module per area in a package (``doctor/rules/``, ``monitor/rules/``),
+registered by the ``rule`` decorator when the package is imported, and both get a ``DoctorReport``.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +11,58 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic
 
 from redline.doctor.context import Audit
-from redline.doctor.model import Area, Finding, Rule
+from redline.doctor.model import Area, Evidence, Finding, Rule
 from redline.hw.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from redline.bench.model import BenchRun
 
-_RULES: dict[str, Rule] = {}
 
+class Registry(Generic[Evidence]):
+    """The rules of one engine, by id; ``package`` holds their modules (importing them registers them)."""
 
-def rule(rule_id: str, area: Area, summary: str) -> Callable[[Callable[[Audit], Iterable[Finding]]], Rule]:
-    """Register a check. Its findings get ``rule_id`` and ``area`` stamped on by the engine."""
+    def __init__(self, package: str) -> None:
+        self.package = package
+        self._rules: dict[str, Rule[Evidence]] = {}
 
-    def register(check: Callable[[Audit], Iterable[Finding]]) -> Rule:
-        if rule_id in _RULES:
-            raise ValueError(f"duplicate doctor rule id {rule_id!r}")
-        registered = Rule(id=rule_id, area=area, summary=summary, check=check)
-        _RULES[rule_id] = registered
-        return registered
+    def rule(
+        self, rule_id: str, area: Area, summary: str
+    ) -> Callable[[Callable[[Evidence], Iterable[Finding]]], Rule[Evidence]]:
+        """Register a check. Its findings get ``rule_id`` and ``area`` stamped on by ``run``."""
 
-    return register
+        def register(check: Callable[[Evidence], Iterable[Finding]]) -> Rule[Evidence]:
+            if rule_id in self._rules:
+                raise ValueError(f"duplicate rule id {rule_id!r} in {self.package}")
+            registered = Rule(id=rule_id, area=area, summary=summary, check=check)
+            self._rules[rule_id] = registered
+            return registered
 
+        return register
 
-def all_rules() -> list[Rule]:
-    """Every rule, in area order then id; importing the rules package registers them."""
-    import redline.doctor.rules as package
+    def rules(self) -> list[Rule[Evidence]]:
+        """Every rule, in area order then id."""
+        package = importlib.import_module(self.package)
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{self.package}.{module.name}")
+        areas = list(Area)
+        return sorted(self._rules.values(), key=lambda r: (areas.index(r.area), r.id))
 
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{module.name}")
-    areas = list(Area)
-    return sorted(_RULES.values(), key=lambda r: (areas.index(r.area), r.id))
+    def run(self, evidence: Evidence, rules: Iterable[Rule[Evidence]] | None = None) -> DoctorReport:
+        """Every rule (or those given) over the evidence. A rule that raises is listed in ``rule_errors``: a
+        rule bug must not hide the other rules' findings, nor stop a monitor that runs for days."""
+        findings: list[Finding] = []
+        errors: list[str] = []
+        checked = 0
+        for r in self.rules() if rules is None else rules:
+            checked += 1
+            try:
+                findings.extend(replace(f, rule=r.id, area=r.area) for f in r.check(evidence))
+            except Exception as exc:
+                errors.append(f"rule {r.id} could not run: {type(exc).__name__}: {exc}")
+        return DoctorReport(findings=findings, rules_checked=checked, rule_errors=errors)
 
 
 @dataclass
@@ -70,15 +94,13 @@ class DoctorReport:
         return out
 
 
+# ------------------------------------------------------------------------------------------ the doctor
+
+DOCTOR: Registry[Audit] = Registry("redline.doctor.rules")
+rule = DOCTOR.rule
+all_rules = DOCTOR.rules
+
+
 def run_rules(snapshot: Snapshot, rules: Iterable[Rule] | None = None, bench: BenchRun | None = None) -> DoctorReport:
-    audit = Audit(snapshot, bench)
-    findings: list[Finding] = []
-    errors: list[str] = []
-    checked = 0
-    for r in all_rules() if rules is None else rules:
-        checked += 1
-        try:
-            findings.extend(replace(f, rule=r.id, area=r.area) for f in r.check(audit))
-        except Exception as exc:  # a rule bug must not hide the other 40 rules' findings
-            errors.append(f"rule {r.id} could not run: {type(exc).__name__}: {exc}")
-    return DoctorReport(findings=findings, rules_checked=checked, rule_errors=errors)
+    """The doctor's rules over a snapshot (and the measurements of a saved bench run)."""
+    return DOCTOR.run(Audit(snapshot, bench), rules)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar
 
-if TYPE_CHECKING:
-    from redline.doctor.context import Audit
+# what a rule judges: the doctor's Audit of a snapshot, the monitor's Window of samples
+Evidence = TypeVar("Evidence")
 
 
 class Severity(enum.StrEnum):
@@ -82,11 +82,13 @@ class Finding:
 
 
 @dataclass(frozen=True)
-class Rule:
-    id: str  # stable: "area.what", never renamed once released
+class Rule(Generic[Evidence]):
+    """A check over one kind of evidence; its findings get its id and area (see ``engine.Registry``)."""
+
+    id: str  # stable: "area.what" ("monitor.what" for the diagnosis), never renamed once released
     area: Area
     summary: str  # what the rule checks, for --list-rules
-    check: Callable[[Audit], Iterable[Finding]]
+    check: Callable[[Evidence], Iterable[Finding]]
 
     def to_dict(self) -> dict[str, str]:
         return {"id": self.id, "area": str(self.area), "summary": self.summary}
