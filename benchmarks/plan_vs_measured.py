@@ -38,7 +38,7 @@ from redline.plan.hardware import local_cluster
 from redline.plan.strategy import Strategy
 from redline.workload import zoo
 from redline.workload.presets import preset_profile
-from redline.workload.trace import find_blocks, without_kv_cache
+from redline.workload.structure import find_blocks, without_kv_cache
 
 
 def calibrate(home: Path, device: str) -> None:
@@ -80,7 +80,7 @@ def models(device: str) -> list[dict]:
         return model
 
     def gpt2_checkpointed():
-        from redline.runtime.prepare import checkpoint_blocks
+        from redline.runtime.parallelize import checkpoint_blocks
 
         model = gpt2()
         checkpoint_blocks([block for _, block in find_blocks(model)])

@@ -122,9 +122,9 @@ def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int, che
     the runtime does it, non-reentrant) the peak comes late, when most gradients exist, and each block's
     recomputation brings back its activations and weight copies; with accumulation too, the gradients are there
     all through the forward, whose peak is at its end."""
-    from redline.runtime.prepare import checkpoint_blocks
+    from redline.runtime.parallelize import checkpoint_blocks
     from redline.workload import zoo
-    from redline.workload.trace import find_blocks
+    from redline.workload.structure import find_blocks
 
     torch.manual_seed(0)
     model = {"resnet50": zoo.resnet50, "vit-b-16": zoo.vit_b_16}[name]()
@@ -139,8 +139,8 @@ def hugging_face(tmp_path, model_type: str, config: dict, seq_len: int, checkpoi
     """The profile the planner makes of a ``config.json`` and the model it describes, built as the runtime trains
     it (no KV cache; every block checkpointed under "full"). Attention dropout is off: the CPU's fused attention
     kernel has none, a GPU's drops inside the kernel and saves no mask."""
-    from redline.runtime.prepare import checkpoint_blocks
-    from redline.workload.trace import find_blocks, without_kv_cache
+    from redline.runtime.parallelize import checkpoint_blocks
+    from redline.workload.structure import find_blocks, without_kv_cache
 
     transformers = pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": model_type}))

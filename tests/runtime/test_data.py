@@ -527,7 +527,7 @@ def test_a_dataset_stuck_in_the_main_process_ends_the_run_naming_the_line() -> N
 
 
 def test_batchnorm_becomes_sync_batchnorm_for_gpus() -> None:
-    from redline.runtime.prepare import sync_batchnorm
+    from redline.runtime.parallelize import sync_batchnorm
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     sync_batchnorm(model)

@@ -183,7 +183,7 @@ def test_a_hugging_face_model_trains_without_its_kv_cache() -> None:
 def test_adam_steps_fused_unless_its_maker_chose() -> None:
     """The plan counts a fused step; foreach (PyTorch's default on a GPU) holds a parameter-sized temporary.
     prepare() fuses an Adam/AdamW left to PyTorch's default, and flags one whose maker chose otherwise."""
-    from redline.runtime.prepare import fuse_adam, unfused_adam
+    from redline.runtime.parallelize import fuse_adam, unfused_adam
 
     params = list(make_model().parameters())
     assert unfused_adam(torch.optim.AdamW(params))
@@ -220,7 +220,7 @@ def test_a_rebuilt_optimizer_keeps_the_settings_its_constructor_takes() -> None:
     """ZeRO-1 and FSDP2 rebuild the optimizer from its class and its group's settings: AdamW's group holds
     ``decoupled_weight_decay``, which AdamW's constructor refuses; a subclass taking ``**kwargs`` passes its
     base's arguments on."""
-    from redline.runtime.prepare import constructor_settings
+    from redline.runtime.parallelize import constructor_settings
 
     class Wrapped(torch.optim.AdamW):
         def __init__(self, params, **settings):

@@ -9,18 +9,20 @@ The user's loop changes by a handful of lines::
             run.backward(loss)                 # was: loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 What is applied, in this order (torchtitan's order; each step is a no-op when the plan does not ask for
-it, so the loop has one code path):
+it, so the loop has one code path; steps 2 to 6 are the free functions of ``parallelize.py``):
 
 1. process group (``WORLD_SIZE`` > 1) and device (``cuda:LOCAL_RANK``, else the CPU); the plan's world size
    must match the ranks that exist;
-2. numerics: TF32 and ``cudnn.benchmark`` on GPUs;
-3. activation checkpointing of each block (``checkpointing: full``);
-4. ``torch.compile`` of each block (``compile``);
-5. data parallelism: DDP (bucket size, static graph, gradients as bucket views, a compression hook),
-   ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``), or FSDP2 ``fully_shard`` per block then the root
-   (ZeRO-2: ``reshard_after_forward=False``; FSDP: True), with bf16/fp16 parameters and fp32 reductions;
+2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); BatchNorm synchronised over the
+   ranks (``apply_sync_batchnorm``);
+3. activation checkpointing of each block (``checkpointing: full``; ``apply_activation_checkpointing``);
+4. ``torch.compile`` of each block (``compile``; ``apply_compile``);
+5. data parallelism: DDP (bucket size, static graph, gradients as bucket views, a compression hook;
+   ``apply_ddp``), ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``, ``apply_zero1``), or FSDP2 ``fully_shard`` per
+   block then the root (ZeRO-2: ``reshard_after_forward=False``; FSDP: True), with bf16/fp16 parameters and
+   fp32 reductions (``apply_fsdp``);
 6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave,
-   or rebuilt from the ready optimizer's class and settings;
+   or rebuilt from the ready optimizer's class and settings (``build_optimizer``);
 7. precision: autocast to bf16/fp16 around each micro-batch, a GradScaler for fp16;
 8. data: the user's DataLoader with every setting kept, its sampler (any) or its IterableDataset shared out
    over the ranks (deterministic per epoch, also on one rank, so a resumed run sees the same order), the
@@ -45,13 +47,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import inspect
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -71,10 +72,21 @@ from redline.runtime.data import (
     rank_view,
     set_position,
 )
+from redline.runtime.parallelize import (
+    OptimizerFactory,
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_ddp,
+    apply_fsdp,
+    apply_numerics,
+    apply_sync_batchnorm,
+    build_optimizer,
+    unfused_adam,
+)
+from redline.workload.structure import find_blocks, without_kv_cache
 
 log = logging.getLogger("redline.runtime")
 
-OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # a test hook: "STEP:RANK[:MICRO]" raises an out-of-memory error at that optimizer step, on that rank, in that
 # micro-batch (0 by default), once, in the first launch attempt only
 OOM_HOOK_ENV = "REDLINE_TEST_OOM_AT"
@@ -134,10 +146,10 @@ class Run:
         self._check_precision()
         self.micro_batch = strategy.micro_batch
         self.accumulation = strategy.accumulation
-        self._apply_numerics()
+        apply_numerics(self.config, self.device)
         self._check_plan_matches(model)
         self.model = self._wrap(model.to(self.device))
-        self.optimizer = self._build_optimizer(optimizer)
+        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=strategy.sharding)
         self._flag_unfused_adam("as asked")
         self.scheduler = self._build_scheduler(scheduler)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -242,150 +254,30 @@ class Run:
                     f"{self.config.planned_params:,}",
                 )
 
-    def _apply_numerics(self) -> None:
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = self.config.tf32
-            torch.backends.cudnn.allow_tf32 = self.config.tf32
-            torch.backends.cudnn.benchmark = self.config.cudnn_benchmark
-
     # ------------------------------------------------------------------------------------------ wrapping
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        from redline.workload.trace import find_blocks, without_kv_cache
-
+        """Steps 3 to 5 of the order above (``parallelize.py``), on the model's repeated blocks."""
         without_kv_cache(model)
         if self.world_size > 1:
-            self._sync_batchnorm(model)
-        blocks = find_blocks(model)
-        strategy = self.config.strategy
-        if strategy.checkpointing == "selective":
-            raise BadInput(
-                "selective activation checkpointing is not applied by the runtime yet: plan with none or full"
+            self._batchnorm_synced = apply_sync_batchnorm(
+                model, enabled=self.config.sync_batchnorm, device=self.device, rank=self.rank
             )
-        if strategy.checkpointing == "full":
-            if not blocks:
-                raise BadInput("the plan checkpoints activations per block, but this model has no repeated blocks")
-            checkpoint_blocks([block for _, block in blocks])
+        blocks = [block for _, block in find_blocks(model)]
+        strategy = self.config.strategy
+        apply_activation_checkpointing(blocks, strategy.checkpointing)
         if self.config.compile:
-            for _, block in blocks or [("", model)]:
-                block.compile()
+            apply_compile(model, blocks)
         if self.world_size == 1:
             return model
         if strategy.sharding in ("ddp", "zero1"):
-            return self._ddp(model)
-        return self._fully_shard(model, [block for _, block in blocks])
+            return apply_ddp(
+                model, self.config, device=self.device, local_rank=self.local_rank, on_bucket_ready=self._bucket_ready
+            )
+        return apply_fsdp(model, blocks, strategy, device=self.device, world=self.world_size)
 
-    def _sync_batchnorm(self, model: nn.Module) -> None:
-        """BatchNorm over several ranks normalises each rank's share of the batch by its own statistics: not
-        what one process computes (a small CNN's weights differed by 0.17 after a few steps). Its layers become
-        SyncBatchNorm on GPUs and CrossRankBatchNorm on CPUs (PyTorch's is GPU-only): statistics over the global
-        batch. ``sync_batchnorm=False`` keeps them per rank, said."""
-        count = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-        if not count:
-            return
-        if self.config.sync_batchnorm and self.device.type == "cuda":
-            sync_batchnorm(model)
-            self._batchnorm_synced = True
-            note = "%d BatchNorm layers made SyncBatchNorm: statistics over the global batch, as one process has"
-        elif self.config.sync_batchnorm:
-            from redline.runtime.batchnorm import cross_rank_batchnorm
-
-            cross_rank_batchnorm(model)
-            self._batchnorm_synced = True
-            note = "%d BatchNorm layers normalise over the global batch (CrossRankBatchNorm: SyncBatchNorm is GPU-only)"
-        else:
-            note = "sync_batchnorm=False: %d BatchNorm layers normalise over each rank's share of the batch"
-        if self.rank == 0:
-            log.warning(note, count)
-
-    def _ddp(self, model: nn.Module) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[self.local_rank] if self.device.type == "cuda" else None,
-            bucket_cap_mb=self.config.ddp_bucket_cap_mb,
-            static_graph=self.config.ddp_static_graph,
-            gradient_as_bucket_view=True,
-        )
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        hook = self.config.comm_hook
-        state: Any = None
-        reduce: Callable[[Any, dist.GradBucket], torch.futures.Future] = default_hooks.allreduce_hook
-        if hook in ("fp16", "bf16"):
-            reduce = default_hooks.fp16_compress_hook if hook == "fp16" else default_hooks.bf16_compress_hook
-        elif hook == "powersgd":
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=self.config.powersgd_rank)
-            reduce = powerSGD_hook.powerSGD_hook
-
-        def timed(state, bucket):  # unannotated: DDP checks annotations as objects, and ours are strings
-            # called as each bucket's gradients are ready; the last call marks where the backward's compute
-            # ended, so what the backward then still waits is communication left exposed
-            self._last_bucket_ready = self.metrics.mark()
-            return reduce(state, bucket)
-
-        ddp.register_comm_hook(state, timed)
-        return ddp
-
-    def _fully_shard(self, model: nn.Module, blocks: list[nn.Module]) -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        strategy = self.config.strategy
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-        mesh = None
-        if strategy.sharding == "hsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            mesh = init_device_mesh(self.device.type, (self.world_size // per_node, per_node))
-        reshard = strategy.sharding != "zero2"
-        for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        return model
-
-    def _build_optimizer(self, optimizer: torch.optim.Optimizer | OptimizerFactory) -> torch.optim.Optimizer:
-        """The factory's optimizer over the wrapped model's parameters. A ready optimizer is kept where its
-        parameters are still the model's (one rank, DDP); under FSDP2 and ZeRO-1 it is rebuilt from its
-        class and settings, which needs a single parameter group."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        sharded = self.world_size > 1 and self.config.strategy.sharding != "ddp"
-        if isinstance(optimizer, torch.optim.Optimizer) and not sharded:
-            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if owned != {id(p) for p in params}:
-                raise BadInput("the optimizer does not hold exactly the model's trainable parameters")
-            fuse_adam(optimizer)
-            return optimizer
-        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-            factory = _explained(optimizer)
-        else:
-            if len(optimizer.param_groups) > 1:
-                raise BadInput(
-                    "the optimizer has several parameter groups; pass a factory instead, which receives the flat "
-                    "list of the wrapped model's trainable parameters: prepare(model, lambda params: "
-                    "MyOptimizer(params, ...), loader)"
-                )
-            # the group's current settings: a scheduler or the user may have changed lr after construction
-            cls = type(optimizer)
-            settings = constructor_settings(cls, optimizer.param_groups[0])
-
-            def factory(ps: Any) -> torch.optim.Optimizer:
-                return cls(ps, **settings)
-
-        if self.world_size > 1 and self.config.strategy.sharding == "zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            built = factory(params)
-            if len(built.param_groups) > 1:
-                raise BadInput("ZeRO-1 takes one parameter group: the optimizer factory made several")
-            fuse_adam(built)  # ZeRO-1 copies its groups' settings into its shard's optimizer at every step
-            settings = constructor_settings(type(built), built.param_groups[0])
-            return ZeroRedundancyOptimizer(params, optimizer_class=type(built), **settings)
-        built = factory(params)
-        fuse_adam(built)
-        return built
+    def _bucket_ready(self) -> None:
+        self._last_bucket_ready = self.metrics.mark()
 
     def _flag_unfused_adam(self, why: str) -> None:
         """On a GPU, say when Adam/AdamW steps without fused=True: what the plan does not count."""
@@ -938,89 +830,6 @@ def _device_kind(name: str) -> str:
         return "cpu"
     models = re.findall(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
     return models[0] if models else name.lower()
-
-
-def _explained(factory: OptimizerFactory) -> OptimizerFactory:
-    """The user's optimizer factory, its failure on what it is given said as such: it receives a flat list of
-    parameters (FSDP2's sharded ones), not the model or named groups."""
-
-    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        try:
-            return factory(params)
-        except (TypeError, AttributeError, ValueError) as exc:
-            raise BadInput(
-                f"the optimizer factory failed ({type(exc).__name__}: {exc}); it receives a flat list of the "
-                "wrapped model's trainable parameters (sharded DTensors under FSDP2), not the model or named "
-                "groups: prepare(model, lambda params: AdamW(params, lr=...), loader)"
-            ) from exc
-
-    return build
-
-
-def constructor_settings(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's settings that ``cls`` takes as arguments: a group holds more (its parameters, a
-    scheduler's ``initial_lr``, AdamW's ``decoupled_weight_decay``, which AdamW's constructor refuses). A
-    constructor taking ``**kwargs`` passes them on: its base class's arguments count too."""
-    accepted: set[str] = set()
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        parameters = inspect.signature(klass.__init__).parameters.values()
-        accepted |= {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-        if all(p.kind is not p.VAR_KEYWORD for p in parameters):
-            break
-    return {key: value for key, value in group.items() if key in accepted and key != "params"}
-
-
-def fuse_adam(optimizer: torch.optim.Optimizer) -> bool:
-    """Make an Adam or AdamW step fused (``fused=True``) where its maker left the choice to PyTorch (neither
-    ``fused`` nor ``foreach`` given) and it has not stepped yet, on GPUs and CPUs: one kernel over all parameters
-    and no parameter-sized temporary, as the plan assumes (PyTorch's default on a GPU, foreach, holds the square
-    roots of the second moments, 4 bytes a parameter). Subclasses, whose step may differ, are left alone. Under
-    fp16 GradScaler unscales the gradients itself, as for any optimizer. True if it did."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
-        return False
-    groups = optimizer.param_groups
-    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable") for g in groups):
-        return False
-    params = [p for g in groups for p in g["params"]]
-    if not all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params):
-        return False
-    for group in groups:
-        group["fused"] = True
-    return True
-
-
-def unfused_adam(optimizer: torch.optim.Optimizer) -> bool:
-    """Adam or AdamW (also inside ZeRO-1) whose step is not fused: PyTorch's default on a GPU is ``foreach``,
-    whose step makes a temporary of every parameter's size (the square roots of the second moments)."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps the local optimizer here
-    adam = isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
-    return adam and not all(group.get("fused") for group in inner.param_groups)
-
-
-def sync_batchnorm(model: nn.Module) -> None:
-    """Every BatchNorm layer of ``model`` made SyncBatchNorm in place (its weights and statistics kept)."""
-    converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if converted is not model:  # the model itself was a BatchNorm layer: nothing to hold the new one
-        raise BadInput("the model is a single BatchNorm layer: wrap it in a module")
-
-
-def checkpoint_blocks(blocks: list[nn.Module]) -> None:
-    """Full activation checkpointing: each block keeps its input and recomputes the rest in the backward
-    (non-reentrant ``torch.utils.checkpoint``). A Hugging Face model must also run without its KV cache
-    (``workload.trace.without_kv_cache``), or each recomputation appends its keys and values again."""
-    for block in blocks:
-        block.forward = _checkpointed(block.forward)
-
-
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    from torch.utils.checkpoint import checkpoint
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
 
 
 def _parse_oom_hook(text: str | None) -> tuple[int, int, int] | None:

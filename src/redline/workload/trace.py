@@ -29,7 +29,6 @@ that API is missing or fails the profile says so and the planner's analytic memo
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 import time
 import weakref
@@ -56,12 +55,10 @@ from torch.utils._pytree import tree_leaves
 from redline.errors import BadInput
 from redline.workload.cuda_autocast import cuda_autocast_policy
 from redline.workload.profile import ACTIVATION_PRECISIONS, ActivationPrecision, LayerProfile, WorkloadProfile
+from redline.workload.structure import find_blocks, without_kv_cache
 
 # Two batch sizes; per-sample figures are their slope. Neither is 1: some models squeeze a batch of one.
 BATCHES = (2, 4)
-# A group of repeated blocks whose parameters reach this share of the largest group's also counts as blocks
-# (an encoder-decoder's encoder and decoder layers are two classes).
-SECOND_GROUP_SHARE = 0.25
 MAX_MESSAGE_CHARS = 300
 
 _FAKE_TENSOR_LIMITS = (DataDependentOutputException, DynamicOutputShapeException)
@@ -252,74 +249,6 @@ def _make_fake(module: nn.Module) -> None:
             for key, tensor in slots.items():
                 if tensor is not None:
                     slots[key] = fake_like(tensor)
-
-
-# --- the model's structure --------------------------------------------------------------------------------
-
-
-def without_kv_cache(model: nn.Module) -> None:
-    """Training needs no KV cache, but a Hugging Face model builds one unless told not to (``use_cache``
-    defaults to its config's, True for most). The loop holds it with the output to the end of the step: every
-    layer's keys and values, a rotary model's keys in fp32 beside the 16-bit copy attention saved; and each
-    recomputation of a checkpointed block appends them again. Every module with a ``config`` whose forward
-    takes ``use_cache`` gets False unless the caller passes it; the config itself is left as it was."""
-    for module in model.modules():
-        if hasattr(module, "config") and "use_cache" in inspect.signature(module.forward).parameters:
-            module.forward = _no_cache_by_default(module.forward)
-
-
-def _no_cache_by_default(forward: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(forward)
-
-    @functools.wraps(forward)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if "use_cache" not in signature.bind_partial(*args, **kwargs).arguments:
-            kwargs["use_cache"] = False
-        return forward(*args, **kwargs)
-
-    return call
-
-
-def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks: children of ``nn.ModuleList``/``nn.Sequential`` containers whose children all share
-    one class (not ``nn.ModuleList``, which has no forward), grouped by that class over the whole model. Of the
-    groups of two or more, the one with the most parameters, plus any other with at least
-    ``SECOND_GROUP_SHARE`` of that, minus blocks nested in chosen ones. In registration order."""
-    groups: dict[type, list[tuple[str, nn.Module]]] = {}
-    for prefix, container in module.named_modules():
-        if not isinstance(container, nn.ModuleList | nn.Sequential):
-            continue
-        children = list(container.named_children())
-        kinds = {type(child) for _, child in children}
-        # a stage may hold a single block (a ResNet of (2, 1, 1, 2)); the class must repeat across the model
-        if len(kinds) != 1 or kinds & {nn.ModuleList, nn.ModuleDict}:  # lists have no forward to hook
-            continue
-        for child_name, child in children:
-            groups.setdefault(type(child), []).append((f"{prefix}.{child_name}" if prefix else child_name, child))
-    sized = sorted(
-        ((_unique_params(m for _, m in members), members) for members in groups.values() if len(members) > 1),
-        key=lambda item: (-item[0], -len(item[1])),  # on a tie, the finer blocks (Bottlenecks, not stages)
-    )
-    chosen: list[tuple[str, nn.Module]] = []
-    inside: set[int] = set()  # ids of every module within a chosen block
-    for params, members in sized:
-        if params == 0 or params < SECOND_GROUP_SHARE * sized[0][0]:
-            break
-        for member_name, member in members:
-            if id(member) in inside or any(id(sub) in inside for sub in member.modules()):
-                continue
-            chosen.append((member_name, member))
-            inside.update(id(sub) for sub in member.modules())
-    order = {id(m): index for index, m in enumerate(module.modules())}
-    return sorted(chosen, key=lambda item: order[id(item[1])])
-
-
-def _unique_params(modules: Iterable[nn.Module]) -> int:
-    seen: dict[int, int] = {}
-    for m in modules:
-        for p in m.parameters():
-            seen[id(p)] = p.numel()
-    return sum(seen.values())
 
 
 @dataclass
