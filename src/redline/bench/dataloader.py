@@ -410,7 +410,7 @@ def summarize(
 
 def _shm_check(ctx: BenchContext, results: list[Result]) -> dict[str, Any]:
     """Workers hand batches over in /dev/shm: up to workers x prefetch_factor batches wait there at once."""
-    from redline.doctor.rules.host import SHM_MIN_BYTES
+    from redline.hw.host import SHM_MIN_BYTES
 
     shm = ctx.snapshot.host.shm_total_bytes if ctx.snapshot else None
     with_workers = [r for r in results if r.setting.num_workers]

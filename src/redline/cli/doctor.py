@@ -8,6 +8,7 @@ import typer
 
 from redline.cli import ui
 from redline.cli.probe import check_data_paths
+from redline.report.output import write_output
 
 
 def doctor(
@@ -45,7 +46,7 @@ def doctor(
     if html is not None:
         from redline.report.html import GENERATOR, render_html
 
-        ui.write_output(html, render_html(report, snapshot), marker=GENERATOR, protect=from_file)
+        write_output(html, render_html(report, snapshot), marker=GENERATOR, protect=from_file)
     if json_out:
         ui.print_json(
             {

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from redline.cli import ui
 from redline.errors import BadInput
+from redline.report.output import write_output
 from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count, parse_duration
 
 
@@ -183,7 +184,7 @@ def plan(
 
     best = make_plan(profile, cluster, goal, result.ranked[0], notes)
     if output is not None:
-        ui.write_output(output, dump_plan(best), marker=PLAN_MARKER)
+        write_output(output, dump_plan(best), marker=PLAN_MARKER)
     if json_output:
         ui.print_json(
             {

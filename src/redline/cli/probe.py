@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from redline.cli import ui
+from redline.report.output import write_output
 
 DATA_HELP = "A dataset path to locate (filesystem type, disk); repeatable."
 
@@ -41,7 +42,7 @@ def probe(
 
     snapshot = take_snapshot(data_paths=check_data_paths(data))
     if output is not None:
-        ui.write_output(output, snapshot.to_json(), marker=SNAPSHOT_MARKER)
+        write_output(output, snapshot.to_json(), marker=SNAPSHOT_MARKER)
     if json_out:
         ui.print_json(snapshot.to_dict())
         return

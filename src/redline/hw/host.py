@@ -16,6 +16,10 @@ from collections.abc import Callable
 
 from redline.hw.snapshot import HostInfo, NumaNode
 from redline.hw.sysfs import SysFs
+from redline.units import GiB
+
+# the /dev/shm a host should give DataLoader workers, which pass batches through it (docker's default is 64 MiB)
+SHM_MIN_BYTES = 1 * GiB
 
 # cgroup v1 has no "max": an unlimited memory cgroup reports a page-rounded 2^63 - 1. Anything this big
 # (far beyond any real machine) means "no limit".

@@ -31,12 +31,12 @@ from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
 from matplotlib.figure import Figure
 
 from redline import __version__
-from redline.cli.ui import write_output
 from redline.doctor.model import Finding
 from redline.errors import BadInput
 from redline.monitor.sample import Sample
 from redline.monitor.store import Series, Store
 from redline.report.html import CSS, _finding
+from redline.report.output import write_output
 from redline.units import GiB, fmt_bytes, fmt_duration
 
 # in the head of every page and PNG, so a later run knows the file is a redline report it may replace

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from redline.doctor.context import Audit, gpu_subject
 from redline.doctor.engine import rule
 from redline.doctor.model import Area, Finding, Severity
-from redline.units import GiB, fmt_bytes
+from redline.hw.host import SHM_MIN_BYTES
+from redline.units import fmt_bytes
 
-SHM_MIN_BYTES = 1 * GiB  # docker's default is 64 MiB; DataLoader workers pass batches through /dev/shm
 MIN_CORES_PER_GPU = 4
 MAX_SWAPPINESS = 10
 
