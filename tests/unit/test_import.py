@@ -28,6 +28,20 @@ def test_cli_and_doctor_rules_load_without_torch_or_nvml():
     assert not {m for m in loaded if m.split(".")[0] in ("torch", "pynvml")}
 
 
+def test_every_module_of_plan_and_doctor_loads_nothing_heavy():
+    """The planner and the doctor run where no torch is installed; only calibration (which runs real steps)
+    imports torch, inside the function that measures."""
+    code = (
+        "import importlib, pkgutil\n"
+        "import redline.plan, redline.doctor, redline.doctor.rules\n"
+        "for package in (redline.plan, redline.doctor, redline.doctor.rules):\n"
+        "    for module in pkgutil.iter_modules(package.__path__):\n"
+        "        importlib.import_module(f'{package.__name__}.{module.name}')"
+    )
+    loaded = modules_after(code)
+    assert not {m for m in loaded if m.split(".")[0] in HEAVY}
+
+
 def test_probe_software_does_not_initialise_cuda():
     code = (
         "from redline.hw.software import probe_software\n"

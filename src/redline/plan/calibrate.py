@@ -16,15 +16,17 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from redline.bench.training_step import StepMeasurement, measure_training_steps
 from redline.errors import BadInput
 from redline.plan.hardware import Cluster
 from redline.plan.memory import memory_per_gpu
 from redline.plan.steptime import step_time
 from redline.plan.strategy import Strategy
 from redline.workload.profile import Calibration, WorkloadProfile
+
+if TYPE_CHECKING:
+    from redline.bench.training_step import StepMeasurement
 
 
 def one_device(micro_batch: int, precision: str) -> Strategy:
@@ -50,6 +52,8 @@ def measure(
     """Real steps for a calibration around ``micro_batch``: the two sizes of ``line_sizes``, preceded by
     micro-batch 1 for the floor when the line does not start there. Some models cannot take a batch of one
     (a BatchNorm1d): they are calibrated without a floor."""
+    from redline.bench.training_step import measure_training_steps  # torch: only when measuring
+
     sizes = line_sizes(micro_batch)
     run = functools.partial(
         measure_training_steps, build, input_shape, device=device, precision=precision, steps=steps, name=name
