@@ -9,6 +9,7 @@ from redline.plan.hardware import Cluster
 from redline.plan.memory import MemoryBreakdown, memory_per_gpu
 from redline.plan.steptime import StepTime, step_time
 from redline.plan.strategy import Strategy
+from redline.specs.catalog import peak_precisions
 from redline.workload.profile import WorkloadProfile
 
 
@@ -30,13 +31,9 @@ class Goal:
 
 
 def mfu_peak(cluster: Cluster, precision: str) -> float | None:
-    """MFU's denominator: the dense datasheet peak of the precision the matmuls run in (TF32 for fp32),
-    and the bf16 peak for fp8 runs, as the Llama 3 paper reports fp8-era MFU (fp8 recipes keep attention
-    and the output layer in bf16, so the fp8 peak would understate them)."""
-    key = {"fp32": "tf32", "fp8": "bf16"}.get(precision, precision)
-    if key not in cluster.peak_flops:
-        key = precision
-    return cluster.peak_flops.get(key)
+    """MFU's denominator: the dense datasheet peak of the precision the matmuls run in (TF32 for fp32, bf16
+    for fp8: ``specs.catalog.peak_precisions``)."""
+    return next((cluster.peak_flops[k] for k in peak_precisions(precision) if k in cluster.peak_flops), None)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from redline.errors import BadInput
+from redline.specs.catalog import peak_precisions
 from redline.units import fmt_bytes, fmt_count, fmt_duration
 
 if TYPE_CHECKING:
@@ -669,7 +670,7 @@ def format_summary(summary: dict[str, Any], tokens_per_sample: int = 1) -> str:
 def peak_flops(device: torch.device | str, precision: str) -> tuple[float | None, float | None]:
     """(catalog, measured) peak FLOP/s per device of ``device`` for matmuls in ``precision``.
 
-    The precision is the one MFU is quoted against, as ``redline.plan.estimate.mfu_peak`` does: fp32 on a
+    The precision is the one MFU is quoted against (``specs.catalog.peak_precisions``, as the planner): fp32 on a
     GPU counts as TF32 when TF32 matmuls are allowed right now (``torch.backends.cuda.matmul.fp32_precision``
     or ``torch.set_float32_matmul_precision``), else plain fp32; fp8 counts against the bf16 peak (fp8
     recipes keep attention and the output layer in bf16; Llama 3 reports its MFU so). Where the device has
@@ -693,12 +694,8 @@ def peak_flops(device: torch.device | str, precision: str) -> tuple[float | None
 
 
 def _peak_keys(device: torch.device, precision: str) -> tuple[str, ...]:
-    """The precisions whose peak to use, best first."""
-    if precision == "fp8":
-        return ("bf16", "fp8")
-    if precision == "fp32" and device.type == "cuda" and _tf32_matmuls():
-        return ("tf32", "fp32")
-    return (precision,)
+    """The precisions whose peak to use, best first (TF32 for fp32 only where TF32 matmuls run now)."""
+    return peak_precisions(precision, tf32=device.type == "cuda" and _tf32_matmuls())
 
 
 def _tf32_matmuls() -> bool:

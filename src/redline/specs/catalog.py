@@ -129,6 +129,19 @@ class GpuSpec:
 # ------------------------------------------------------------------------------------------ loading
 
 
+def peak_precisions(precision: str, *, tf32: bool = True) -> tuple[str, ...]:
+    """The catalog precisions whose dense peak MFU is quoted against for matmuls in ``precision``, best first
+    (the next is used where a GPU has no figure for the first): fp32 counts as TF32 where TF32 matmuls run, and
+    fp8 against bf16, as the Llama 3 paper reports fp8-era MFU (fp8 recipes keep attention and the output layer
+    in bf16, so the fp8 peak would understate them). The planner's ``mfu_peak`` and the runtime's
+    ``peak_flops`` both take it from here."""
+    if precision == "fp8":
+        return ("bf16", "fp8")
+    if precision == "fp32" and tf32:
+        return ("tf32", "fp32")
+    return (precision,)
+
+
 def parse_gpu_csv(text: str, origin: str = "gpus.csv") -> list[GpuSpec]:
     """Parse and check catalog CSV text; raise CatalogError naming the line and column of any bad cell."""
     reader = csv.DictReader(io.StringIO(text))
