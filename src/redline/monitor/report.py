@@ -36,9 +36,10 @@ from redline.errors import BadInput
 from redline.monitor.sample import Sample
 from redline.monitor.store import Series, Store
 from redline.report.html import CSS, _finding
-from redline.report.output import write_output
+from redline.report.output import check_target, write_output
 from redline.units import GiB, fmt_bytes, fmt_duration
 
+RECORD = "the monitor record"  # what a report must never replace
 # in the head of every page and PNG, so a later run knows the file is a redline report it may replace
 GENERATOR = "redline monitor report"
 MAX_POINTS = 800  # per line: about one per pixel of a plot's width
@@ -127,9 +128,10 @@ def render_html(
     out = Path(out_path)
     with _opened(source) as store:
         protect = Path(store.name) if store.name != "<memory>" else None
-        _check_target(out, GENERATOR.encode(), protect)  # before the work, not after it
+        # before the work, not after it
+        check_target(out, marker=GENERATOR, protect=protect, protected=RECORD)
         page = html_page(store, findings, title, start=start, end=end, max_points=max_points)
-    write_output(out, page, marker=GENERATOR, protect=protect)
+    write_output(out, page, marker=GENERATOR, protect=protect, protected=RECORD)
     return out
 
 
@@ -148,12 +150,12 @@ def render_pngs(
     except OSError as exc:
         raise BadInput(f"cannot create {folder} for the plots: {exc.strerror or exc}") from None
     for slug in PLOT_TITLES:
-        _check_target(folder / f"{slug}.png", GENERATOR.encode())
+        check_target(folder / f"{slug}.png", marker=GENERATOR)
     with _opened(source) as store:
         plots = build_plots(store, start=start, end=end, max_points=max_points)
     paths = [folder / f"{plot.slug}.png" for plot in plots]
     for path, plot in zip(paths, plots, strict=True):
-        _write_png(path, plot.png)
+        write_output(path, plot.png, marker=GENERATOR)  # its text chunk names the generator
     return paths
 
 
@@ -461,37 +463,3 @@ def _energy(joules: float | None) -> str:
 
 def _utc(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-# -- writing -------------------------------------------------------------------------------------------------
-
-
-def _check_target(path: Path, marker: bytes, protect: Path | None = None) -> None:
-    """The rules ``write_output`` applies, checked before a long render rather than after it: never the record
-    itself, never a folder, never a file redline did not write."""
-    if path.is_dir():
-        raise BadInput(f"{path} is a directory; give a file name")
-    if protect is not None and path.resolve() == protect.resolve():
-        raise BadInput(f"refusing to overwrite the monitor record {path} with its report")
-    if path.exists() and marker not in _head(path):
-        raise BadInput(f"{path} exists and was not written by redline; remove it or choose another name")
-
-
-def _write_png(path: Path, data: bytes) -> None:
-    """Like the HTML page: replace only a PNG redline wrote (its text chunk names the generator), atomically."""
-    _check_target(path, GENERATOR.encode())
-    tmp = path.with_name(f".{path.name}.redline-tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise BadInput(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
-def _head(path: Path, size: int = 512) -> bytes:
-    try:
-        with path.open("rb") as fh:
-            return fh.read(size)
-    except OSError:
-        return b""
