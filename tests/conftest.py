@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,25 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _no_gpu_reason() -> str | None:
+    """Why the tests marked ``gpu`` cannot run here; None on a machine with an NVIDIA GPU PyTorch can use."""
+    if shutil.which("nvidia-smi") is None:
+        return "no nvidia-smi: not a GPU machine"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA device"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test marked ``gpu`` is skipped, with the reason, where there is no GPU: one rule for all of them."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    reason = _no_gpu_reason() if marked else None
+    for item in marked if reason else []:
+        item.add_marker(pytest.mark.skip(reason=f"needs a CUDA GPU: {reason}"))
 
 
 def run_cli(

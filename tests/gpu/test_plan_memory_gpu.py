@@ -18,10 +18,7 @@ from redline.runtime.prepare import prepare
 from redline.workload.load import load_workload
 from redline.workload.presets import preset_profile
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 
 def measured_peak(model, inputs: torch.Tensor, loss_of, strategy: Strategy, steps: int = 3) -> int:

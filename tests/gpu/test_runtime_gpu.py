@@ -11,10 +11,7 @@ from redline.plan.strategy import Strategy
 from redline.runtime.config import RunConfig
 from redline.runtime.prepare import prepare
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 
 def mlp(width: int = 4096, depth: int = 4) -> nn.Module:

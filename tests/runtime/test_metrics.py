@@ -447,11 +447,7 @@ def test_peak_flops_refuses_an_unknown_precision():
 # -------------------------------------------------------------------------------------------------- GPU
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
 @pytest.mark.gpu
-@gpu
 def test_cuda_phases_are_device_time_with_one_sync_per_step():
     device = torch.device("cuda:0")
     a = torch.randn(8192, 8192, device=device)
@@ -488,7 +484,6 @@ def test_cuda_phases_are_device_time_with_one_sync_per_step():
 
 
 @pytest.mark.gpu
-@gpu
 def test_cuda_peak_flops_from_the_catalog_follows_tf32(redline_home):
     from redline.specs.catalog import match_gpu
 
