@@ -8,7 +8,6 @@ import random
 import re
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from ranks import spawn_ranks
 from redline.errors import BadInput
 from redline.runtime.checkpoint import SLOW_SAVE_ENV, Checkpointer, CheckpointWarning
 
@@ -319,6 +319,7 @@ def test_sigkill_between_and_during_saves_then_resume_matches(tmp_path, train_sc
 # that checkpoint and trains to STEPS again: DDP, ZeRO-1 (DDP and ZeroRedundancyOptimizer), then FSDP2
 # (fully_shard per Linear and the root).
 RANK_SCRIPT = """
+import os
 import sys
 import warnings
 import torch
@@ -327,9 +328,9 @@ from torch import nn
 from redline.runtime.checkpoint import Checkpointer
 
 STEPS, SAVE_AT = 6, 3
-rank, world, port, base = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank, world, base = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), sys.argv[1]
 torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=rank, world_size=world)
 
 
 def build(mode, init_seed):
@@ -373,7 +374,7 @@ def full(model):
 
 try:
     results = {}
-    for mode in sys.argv[5:]:
+    for mode in sys.argv[2:]:
         checkpointer = Checkpointer(f"{base}/{mode}")
         model, optimizer, scheduler = build(mode, 0)
         torch.manual_seed(100 + rank)  # each rank's own dropout masks
@@ -408,12 +409,6 @@ finally:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fsdp2_available() -> bool:
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -431,25 +426,7 @@ def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     script = base / "rank.py"
     script.write_text(RANK_SCRIPT)
     modes = ["ddp", "zero1", "fsdp"] if fsdp2_available() else ["ddp", "zero1"]
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), "2", port, str(base), *modes],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, output in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, output
+    spawn_ranks(script, 2, store=base / "store", args=[str(base), *modes])
     return base, [torch.load(base / f"rank{rank}.pt") for rank in range(2)]
 
 

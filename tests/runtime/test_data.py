@@ -7,12 +7,14 @@ import dataclasses
 import functools
 import itertools
 import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset, WeightedRandomSampler
 
+from ranks import spawn_ranks
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.batch import split, to_device
@@ -362,32 +364,11 @@ os._exit(0)  # the results are written: skip gloo's teardown at interpreter exit
 
 def two_ranks(tmp_path, loop: str, world: int = 2) -> dict:
     """``loop`` run by ``world`` fresh processes (one: the reference, out of this test process's state)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     tmp_path.mkdir(exist_ok=True)
     script = tmp_path / "worker.py"
     script.write_text(TWO_RANKS.format(tests=str(Path(__file__).parent), loop=loop))
     out = tmp_path / "result.pt"
-    base = os.environ | {"STORE": str(tmp_path / "store"), "WORLD_SIZE": str(world), "OUT": str(out)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env=base | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=600)  # a hang guard; two ranks of a tiny GPT-2 take seconds
-            assert proc.returncode == 0, err
-    finally:
-        for proc in procs:
-            proc.kill()
+    spawn_ranks(script, world, store=tmp_path / "store", env={"OUT": str(out)})
     return torch.load(out)
 
 

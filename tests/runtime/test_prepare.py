@@ -6,9 +6,6 @@ Multi-rank cases run real processes (gloo over localhost), each calling prepare(
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from ranks import spawn_ranks
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.config import RunConfig
@@ -292,26 +290,8 @@ def two_ranks(tmp_path: Path, strategy: dict, optimizer: str = "sgd") -> dict[st
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
     out = tmp_path / "weights.pt"
-    procs = []
-    for rank in range(2):
-        env = os.environ | {
-            "STORE": str(tmp_path / "store"),
-            "WORLD_SIZE": "2",
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": "2",
-            "STRATEGY": json.dumps(strategy),
-            "OPTIMIZER": optimizer,
-            "OUT": str(out),
-        }
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True))
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, err
-    finally:
-        for proc in procs:
-            proc.kill()
+    env = {"STRATEGY": json.dumps(strategy), "OPTIMIZER": optimizer, "OUT": str(out)}
+    spawn_ranks(script, 2, store=tmp_path / "store", env=env)
     return torch.load(out)
 
 
