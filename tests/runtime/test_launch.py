@@ -348,7 +348,8 @@ def test_out_of_memory_inside_the_gradient_all_reduce_restarts_smaller_with_the_
         import json, sys
         import torch
         from torch import nn
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        # test modules import each other (and tests/ranks.py) by plain name, as pytest's pythonpath lets them
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
         from test_prepare import dataset, make_model
         from redline.plan.strategy import Strategy
         from redline.runtime.config import RunConfig
