@@ -260,9 +260,7 @@ class Checkpointer:
             except (OSError, ValueError):
                 number[0] = 0
             self.directory.mkdir(parents=True, exist_ok=True)
-            scratch = path.with_name(f"{path.name}.{os.getpid()}")
-            _write_synced(scratch, lambda f: f.write(str(number[0]).encode()))
-            os.replace(scratch, path)
+            _replace_file(path, str(number[0]).encode())
         if _distributed():
             dist.broadcast_object_list(number, src=0)
         return number[0]
@@ -277,12 +275,8 @@ class Checkpointer:
         if recorded is not None and recorded[0] <= micro_batch:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / MICRO_BATCH_FILE
-        scratch = path.with_name(f"{path.name}.{os.getpid()}")
         payload = json.dumps({"micro_batch": micro_batch, "accumulation": accumulation}).encode()
-        _write_synced(scratch, lambda f: f.write(payload))
-        os.replace(scratch, path)  # atomic: a restart reads the old record or the new one, never half
-        _sync_dir(self.directory)
+        _replace_file(self.directory / MICRO_BATCH_FILE, payload)
 
     @property
     def micro_batch_path(self) -> Path:
@@ -479,6 +473,15 @@ def _write_synced(path: Path, write) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _replace_file(path: Path, payload: bytes) -> None:
+    """``path`` replaced by ``payload`` atomically (a reader sees the old content or the new, never half) and
+    durably: written to a scratch file of this process, fsynced, renamed over it, the directory fsynced."""
+    scratch = path.with_name(f"{path.name}.{os.getpid()}")
+    _write_synced(scratch, lambda f: f.write(payload))
+    os.replace(scratch, path)
+    _sync_dir(path.parent)
 
 
 def _sync_dir(path: Path) -> None:

@@ -397,7 +397,7 @@ class Run:
                             self._micro_index = index
                             self._last_micro = index == len(micros) - 1
                             # its loss's share of the batch's mean: 1 / accumulation, or its samples' share
-                            self._micro_divisor = size / (edges[index + 1] - edges[index]) if len(micros) > 1 else 1
+                            self._micro_divisor = size / (edges[index + 1] - edges[index])
                             yield micro
                             if self._retry:
                                 break
