@@ -4,7 +4,7 @@
                                            [--cc cubic,bbr] [--rtt-ms 200] [--loss 0.001] [--rate-mbit 100]
 
 Needs root, iproute2 and iperf3 (Debian package `iperf3`). It builds a link between two network namespaces
-(redline.netem: netem where the kernel has it, else TUN devices and a user-space forwarder), runs
+(tools/netem: netem where the kernel has it, else TUN devices and a user-space forwarder), runs
 `iperf3 -s` and `redline bench network --serve` on one side, and from the other, for each congestion
 control, round and stream count, `iperf3 -c -P N -t T -O O -J` and redline's client with the same N, T and
 O, alternating which goes first. Printed: the median of the rounds for each tool and redline/iperf3
@@ -17,9 +17,12 @@ import argparse
 import shutil
 import statistics
 import sys
+from pathlib import Path
 
-from redline.netem import EmulatedLink, LinkSpec, unavailable_reason
-from redline.netem.compare import compare, start_servers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # the emulated link (tools/netem)
+
+from netem import EmulatedLink, LinkSpec, unavailable_reason
+from netem.compare import compare, start_servers
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ SRC = Path(redline.__file__).parent
 
 # lowest first; a package may import its own layer and those below it
 LAYERS = [
-    {"errors", "units", "capability", "lockfile", "netem"},  # netem: test infrastructure, self-contained
+    {"errors", "units", "capability", "lockfile"},
     {"hw", "specs"},
     {"workload"},
     {"bench"},

@@ -18,6 +18,9 @@ import time
 import pytest
 
 from conftest import run_cli
+from netem import EmulatedLink, LinkSpec, unavailable_reason
+from netem.compare import compare, start_servers
+from netem.forward import Shaper
 from redline.bench import network
 from redline.bench.context import BenchContext
 from redline.bench.net import streams, tcpinfo, wire
@@ -25,9 +28,6 @@ from redline.bench.net.client import Client, Throughput, serve_in_thread
 from redline.bench.net.streams import Received
 from redline.bench.net.tcpinfo import SenderStats
 from redline.errors import BadInput
-from redline.netem import EmulatedLink, LinkSpec, unavailable_reason
-from redline.netem.compare import compare, start_servers
-from redline.netem.forward import Shaper
 from redline.units import KiB, MiB
 
 # ------------------------------------------------------------------------------------- arithmetic

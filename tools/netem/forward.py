@@ -6,8 +6,8 @@ running at the rate cap (a packet leaves the queue size*8/rate seconds after the
 fixed one-way delay. Departure times are computed, not slept, so the rate is exact on average; a packet is
 written to the far TUN when its delivery time has come (late by the loop's wake-up, ~0.1-1 ms).
 
-Run by redline.netem.link with the two TUN file descriptors inherited:
-``python -m redline.netem.forward --fds 5,6 --delay-ms 100 --loss 0.001 --rate-mbit 100 --queue-bytes N``.
+Run by netem.link (by its path) with the two TUN file descriptors inherited:
+``python tools/netem/forward.py --fds 5,6 --delay-ms 100 --loss 0.001 --rate-mbit 100 --queue-bytes N``.
 On SIGTERM it prints its counters as one JSON line and exits.
 """
 
@@ -103,7 +103,7 @@ def forward(fd_a: int, fd_b: int, a_to_b: Shaper, b_to_a: Shaper, stop: list[boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m redline.netem.forward")
+    parser = argparse.ArgumentParser(prog="forward.py")
     parser.add_argument("--fds", required=True, help="the two TUN file descriptors, A,B")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
     parser.add_argument("--loss", type=float, default=0.0, help="random loss probability, each direction")

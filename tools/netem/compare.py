@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from redline.netem.link import A_ADDR, EmulatedLink
+from netem.link import A_ADDR, EmulatedLink
 
 IPERF3_PORT = 5201
 REDLINE_PORT = 5211

@@ -1,4 +1,4 @@
-"""``python -m redline.netem``: hold an emulated link open until Ctrl-C, and say how to use it."""
+"""``PYTHONPATH=tools python -m netem``: hold an emulated link open until Ctrl-C, and say how to use it."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import signal
 import sys
 import threading
 
-from redline.netem.link import EmulatedLink, LinkSpec, LinkUnavailable
+from netem.link import EmulatedLink, LinkSpec, LinkUnavailable
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m redline.netem", description=__doc__)
+    parser = argparse.ArgumentParser(prog="PYTHONPATH=tools python -m netem", description=__doc__)
     parser.add_argument("--rtt-ms", type=float, default=200.0)
     parser.add_argument("--loss", type=float, default=0.001, help="random loss probability per direction")
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="rate cap per direction (0: none)")

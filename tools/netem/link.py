@@ -7,7 +7,7 @@ rate cap and a tail-drop queue (one bandwidth-delay product by default).
 Two ways to build it, as the kernel allows:
 - "netem": a veth pair with a netem qdisc on each end (``tc qdisc add ... netem delay loss rate limit``);
 - "tun": where the kernel has no sch_netem, a TUN device in each namespace and a user-space forwarder
-  (redline.netem.forward) that applies the same delay, loss, rate and queue.
+  (netem.forward) that applies the same delay, loss, rate and queue.
 
 ``close()`` (also on errors and when the ``with`` body raises) stops every process it started or that
 still runs in the namespaces, stops the forwarder and deletes both namespaces.
@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 A_ADDR = "10.77.0.1"
@@ -217,7 +218,8 @@ class EmulatedLink:
     def _open_tun(self) -> None:
         fds = [_tun_in_namespace(self.namespaces[side]) for side in ("a", "b")]
         spec = self.spec
-        argv = [sys.executable, "-m", "redline.netem.forward", "--fds", f"{fds[0]},{fds[1]}"]
+        # by its path: the forwarder needs only the standard library, so it runs whatever sys.path the caller has
+        argv = [sys.executable, str(Path(__file__).with_name("forward.py")), "--fds", f"{fds[0]},{fds[1]}"]
         argv += ["--delay-ms", f"{spec.rtt_ms / 2}", "--loss", f"{spec.loss}"]
         if spec.rate_mbit:
             argv += ["--rate-mbit", f"{spec.rate_mbit}"]
