@@ -503,3 +503,27 @@ def test_reading_a_closed_record_creates_nothing_beside_it(tmp_path):
     with Store.read(path) as store:
         assert store.count() == 3 and len(list(store.samples())) == 3
     assert _files(tmp_path) == before
+
+
+def test_the_tables_columns_are_those_of_format_version_1():
+    """A column added, renamed or dropped changes the record's format: raise FORMAT_VERSION (and read the old
+    one) when this fails, then update the lists here."""
+    from redline.monitor import record_format
+
+    assert record_format.FORMAT_VERSION == 1
+    assert record_format.STEP_FIELDS == (
+        "step", "time_s", "data_s", "compute_s", "optimizer_s", "comm_s", "samples_per_s", "tokens_per_s",
+        "mfu_catalog", "peak_memory_bytes", "loss",
+    )  # fmt: skip
+    assert record_format.HOST_FIELDS == (
+        "cpu_ratio", "cpu_iowait_ratio", "load_1m", "memory_used_bytes", "memory_total_bytes", "swap_used_bytes",
+        "disk_read_bytes_per_second", "disk_write_bytes_per_second", "network_rx_bytes_per_second",
+        "network_tx_bytes_per_second",
+    )  # fmt: skip
+    assert record_format.GPU_FIELDS == (
+        "lost", "utilization_ratio", "memory_bandwidth_ratio", "memory_used_bytes", "memory_total_bytes",
+        "sm_clock_hertz", "sm_clock_max_hertz", "memory_clock_hertz", "power_watts", "power_limit_watts",
+        "energy_joules_total", "temperature_celsius", "temperature_slowdown_celsius", "pcie_tx_bytes_per_second",
+        "pcie_rx_bytes_per_second", "nvlink_tx_bytes_per_second", "nvlink_rx_bytes_per_second",
+        "sm_activity_ratio", "tensor_activity_ratio",
+    )  # fmt: skip

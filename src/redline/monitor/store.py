@@ -1,23 +1,7 @@
 """The record `redline monitor --record FILE` writes and `redline report FILE` reads: one SQLite file.
 
-Layout, and why:
-
-* ``samples(id, time, body)``: every ``Sample`` whole, as compact JSON compressed with zlib (2-4 KiB for an
-  8-GPU sample instead of 11). The body is the record of truth: whatever the schema holds survives the round
-  trip, including fields no plot uses yet.
-* ``notes(time, text)``: ``Sample.notes``, which are rare (the sampler gives each problem once), so a report
-  lists them without decoding every body.
-* ``gpu``, ``host``, ``step``: narrow numeric tables (one row per GPU, per host, per training step of each
-  sample) with the fields plots and summaries read, keyed by time first, so a time range is an index range
-  scan of small rows and no JSON is decoded. Their columns are fixed lists (``GPU_FIELDS`` ...): a new Sample
-  field lands in the body at once and in a column only when ``FORMAT_VERSION`` is raised. The GPU table also
-  holds ``energy_joules``, the energy each GPU used since the previous sample (from the energy counter,
-  else from power x time), so energy over any range is a plain sum.
-* ``gpu_rollup``, ``host_rollup``, ``step_rollup``: per ``ROLLUP_S`` bucket and GPU/rank, the count, sum, min
-  and max of every column, kept in the same transaction as the rows they summarise. A day at 1 Hz on 8 GPUs is
-  700k GPU rows: SQLite aggregates them at about 1 us per row per column, so a report reading them raw would
-  take many seconds; from the rollups it reads 70k. Plots over long ranges and the summaries use them;
-  summaries read raw rows only at the two partial buckets at the ends of a range, so they stay exact.
+Its tables, columns and encoding are ``record_format``'s; the reads behind plots and summaries are
+``record_query``'s.
 
 One writer: ``Store.open`` holds ``FILE.lock`` (``redline.lockfile``) while it records; a second monitor
 recording into the same file is refused with one line instead of interleaving its samples with the first's.
@@ -38,7 +22,6 @@ sample time (not on every append: a delete costs a range scan), so the file hold
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sqlite3
@@ -46,177 +29,36 @@ import threading
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from functools import cached_property
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from redline.errors import BadInput, RedlineError
 from redline.lockfile import WriterLock
-from redline.monitor.sample import GpuSample, HostSample, Sample, StepSample
+from redline.monitor import record_query
+from redline.monitor.record_format import (
+    APPLICATION_ID,
+    FORMAT_VERSION,
+    GPU_FIELDS,
+    GPU_TABLE,
+    HOST_FIELDS,
+    HOST_TABLE,
+    ROLLUP_S,
+    STEP_FIELDS,
+    STEP_TABLE,
+    TABLES,
+    decode,
+    encode,
+    number,
+    rollup_values,
+)
+from redline.monitor.record_query import GpuStats, Series, StepStats, window
+from redline.monitor.sample import Sample
 
-# "RDLM" in SQLite's header: which application wrote the file (https://www.sqlite.org/fileformat.html)
-APPLICATION_ID = 0x52444C4D
-# the record format: tables, columns and body encoding; raise it (and read the old one) when any changes
-FORMAT_VERSION = 1
-ROLLUP_S = 10.0  # rollup bucket: 8,640 a day per GPU; ranges under ROLLUP_S x max_points are read raw
 PRUNE_INTERVAL_S = 60.0
 MAX_POWER_GAP_S = 60.0  # power x time is integrated only across gaps up to this (the monitor ran throughout)
-P95_SAMPLE_LIMIT = 20_000  # p95 is exact up to this many samples, from an even subsample of them beyond
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _HEADER_BYTES = 100
 _CHUNK = 512  # samples decoded per read transaction, so a long read never holds the WAL back
-
-GPU_FIELDS = (
-    "lost",
-    "utilization_ratio",
-    "memory_bandwidth_ratio",
-    "memory_used_bytes",
-    "memory_total_bytes",
-    "sm_clock_hertz",
-    "sm_clock_max_hertz",
-    "memory_clock_hertz",
-    "power_watts",
-    "power_limit_watts",
-    "energy_joules_total",
-    "temperature_celsius",
-    "temperature_slowdown_celsius",
-    "pcie_tx_bytes_per_second",
-    "pcie_rx_bytes_per_second",
-    "nvlink_tx_bytes_per_second",
-    "nvlink_rx_bytes_per_second",
-    "sm_activity_ratio",
-    "tensor_activity_ratio",
-)
-HOST_FIELDS = (
-    "cpu_ratio",
-    "cpu_iowait_ratio",
-    "load_1m",
-    "memory_used_bytes",
-    "memory_total_bytes",
-    "swap_used_bytes",
-    "disk_read_bytes_per_second",
-    "disk_write_bytes_per_second",
-    "network_rx_bytes_per_second",
-    "network_tx_bytes_per_second",
-)
-STEP_FIELDS = (
-    "step",
-    "time_s",
-    "data_s",
-    "compute_s",
-    "optimizer_s",
-    "comm_s",
-    "samples_per_s",
-    "tokens_per_s",
-    "mfu_catalog",
-    "peak_memory_bytes",
-    "loss",
-)
-ENERGY_FIELD = "energy_joules"  # derived, GPU table only: joules since this GPU's previous sample
-
-
-@dataclass(frozen=True)
-class _Table:
-    """A narrow table and its rollup: ``key`` names the column that splits it into lines (GPU index, rank)."""
-
-    name: str
-    key: str | None
-    fields: tuple[str, ...]
-
-    def check(self, field: str) -> None:
-        if field not in self.fields:
-            raise ValueError(f"{self.name} has no column {field!r}; it has: {', '.join(self.fields)}")
-
-    @property
-    def rollup(self) -> str:
-        return f"{self.name}_rollup"
-
-    @property
-    def key_expr(self) -> str:
-        return self.key or "0"  # the host table is one line: key 0
-
-    def create_sql(self) -> list[str]:
-        key = f"{self.key} INTEGER NOT NULL, " if self.key else ""
-        pos = "pos INTEGER NOT NULL, " if self.key else ""
-        cols = ", ".join(f"{f} NUMERIC" for f in self.fields)
-        rollup_cols = ", ".join(f"{f}_n INTEGER, {f}_sum REAL, {f}_min NUMERIC, {f}_max NUMERIC" for f in self.fields)
-        rollup_key = f"bucket, {self.key}" if self.key else "bucket"
-        return [
-            f"CREATE TABLE {self.name} (time REAL NOT NULL, sample INTEGER NOT NULL, {pos}{key}{cols},"
-            f" PRIMARY KEY (time, sample{', pos' if self.key else ''})) WITHOUT ROWID",
-            f"CREATE TABLE {self.rollup} (bucket INTEGER NOT NULL, {key}n INTEGER NOT NULL, t_sum REAL NOT NULL,"
-            f" {rollup_cols}, PRIMARY KEY ({rollup_key})) WITHOUT ROWID",
-        ]
-
-    @cached_property
-    def insert_sql(self) -> str:
-        columns = ["time", "sample", *(["pos", self.key] if self.key else []), *self.fields]
-        return f"INSERT INTO {self.name} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
-
-    @cached_property
-    def upsert_sql(self) -> str:
-        """Add one row to its bucket: (bucket, [key,] time, then per field n, sum, min, max)."""
-        per_field = [f"{f}_{part}" for f in self.fields for part in ("n", "sum", "min", "max")]
-        columns = ["bucket", *([self.key] if self.key else []), "n", "t_sum", *per_field]
-        merge = ["n = n + 1", "t_sum = t_sum + excluded.t_sum"]
-        for f in self.fields:
-            merge += [f"{f}_n = {f}_n + excluded.{f}_n", f"{f}_sum = {f}_sum + excluded.{f}_sum"]
-            for m in ("min", "max"):  # scalar MIN/MAX are NULL when either side is: keep whichever is known
-                merge.append(f"{f}_{m} = COALESCE({m.upper()}({f}_{m}, excluded.{f}_{m}), {f}_{m}, excluded.{f}_{m})")
-        values = ", ".join("1" if c == "n" else "?" for c in columns)
-        target = f"bucket, {self.key}" if self.key else "bucket"
-        return (
-            f"INSERT INTO {self.rollup} ({', '.join(columns)}) VALUES ({values})"
-            f" ON CONFLICT ({target}) DO UPDATE SET {', '.join(merge)}"
-        )
-
-
-_GPU = _Table("gpu", "gpu", (*GPU_FIELDS, ENERGY_FIELD))
-_HOST = _Table("host", None, HOST_FIELDS)
-_STEP = _Table("step", "rank", STEP_FIELDS)
-_TABLES = {t.name: t for t in (_GPU, _HOST, _STEP)}
-
-
-@dataclass(frozen=True)
-class Series:
-    """One line of a plot. ``lows``/``highs`` are the min/max of each bucket when the store downsampled it
-    (``values`` are then bucket means), so a plot can still show the dips a mean hides. ``None`` is a gap."""
-
-    times: list[float]
-    values: list[float | None]
-    lows: list[float | None] | None = None
-    highs: list[float | None] | None = None
-
-    @property
-    def downsampled(self) -> bool:
-        return self.lows is not None
-
-
-@dataclass(frozen=True)
-class GpuStats:
-    """What one GPU did over a time range, for the report's summary table."""
-
-    gpu: int
-    samples: int
-    utilization_mean_ratio: float | None
-    utilization_p95_ratio: float | None
-    memory_peak_bytes: int | None
-    memory_total_bytes: int | None
-    power_mean_watts: float | None
-    energy_joules: float | None  # from the energy counter; from power x time where the GPU has no counter
-    temperature_max_celsius: float | None
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one rank's training steps took over a time range."""
-
-    rank: int
-    steps: int
-    time_mean_s: float | None
-    data_mean_s: float | None
-    data_share_ratio: float | None  # of all step time, how much was waiting for data
 
 
 @dataclass
@@ -226,27 +68,6 @@ class _GpuLast:
     time: float
     energy_joules_total: float | None
     power_watts: float | None
-
-
-def _encode(sample: Sample) -> bytes:
-    """The JSON of ``sample.to_dict()``, made by the C encoder reading each dataclass's ``__dict__``: the same
-    text at a fifth of the cost (``asdict`` deep-copies every value), which is most of an append's time."""
-    return zlib.compress(json.dumps(sample, default=vars, separators=(",", ":")).encode(), 1)
-
-
-def _decode(body: bytes) -> Sample:
-    return Sample.from_dict(json.loads(zlib.decompress(body)))
-
-
-def _number(value: Any) -> float | int | None:
-    """What a numeric column accepts: a bool as 0/1, a finite number, otherwise NULL (a gap)."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    return None
 
 
 def _energy_since(last: _GpuLast | None, now: _GpuLast) -> float | None:
@@ -260,17 +81,6 @@ def _energy_since(last: _GpuLast | None, now: _GpuLast) -> float | None:
     if now.power_watts is not None and last.power_watts is not None and now.time - last.time <= MAX_POWER_GAP_S:
         return (now.power_watts + last.power_watts) / 2 * (now.time - last.time)
     return None
-
-
-def _rollup_values(values: Sequence[float | int | None]) -> list[float | int | None]:
-    """n, sum, min, max of one value per field, as the rollup upsert takes them."""
-    out: list[float | int | None] = []
-    for v in values:
-        out += [0, 0.0, None, None] if v is None else [1, v, v, v]
-    return out
-
-
-# -- the file's first bytes ----------------------------------------------------------------------------------
 
 
 def _check_header(path: Path) -> bool:
@@ -461,7 +271,7 @@ class Store:
                 "CREATE TABLE notes (time REAL NOT NULL, sample INTEGER NOT NULL, pos INTEGER NOT NULL,"
                 " text TEXT NOT NULL, PRIMARY KEY (time, sample, pos)) WITHOUT ROWID"
             )
-            for table in _TABLES.values():
+            for table in TABLES.values():
                 for statement in table.create_sql():
                     conn.execute(statement)
 
@@ -475,7 +285,7 @@ class Store:
                 " upgrade redline, or record to a new path"
             )
         tables = {row[0] for row in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        wanted = {"samples", "notes"} | set(_TABLES) | {t.rollup for t in _TABLES.values()}
+        wanted = {"samples", "notes"} | set(TABLES) | {t.rollup for t in TABLES.values()}
         missing = sorted(wanted - tables)
         if version != FORMAT_VERSION or missing:
             raise _corrupt(self.name, f"format {version}, missing tables {', '.join(missing) or 'none'}")
@@ -554,24 +364,24 @@ class Store:
     @staticmethod
     def _insert(conn: sqlite3.Connection, sample: Sample, last_gpu: dict[int, _GpuLast]) -> None:
         t = float(sample.time)
-        sid = conn.execute("INSERT INTO samples (time, body) VALUES (?, ?)", (t, _encode(sample))).lastrowid
+        sid = conn.execute("INSERT INTO samples (time, body) VALUES (?, ?)", (t, encode(sample))).lastrowid
         conn.executemany("INSERT INTO notes VALUES (?, ?, ?, ?)", [(t, sid, i, n) for i, n in enumerate(sample.notes)])
         bucket = math.floor(t / ROLLUP_S)
         gpu_rows = []
         for pos, g in enumerate(sample.gpus):
-            now = _GpuLast(t, _number(g.energy_joules_total), _number(g.power_watts))
-            values = [_number(getattr(g, f)) for f in GPU_FIELDS] + [_energy_since(last_gpu.get(g.index), now)]
+            now = _GpuLast(t, number(g.energy_joules_total), number(g.power_watts))
+            values = [number(getattr(g, f)) for f in GPU_FIELDS] + [_energy_since(last_gpu.get(g.index), now)]
             last_gpu[g.index] = now
-            gpu_rows.append(((t, sid, pos, g.index, *values), (bucket, g.index, t, *_rollup_values(values))))
+            gpu_rows.append(((t, sid, pos, g.index, *values), (bucket, g.index, t, *rollup_values(values))))
         step_rows = []
         for pos, s in enumerate(sample.steps):
-            values = [_number(getattr(s, f)) for f in STEP_FIELDS]
-            step_rows.append(((t, sid, pos, s.rank, *values), (bucket, s.rank, t, *_rollup_values(values))))
+            values = [number(getattr(s, f)) for f in STEP_FIELDS]
+            step_rows.append(((t, sid, pos, s.rank, *values), (bucket, s.rank, t, *rollup_values(values))))
         host_rows = []
         if sample.host is not None:
-            values = [_number(getattr(sample.host, f)) for f in HOST_FIELDS]
-            host_rows.append(((t, sid, *values), (bucket, t, *_rollup_values(values))))
-        for table, rows in ((_GPU, gpu_rows), (_STEP, step_rows), (_HOST, host_rows)):
+            values = [number(getattr(sample.host, f)) for f in HOST_FIELDS]
+            host_rows.append(((t, sid, *values), (bucket, t, *rollup_values(values))))
+        for table, rows in ((GPU_TABLE, gpu_rows), (STEP_TABLE, step_rows), (HOST_TABLE, host_rows)):
             if rows:
                 conn.executemany(table.insert_sql, [row for row, _ in rows])
                 conn.executemany(table.upsert_sql, [rollup for _, rollup in rows])
@@ -593,7 +403,7 @@ class Store:
                 cutoff = newest - self.retention_s
                 deleted = conn.execute("DELETE FROM samples WHERE time < ?", (cutoff,)).rowcount
                 conn.execute("DELETE FROM notes WHERE time < ?", (cutoff,))
-                for table in _TABLES.values():
+                for table in TABLES.values():
                     conn.execute(f"DELETE FROM {table.name} WHERE time < ?", (cutoff,))
                     # buckets wholly before the cutoff; the one it falls in stays, summarising a few pruned rows
                     conn.execute(f"DELETE FROM {table.rollup} WHERE bucket < ?", (math.floor(cutoff / ROLLUP_S),))
@@ -622,7 +432,7 @@ class Store:
     # -- reading samples -------------------------------------------------------------------------------------
 
     def count(self, start: float | None = None, end: float | None = None) -> int:
-        where, args = _window(start, end)
+        where, args = window(start, end)
         with self._reading() as conn:
             return conn.execute(f"SELECT COUNT(*) FROM samples {where}", args).fetchone()[0]
 
@@ -635,7 +445,7 @@ class Store:
     def samples(self, start: float | None = None, end: float | None = None) -> Iterator[Sample]:
         """Samples with ``start <= time <= end``, oldest first, decoded a chunk at a time: each chunk is its own
         short read, so iterating a day-long record neither holds all of it in memory nor stalls the writer."""
-        where, args = _window(start, end)
+        where, args = window(start, end)
         after = (-math.inf, -1)
         keyset = "(time, id) > (?, ?)"
         clause = f"{where} AND {keyset}" if where else f"WHERE {keyset}"
@@ -646,7 +456,7 @@ class Store:
                 ).fetchall()
             for time, _, body in rows:
                 try:
-                    yield _decode(body)
+                    yield decode(body)
                 except (zlib.error, ValueError, TypeError, KeyError) as exc:
                     raise _corrupt(self.name, f"sample at {time}: {type(exc).__name__}: {exc}") from None
             if len(rows) < _CHUNK:
@@ -657,13 +467,13 @@ class Store:
         """The newest sample, whole."""
         with self._reading() as conn:
             row = conn.execute("SELECT body FROM samples ORDER BY time DESC, id DESC LIMIT 1").fetchone()
-        return None if row is None else _decode(row[0])
+        return None if row is None else decode(row[0])
 
     def notes(self, start: float | None = None, end: float | None = None) -> list[tuple[float, str]]:
         """(time, text) of every note in the range, oldest first: what the sampler could not read, and when. Kept
         in their own table because they are rare (given once per problem) and a report must not decode a day of
         samples to find them."""
-        where, args = _window(start, end)
+        where, args = window(start, end)
         with self._reading() as conn:
             return conn.execute(f"SELECT time, text FROM notes {where} ORDER BY time, sample, pos", args).fetchall()
 
@@ -676,6 +486,8 @@ class Store:
             return [row[0] for row in conn.execute("SELECT DISTINCT rank FROM step_rollup ORDER BY rank")]
 
     # -- reading lines for plots -----------------------------------------------------------------------------
+
+    # -- reading lines for plots and summaries ------------------------------------------------------------
 
     def gpu_series(
         self,
@@ -720,250 +532,15 @@ class Store:
         the host) -> Series. Raw rows while a line has at most ``max_points``; else that many time buckets of
         mean/min/max, from the rollups when a bucket spans at least ``ROLLUP_S``, from raw rows otherwise
         (then the range is short, so the rows are few). One query serves all the fields."""
-        spec = _TABLES.get(table)
-        if spec is None:
-            raise ValueError(f"no table {table!r}; the tables are: {', '.join(_TABLES)}")
-        for field in fields:
-            spec.check(field)
         with self._reading() as conn:
-            span = self._span(conn, spec, start, end, key)
-            if span is None:
-                return {f: {} for f in fields}
-            t0, t1 = span
-            if not max_points or t1 <= t0 or self._most_rows(conn, spec, t0, t1, key) <= max_points:
-                return self._raw(conn, spec, fields, t0, t1, key)
-            width = (t1 - t0) / max(1, max_points - 1)
-            if width >= ROLLUP_S:
-                return self._bucketed_rollup(conn, spec, fields, t0, t1, key, width)
-            return self._bucketed_raw(conn, spec, fields, t0, t1, key, width)
-
-    @staticmethod
-    def _key_filter(spec: _Table, key: int | None) -> tuple[str, tuple[int, ...]]:
-        return (f" AND {spec.key} = ?", (key,)) if key is not None and spec.key else ("", ())
-
-    def _span(
-        self, conn: sqlite3.Connection, spec: _Table, start: float | None, end: float | None, key: int | None
-    ) -> tuple[float, float] | None:
-        """First and last row time in the range (two index probes, not a scan)."""
-        lo = -math.inf if start is None else float(start)
-        hi = math.inf if end is None else float(end)
-        key_sql, key_args = self._key_filter(spec, key)
-        ends = []
-        for order in ("ASC", "DESC"):
-            row = conn.execute(
-                f"SELECT time FROM {spec.name} WHERE time >= ? AND time <= ?{key_sql} ORDER BY time {order} LIMIT 1",
-                (lo, hi, *key_args),
-            ).fetchone()
-            if row is None:
-                return None
-            ends.append(row[0])
-        return ends[0], ends[1]
-
-    def _most_rows(self, conn: sqlite3.Connection, spec: _Table, t0: float, t1: float, key: int | None) -> int:
-        """Rows of the longest line in the range, from the rollup (whole buckets: close enough to choose)."""
-        key_sql, key_args = self._key_filter(spec, key)
-        group = f"GROUP BY {spec.key}" if spec.key else ""
-        row = conn.execute(
-            f"SELECT MAX(n) FROM (SELECT SUM(n) AS n FROM {spec.rollup} WHERE bucket BETWEEN ? AND ?{key_sql} {group})",
-            (math.floor(t0 / ROLLUP_S), math.floor(t1 / ROLLUP_S), *key_args),
-        ).fetchone()
-        return row[0] or 0
-
-    def _raw(
-        self, conn: sqlite3.Connection, spec: _Table, fields: Sequence[str], t0: float, t1: float, key: int | None
-    ) -> dict[str, dict[int, Series]]:
-        key_sql, key_args = self._key_filter(spec, key)
-        rows = conn.execute(
-            f"SELECT {spec.key_expr}, time, {', '.join(fields)} FROM {spec.name}"
-            f" WHERE time >= ? AND time <= ?{key_sql} ORDER BY time",
-            (t0, t1, *key_args),
-        )
-        return _split(rows, fields, bucketed=False)
-
-    def _bucketed_raw(
-        self,
-        conn: sqlite3.Connection,
-        spec: _Table,
-        fields: Sequence[str],
-        t0: float,
-        t1: float,
-        key: int | None,
-        width: float,
-    ) -> dict[str, dict[int, Series]]:
-        key_sql, key_args = self._key_filter(spec, key)
-        aggregates = ", ".join(f"AVG({f}), MIN({f}), MAX({f})" for f in fields)
-        group = f"{spec.key + ', ' if spec.key else ''}CAST((time - ?) / ? AS INTEGER)"
-        rows = conn.execute(
-            f"SELECT {spec.key_expr}, AVG(time), {aggregates} FROM {spec.name}"
-            f" WHERE time >= ? AND time <= ?{key_sql} GROUP BY {group} ORDER BY 2",
-            (t0, t1, *key_args, t0, width),
-        )
-        return _split(rows, fields, bucketed=True)
-
-    def _bucketed_rollup(
-        self,
-        conn: sqlite3.Connection,
-        spec: _Table,
-        fields: Sequence[str],
-        t0: float,
-        t1: float,
-        key: int | None,
-        width: float,
-    ) -> dict[str, dict[int, Series]]:
-        """Buckets of ``width`` seconds made of whole rollup buckets (``width >= ROLLUP_S``): the ends of the range
-        are rounded out to whole rollup buckets, which a plot cannot show."""
-        key_sql, key_args = self._key_filter(spec, key)
-        aggregates = ", ".join(f"SUM({f}_sum) / NULLIF(SUM({f}_n), 0), MIN({f}_min), MAX({f}_max)" for f in fields)
-        group = f"{spec.key + ', ' if spec.key else ''}CAST(((bucket + 0.5) * ? - ?) / ? AS INTEGER)"
-        rows = conn.execute(
-            f"SELECT {spec.key_expr}, SUM(t_sum) / SUM(n), {aggregates} FROM {spec.rollup}"
-            f" WHERE bucket BETWEEN ? AND ?{key_sql} GROUP BY {group} ORDER BY 2",
-            (math.floor(t0 / ROLLUP_S), math.floor(t1 / ROLLUP_S), *key_args, ROLLUP_S, t0, width),
-        )
-        return _split(rows, fields, bucketed=True)
-
-    # -- summaries -------------------------------------------------------------------------------------------
+            return record_query.series(conn, table, fields, key, start, end, max_points)
 
     def gpu_stats(self, start: float | None = None, end: float | None = None) -> dict[int, GpuStats]:
         """Per GPU: mean and p95 utilisation, peak memory, mean power, energy, hottest temperature."""
-        wanted = [
-            ("mean", "utilization_ratio"),
-            ("max", "memory_used_bytes"),
-            ("max", "memory_total_bytes"),
-            ("mean", "power_watts"),
-            ("sum", ENERGY_FIELD),
-            ("max", "temperature_celsius"),
-        ]
         with self._reading() as conn:
-            summary = self._summary(conn, _GPU, wanted, start, end)
-            p95 = self._p95(conn, "utilization_ratio", start, end)
-        return {
-            gpu: GpuStats(
-                gpu=gpu,
-                samples=n,
-                utilization_mean_ratio=util,
-                utilization_p95_ratio=p95.get(gpu),
-                memory_peak_bytes=None if mem is None else int(mem),
-                memory_total_bytes=None if total is None else int(total),
-                power_mean_watts=power,
-                energy_joules=energy,
-                temperature_max_celsius=temp,
-            )
-            for gpu, (n, util, mem, total, power, energy, temp) in summary.items()
-        }
+            return record_query.gpu_stats(conn, start, end)
 
     def step_stats(self, start: float | None = None, end: float | None = None) -> dict[int, StepStats]:
         """Per rank: how many steps, their mean time, mean data wait and its share of the step time."""
-        wanted = [("mean", "time_s"), ("mean", "data_s"), ("sum", "time_s"), ("sum", "data_s")]
         with self._reading() as conn:
-            summary = self._summary(conn, _STEP, wanted, start, end)
-        return {
-            rank: StepStats(rank, n, t, d, d_sum / t_sum if d_sum is not None and t_sum else None)
-            for rank, (n, t, d, t_sum, d_sum) in summary.items()
-        }
-
-    def _summary(
-        self,
-        conn: sqlite3.Connection,
-        spec: _Table,
-        wanted: Sequence[tuple[str, str]],
-        start: float | None,
-        end: float | None,
-    ) -> dict[int, tuple]:
-        """key -> (rows, then each (kind, field) of ``wanted``: mean, max or sum over the range, None where the
-        field was never known). Exact: whole rollup buckets inside the range, raw rows at its two ragged ends,
-        combined as partial sums (count, sum, min, max) before the final aggregate."""
-        span = self._span(conn, spec, start, end, None)
-        if span is None:
-            return {}
-        t0, t1 = span
-        first, last = math.ceil(t0 / ROLLUP_S), math.floor(t1 / ROLLUP_S) - 1  # buckets wholly inside [t0, t1]
-        names = sorted({f for _, f in wanted})
-        key = spec.key_expr
-        # the first SELECT of a UNION names the columns: the raw part's partial sums take the rollup's names
-        raw_parts = ", ".join(
-            f"COUNT({f}) AS {f}_n, TOTAL({f}) AS {f}_sum, MIN({f}) AS {f}_min, MAX({f}) AS {f}_max" for f in names
-        )
-        rollup_parts = ", ".join(f"{f}_n, {f}_sum, {f}_min, {f}_max" for f in names)
-        if first <= last:
-            raw_where = "(time >= ? AND time < ?) OR (time >= ? AND time <= ?)"
-            raw_args: tuple = (t0, first * ROLLUP_S, (last + 1) * ROLLUP_S, t1)
-            rollup = f" UNION ALL SELECT {key}, n, {rollup_parts} FROM {spec.rollup} WHERE bucket BETWEEN ? AND ?"
-            rollup_args: tuple = (first, last)
-        else:  # the range lies within one or two buckets: raw rows only
-            raw_where, raw_args, rollup, rollup_args = "time >= ? AND time <= ?", (t0, t1), "", ()
-        finals = {
-            "mean": "SUM({f}_sum) / NULLIF(SUM({f}_n), 0)",
-            "max": "MAX({f}_max)",
-            "sum": "CASE WHEN SUM({f}_n) > 0 THEN SUM({f}_sum) END",
-        }
-        select = ", ".join(finals[kind].format(f=f) for kind, f in wanted)
-        group = f"GROUP BY {spec.key}" if spec.key else ""
-        sql = (
-            f"SELECT k, SUM(n), {select} FROM ("
-            f"SELECT {key} AS k, COUNT(*) AS n, {raw_parts} FROM {spec.name} WHERE {raw_where} {group}"
-            f"{rollup}) GROUP BY k ORDER BY k"
-        )
-        return {row[0]: row[1:] for row in conn.execute(sql, (*raw_args, *rollup_args)) if row[1]}
-
-    def _p95(self, conn: sqlite3.Connection, field: str, start: float | None, end: float | None) -> dict[int, float]:
-        """Nearest-rank 95th percentile per GPU: exact up to ``P95_SAMPLE_LIMIT`` samples, else of every k-th
-        sample (sample ids run in time order, so the subsample is even over the range)."""
-        where, args = _window(start, end)
-        n = conn.execute(f"SELECT COUNT(*) FROM samples {where}", args).fetchone()[0]
-        stride = max(1, math.ceil(n / P95_SAMPLE_LIMIT))
-        clause = f"{where} AND" if where else "WHERE"
-        values: dict[int, list[float]] = {}
-        rows = conn.execute(
-            f"SELECT gpu, {field} FROM gpu {clause} {field} IS NOT NULL AND sample % ? = 0", (*args, stride)
-        )
-        for gpu, value in rows:
-            values.setdefault(gpu, []).append(value)
-        out = {}
-        for gpu, vs in values.items():
-            vs.sort()
-            out[gpu] = vs[max(0, math.ceil(0.95 * len(vs)) - 1)]
-        return out
-
-
-def _window(start: float | None, end: float | None) -> tuple[str, tuple[float, ...]]:
-    """A WHERE clause on ``time`` (inclusive both ends) and its arguments."""
-    parts, args = [], []
-    if start is not None:
-        parts.append("time >= ?")
-        args.append(float(start))
-    if end is not None:
-        parts.append("time <= ?")
-        args.append(float(end))
-    return ("WHERE " + " AND ".join(parts) if parts else ""), tuple(args)
-
-
-def _split(rows: Iterable[tuple], fields: Sequence[str], bucketed: bool) -> dict[str, dict[int, Series]]:
-    """Rows of (key, time, then per field: value, or mean, min, max) in time order -> field -> key -> Series."""
-    width = 3 if bucketed else 1
-    times: dict[int, list[float]] = {}
-    columns: dict[int, list[list]] = {}
-    for row in rows:
-        times.setdefault(row[0], []).append(row[1])
-        lists = columns.setdefault(row[0], [[] for _ in range(width * len(fields))])
-        for target, value in zip(lists, row[2:], strict=True):
-            target.append(value)
-    out: dict[str, dict[int, Series]] = {}
-    for i, field in enumerate(fields):
-        per_key = {}
-        for key in sorted(times):
-            v = columns[key][i * width : (i + 1) * width]
-            per_key[key] = Series(times[key], v[0], v[1], v[2]) if bucketed else Series(times[key], v[0])
-        out[field] = per_key
-    return out
-
-
-def _check_fields() -> None:
-    """The column lists name real Sample fields (checked at import: a renamed field fails loudly, at once)."""
-    for cls, names in ((GpuSample, GPU_FIELDS), (HostSample, HOST_FIELDS), (StepSample, STEP_FIELDS)):
-        unknown = set(names) - {f.name for f in fields(cls)}
-        if unknown:
-            raise RuntimeError(f"store columns not in {cls.__name__}: {sorted(unknown)}")
-
-
-_check_fields()
+            return record_query.step_stats(conn, start, end)
