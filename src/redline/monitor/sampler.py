@@ -3,7 +3,7 @@
 ``Sampler.sample()`` never raises and never blocks for long: whatever cannot be read is None, with a note
 in ``Sample.notes`` the first time that problem is seen (not every second). It is built to run for days
 next to a training job, at 1 s on 8 GPUs for well under 1% of one core and flat memory: NVML is read
-through ``redline.hw.nvml.GpuStateReader`` (what never changes is read once), the kernel log only every
+through ``redline.hw.nvml.live.GpuStateReader`` (what never changes is read once), the kernel log only every
 30 s (it is a subprocess), and every piece of state it keeps is bounded (previous counter readings, one
 offset per metrics file, a capped set of notes already given).
 
@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redline.hw.kernel_log import count_xids_by_device, read_kernel_log
-from redline.hw.nvml import GpuStateReader, NvmlGone
+from redline.hw.nvml.live import GpuStateReader
+from redline.hw.nvml.query import NvmlGone, load_bindings
+from redline.hw.sample import GpuSample
 from redline.hw.sysfs import SysFs
-from redline.monitor.sample import GpuSample, HostSample, Sample, StepSample
+from redline.monitor.sample import HostSample, Sample, StepSample
 
 REINIT_INTERVAL_S = 10.0  # how often to try starting NVML again while it is gone
 XID_INTERVAL_S = 30.0  # how often to read the kernel log for Xids (dmesg is a subprocess)
@@ -415,12 +417,10 @@ class Sampler:
         return self._driver_version
 
     def _import_pynvml(self) -> Any | None:
-        try:
-            import pynvml
-        except ImportError:
+        nvml = load_bindings()
+        if nvml is None:
             self._pending.append("no GPU telemetry: nvidia-ml-py (pynvml) is not installed")
-            return None
-        return pynvml
+        return nvml
 
     # ------------------------------------------------------------------------------------ sample
 
