@@ -1,9 +1,10 @@
-"""What a live reader gives for one GPU at one instant: ``GpuSample``, with the processes on it.
+"""What the live readers give at one instant: a ``GpuSample`` per GPU (with the processes on it) and a
+``HostSample`` of the host.
 
-Plain data, JSON-ready; the monitor's ``Sample`` (redline.monitor.sample) carries one per GPU, the bench's
-GPU sampler keeps them while a measurement runs. Units follow Prometheus's base-unit conventions and are
+Plain data, JSON-ready; the monitor's ``Sample`` (redline.monitor.sample) carries them, the bench's GPU
+sampler reads GpuSamples while a measurement runs. Units follow Prometheus's base-unit conventions and are
 in the field names: bytes, seconds, watts, joules, hertz, celsius, and ``_ratio`` for a fraction in
-[0, 1]. ``_total`` fields are counters that only grow (until the driver restarts). ``None`` always means
+[0, 1]. ``_total`` fields are counters that only grow (until the driver or host restarts). ``None`` always means
 "not available here", never zero.
 """
 
@@ -56,3 +57,20 @@ class GpuSample:
     sm_activity_ratio: float | None = None  # Hopper+ GPM: fraction of SM cycles busy
     tensor_activity_ratio: float | None = None  # Hopper+ GPM: tensor-core pipe activity
     processes: list[GpuProcess] = field(default_factory=list)
+
+
+@dataclass
+class HostSample:
+    cpu_ratio: float | None = None  # all cores together
+    cpu_count: int | None = None
+    cpu_iowait_ratio: float | None = None
+    load_1m: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    swap_used_bytes: int | None = None
+    swap_in_bytes_per_second: float | None = None
+    swap_out_bytes_per_second: float | None = None
+    disk_read_bytes_per_second: float | None = None
+    disk_write_bytes_per_second: float | None = None
+    network_rx_bytes_per_second: float | None = None
+    network_tx_bytes_per_second: float | None = None

@@ -14,24 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from redline.hw.sample import GpuProcess, GpuSample
-
-
-@dataclass
-class HostSample:
-    cpu_ratio: float | None = None  # all cores together
-    cpu_count: int | None = None
-    cpu_iowait_ratio: float | None = None
-    load_1m: float | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    swap_used_bytes: int | None = None
-    swap_in_bytes_per_second: float | None = None
-    swap_out_bytes_per_second: float | None = None
-    disk_read_bytes_per_second: float | None = None
-    disk_write_bytes_per_second: float | None = None
-    network_rx_bytes_per_second: float | None = None
-    network_tx_bytes_per_second: float | None = None
+from redline.hw.sample import GpuProcess, GpuSample, HostSample
 
 
 @dataclass
