@@ -209,14 +209,15 @@ class Device:
 
     # -------------------------------------------------------------------------------------- ECC
 
-    def ecc_errors_total(self, uncorrected: bool, volatile: bool = True) -> int | None:
-        """ECC errors since the driver loaded (``volatile``, the count that moves while a job runs) or over
-        the GPU's lifetime."""
-        error_type = (
-            self.q.const("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1)
-            if uncorrected
-            else self.q.const("NVML_MEMORY_ERROR_TYPE_CORRECTED", 0)
-        )
+    def ecc_corrected_total(self, volatile: bool = True) -> int | None:
+        """Corrected ECC errors since the driver loaded (``volatile``) or over the GPU's lifetime."""
+        return self._ecc_errors(self.q.const("NVML_MEMORY_ERROR_TYPE_CORRECTED", 0), volatile)
+
+    def ecc_uncorrected_total(self, volatile: bool = True) -> int | None:
+        """Uncorrected ECC errors since the driver loaded (``volatile``) or over the GPU's lifetime."""
+        return self._ecc_errors(self.q.const("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1), volatile)
+
+    def _ecc_errors(self, error_type: int, volatile: bool) -> int | None:
         counter = self.q.const("NVML_VOLATILE_ECC", 0) if volatile else self.q.const("NVML_AGGREGATE_ECC", 1)
         return self._ask("nvmlDeviceGetTotalEccErrors", error_type, counter)
 

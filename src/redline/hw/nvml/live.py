@@ -14,6 +14,7 @@ closes the reader and opens another later), and a call answered "not supported" 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import pwd
 from collections.abc import Callable, Iterable
@@ -153,14 +154,8 @@ class _LiveGpu:
     index: int
     q: LiveQuery
     device: Device | None = None  # None: NVML counted the GPU but would not open it
-    uuid: str | None = None
-    name: str | None = None
     pci_bus_id: str | None = None
-    sm_clock_max_hertz: float | None = None
-    memory_clock_max_hertz: float | None = None
-    pcie_link_generation_max: int | None = None
-    pcie_link_width_max: int | None = None
-    temperature_slowdown_celsius: float | None = None
+    static: GpuSample | None = None  # the fields in _STATIC, which every sample starts from
     # cumulative counters this GPU answers through nvmlDeviceGetFieldValues: (counter, field id, scope, bytes
     # per unit, 64-bit only)
     fields: tuple[tuple[str, int, int, int, bool], ...] = ()
@@ -174,16 +169,13 @@ class _LiveGpu:
         return any(name == "pcie_tx" for name, *_ in self.fields)
 
     def lost_sample(self) -> GpuSample:
-        return GpuSample(index=self.index, uuid=self.uuid, name=self.name, lost=True)
+        static = self.static or GpuSample(index=self.index)
+        return GpuSample(index=self.index, uuid=static.uuid, name=static.name, lost=True)
 
     def read_static(self, device: Device) -> None:
         """What does not change while the driver runs, asked once; raises ``GpuLost``."""
-        self.uuid, self.name, self.pci_bus_id = device.uuid(), device.name(), device.pci_bus_id()
-        self.sm_clock_max_hertz = device.sm_clock_max_hertz()
-        self.memory_clock_max_hertz = device.memory_clock_max_hertz()
-        self.pcie_link_generation_max = device.pcie_link_generation_max()
-        self.pcie_link_width_max = device.pcie_link_width_max()
-        self.temperature_slowdown_celsius = device.temperature_slowdown_celsius()
+        self.pci_bus_id = device.pci_bus_id()
+        self.static = GpuSample(index=self.index, **{name: getattr(device, name)() for name in _STATIC})
 
 
 class GpuStateReader:
@@ -331,18 +323,9 @@ class GpuStateReader:
         return gpu
 
     def _read_gpu(self, gpu: _LiveGpu, now: float, refresh_pcie_spot: bool) -> GpuSample:
-        if gpu.device is None:
+        if gpu.device is None or gpu.static is None:
             return gpu.lost_sample()
-        sample = GpuSample(
-            index=gpu.index,
-            uuid=gpu.uuid,
-            name=gpu.name,
-            sm_clock_max_hertz=gpu.sm_clock_max_hertz,
-            memory_clock_max_hertz=gpu.memory_clock_max_hertz,
-            pcie_link_generation_max=gpu.pcie_link_generation_max,
-            pcie_link_width_max=gpu.pcie_link_width_max,
-            temperature_slowdown_celsius=gpu.temperature_slowdown_celsius,
-        )
+        sample = dataclasses.replace(gpu.static, processes=[])
         for what, read in self._groups:
             try:
                 read(gpu, gpu.device, sample, now)
@@ -391,6 +374,28 @@ def _xid_total(pci_bus_id: str | None, xids: dict[str, dict[str, int]] | None) -
 
 
 # Each group fills its part of a GpuSample from the GPU's Device (and, for rates, what it kept from before).
+# A GpuSample field and the Device method that reads it have the same name, so most groups are just names.
+
+# read once, when the reader opens
+_STATIC = (
+    "uuid",
+    "name",
+    "sm_clock_max_hertz",
+    "memory_clock_max_hertz",
+    "pcie_link_generation_max",
+    "pcie_link_width_max",
+    "temperature_slowdown_celsius",
+)
+
+
+def _quantities(*names: str) -> Callable[[_LiveGpu, Device, GpuSample, float], None]:
+    """A group that sets each GpuSample field ``names`` lists from the Device method of the same name."""
+
+    def read(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
+        for name in names:
+            setattr(sample, name, getattr(d, name)())
+
+    return read
 
 
 def _live_utilization(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
@@ -405,28 +410,6 @@ def _live_memory(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> Non
     if memory is not None:
         sample.memory_used_bytes = memory.used_bytes
         sample.memory_total_bytes = memory.total_bytes
-
-
-def _live_clocks(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
-    sample.sm_clock_hertz = d.sm_clock_hertz()
-    sample.memory_clock_hertz = d.memory_clock_hertz()
-    sample.clock_event_reasons = d.clock_event_reasons()
-
-
-def _live_power(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
-    sample.power_watts = d.power_watts()
-    sample.power_limit_watts = d.power_limit_watts()
-    sample.energy_joules_total = d.energy_joules_total()
-
-
-def _live_thermal(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
-    sample.temperature_celsius = d.temperature_celsius()
-
-
-def _live_pcie(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
-    sample.pcie_link_generation = d.pcie_link_generation()
-    sample.pcie_link_width = d.pcie_link_width()
-    sample.pcie_replay_total = d.pcie_replay_total()
 
 
 def _live_counters(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
@@ -468,11 +451,6 @@ def _rates(
     }
 
 
-def _live_ecc(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
-    sample.ecc_corrected_total = d.ecc_errors_total(uncorrected=False)
-    sample.ecc_uncorrected_total = d.ecc_errors_total(uncorrected=True)
-
-
 def _live_gpm(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> None:
     if gpu.gpm is None:
         return
@@ -497,12 +475,14 @@ def _live_processes(gpu: _LiveGpu, d: Device, sample: GpuSample, now: float) -> 
 _LIVE_GROUPS: tuple[tuple[str, Callable[[_LiveGpu, Device, GpuSample, float], None]], ...] = (
     ("utilization", _live_utilization),
     ("memory", _live_memory),
-    ("clocks", _live_clocks),
-    ("power", _live_power),
-    ("thermal", _live_thermal),
-    ("pcie", _live_pcie),
+    ("clocks", _quantities("sm_clock_hertz", "memory_clock_hertz", "clock_event_reasons")),
+    # the enforced limit is read every time: `nvidia-smi -pl` changes it at run time
+    ("power", _quantities("power_watts", "power_limit_watts", "energy_joules_total")),
+    ("thermal", _quantities("temperature_celsius")),
+    ("pcie", _quantities("pcie_link_generation", "pcie_link_width", "pcie_replay_total")),
     ("counters", _live_counters),
-    ("ecc", _live_ecc),
+    # volatile: since the driver loaded, so the count that moves while a job runs
+    ("ecc", _quantities("ecc_corrected_total", "ecc_uncorrected_total")),
     ("gpm", _live_gpm),
     ("processes", _live_processes),
 )

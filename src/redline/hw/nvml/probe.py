@@ -274,10 +274,10 @@ def _read_ecc(d: Device, gpu: Gpu) -> None:
     mode = d.q("nvmlDeviceGetEccMode", d.handle)  # [current, pending]: a change waits for a reboot
     gpu.ecc = GpuEcc(
         enabled=None if mode is None else _is_enabled(d.q, mode[0]),
-        volatile_corrected=d.ecc_errors_total(uncorrected=False),
-        volatile_uncorrected=d.ecc_errors_total(uncorrected=True),
-        aggregate_corrected=d.ecc_errors_total(uncorrected=False, volatile=False),
-        aggregate_uncorrected=d.ecc_errors_total(uncorrected=True, volatile=False),
+        volatile_corrected=d.ecc_corrected_total(),
+        volatile_uncorrected=d.ecc_uncorrected_total(),
+        aggregate_corrected=d.ecc_corrected_total(volatile=False),
+        aggregate_uncorrected=d.ecc_uncorrected_total(volatile=False),
     )
 
 
