@@ -169,8 +169,9 @@ class _LiveGpu:
         return any(name == "pcie_tx" for name, *_ in self.fields)
 
     def lost_sample(self) -> GpuSample:
-        static = self.static or GpuSample(index=self.index)
-        return GpuSample(index=self.index, uuid=static.uuid, name=static.name, lost=True)
+        if self.static is None:  # lost before its identity was read
+            return GpuSample(index=self.index, lost=True)
+        return GpuSample(index=self.index, uuid=self.static.uuid, name=self.static.name, lost=True)
 
     def read_static(self, device: Device) -> None:
         """What does not change while the driver runs, asked once; raises ``GpuLost``."""
