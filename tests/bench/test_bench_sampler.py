@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 from fakes.fake_nvml import HW_THERMAL, SW_POWER_CAP, eight_gpu_server
-from redline.bench.sampler import GpuSampler
-from redline.hw.nvml import ClockStateReader
+from redline.bench.sampler import ClockStateReader, GpuSampler
+from redline.hw.nvml.live import GpuStateReader
+from redline.hw.sysfs import SysFs
 
 
 def test_reader_reads_the_fast_changing_state():
@@ -22,7 +23,8 @@ def test_reader_reads_the_fast_changing_state():
 
 def test_sampler_summarises_and_is_a_noop_without_nvml(monkeypatch):
     nvml = eight_gpu_server(faults={0: {"clock_event_reasons": SW_POWER_CAP}})
-    monkeypatch.setattr(ClockStateReader, "open", classmethod(lambda cls, indices: cls(nvml, {0: object()})))
+    reader = GpuStateReader(nvml, SysFs("/"))
+    monkeypatch.setattr(ClockStateReader, "open", classmethod(lambda cls, indices: cls(reader)))
     monkeypatch.setattr(
         ClockStateReader,
         "read",

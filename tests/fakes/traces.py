@@ -42,8 +42,9 @@ from fakes.fake_nvml import (
     FakeProcess,
     eight_gpu_server,
 )
+from redline.hw.host_state import HostReading
 from redline.monitor.sample import Sample
-from redline.monitor.sampler import HostReading, Sampler
+from redline.monitor.sampler import Sampler
 from sysroot import SysRoot
 
 GiB = 1 << 30

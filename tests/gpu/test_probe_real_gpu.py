@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from redline.hw.nvml import probe_gpus
+from redline.hw.nvml.probe import probe_gpus
 
 pytestmark = pytest.mark.gpu
 

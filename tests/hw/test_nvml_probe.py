@@ -22,7 +22,9 @@ from fakes.fake_nvml import (
     h100_sxm,
     rtx_4090,
 )
-from redline.hw.nvml import clock_event_reason_names, error_name, normalize_pci_bus_id, probe_gpus
+from redline.hw.nvml.device import clock_event_reason_names, normalize_pci_bus_id
+from redline.hw.nvml.probe import probe_gpus
+from redline.hw.nvml.query import error_name
 from redline.hw.snapshot import (
     Gpu,
     GpuClocks,

@@ -27,8 +27,9 @@ from fakes.fake_nvml import (
     rtx_4090,
 )
 from fakes.traces import FOREIGN_PID, SCENARIOS, FakeClock, scenario
+from redline.hw.host_state import HostReading, host_sample, read_host
 from redline.monitor.sample import Sample
-from redline.monitor.sampler import HostReading, Sampler, StepTail, host_sample, read_host, run_sampler
+from redline.monitor.sampler import Sampler, StepTail, run_sampler
 from sysroot import SysRoot
 
 T0 = 1_700_000_000.0

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from redline.hw.host import probe_host
 from redline.hw.kernel_log import count_xids, count_xids_by_device, read_kernel_log
 from redline.hw.network import probe_network
-from redline.hw.nvml import probe_gpus
+from redline.hw.nvml.probe import probe_gpus
 from redline.hw.snapshot import GpuSection, HostInfo, NetworkInfo, Snapshot, SoftwareInfo, StorageInfo
 from redline.hw.software import probe_software
 from redline.hw.storage import probe_storage

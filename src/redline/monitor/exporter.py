@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from redline.errors import BadInput
-from redline.hw.nvml import _CLOCK_EVENT_REASONS
+from redline.hw.nvml.device import CLOCK_EVENT_REASON_NAMES
 from redline.monitor.sample import GpuSample, HostSample, Sample, StepSample
 
 DEFAULT_HOST = "127.0.0.1"
@@ -41,7 +41,7 @@ DEFAULT_STALE_AFTER_S = 10.0
 
 # Every reason NVML can name, so that each GPU exports a 0 for the ones not set: a panel then shows "not
 # throttled" as a value, and `== 1` picks out the ones that are.
-CLOCK_EVENT_REASONS: tuple[str, ...] = tuple(name for _, _, name in _CLOCK_EVENT_REASONS)
+CLOCK_EVENT_REASONS: tuple[str, ...] = CLOCK_EVENT_REASON_NAMES
 
 GPU_LABELS = ("gpu", "uuid")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")

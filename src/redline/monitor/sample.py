@@ -14,68 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class GpuProcess:
-    pid: int
-    name: str | None = None  # from /proc; None where it is not readable (another container, gone)
-    user: str | None = None
-    used_memory_bytes: int | None = None
-    kind: str = "compute"  # compute | graphics
-
-
-@dataclass
-class GpuSample:
-    index: int
-    uuid: str | None = None
-    name: str | None = None
-    lost: bool = False  # NVML answered GPU_IS_LOST (Xid 79) or the GPU vanished: everything else is None
-    utilization_ratio: float | None = None  # a kernel was running (NVML's "GPU utilisation")
-    memory_bandwidth_ratio: float | None = None  # device memory was being read or written
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    sm_clock_hertz: float | None = None
-    sm_clock_max_hertz: float | None = None
-    memory_clock_hertz: float | None = None
-    memory_clock_max_hertz: float | None = None
-    clock_event_reasons: list[str] | None = None  # e.g. ["sw_power_cap", "hw_thermal_slowdown"]; [] = none set
-    power_watts: float | None = None
-    power_limit_watts: float | None = None
-    energy_joules_total: float | None = None
-    temperature_celsius: float | None = None
-    temperature_slowdown_celsius: float | None = None
-    pcie_tx_bytes_per_second: float | None = None
-    pcie_rx_bytes_per_second: float | None = None
-    pcie_link_generation: int | None = None
-    pcie_link_generation_max: int | None = None
-    pcie_link_width: int | None = None
-    pcie_link_width_max: int | None = None
-    pcie_replay_total: int | None = None
-    nvlink_tx_bytes_per_second: float | None = None
-    nvlink_rx_bytes_per_second: float | None = None
-    ecc_corrected_total: int | None = None
-    ecc_uncorrected_total: int | None = None
-    xid_total: int | None = None  # Xid events for this GPU in the kernel log
-    sm_activity_ratio: float | None = None  # Hopper+ GPM: fraction of SM cycles busy
-    tensor_activity_ratio: float | None = None  # Hopper+ GPM: tensor-core pipe activity
-    processes: list[GpuProcess] = field(default_factory=list)
-
-
-@dataclass
-class HostSample:
-    cpu_ratio: float | None = None  # all cores together
-    cpu_count: int | None = None
-    cpu_iowait_ratio: float | None = None
-    load_1m: float | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    swap_used_bytes: int | None = None
-    swap_in_bytes_per_second: float | None = None
-    swap_out_bytes_per_second: float | None = None
-    disk_read_bytes_per_second: float | None = None
-    disk_write_bytes_per_second: float | None = None
-    network_rx_bytes_per_second: float | None = None
-    network_tx_bytes_per_second: float | None = None
+from redline.hw.sample import GpuProcess, GpuSample, HostSample
 
 
 @dataclass

@@ -42,6 +42,7 @@ from torch.utils.data import (
 )
 
 from redline.errors import BadInput, RedlineError
+from redline.hw.host_state import process_state
 
 log = logging.getLogger("redline.runtime")
 
@@ -391,13 +392,14 @@ def _where(frame: Any) -> str:
 def _owing(batches: Any) -> str:
     """Which worker the loader was waiting for, from its iterator's bookkeeping (``_task_info``: batch index ->
     worker id, for batches asked of a worker and not yet received)."""
-    import psutil
-
     try:
         worker_id = batches._task_info[batches._rcvd_idx][0]
         process = batches._workers[worker_id]
-        state = psutil.Process(process.pid).status()
-    except (AttributeError, KeyError, IndexError, psutil.Error):
+    except (AttributeError, KeyError, IndexError):
+        state = None
+    else:
+        state = process_state(process.pid)
+    if state is None:
         return "a worker hangs (set DataLoader(timeout=...) or loader_stall_s to wait longer)"
     return (
         f"worker {worker_id} (pid {process.pid}, {state}) owes batch {batches._rcvd_idx} of the epoch; "

@@ -745,7 +745,7 @@ def _saved_bench() -> BenchRun | None:
     cannot be read: a training run goes on without a measured peak rather than stopping."""
     from redline.bench import store
     from redline.hw.host import probe_host
-    from redline.hw.nvml import probe_gpus
+    from redline.hw.nvml.probe import probe_gpus
     from redline.hw.snapshot import HostInfo, Snapshot
     from redline.hw.sysfs import SysFs
 
