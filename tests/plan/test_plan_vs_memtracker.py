@@ -63,7 +63,8 @@ def real_step_peak(model, x, loss_of, accumulation: int = 1) -> int:
     optimizer's states. With accumulation, the earlier micro-batches' backward passes run before the tracker
     starts (it follows one forward per module), leaving their gradients for the tracked last one."""
     from redline.workload.cuda_autocast import cuda_autocast_policy
-    from redline.workload.trace import _fused_attention, _peak_only_mem_tracker
+    from redline.workload.kernels import fused_attention
+    from redline.workload.measured_memory import peak_only_mem_tracker
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as the planner assumes
 
@@ -71,7 +72,7 @@ def real_step_peak(model, x, loss_of, accumulation: int = 1) -> int:
         # the policy and fused attention stay on through the backward, where checkpointed blocks recompute; the
         # backward runs inside autocast without its weight cache, as redline.prepare runs a step
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
-        with cuda_autocast_policy(), _fused_attention(), autocast:
+        with cuda_autocast_policy(), fused_attention(), autocast:
             output = model(x)  # held through the backward, as a training loop holds it
             loss = loss_of(output)
             loss.backward()
@@ -85,7 +86,7 @@ def real_step_peak(model, x, loss_of, accumulation: int = 1) -> int:
     step()
     for _ in range(accumulation - 1):
         micro_batch()
-    tracker = _peak_only_mem_tracker()()
+    tracker = peak_only_mem_tracker()()
     tracker.track_external(model, optimizer, x)
     with tracker:
         step()
@@ -240,7 +241,7 @@ def test_a_mixture_of_experts_bf16_real_step(tmp_path) -> None:
     """A Mixtral-style LM (4 experts, top-2). The step runs its experts through transformers' fallback grouped matmul,
     as the tracer does (PyTorch's grouped_mm takes bf16 weights only); autocast copies none of the experts'
     weights, which the tracer notes."""
-    from redline.workload.trace import _traceable_experts
+    from redline.workload.kernels import traceable_experts
 
     moe = pytest.importorskip("transformers.integrations.moe")
     if not hasattr(moe, "_can_use_grouped_mm"):
@@ -258,7 +259,7 @@ def test_a_mixture_of_experts_bf16_real_step(tmp_path) -> None:
     }
     profile, model = hugging_face(tmp_path, "mixtral", config, 512, "none", attention_dropout=0.0)
     ids = torch.randint(0, 1000, (4, 512))
-    with _traceable_experts():
+    with traceable_experts():
         check_bf16(profile, model, ids, lm_loss(ids))
 
 
@@ -269,7 +270,8 @@ def test_the_runtimes_own_step_peaks_where_the_plan_says() -> None:
     from redline.runtime.prepare import prepare
     from redline.workload import zoo
     from redline.workload.cuda_autocast import cuda_autocast_policy
-    from redline.workload.trace import _fused_attention, _peak_only_mem_tracker
+    from redline.workload.kernels import fused_attention
+    from redline.workload.measured_memory import peak_only_mem_tracker
 
     strategy = Strategy(data=1, precision="bf16", micro_batch=2, accumulation=2, checkpointing="full")
     torch.manual_seed(0)
@@ -277,8 +279,8 @@ def test_the_runtimes_own_step_peaks_where_the_plan_says() -> None:
     data = torch.utils.data.TensorDataset(torch.randn(8, 3, 224, 224), torch.randint(0, 1000, (8,)))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     run = prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loader, plan=RunConfig(strategy=strategy))
-    tracker = _peak_only_mem_tracker()()
-    with cuda_autocast_policy(), _fused_attention():
+    tracker = peak_only_mem_tracker()()
+    with cuda_autocast_policy(), fused_attention():
         for index, (images, labels) in enumerate(run.micro_batches()):
             if index == 3:  # the second step's last micro-batch (MemTracker follows one forward of each module)
                 tracker.track_external(run.model, run.optimizer, images)

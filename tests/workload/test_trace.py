@@ -16,9 +16,10 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from redline.errors import BadInput  # noqa: E402
-from redline.workload import trace  # noqa: E402
+from redline.workload import measured_memory, trace  # noqa: E402
 from redline.workload.factory import load_factory  # noqa: E402
-from redline.workload.trace import find_blocks, trace_module  # noqa: E402
+from redline.workload.structure import find_blocks  # noqa: E402
+from redline.workload.trace import trace_module  # noqa: E402
 
 
 def mlp() -> nn.Module:
@@ -296,7 +297,7 @@ def test_llama_7b_traces_in_seconds():
 
 def test_mem_tracker_private_api_is_still_there():
     """Pins the private API the training-step peak uses: if this fails after a torch upgrade, the tracer says
-    'MemTracker unavailable' and the planner falls back on its formulas; update _peak_only_mem_tracker."""
+    'MemTracker unavailable' and the planner falls back on its formulas; update peak_only_mem_tracker."""
     try:
         from torch.distributed._tools import mem_tracker
     except ImportError as error:
@@ -309,7 +310,7 @@ def test_mem_tracker_private_api_is_still_there():
     ]
     if missing:
         pytest.skip(f"torch {torch.__version__}'s MemTracker lacks {', '.join(missing)}")
-    tracker = trace._peak_only_mem_tracker()()
+    tracker = measured_memory.peak_only_mem_tracker()()
     for attribute in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap"):
         assert hasattr(tracker, attribute), attribute
 
@@ -328,7 +329,7 @@ def test_training_step_peak_falls_back_when_the_private_api_is_gone(monkeypatch)
     def gone():
         raise ImportError("cannot import name 'MemTracker'")
 
-    monkeypatch.setattr(trace, "_peak_only_mem_tracker", gone)
+    monkeypatch.setattr(measured_memory, "peak_only_mem_tracker", gone)
     profile = trace_module(mlp, (8,), name="mlp", source="test")
     assert profile.traced_peak_bytes is None
     assert any("MemTracker unavailable" in note and "analytic" in note for note in profile.notes)

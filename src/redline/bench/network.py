@@ -275,91 +275,102 @@ def build_measurements(
     plan: Plan,
 ) -> list[Measurement]:
     rtt = Spread.of(rtt_ms)
-    rtt_s = rtt.median / 1e3
-    out = [
-        Measurement(
-            SUITE,
-            "rtt",
-            rtt.median,
-            "ms",
-            f"request/response round trips of a few bytes on an idle TCP connection (TCP_NODELAY), {where}",
-            size={"round_trips": len(rtt_ms)},
-            repeats=len(rtt_ms),
-            spread=rtt,
-            extra={"udp_rtt_ms_median": statistics.median(udp.rtt_ms) if udp.rtt_ms else None},
-        )
-    ]
-    out.append(_loss(udp, results))
+    out = [_rtt(rtt, rtt_ms, udp, where), _loss(udp, results)]
     for direction in plan.directions:
         mine = [r for r in results if r.direction == direction]
         if not mine:
             continue
         rates = {r.streams: r.mbit_s for r in mine}
-        best = max(rates.values())
-        for r in mine:
-            arrow = "client -> server" if direction == "up" else "server -> client (as iperf3 -R)"
-            intervals = [b / 1e6 for b in r.received.interval_bits_per_s]
-            out.append(
-                Measurement(
-                    SUITE,
-                    _stream_name(r.streams, direction),
-                    r.mbit_s,
-                    "Mbit/s",
-                    f"{r.streams} TCP stream{'s' if r.streams > 1 else ''} {arrow}, {r.sender.congestion_control}: "
-                    f"bytes the receiver got in {r.duration_s:g} s after a {r.omit_s:g} s warm-up (iperf3 -O); "
-                    f"p10-p90 over 1 s intervals, {where}",
-                    size={
-                        "streams": r.streams,
-                        "direction": direction,
-                        "duration_s": r.duration_s,
-                        "omit_s": r.omit_s,
-                        "block_bytes": BLOCK_BYTES,
-                    },
-                    repeats=1,
-                    spread=Spread.of(intervals) if intervals else None,
-                    peak=best,
-                    peak_source=f"best of {', '.join(map(str, sorted(rates)))} streams in this run",
-                    extra={
-                        "sender": r.sender.to_dict(),
-                        "received_bytes": r.received.bytes,
-                        "window_s": r.received.window_s,
-                        "interval_mbit_s": intervals,
-                        "stream_mbit_s": [b * 8 / r.received.window_s / 1e6 for b in r.received.stream_bytes]
-                        if r.received.window_s > 0
-                        else [],
-                    },
-                )
-            )
+        out += [_throughput(r, rates, where) for r in mine]
         if direction == "up":
             sender_tcp, receiver_tcp = local_tcp, server_tcp
         else:
             sender_tcp, receiver_tcp = server_tcp, local_tcp
-        one = next((r for r in mine if r.streams == 1), None)
-        facts, advice = advise(rates, one, rtt_s, sender_tcp, receiver_tcp)
-        suffix = "" if direction == "up" else "_reverse"
-        tcp_facts = {"sender": _tcp_summary(sender_tcp), "receiver": _tcp_summary(receiver_tcp)}
-        out.append(
-            Measurement(
-                SUITE,
-                "bdp" + suffix,
-                facts["bdp_bytes"] / MiB,
-                "MiB",
-                f"bandwidth-delay product: best throughput {facts['best_mbit_s']:.1f} Mbit/s x RTT {rtt.median:.1f} ms",
-                extra={"bdp_bytes": facts["bdp_bytes"], "tcp": tcp_facts},
-            )
-        )
-        out.append(
-            Measurement(
-                SUITE,
-                "streams_needed" + suffix,
-                facts["streams_needed"],
-                "streams",
-                f"smallest stream count within {1 - ENOUGH:.0%} of the best; chunks of at least "
-                f"{fmt_bytes(facts['chunk_bytes'])} per request (2x BDP)",
-                extra=facts | {"advice": advice, "tcp": tcp_facts},
-            )
-        )
+        out += _what_fills_the_link(direction, mine, rates, rtt, sender_tcp, receiver_tcp)
     return out
+
+
+def _rtt(rtt: Spread, rtt_ms: list[float], udp: UdpProbe, where: str) -> Measurement:
+    return Measurement(
+        SUITE,
+        "rtt",
+        rtt.median,
+        "ms",
+        f"request/response round trips of a few bytes on an idle TCP connection (TCP_NODELAY), {where}",
+        size={"round_trips": len(rtt_ms)},
+        repeats=len(rtt_ms),
+        spread=rtt,
+        extra={"udp_rtt_ms_median": statistics.median(udp.rtt_ms) if udp.rtt_ms else None},
+    )
+
+
+def _throughput(r: Throughput, rates: dict[int, float], where: str) -> Measurement:
+    """One stream count in one direction, against the best count of that direction (``rates``)."""
+    arrow = "client -> server" if r.direction == "up" else "server -> client (as iperf3 -R)"
+    intervals = [b / 1e6 for b in r.received.interval_bits_per_s]
+    return Measurement(
+        SUITE,
+        _stream_name(r.streams, r.direction),
+        r.mbit_s,
+        "Mbit/s",
+        f"{r.streams} TCP stream{'s' if r.streams > 1 else ''} {arrow}, {r.sender.congestion_control}: "
+        f"bytes the receiver got in {r.duration_s:g} s after a {r.omit_s:g} s warm-up (iperf3 -O); "
+        f"p10-p90 over 1 s intervals, {where}",
+        size={
+            "streams": r.streams,
+            "direction": r.direction,
+            "duration_s": r.duration_s,
+            "omit_s": r.omit_s,
+            "block_bytes": BLOCK_BYTES,
+        },
+        repeats=1,
+        spread=Spread.of(intervals) if intervals else None,
+        peak=max(rates.values()),
+        peak_source=f"best of {', '.join(map(str, sorted(rates)))} streams in this run",
+        extra={
+            "sender": r.sender.to_dict(),
+            "received_bytes": r.received.bytes,
+            "window_s": r.received.window_s,
+            "interval_mbit_s": intervals,
+            "stream_mbit_s": [b * 8 / r.received.window_s / 1e6 for b in r.received.stream_bytes]
+            if r.received.window_s > 0
+            else [],
+        },
+    )
+
+
+def _what_fills_the_link(
+    direction: str,
+    mine: list[Throughput],
+    rates: dict[int, float],
+    rtt: Spread,
+    sender_tcp: dict[str, Any],
+    receiver_tcp: dict[str, Any],
+) -> list[Measurement]:
+    """The bandwidth-delay product of one direction and the streams it takes to fill it, with the advice."""
+    one = next((r for r in mine if r.streams == 1), None)
+    facts, advice = advise(rates, one, rtt.median / 1e3, sender_tcp, receiver_tcp)
+    suffix = "" if direction == "up" else "_reverse"
+    tcp_facts = {"sender": _tcp_summary(sender_tcp), "receiver": _tcp_summary(receiver_tcp)}
+    return [
+        Measurement(
+            SUITE,
+            "bdp" + suffix,
+            facts["bdp_bytes"] / MiB,
+            "MiB",
+            f"bandwidth-delay product: best throughput {facts['best_mbit_s']:.1f} Mbit/s x RTT {rtt.median:.1f} ms",
+            extra={"bdp_bytes": facts["bdp_bytes"], "tcp": tcp_facts},
+        ),
+        Measurement(
+            SUITE,
+            "streams_needed" + suffix,
+            facts["streams_needed"],
+            "streams",
+            f"smallest stream count within {1 - ENOUGH:.0%} of the best; chunks of at least "
+            f"{fmt_bytes(facts['chunk_bytes'])} per request (2x BDP)",
+            extra=facts | {"advice": advice, "tcp": tcp_facts},
+        ),
+    ]
 
 
 def _loss(udp: UdpProbe, results: list[Throughput]) -> Measurement:

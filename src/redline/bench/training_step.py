@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from redline.errors import BadInput
-from redline.workload.trace import input_kind, training_loss, unpack_build
+from redline.workload.user_model import input_kind, training_loss, unpack_build
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from redline.cli import params, ui
 from redline.errors import BadInput, RedlineError
+
+if TYPE_CHECKING:
+    from redline.bench.context import BenchContext
+    from redline.bench.model import BenchRun
 
 SUITE_HELP = "Suites to run (default: all that need no peer): " + ", ".join(
     ["compute", "memory", "collective", "storage", "network", "dataloader"]
@@ -40,32 +45,17 @@ def bench(
     from redline.bench import store
     from redline.bench.context import BenchContext
     from redline.bench.model import BenchRun
-    from redline.bench.suites import check, resolve, runner
+    from redline.bench.suites import check, resolve
     from redline.hw.probe import take_snapshot
 
     names = resolve(list(dict.fromkeys(suites or [])))
     # under torchrun every rank runs this command; rank 0 alone reports (the collective suite gathers)
     follower = os.environ.get("RANK", "0") != "0"
-    if "RANK" in os.environ and names != ["collective"]:
-        raise BadInput(
-            "under torchrun only `redline bench collective` makes sense: other suites would run once per rank"
-        )
-    _refuse_options_of_other_suites(
-        names,
-        {
-            "compute": {"--precision": precision is not None},
-            "collective": {"--ranks": ranks is not None},
-            "network": {"--serve": serve, "--connect": connect is not None, "--listen": listen != "all"},
-            "dataloader": {"--dataset": dataset is not None},
-        },
+    _check_suite_options(
+        names, precision=precision, ranks=ranks, serve=serve, connect=connect, listen=listen, dataset=dataset
     )
     listen_host = params.listen_address("--listen", listen)
-    try:
-        stream_counts = sorted({int(s) for s in streams.split(",") if s.strip()})
-    except ValueError:
-        raise BadInput(f"--streams takes comma-separated counts like 1,4,8, not {streams!r}") from None
-    if not stream_counts or stream_counts[0] < 1:
-        raise BadInput("--streams needs counts of at least 1")
+    stream_counts = _stream_counts(streams)
     if ranks is not None and ranks < 1:
         raise BadInput("--ranks must be at least 1")
 
@@ -97,8 +87,59 @@ def bench(
         taken_at=datetime.now(UTC).isoformat(timespec="seconds"),
         quick=quick,
     )
+    failures = _run_suites(names, ctx, run, show_progress=not (json_out or follower))
+    if follower:
+        return
+    _report(run, json_out=json_out, save=save)
+    if failures:
+        raise typer.Exit(max(failures))
+
+
+def _check_suite_options(
+    names: list[str],
+    *,
+    precision: str | None,
+    ranks: int | None,
+    serve: bool,
+    connect: str | None,
+    listen: str,
+    dataset: str | None,
+) -> None:
+    """Refuse what this run would do wrong or ignore: suites other than collectives under torchrun (each
+    rank would run them), and an option of a suite the run leaves out."""
+    if "RANK" in os.environ and names != ["collective"]:
+        raise BadInput(
+            "under torchrun only `redline bench collective` makes sense: other suites would run once per rank"
+        )
+    _refuse_options_of_other_suites(
+        names,
+        {
+            "compute": {"--precision": precision is not None},
+            "collective": {"--ranks": ranks is not None},
+            "network": {"--serve": serve, "--connect": connect is not None, "--listen": listen != "all"},
+            "dataloader": {"--dataset": dataset is not None},
+        },
+    )
+
+
+def _stream_counts(streams: str) -> list[int]:
+    """``--streams`` as sorted distinct counts, each at least 1."""
+    try:
+        counts = sorted({int(s) for s in streams.split(",") if s.strip()})
+    except ValueError:
+        raise BadInput(f"--streams takes comma-separated counts like 1,4,8, not {streams!r}") from None
+    if not counts or counts[0] < 1:
+        raise BadInput("--streams needs counts of at least 1")
+    return counts
+
+
+def _run_suites(names: list[str], ctx: BenchContext, run: BenchRun, *, show_progress: bool) -> list[int]:
+    """Run each suite into ``run``; the exit codes of those that failed. With several suites one suite's failure
+    is reported and the others still run; a single suite's is raised."""
+    from redline.bench.suites import runner
+
     failures: list[int] = []
-    with ui.progress_bar(enabled=not (json_out or follower)) as progress:
+    with ui.progress_bar(enabled=show_progress) as progress:
         ctx.progress = progress
         for name in names:
             try:
@@ -114,8 +155,13 @@ def bench(
                     raise
                 ui.error(f"{name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
                 failures.append(1)
-    if follower:
-        return
+    return failures
+
+
+def _report(run: BenchRun, *, json_out: bool, save: bool) -> None:
+    """Print the measurements, then keep them for the doctor when asked."""
+    from redline.bench import store
+
     if json_out:
         ui.print_json(run.to_dict())
     else:
@@ -126,8 +172,6 @@ def bench(
         except OSError as exc:
             raise BadInput(f"could not save the results under {store.home()}: {exc.strerror or exc}") from None
         ui.warn(f"saved to {saved}; `redline doctor --bench` reads it")
-    if failures:
-        raise typer.Exit(max(failures))
 
 
 def _refuse_options_of_other_suites(names: list[str], given: dict[str, dict[str, bool]]) -> None:

@@ -47,6 +47,8 @@ NCCL_BUFFER_BYTES = 256 * MiB  # NCCL's own cudaMalloc'd channels/buffers, outsi
 # matmul on: 32 MiB on Hopper (its recommended size), 8 MiB elsewhere, one per handle and stream. Handles are per
 # thread: the forward's (the training loop's thread) and the backward's (the autograd engine's device thread)
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
+# bytes per parameter of a weight's compute copy: 16 bits, and under fp8 an 8-bit copy on top
+COMPUTE_COPY_BYTES = {"fp32": 0, "bf16": 2, "fp16": 2, "fp8": 3}
 LOSS_BACKWARD_BYTES = 4 + 4  # per token and vocabulary entry: log-softmax's fp32 output and input gradients
 
 
@@ -203,153 +205,52 @@ def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage
 
 def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, gpus_per_node: int) -> MemoryBreakdown:
     """Memory of one GPU of ``stage`` at the peak of a step, by component (see the module docstring)."""
-    t = strategy.tensor
-    stage_params = stage.params
-    last = stage.index == strategy.pipeline - 1
-    if last and strategy.pipeline > 1:
-        stage_params += profile.tied_params  # the last stage keeps its own copy of a tied embedding table
-    params = stage_params / t
+    head = stage.fixed[-1] if stage.index == strategy.pipeline - 1 and stage.fixed else None
+    states = _model_states(profile, strategy, stage, gpus_per_node)
+    cast = _cast_params(profile, strategy, stage, head)
+    weight_copies, comm_buffers = _weight_copies_and_comm_buffers(strategy, stage, states, cast)
 
-    # model states: PyTorch keeps fp32 weights and gradients (autocast adds no master copy). ZeRO-1
-    # (ZeroRedundancyOptimizer) shards the optimizer states; ZeRO-2 as FSDP runs it
-    # (reshard_after_forward=False) also the gradients and the fp32 weights, keeping the 16-bit copies
-    # whole between forward and backward; FSDP/ZeRO-3 shards everything.
-    opt_bytes = optimizer_bytes(profile, strategy)
-    states = pytorch_state_bytes(strategy.precision, opt_bytes)
-    zero_stage = ZERO_STAGE[strategy.sharding]
-    shard = shard_degree(strategy, gpus_per_node)
-
-    def sharded(bytes_per_param: float, from_stage: int) -> float:
-        return params * bytes_per_param / (shard if zero_stage >= from_stage else 1)
-
-    weights = sharded(states.weights, 2)
-    grads = sharded(states.grads, 2)
-    optimizer = sharded(states.optimizer + states.master, 1)
-
-    # compute copies of the weights: bf16/fp16 (and an fp8 copy on top under fp8). Autocast casts the weights
-    # of matmuls and convolutions, not an embedding's table (a lookup), unless an LM head tied to it uses it
-    copy_bytes = {"fp32": 0, "bf16": 2, "fp16": 2, "fp8": 3}[strategy.precision]
-    head = stage.fixed[-1] if last and stage.fixed else None
-    # parameters of an embedding table the LM head on this stage shares (or keeps a copy of)
-    tied_table = profile.tied_params / t if head is not None else 0.0
-    cast = {
-        layer.name: (layer.params - layer.table_params if layer.cast_params is None else layer.cast_params) / t
-        for layer in (*stage.blocks, *stage.fixed)
-    }
-    if head is not None:
-        cast[head.name] += tied_table
-    largest_block = max((b.params for b in stage.blocks), default=0) / t
-    fixed_params = sum(layer.params for layer in stage.fixed) / t
-    if zero_stage >= 3:
-        # FSDP: the root unit (embedding, head) and two block units unsharded at once (prefetch), in the
-        # compute precision (fp32 units when there is no mixed precision)
-        unit_bytes = copy_bytes or 4
-        weight_copies = unit_bytes * (fixed_params + 2 * largest_block)
-        # the unsharded fp32 gradient of one unit before its reduce-scatter, plus its compute-precision form
-        comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
-    elif zero_stage == 2:
-        # the unsharded units stay from forward to backward (fp32 units without mixed precision)
-        weight_copies = (copy_bytes or 4) * params
-        comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
-    else:
-        weight_copies = copy_bytes * sum(cast.values())  # autocast keeps every cast weight saved for backward
-        # DDP with gradient_as_bucket_view=True (the runtime sets it): gradients live in the buckets
-        comm_buffers = 2 * DDP_BUCKET_BYTES if strategy.data > 1 else 0.0
-
-    # activations kept per layer, in model order (the first stage keeps several micro-batches in flight)
-    key = activation_key(strategy)
+    # activations kept per layer (the first stage keeps several micro-batches in flight)
     in_flight = in_flight_micro_batches(strategy, stage.index)
     full_blocks = block_activations(profile, strategy, stage)
-    sp_divisor = t if strategy.sequence_parallel else 1
-    kept: dict[str, float] = {}
-    for layer in (*stage.blocks, *stage.fixed):
-        if not layer.is_block:
-            kept[layer.name] = layer.activation_bytes_per_sample[key] * strategy.micro_batch / t
-        elif strategy.checkpointing == "full":  # the block's input
-            kept[layer.name] = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor * strategy.micro_batch
-        else:
-            kept[layer.name] = full_blocks[layer.name]
+    kept = _kept_activations(strategy, stage, full_blocks)
     activations = sum(kept.values()) * in_flight
-    # the working set of each layer's backward, on top of what is still saved: a block's activation gradients
-    # (under full checkpointing also its recomputed activations and the weight copies its recomputation casts
-    # again); the loss's for an LM's head. Copies per parameter: autocast's, not FSDP's whole units.
-    full = strategy.checkpointing == "full"
-    copy_share = copy_bytes if zero_stage < 2 else 0  # autocast's bytes per cast parameter
-
-    def forward_rise(layer: LayerProfile, saved: float) -> float:
-        """How far memory rises while the layer's forward runs: measured, or what it saves and its weight copies.
-        (The measurement ran under autocast: under FSDP, whose 16-bit units make autocast's copies unnecessary, it
-        counts a layer's weights once more, on the safe side.)"""
-        rise = measured_bytes(layer.forward_rise, layer, strategy, saved)
-        return saved + cast[layer.name] * copy_share if rise is None else rise
-
-    working = {}
-    for block in stage.blocks:
-        saved = full_blocks[block.name]
-        backward = measured_bytes(block.backward_working, block, strategy, saved)
-        if backward is None:  # not measured: all it saved, at most
-            backward = saved
-        if full:
-            # the recomputation's forward (its rise counts the block's input, which is already held, where the
-            # gradient of its output now waits), then the backward on what it saved and the weight copies it cast
-            backward = max(forward_rise(block, saved), saved + backward + cast[block.name] * copy_share)
-        working[block.name] = backward
-    if profile.loss_vocab and head is not None:
-        # cross-entropy runs in fp32, under autocast too: while log-softmax's backward runs, the fp32 gradients
-        # of its output (the NLL's, dense) and of its input, b x s x V each
-        tokens = strategy.micro_batch * profile.tokens_per_sample
-        working[head.name] = LOSS_BACKWARD_BYTES * tokens * profile.loss_vocab / t
+    # autocast's copies of each layer's weights, in bytes: FSDP's and ZeRO-2's whole units make them unnecessary
+    copy_share = COMPUTE_COPY_BYTES[strategy.precision] if states.zero_stage < 2 else 0
+    autocast_copies = {name: params * copy_share for name, params in cast.items()}
+    rise = {
+        layer.name: _forward_rise(layer, strategy, full_blocks.get(layer.name, kept[layer.name]), autocast_copies)
+        for layer in (*stage.blocks, *stage.fixed)
+    }
+    working = _backward_working_sets(profile, strategy, stage, head, full_blocks, rise, autocast_copies)
     temporary = max(working.values(), default=0.0)  # the working sets that grow with the micro-batch
-    # an embedding's backward writes a dense gradient of its whole table, which becomes its gradient or is added
-    # to the one there. A table tied to the LM head on the same GPU got the head's gradient first: autograd
-    # holds that from the head's backward on (``tied``) and sums the two into a third tensor here.
-    tied = states.grads * tied_table if strategy.pipeline == 1 and zero_stage < 2 else 0.0
-    table_grads = 0.0
-    if zero_stage < 2:
-        for layer in stage.fixed:
-            if layer.table_params:
-                working[layer.name] = states.grads * layer.table_params / t + tied
-                table_grads = max(table_grads, working[layer.name])
+    tables = _table_gradients(profile, strategy, stage, states, head)
+    table_grads = max(tables.values(), default=0.0)
 
-    coexist = strategy.accumulation > 1 or (strategy.data > 1 and zero_stage < 2) or strategy.pipeline > 1
-    # backward walks the layers from the last: as a layer's backward starts, the gradients of every layer after
-    # it exist (of every layer, where they coexist with activations), its own and earlier activations are
-    # still held, and its working set comes on top; as it ends, its gradients replace its activations (but for
-    # the model's output, which the loop holds to the end) and autocast's copies of its weights (a CNN peaks
-    # mid-way: its big activations are early, its big parameters late; a checkpointed LM at its embedding).
-    # Sharded units stay until the end.
-    grad_share = 0.0 if coexist else grads / max(1, stage.params)
-    order = [layer for layer in profile.layers if layer.name in kept]
-    # autocast's weight copies by layer, saved for the backward; a checkpointed block saves none (autocast without
-    # its weight cache, as the runtime runs it: a loop with the cache on holds them to the end of the forward)
-    copies = {layer.name: 0.0 if full and layer.is_block else cast[layer.name] * copy_share for layer in order}
-    held = activations + (sum(copies.values()) if copy_share else weight_copies)
-    grads_so_far = grads if coexist else 0.0
-    pending = 0.0  # the head's gradient of a tied embedding table, waiting for the embedding's
-    backward_peak = 0.0
-    for layer in reversed(order):
-        backward_peak = max(backward_peak, grads_so_far + pending + held + working.get(layer.name, 0.0))
-        grads_so_far += layer.params * grad_share
-        output = min(layer.held_bytes_per_sample.get(key, 0.0) * strategy.micro_batch / t, kept[layer.name])
-        held -= (kept[layer.name] - output) * in_flight + copies[layer.name]
-        if layer is head:
-            pending = tied
-        elif layer.table_params:
-            pending = 0.0
-        backward_peak = max(backward_peak, grads_so_far + pending + held)
-    # the forward before it: each layer's rise on top of what the layers before it keep (all of it for the
-    # micro-batches in flight before)
-    held = (activations - sum(kept.values())) + (grads if coexist else 0.0) + (0.0 if copy_share else weight_copies)
-    forward_peak = 0.0
-    for layer in order:
-        forward_peak = max(forward_peak, held + forward_rise(layer, full_blocks.get(layer.name, kept[layer.name])))
-        held += kept[layer.name] + copies[layer.name]
-    moving = max(forward_peak, held, backward_peak)
-    allocated = weights + optimizer + comm_buffers + CUBLAS_WORKSPACE_BYTES + moving
+    # gradients exist through the forward under accumulation, DDP's buckets and pipelines; otherwise each layer's
+    # arrive as its backward ends
+    coexist = strategy.accumulation > 1 or (strategy.data > 1 and states.zero_stage < 2) or strategy.pipeline > 1
+    grad_share = 0.0 if coexist else states.grads / max(1, stage.params)
+    layers = _layers_in_model_order(profile, strategy, kept, autocast_copies, rise, working | tables, grad_share)
+    grads_before = states.grads if coexist else 0.0
+    # FSDP's and ZeRO-2's unsharded units are there through the step; autocast's copies come and go by layer
+    units = 0.0 if copy_share else weight_copies
+    forward_peak = _forward_peak(layers, held=(activations - sum(kept.values())) + grads_before + units)
+    saved_copies = sum(layer.copies for layer in layers) if copy_share else weight_copies
+    backward_peak = _backward_peak(
+        layers,
+        held=activations + saved_copies,
+        grads=grads_before,
+        in_flight=in_flight,
+        head=head,
+        tied_grad=_tied_head_gradient(profile, strategy, states, head),
+    )
+    allocated = states.weights + states.optimizer + comm_buffers + CUBLAS_WORKSPACE_BYTES
+    allocated += max(forward_peak, backward_peak)
     return MemoryBreakdown(
-        weights=weights,
-        grads=grads,
-        optimizer=optimizer,
+        weights=states.weights,
+        grads=states.grads,
+        optimizer=states.optimizer,
         weight_copies=weight_copies,
         activations=activations,
         temporary=temporary,
@@ -362,6 +263,251 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         allocated=allocated,
         grads_with_activations=coexist,
     )
+
+
+@dataclass(frozen=True)
+class _ModelStates:
+    """The model states of one stage on one GPU, in bytes, and what the other parts need of how they are kept."""
+
+    params: float  # the stage's parameters on this GPU (its tensor-parallel share), before sharding
+    zero_stage: int
+    grad_bytes_per_param: float  # of a whole (unsharded) gradient
+    weights: float
+    grads: float
+    optimizer: float
+
+
+def _model_states(profile: WorkloadProfile, strategy: Strategy, stage: Stage, gpus_per_node: int) -> _ModelStates:
+    """PyTorch keeps fp32 weights and gradients (autocast adds no master copy). ZeRO-1 (ZeroRedundancyOptimizer)
+    shards the optimizer states; ZeRO-2 as FSDP runs it (reshard_after_forward=False) also the gradients and the
+    fp32 weights, keeping the 16-bit copies whole between forward and backward; FSDP/ZeRO-3 shards everything."""
+    stage_params = stage.params
+    if stage.index == strategy.pipeline - 1 and strategy.pipeline > 1:
+        stage_params += profile.tied_params  # the last stage keeps its own copy of a tied embedding table
+    params = stage_params / strategy.tensor
+    states = pytorch_state_bytes(strategy.precision, optimizer_bytes(profile, strategy))
+    zero_stage = ZERO_STAGE[strategy.sharding]
+    shard = shard_degree(strategy, gpus_per_node)
+
+    def sharded(bytes_per_param: float, from_stage: int) -> float:
+        return params * bytes_per_param / (shard if zero_stage >= from_stage else 1)
+
+    return _ModelStates(
+        params=params,
+        zero_stage=zero_stage,
+        grad_bytes_per_param=states.grads,
+        weights=sharded(states.weights, 2),
+        grads=sharded(states.grads, 2),
+        optimizer=sharded(states.optimizer + states.master, 1),
+    )
+
+
+def _cast_params(
+    profile: WorkloadProfile, strategy: Strategy, stage: Stage, head: LayerProfile | None
+) -> dict[str, float]:
+    """Parameters of each layer on this GPU that autocast copies into the compute precision: the weights of
+    matmuls and convolutions, not an embedding's table (a lookup), unless an LM head on this stage uses it
+    (shares it, or keeps a copy of it)."""
+    t = strategy.tensor
+    cast = {
+        layer.name: (layer.params - layer.table_params if layer.cast_params is None else layer.cast_params) / t
+        for layer in (*stage.blocks, *stage.fixed)
+    }
+    if head is not None:
+        cast[head.name] += profile.tied_params / t
+    return cast
+
+
+def _weight_copies_and_comm_buffers(
+    strategy: Strategy, stage: Stage, states: _ModelStates, cast: dict[str, float]
+) -> tuple[float, float]:
+    """Bytes of the weights' compute copies (autocast's, or FSDP's unsharded units) and of the buffers their
+    gradients are communicated in, as the states are sharded."""
+    copy_bytes = COMPUTE_COPY_BYTES[strategy.precision]
+    largest_block = max((b.params for b in stage.blocks), default=0) / strategy.tensor
+    fixed_params = sum(layer.params for layer in stage.fixed) / strategy.tensor
+    if states.zero_stage >= 3:
+        # FSDP: the root unit (embedding, head) and two block units unsharded at once (prefetch), in the
+        # compute precision (fp32 units when there is no mixed precision)
+        unit_bytes = copy_bytes or 4
+        weight_copies = unit_bytes * (fixed_params + 2 * largest_block)
+        # the unsharded fp32 gradient of one unit before its reduce-scatter, plus its compute-precision form
+        comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
+    elif states.zero_stage == 2:
+        # the unsharded units stay from forward to backward (fp32 units without mixed precision)
+        weight_copies = (copy_bytes or 4) * states.params
+        comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
+    else:
+        weight_copies = copy_bytes * sum(cast.values())  # autocast keeps every cast weight saved for backward
+        # DDP with gradient_as_bucket_view=True (the runtime sets it): gradients live in the buckets
+        comm_buffers = 2 * DDP_BUCKET_BYTES if strategy.data > 1 else 0.0
+    return weight_copies, comm_buffers
+
+
+def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, float]) -> dict[str, float]:
+    """Bytes each layer of the stage keeps for its backward, for one micro-batch: a checkpointed block only its
+    input."""
+    key = activation_key(strategy)
+    t = strategy.tensor
+    sp_divisor = t if strategy.sequence_parallel else 1
+    kept: dict[str, float] = {}
+    for layer in (*stage.blocks, *stage.fixed):
+        if not layer.is_block:
+            kept[layer.name] = layer.activation_bytes_per_sample[key] * strategy.micro_batch / t
+        elif strategy.checkpointing == "full":  # the block's input
+            kept[layer.name] = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor * strategy.micro_batch
+        else:
+            kept[layer.name] = full_blocks[layer.name]
+    return kept
+
+
+def _forward_rise(layer: LayerProfile, strategy: Strategy, saved: float, autocast_copies: dict[str, float]) -> float:
+    """How far memory rises while the layer's forward runs: measured, or what it saves and its weight copies.
+    (The measurement ran under autocast: under FSDP, whose 16-bit units make autocast's copies unnecessary, it
+    counts a layer's weights once more, on the safe side.)"""
+    rise = measured_bytes(layer.forward_rise, layer, strategy, saved)
+    return saved + autocast_copies[layer.name] if rise is None else rise
+
+
+def _backward_working_sets(
+    profile: WorkloadProfile,
+    strategy: Strategy,
+    stage: Stage,
+    head: LayerProfile | None,
+    full_blocks: dict[str, float],
+    rise: dict[str, float],
+    autocast_copies: dict[str, float],
+) -> dict[str, float]:
+    """The working set of each block's backward, on top of what is still saved: its activation gradients (under
+    full checkpointing also its recomputed activations and the weight copies its recomputation casts again);
+    and the loss's for an LM's head. Copies per parameter: autocast's, not FSDP's whole units."""
+    working = {}
+    for block in stage.blocks:
+        saved = full_blocks[block.name]
+        backward = measured_bytes(block.backward_working, block, strategy, saved)
+        if backward is None:  # not measured: all it saved, at most
+            backward = saved
+        if strategy.checkpointing == "full":
+            # the recomputation's forward (its rise counts the block's input, which is already held, where the
+            # gradient of its output now waits), then the backward on what it saved and the weight copies it cast
+            backward = max(rise[block.name], saved + backward + autocast_copies[block.name])
+        working[block.name] = backward
+    if profile.loss_vocab and head is not None:
+        # cross-entropy runs in fp32, under autocast too: while log-softmax's backward runs, the fp32 gradients
+        # of its output (the NLL's, dense) and of its input, b x s x V each
+        tokens = strategy.micro_batch * profile.tokens_per_sample
+        working[head.name] = LOSS_BACKWARD_BYTES * tokens * profile.loss_vocab / strategy.tensor
+    return working
+
+
+def _tied_head_gradient(
+    profile: WorkloadProfile, strategy: Strategy, states: _ModelStates, head: LayerProfile | None
+) -> float:
+    """Bytes of the gradient an LM head gives the embedding table it is tied to on the same GPU: autograd holds it
+    from the head's backward until the embedding's adds its own."""
+    if head is None or strategy.pipeline > 1 or states.zero_stage >= 2:
+        return 0.0
+    return states.grad_bytes_per_param * (profile.tied_params / strategy.tensor)
+
+
+def _table_gradients(
+    profile: WorkloadProfile, strategy: Strategy, stage: Stage, states: _ModelStates, head: LayerProfile | None
+) -> dict[str, float]:
+    """The working set of an embedding's backward: a dense gradient of its whole table, which becomes its
+    gradient or is added to the one there. A table tied to the LM head on the same GPU got the head's gradient
+    first, and the two are summed into a third tensor. Sharded gradients are not counted here."""
+    if states.zero_stage >= 2:
+        return {}
+    tied = _tied_head_gradient(profile, strategy, states, head)
+    return {
+        layer.name: states.grad_bytes_per_param * layer.table_params / strategy.tensor + tied
+        for layer in stage.fixed
+        if layer.table_params
+    }
+
+
+@dataclass(frozen=True)
+class _LayerMemory:
+    """What one layer of the stage puts on one GPU during a step, in bytes."""
+
+    layer: LayerProfile
+    kept: float  # saved for its backward, one micro-batch
+    output: float  # of that, what the loop holds to the end of the step (the model's output)
+    copies: float  # autocast's copies of its weights, saved for its backward
+    rise: float  # how far memory rises while its forward runs, above what the layers before it keep
+    working: float  # its backward's working set, on top of what is still held
+    grads: float  # the gradients that arrive as its backward ends (none where all exist from the start)
+
+
+def _layers_in_model_order(
+    profile: WorkloadProfile,
+    strategy: Strategy,
+    kept: dict[str, float],
+    autocast_copies: dict[str, float],
+    rise: dict[str, float],
+    working: dict[str, float],
+    grad_share: float,
+) -> list[_LayerMemory]:
+    """The stage's layers as the forward meets them."""
+    key = activation_key(strategy)
+    return [
+        _LayerMemory(
+            layer=layer,
+            kept=kept[layer.name],
+            output=min(
+                layer.held_bytes_per_sample.get(key, 0.0) * strategy.micro_batch / strategy.tensor, kept[layer.name]
+            ),
+            # a checkpointed block saves no weight copies (autocast without its weight cache, as the runtime runs
+            # it: a loop with the cache on holds them to the end of the forward)
+            copies=0.0 if strategy.checkpointing == "full" and layer.is_block else autocast_copies[layer.name],
+            rise=rise[layer.name],
+            working=working.get(layer.name, 0.0),
+            grads=layer.params * grad_share,
+        )
+        for layer in profile.layers
+        if layer.name in kept
+    ]
+
+
+def _forward_peak(layers: list[_LayerMemory], held: float) -> float:
+    """The most memory in use through the forward, on top of ``held`` (the micro-batches in flight before, the
+    gradients that exist from the start, sharded units): each layer's rise on top of what the layers before it
+    keep, and at its end all they keep."""
+    peak = 0.0
+    for layer in layers:
+        peak = max(peak, held + layer.rise)
+        held += layer.kept + layer.copies
+    return max(peak, held)
+
+
+def _backward_peak(
+    layers: list[_LayerMemory],
+    *,
+    held: float,
+    grads: float,
+    in_flight: int,
+    head: LayerProfile | None,
+    tied_grad: float,
+) -> float:
+    """The most memory in use through the backward, which walks the layers from the last, starting from ``held``
+    (every activation and weight copy saved) and ``grads`` (the gradients that exist already). As a layer's
+    backward starts, the gradients of every layer after it exist, its own and earlier activations are still
+    held, and its working set comes on top; as it ends, its gradients replace its activations (but for the
+    model's output, which the loop holds to the end) and autocast's copies of its weights. A CNN peaks mid-way:
+    its big activations are early, its big parameters late; a checkpointed LM at its embedding, where the head's
+    gradient of a tied table (``tied_grad``) still waits."""
+    pending = 0.0  # the head's gradient of a tied embedding table, waiting for the embedding's
+    peak = 0.0
+    for memory in reversed(layers):
+        peak = max(peak, grads + pending + held + memory.working)
+        grads += memory.grads
+        held -= (memory.kept - memory.output) * in_flight + memory.copies
+        if memory.layer is head:
+            pending = tied_grad
+        elif memory.layer.table_params:
+            pending = 0.0
+        peak = max(peak, grads + pending + held)
+    return peak
 
 
 def shard_degree(strategy: Strategy, gpus_per_node: int) -> int:

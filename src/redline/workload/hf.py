@@ -8,6 +8,8 @@ architecture the library knows and gives exact counts.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,83 +42,117 @@ def shape_from_config(config: dict[str, Any], seq_len: int | None = None, origin
     if not config.get("model_type"):
         raise BadInput(f"{origin} is not a Hugging Face model config (no 'model_type')")
     model_type = str(config["model_type"])
-
-    def get(*keys: str, default: Any = None) -> Any:
-        for key in keys:
-            if config.get(key) is not None:
-                return config[key]
-        if default is None:
-            raise BadInput(f"{origin}: model_type '{model_type}' config lacks '{keys[0]}'")
-        return default
-
-    def length(declared: int) -> int:
-        return seq_len or min(int(declared), DEFAULT_SEQ_CAP)
-
+    layout = _LAYOUTS.get(model_type)
+    if layout is None:
+        raise BadInput(
+            f"{origin}: no built-in layout for model_type '{model_type}' (known: gpt2, {', '.join(LLAMA_LIKE)}, "
+            "bert, t5); install transformers to trace it"
+        )
     try:
-        if model_type == "gpt2":
-            hidden = int(get("n_embd"))
-            return TransformerShape(
-                layers=int(get("n_layer")),
-                hidden=hidden,
-                heads=int(get("n_head")),
-                ffn_hidden=int(config.get("n_inner") or 4 * hidden),
-                vocab=int(get("vocab_size")),
-                seq_len=length(get("n_positions", default=1024)),
-                position_embeddings=int(get("n_positions", default=1024)),
-                tied_embeddings=bool(config.get("tie_word_embeddings", True)),
-            )
-        if model_type in LLAMA_LIKE:
-            return TransformerShape(
-                layers=int(get("num_hidden_layers")),
-                hidden=int(get("hidden_size")),
-                heads=int(get("num_attention_heads")),
-                kv_heads=config.get("num_key_value_heads"),
-                head_dim=config.get("head_dim"),
-                ffn_hidden=int(get("intermediate_size")),
-                vocab=int(get("vocab_size")),
-                seq_len=length(get("max_position_embeddings", default=4096)),
-                gated_mlp=True,
-                tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-                norm="rmsnorm",
-                bias=bool(config.get("attention_bias", False)),
-                dropout=float(config.get("attention_dropout", 0)) > 0,
-            )
-        if model_type == "bert":
-            hidden = int(get("hidden_size"))
-            return TransformerShape(
-                layers=int(get("num_hidden_layers")),
-                hidden=hidden,
-                heads=int(get("num_attention_heads")),
-                ffn_hidden=int(get("intermediate_size")),
-                vocab=int(get("vocab_size")),
-                seq_len=length(get("max_position_embeddings", default=512)),
-                position_embeddings=int(get("max_position_embeddings", default=512)),
-                lm_head=False,
-                final_norm=False,
-                extra_params=int(get("type_vocab_size", default=2)) * hidden + 2 * hidden + hidden * hidden + hidden,
-            )
-        if model_type == "t5":
-            layers = int(get("num_layers"))
-            heads = int(get("num_heads"))
-            gated = str(config.get("feed_forward_proj", "relu")).startswith("gated")
-            return TransformerShape(
-                layers=layers + int(config.get("num_decoder_layers") or layers),
-                decoder_layers=int(config.get("num_decoder_layers") or layers),
-                hidden=int(get("d_model")),
-                heads=heads,
-                head_dim=int(get("d_kv")),
-                ffn_hidden=int(get("d_ff")),
-                vocab=int(get("vocab_size")),
-                seq_len=seq_len or 512,
-                norm="rmsnorm",
-                bias=False,
-                gated_mlp=gated,
-                tied_embeddings=bool(config.get("tie_word_embeddings", True)),
-                extra_params=2 * int(config.get("relative_attention_num_buckets", 32)) * heads,
-            )
+        return layout(_Fields(config, origin, model_type, seq_len))
     except (TypeError, ValueError) as exc:
         raise BadInput(f"{origin}: malformed {model_type} config: {exc}") from None
-    raise BadInput(
-        f"{origin}: no built-in layout for model_type '{model_type}' (known: gpt2, {', '.join(LLAMA_LIKE)}, bert, t5); "
-        "install transformers to trace it"
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """A config as the layouts read it: a required field that is missing is BadInput naming the file."""
+
+    config: dict[str, Any]
+    origin: str
+    model_type: str
+    seq_len: int | None  # the training length asked for, if any
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        """The first of ``keys`` the config sets; ``default`` where it sets none, BadInput where there is none."""
+        for key in keys:
+            if self.config.get(key) is not None:
+                return self.config[key]
+        if default is None:
+            raise BadInput(f"{self.origin}: model_type '{self.model_type}' config lacks '{keys[0]}'")
+        return default
+
+    def length(self, declared: int) -> int:
+        """The training length: the one asked for, else the declared positions up to ``DEFAULT_SEQ_CAP``."""
+        return self.seq_len or min(int(declared), DEFAULT_SEQ_CAP)
+
+
+def _gpt2(fields: _Fields) -> TransformerShape:
+    config = fields.config
+    hidden = int(fields.get("n_embd"))
+    return TransformerShape(
+        layers=int(fields.get("n_layer")),
+        hidden=hidden,
+        heads=int(fields.get("n_head")),
+        ffn_hidden=int(config.get("n_inner") or 4 * hidden),
+        vocab=int(fields.get("vocab_size")),
+        seq_len=fields.length(fields.get("n_positions", default=1024)),
+        position_embeddings=int(fields.get("n_positions", default=1024)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
     )
+
+
+def _llama(fields: _Fields) -> TransformerShape:
+    config = fields.config
+    return TransformerShape(
+        layers=int(fields.get("num_hidden_layers")),
+        hidden=int(fields.get("hidden_size")),
+        heads=int(fields.get("num_attention_heads")),
+        kv_heads=config.get("num_key_value_heads"),
+        head_dim=config.get("head_dim"),
+        ffn_hidden=int(fields.get("intermediate_size")),
+        vocab=int(fields.get("vocab_size")),
+        seq_len=fields.length(fields.get("max_position_embeddings", default=4096)),
+        gated_mlp=True,
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        norm="rmsnorm",
+        bias=bool(config.get("attention_bias", False)),
+        dropout=float(config.get("attention_dropout", 0)) > 0,
+    )
+
+
+def _bert(fields: _Fields) -> TransformerShape:
+    hidden = int(fields.get("hidden_size"))
+    return TransformerShape(
+        layers=int(fields.get("num_hidden_layers")),
+        hidden=hidden,
+        heads=int(fields.get("num_attention_heads")),
+        ffn_hidden=int(fields.get("intermediate_size")),
+        vocab=int(fields.get("vocab_size")),
+        seq_len=fields.length(fields.get("max_position_embeddings", default=512)),
+        position_embeddings=int(fields.get("max_position_embeddings", default=512)),
+        lm_head=False,
+        final_norm=False,
+        extra_params=int(fields.get("type_vocab_size", default=2)) * hidden + 2 * hidden + hidden * hidden + hidden,
+    )
+
+
+def _t5(fields: _Fields) -> TransformerShape:
+    """An encoder-decoder: its decoder layers count among the layers."""
+    config = fields.config
+    layers = int(fields.get("num_layers"))
+    heads = int(fields.get("num_heads"))
+    gated = str(config.get("feed_forward_proj", "relu")).startswith("gated")
+    return TransformerShape(
+        layers=layers + int(config.get("num_decoder_layers") or layers),
+        decoder_layers=int(config.get("num_decoder_layers") or layers),
+        hidden=int(fields.get("d_model")),
+        heads=heads,
+        head_dim=int(fields.get("d_kv")),
+        ffn_hidden=int(fields.get("d_ff")),
+        vocab=int(fields.get("vocab_size")),
+        seq_len=fields.seq_len or 512,
+        norm="rmsnorm",
+        bias=False,
+        gated_mlp=gated,
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        extra_params=2 * int(config.get("relative_attention_num_buckets", 32)) * heads,
+    )
+
+
+_LAYOUTS: dict[str, Callable[[_Fields], TransformerShape]] = {
+    "gpt2": _gpt2,
+    **dict.fromkeys(LLAMA_LIKE, _llama),
+    "bert": _bert,
+    "t5": _t5,
+}

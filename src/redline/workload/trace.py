@@ -24,21 +24,21 @@ sizes), of which those that are the largest at some micro-batch.
 
 Finally one Adam training step runs under PyTorch's private ``MemTracker`` for its peak memory by category; if
 that API is missing or fails the profile says so and the planner's analytic memory model stands alone.
+
+This module holds the entry and the tracer; beside it, ``kernels.py`` has the GPU's kernels for a CPU trace
+(fused attention, experts) and their FLOP formulas, ``measured_memory.py`` the live-bytes mode and the
+``MemTracker`` step, and ``user_model.py`` what is asked of the user's model (its builder, input and loss).
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -47,15 +47,15 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from redline.errors import BadInput
 from redline.workload.cuda_autocast import cuda_autocast_policy
+from redline.workload.kernels import flop_formulas, fused_attention, traceable_experts
+from redline.workload.measured_memory import LiveBytes, storage_bytes, tensor_leaves, training_step_peak
 from redline.workload.profile import ACTIVATION_PRECISIONS, ActivationPrecision, LayerProfile, WorkloadProfile
 from redline.workload.structure import find_blocks, without_kv_cache
+from redline.workload.user_model import input_kind, lm_logits, training_loss, unpack_build
 
 # Two batch sizes; per-sample figures are their slope. Neither is 1: some models squeeze a batch of one.
 BATCHES = (2, 4)
@@ -104,9 +104,11 @@ def trace_module(
         tracer = _Tracer(module, shape, input_dtype, vocab_size, name)
         if input_note:
             tracer.notes.insert(0, input_note)
-        with _traceable_experts():
+        with traceable_experts():
             tracer.measure()
-            peak_bytes, peak_note = _training_step_peak(tracer)
+            peak_bytes, peak_note = training_step_peak(
+                tracer.module, tracer.make_input, tracer.attention, tracer.vocab_size
+            )
     notes = [*tracer.notes, peak_note]
     notes.append(
         f"traced in {time.perf_counter() - started_s:.1f} s on fake tensors (batches {BATCHES[0]} and "
@@ -131,7 +133,7 @@ def trace_module(
     )
 
 
-# --- errors -----------------------------------------------------------------------------------------------
+# --- the user's module on fake tensors, and its errors as one line ----------------------------------------
 
 
 def _guarded(name: str, call: Callable[[], Any]) -> Any:
@@ -151,15 +153,6 @@ def _cannot_trace(name: str, error: BaseException) -> BadInput:
     if isinstance(error, _FAKE_TENSOR_LIMITS):
         message += " (the model's code depends on tensor values, which fake tensors do not have)"
     return BadInput(f"cannot trace {name}: {type(error).__name__}: {message}")
-
-
-def unpack_build(built: Any, name: str) -> tuple[nn.Module, tuple[int, ...] | None]:
-    shape = None
-    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
-        built, shape = built
-    if not isinstance(built, nn.Module):
-        raise BadInput(f"cannot trace {name}: the builder returned {type(built).__name__}, not an nn.Module")
-    return built, shape
 
 
 def _check_shape(name: str, shape: Any) -> tuple[int, ...]:
@@ -212,23 +205,6 @@ def _skipped_init() -> Iterator[None]:
             setattr(nn.init, name, initialiser)
 
 
-def input_kind(
-    module: nn.Module, input_dtype: torch.dtype | None, vocab_size: int | None
-) -> tuple[torch.dtype, int | None, str | None]:
-    """The input's dtype and the vocabulary to draw ids from, as given or inferred; a note when inferred."""
-    first = next((m for m in module.modules() if next(m.parameters(recurse=False), None) is not None), None)
-    embedding = first if isinstance(first, nn.Embedding) else None
-    if input_dtype is None:
-        if embedding is None:
-            return torch.float32, vocab_size, None
-        input_dtype = torch.long
-        vocab_size = vocab_size or embedding.num_embeddings
-        return input_dtype, vocab_size, f"input: token ids below {vocab_size} (the model starts with an nn.Embedding)"
-    if vocab_size is None and embedding is not None:
-        vocab_size = embedding.num_embeddings
-    return input_dtype, vocab_size, None
-
-
 def _make_fake(module: nn.Module) -> None:
     """Replace parameters and buffers built outside the fake mode (real, on meta, on another device) by fake
     CPU tensors of the same shape, keeping tied parameters tied. Call under the fake mode."""
@@ -249,6 +225,9 @@ def _make_fake(module: nn.Module) -> None:
             for key, tensor in slots.items():
                 if tensor is not None:
                     slots[key] = fake_like(tensor)
+
+
+# --- the tracer -------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -278,12 +257,8 @@ def _slope(values: dict[Any, float], key: Callable[[int], Any]) -> float:
     return (values.get(key(large), 0.0) - values.get(key(small), 0.0)) / (large - small)
 
 
-def _tensor_leaves(*trees: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(trees) if isinstance(leaf, torch.Tensor)]
-
-
 def _first_tensor(*trees: Any) -> torch.Tensor | None:
-    leaves = _tensor_leaves(*trees)
+    leaves = tensor_leaves(*trees)
     return leaves[0] if leaves else None
 
 
@@ -322,199 +297,6 @@ def upper_envelope(lines: Iterable[tuple[float, float]], start: float = 1.0) -> 
         at, _, current = min((max(at, (c - c2) / (x2 - x)), -x2, (c2, x2)) for c2, x2 in steeper)
         envelope.append(current)
     return tuple(envelope)
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> dict[StorageWeakRef, int]:
-    """Bytes of each distinct storage behind ``tensors`` (views share one); layouts without one are left out."""
-    out = {}
-    for tensor in tensors:
-        with suppress(RuntimeError, NotImplementedError):
-            storage = tensor.untyped_storage()
-            out[StorageWeakRef(storage)] = storage.nbytes()
-    return out
-
-
-def lm_logits(output: Any, inputs: torch.Tensor | None, vocab_size: int | None) -> torch.Tensor | None:
-    """The output of a language model (token ids in) that holds a score per vocabulary entry for each input
-    token, if there is one."""
-    if inputs is None or not vocab_size or inputs.is_floating_point():
-        return None
-    for leaf in _tensor_leaves(output):
-        if (
-            leaf.is_floating_point()
-            and leaf.requires_grad
-            and leaf.shape[-1] == vocab_size
-            and leaf.shape[:-1] == inputs.shape
-        ):
-            return leaf
-    return None
-
-
-def training_loss(
-    output: Any, inputs: torch.Tensor | None = None, vocab_size: int | None = None
-) -> torch.Tensor | None:
-    """A scalar to call backward on. For a language model (token ids in, an output whose last dimension is
-    the vocabulary) the loss it trains with: cross-entropy on fp32-upcast logits, as Hugging Face models
-    compute it, so the memory that loss keeps is measured too. Otherwise the sum of every floating output
-    that needs a gradient."""
-    logits = lm_logits(output, inputs, vocab_size)
-    if logits is not None:
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), inputs.flatten())
-    parts = [
-        leaf.sum()
-        for leaf in tree_leaves(output)
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad
-    ]
-    return torch.stack([part.float() for part in parts]).sum() if parts else None
-
-
-def _flop_formulas() -> dict[Any, Any]:
-    """FLOP formulas PyTorch lacks: its CPU flash attention, which the fake run takes where a GPU takes another
-    fused kernel (the same arithmetic), and transformers' grouped matmul for mixture-of-experts layers."""
-    aten = torch.ops.aten
-    formulas = {}
-    for op, formula in (
-        ("_scaled_dot_product_flash_attention_for_cpu", "sdpa_flop"),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", "sdpa_backward_flop"),
-    ):
-        if hasattr(aten, op) and hasattr(flop_counter, formula):
-            formulas[getattr(aten, op)] = _as_raw(getattr(flop_counter, formula))
-    # transformers' grouped matmul of mixture-of-experts layers (see _traceable_experts), where it is registered
-    with suppress(AttributeError, RuntimeError):
-        formulas[torch.ops.transformers.grouped_mm_fallback] = _grouped_mm_flop
-        formulas[torch.ops.transformers.grouped_mm_fallback_backward] = _grouped_mm_backward_flop
-    return formulas
-
-
-def _grouped_mm_flop(input_shape: Any, weight_shape: Any, *_args: Any, **_kwargs: Any) -> int:
-    """Each of S rows times its expert's k x n matrix: 2 S k n (the experts' weights are E x k x n)."""
-    return 2 * input_shape[0] * input_shape[1] * weight_shape[2]
-
-
-def _grouped_mm_backward_flop(input_shape: Any, weight_shape: Any, *_args: Any, **_kwargs: Any) -> int:
-    """The input's gradient and the weights', each as many FLOPs as the forward."""
-    return 2 * _grouped_mm_flop(input_shape, weight_shape)
-
-
-@contextmanager
-def _traceable_experts() -> Iterator[None]:
-    """Hugging Face's mixture-of-experts layers multiply through ``grouped_mm``, whose fake kernel takes bf16
-    only (their eager alternative asks for data-dependent shapes): while tracing, they take transformers' own
-    fallback operator, the same arithmetic with a fake kernel of its own. Nothing changes for other models."""
-    moe = sys.modules.get("transformers.integrations.moe")  # imported by the model's own module, if any
-    if moe is None or not hasattr(moe, "_can_use_grouped_mm"):
-        yield
-        return
-    chooser = moe._can_use_grouped_mm
-    moe._can_use_grouped_mm = lambda *_args, **_kwargs: False
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = chooser
-
-
-def _as_raw(formula: Callable[..., int]) -> Callable[..., int]:
-    """PyTorch's registered formulas already turn tensors into shapes; mark them so they are not wrapped twice."""
-
-    def raw(*args: Any, **kwargs: Any) -> int:
-        return formula(*args, **kwargs)
-
-    raw._get_raw = True  # type: ignore[attr-defined]
-    return raw
-
-
-def _sdpa_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-    """F.scaled_dot_product_attention's signature, to read its arguments however they were passed."""
-    del enable_gqa  # the fused kernel's fake implementation takes fewer key/value heads as they come
-    return (query, key, value, dropout_p, is_causal), {"attn_mask": attn_mask, "scale": scale}
-
-
-class _FusedAttention(TorchFunctionMode):
-    """Run ``F.scaled_dot_product_attention`` as a fused kernel, as it runs on a GPU.
-
-    On a CPU, PyTorch takes its math fallback whenever dropout is on, and that fallback upcasts 16-bit inputs to
-    fp32 and saves the s x s attention probabilities and dropout mask for the backward pass: activations a GPU
-    never holds (its flash and memory-efficient kernels keep the output and a log-sum-exp). Sending the call to
-    the CPU flash kernel, whose fake implementation needs no values, saves what a GPU saves; under autocast its
-    inputs are cast to 16 bits first, as CUDA's autocast does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0  # attention calls sent to the fused kernel
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        fused_args, fused_kwargs = _sdpa_arguments(*args, **kwargs)
-        query, key, value = fused_args[:3]
-        if any(t.dim() != 4 for t in (query, key, value)):
-            return func(*args, **kwargs)
-        self.calls += 1
-        if torch.is_autocast_enabled("cpu"):
-            dtype = torch.get_autocast_dtype("cpu")
-            fused_args = (query.to(dtype), key.to(dtype), value.to(dtype), *fused_args[3:])
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*fused_args, **fused_kwargs)[0]
-
-
-def _fused_attention() -> Any:
-    """The mode above where this PyTorch has the fused CPU kernel; otherwise nothing changes."""
-    fused = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-    return _FusedAttention() if fused else nullcontext()
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the storages the operators it sees create, for as long as they live (a weak reference says when
-    one goes, as PyTorch's MemTracker counts), and what was live after each operator since the last ``take``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.history: list[int] = [0]
-        self._refs: dict[StorageWeakRef, weakref.ref] = {}
-        self.converted: set[StorageWeakRef] = set()  # storages an operator copied into another dtype (autocast's)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = _storage_bytes(_tensor_leaves(args, kwargs))  # a view or an in-place result allocates nothing
-        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype != args[0].dtype:
-            self.converted.update(inputs)
-        for leaf in _tensor_leaves(out):
-            with suppress(RuntimeError, NotImplementedError):  # storage-less layouts
-                storage = leaf.untyped_storage()
-                key = StorageWeakRef(storage)
-                if key not in inputs and key not in self._refs:
-                    self._track(key, storage)
-        self.history.append(self.live)
-        return out
-
-    def _track(self, key: StorageWeakRef, storage: torch.UntypedStorage) -> None:
-        nbytes = storage.nbytes()
-        self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes))
-        self.live += nbytes
-
-    def _freed(self, key: StorageWeakRef, nbytes: int, _ref: weakref.ref) -> None:
-        if self._refs.pop(key, None) is not None:
-            self.live -= nbytes
-
-    def holds(self, key: StorageWeakRef) -> bool:
-        """Whether the storage was made while this mode watched and still lives."""
-        return key in self._refs
-
-    def take(self) -> list[int]:
-        """What was live after each operator since the last take, and now; the next take starts from now."""
-        history, self.history = [*self.history, self.live], [self.live]
-        return history
 
 
 class _Tracer:
@@ -561,7 +343,7 @@ class _Tracer:
         self.block_depth = 0  # > 0 while a block runs (a block that calls another stays one segment)
         self.first_segment: dict[int, int] = {}  # id(module) -> segment running when it was first called
         self.between_blocks = False  # some FLOPs ran outside the blocks after the first one began
-        self.attention = _fused_attention()  # one instance, entered for every pass
+        self.attention = fused_attention()  # one instance, entered for every pass
         self.cast_storages: set[StorageWeakRef] = set()  # what autocast copied into 16 bits, over the 16-bit runs
 
     # -- measuring
@@ -598,11 +380,11 @@ class _Tracer:
         self.current, self.block_depth, self.flops_mark = 0, 0, 0.0
         self.saved: set[StorageWeakRef] = set()
         self.keep_alive: list[Any] = []  # saved storages stay alive so that no other can reuse their address
-        self.memory = _LiveBytes()
+        self.memory = LiveBytes()
         self.window: tuple[int, int] | None = None  # the block whose backward runs, and its base
         # bytes saved for backward in this run that live counts too; those saved before the running segment
         self.saved_total = self.saved_before = 0
-        formulas = _flop_formulas()
+        formulas = flop_formulas()
         self.counter = flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) if count_flops else None
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "16bit" else nullcontext()
         with (
@@ -622,10 +404,10 @@ class _Tracer:
             # a training loop holds the model's output through the backward (``out = model(x)``, Hugging Face's
             # output object with its logits): memory of the step even where autograd saves none of it, and
             # memory no layer's backward frees
-            leaves = _tensor_leaves(output)
+            leaves = tensor_leaves(output)
             for leaf in leaves:
                 self._pack(leaf)
-            held = _storage_bytes(leaves)
+            held = storage_bytes(leaves)
             self.segments[self.current].held_bytes[(batch, precision)] = float(
                 sum(nbytes for ref, nbytes in held.items() if ref not in self.state_storages)
             )
@@ -829,90 +611,3 @@ class _Tracer:
                 )
             )
         return tuple(profiles)
-
-
-# --- one training step under MemTracker -------------------------------------------------------------------
-
-_CATEGORY_NAMES = {
-    "Parameter": "params",
-    "Buffer": "buffers",
-    "Gradient": "grads",
-    "Optstate": "optimizer_states",
-    "Activation": "activations",
-    "Temp": "temporary",
-    "Other": "other",
-    "Total": "total",
-}
-
-
-def _training_step_peak(tracer: _Tracer) -> tuple[dict[str, int] | None, str]:
-    """Peak memory of one training step (forward, backward, Adam step; fp32, micro-batch 1) by category, from
-    ``torch.distributed._tools.mem_tracker.MemTracker``. A private API: anything wrong with it gives None."""
-    fallback = "the analytic memory model stands alone"
-    try:
-        tracker_class = _peak_only_mem_tracker()
-    except Exception as error:  # ImportError, AttributeError: the private API moved
-        return None, f"MemTracker unavailable ({type(error).__name__}: {error}); {fallback}"
-    module = tracer.module
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    if not trainable:
-        return None, f"no trainable parameters, so no training step to measure; {fallback}"
-    x = tracer.make_input(1)
-
-    def step() -> None:
-        with tracer.attention:
-            loss = training_loss(module(x), x, tracer.vocab_size)
-        if loss is None:
-            raise RuntimeError("no output needs a gradient")
-        loss.backward()
-        del loss  # the graph is gone by now; the output would otherwise stay alive through the optimizer step
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    try:
-        # foreach is Adam's default on GPUs. A step outside the tracker (on the gradients the FLOP count left, if
-        # any) creates its states, so the tracked step is a steady-state one: states present, gradients not yet.
-        optimizer = torch.optim.Adam(trainable, fused=True)
-        if all(p.grad is not None for p in trainable):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            step()
-        tracker = tracker_class()
-        tracker.track_external(module, optimizer, x)
-        with tracker:
-            step()
-        snapshot = tracker.get_tracker_snapshot("peak")
-    except Exception as error:
-        return None, f"MemTracker failed on this model ({type(error).__name__}: {error}); {fallback}"
-    finally:
-        for p in trainable:
-            p.grad = None
-    peak: dict[str, int] = {}
-    for per_device in snapshot.values():
-        for category, nbytes in per_device.items():
-            key = getattr(category, "value", category)
-            key = _CATEGORY_NAMES.get(key, str(key).lower())
-            peak[key] = peak.get(key, 0) + int(nbytes)
-    total = peak.get("total", 0)
-    return peak, f"MemTracker: one Adam step (fp32, micro-batch 1) peaks at {total / 2**30:.2f} GiB"
-
-
-def _peak_only_mem_tracker() -> type:
-    """MemTracker keeping only the global peak. Its stock peak update walks every module's statistics on every
-    operator (quadratic: a 7B model's step takes half a minute); the global peak is all we read."""
-    from torch.distributed._tools import mem_tracker
-
-    total_key = mem_tracker._TOTAL_KEY
-    base = mem_tracker.MemTracker
-    for attribute in ("_update_peak_stats", "get_tracker_snapshot", "track_external"):
-        getattr(base, attribute)
-
-    class PeakOnlyMemTracker(base):  # type: ignore[misc, valid-type]
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for device, current in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < current[total_key]:
-                    self._peak_mem[device] = current[total_key]
-                    self._peak_mem_snap[device] = dict(current)
-
-    return PeakOnlyMemTracker
