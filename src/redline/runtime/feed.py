@@ -90,8 +90,8 @@ class Feed:
             world=world,
             rank=rank,
             per_rank_batch=config.per_rank_batch,
-            seed=config.seed,
-            shard_stream=config.shard_stream,
+            seed=config.data.seed,
+            shard_stream=config.data.shard_stream,
             overrides=self._loader_settings(loader),
         )
         sampler = self.loader.batch_sampler
@@ -105,7 +105,7 @@ class Feed:
             )
 
     def _loader_settings(self, loader: DataLoader) -> dict[str, Any]:
-        config = self.config
+        config = self.config.data
         workers = config.num_workers if config.num_workers is not None else loader.num_workers
         return {
             "num_workers": config.num_workers,
@@ -134,13 +134,13 @@ class Feed:
         """The epoch's batches from ``batches_done`` on: a resumed run does not load again what its checkpoint
         trained on (the order is the same; with DataLoader workers, per-worker random augmentations draw
         differently from an uninterrupted run)."""
-        set_position(self.loader, epoch=epoch, batches_done=batches_done, seed=self.config.seed, rank=self.rank)
+        set_position(self.loader, epoch=epoch, batches_done=batches_done, seed=self.config.data.seed, rank=self.rank)
         self._check_ranks_drew_alike()
         return iter(self.loader)
 
     def next(self, batches: Iterator[Any]) -> Any:
         """The next batch, None at the end (see ``data.next_batch``)."""
-        return next_batch(batches, self.loader, stall_s=self.config.loader_stall_s)
+        return next_batch(batches, self.loader, stall_s=self.config.data.loader_stall_s)
 
     def all_ranks_have(self, has_batch: bool) -> bool:
         """Whether every rank loaded a batch. A map-style dataset gives every rank as many (DistributedView);

@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch import nn
 
 from redline.errors import BadInput
-from redline.runtime.batch import to_device
-from redline.runtime.config import RunConfig, default_config, from_plan_file
+from redline.runtime.batch import to_device, tokens_per_sample
+from redline.runtime.config import RunConfig, default_config, from_plan_file, runtime_from_env
 from redline.runtime.distributed import agree, init_distributed
 from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
 from redline.runtime.oom import (
@@ -96,8 +96,9 @@ def prepare(
     **overrides: Any,
 ) -> Run:
     """Apply ``plan`` (a plan file, a RunConfig, ``$REDLINE_PLAN``, or defaults for this machine) and
-    return the ``Run`` whose ``model``, ``optimizer`` and ``micro_batches()`` the loop uses. ``overrides``
-    set RunConfig fields (``checkpoint_dir=...``, ``metrics_path=...``)."""
+    return the ``Run`` whose ``model``, ``optimizer`` and ``micro_batches()`` the loop uses. ``overrides`` are
+    settings by keyword (``checkpoint_dir=...``, ``metrics_path=...``: ``config.SETTINGS``; None leaves one as
+    the plan has it); ``redline run``'s options win over them."""
     return Run(model, optimizer, data, plan=plan, scheduler=scheduler, **overrides)
 
 
@@ -126,7 +127,7 @@ class Run:
         self._check_precision()
         self.micro_batch = strategy.micro_batch
         self.accumulation = strategy.accumulation
-        apply_numerics(self.config, self.device)
+        apply_numerics(self.config.numerics, self.device)
         self._check_plan_matches(model)
         self.model = self._wrap(model.to(self.device))
         self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=strategy.sharding)
@@ -143,18 +144,18 @@ class Run:
             device=self.device,
             world_size=self.world_size,
             rank=self.rank,
-            flops_per_sample=self.config.training_flops_per_sample,
-            tokens_per_sample=self.config.tokens_per_sample,
+            flops_per_sample=self.config.plan.training_flops_per_sample,
+            tokens_per_sample=self.config.plan.tokens_per_sample or 1,
             peak_flops_catalog=catalog,
             peak_flops_measured=measured,
-            path=self.config.metrics_path,
-            interval_s=self.config.metrics_interval_s,
+            path=self.config.metrics.path,
+            interval_s=self.config.metrics.interval_s,
         )
         self.checkpointer = None
-        if self.config.checkpoint_dir:
+        if self.config.checkpoint.dir:
             from redline.runtime.checkpoint import Checkpointer
 
-            self.checkpointer = Checkpointer(self.config.checkpoint_dir)
+            self.checkpointer = Checkpointer(self.config.checkpoint.dir)
 
         self.step = 0  # optimizer steps done
         self.attempt = 0  # starts of this run on its checkpoint directory before this one
@@ -178,15 +179,18 @@ class Run:
     # ----------------------------------------------------------------------------------- configuration
 
     def _resolve_config(self, plan: Any, data: torch.utils.data.DataLoader, overrides: dict) -> RunConfig:
+        """The plan (a RunConfig, a plan file, ``$REDLINE_PLAN``, or defaults for this machine), then
+        ``prepare()``'s keywords, then ``redline run``'s options over both."""
         if isinstance(plan, RunConfig):
-            return plan.replace(**overrides) if overrides else plan
-        path = plan if plan is not None else os.environ.get("REDLINE_PLAN")
-        if path:
-            return from_plan_file(path, **overrides)
-        batch = global_batch_without_plan(data, world=self.world_size, rank=self.rank)
-        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        config = default_config(self.world_size, batch // self.world_size, cuda=torch.cuda.is_available(), bf16=bf16)
-        return config.replace(**overrides) if overrides else config
+            config = plan
+        elif path := plan if plan is not None else os.environ.get("REDLINE_PLAN"):
+            config = from_plan_file(path)
+        else:
+            batch = global_batch_without_plan(data, world=self.world_size, rank=self.rank)
+            bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+            cuda = torch.cuda.is_available()
+            config = default_config(self.world_size, batch // self.world_size, cuda=cuda, bf16=bf16)
+        return config.with_settings(overrides).with_settings(runtime_from_env())
 
     def _check_precision(self) -> None:
         if self.device.type == "cuda" and self.precision == "bf16" and not torch.cuda.is_bf16_supported():
@@ -199,18 +203,18 @@ class Run:
         predictions do not hold here: said once."""
         if self.rank != 0:
             return
-        planned, here = self.config.planned_device, _device_name(self.device)
+        planned, here = self.config.plan.device, _device_name(self.device)
         if planned and _device_kind(planned) != _device_kind(here):
             log.warning(
                 "the plan was made for %s and runs on %s: its memory and time predictions do not apply", planned, here
             )
-        if self.config.planned_params:
+        if self.config.plan.params:
             count = sum(p.numel() for p in model.parameters())
-            if abs(count - self.config.planned_params) > 0.05 * self.config.planned_params:
+            if abs(count - self.config.plan.params) > 0.05 * self.config.plan.params:
                 log.warning(
                     "the model has %s parameters and the plan was made for %s: is it the planned model?",
                     f"{count:,}",
-                    f"{self.config.planned_params:,}",
+                    f"{self.config.plan.params:,}",
                 )
 
     # ------------------------------------------------------------------------------------------ wrapping
@@ -220,18 +224,22 @@ class Run:
         without_kv_cache(model)
         if self.world_size > 1:
             self._batchnorm_synced = apply_sync_batchnorm(
-                model, enabled=self.config.sync_batchnorm, device=self.device, rank=self.rank
+                model, enabled=self.config.ddp.sync_batchnorm, device=self.device, rank=self.rank
             )
         blocks = [block for _, block in find_blocks(model)]
         strategy = self.config.strategy
         apply_activation_checkpointing(blocks, strategy.checkpointing)
-        if self.config.compile:
+        if self.config.numerics.compile:
             apply_compile(model, blocks)
         if self.world_size == 1:
             return model
         if strategy.sharding in ("ddp", "zero1"):
             return apply_ddp(
-                model, self.config, device=self.device, local_rank=self.local_rank, on_bucket_ready=self._bucket_ready
+                model,
+                self.config.ddp,
+                device=self.device,
+                local_rank=self.local_rank,
+                on_bucket_ready=self._bucket_ready,
             )
         return apply_fsdp(model, blocks, strategy, device=self.device, world=self.world_size)
 
@@ -276,7 +284,7 @@ class Run:
             log.warning(
                 "nothing to train: the checkpoint in %s is at step %d, after epoch %d of %d (raise epochs to go on, "
                 "or give another checkpoint_dir to start again)",
-                self.config.checkpoint_dir,
+                self.config.checkpoint.dir,
                 self.step,
                 self.epoch,
                 epochs,
@@ -306,12 +314,14 @@ class Run:
                 batch = self.feed.next(batches)
             if not self.feed.all_ranks_have(batch is not None):
                 return
+            if self.config.plan.tokens_per_sample is None:  # no plan says: the batches do
+                self.metrics.tokens_per_sample = tokens_per_sample(batch)
             self._stepped = False  # set by this batch's optimizer step
             yield from self._batch(to_device(batch, self.device))
             self.batch_in_epoch += 1
             if self._stop_agreed:  # a SIGTERM or SIGINT reached some rank: checkpoint here and leave
                 self._stop_at_boundary()
-            if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+            if self.config.checkpoint.every and self.step % self.config.checkpoint.every == 0:
                 self.save_checkpoint()
 
     def _batch(self, batch: Any) -> Iterator[Any]:
@@ -394,9 +404,9 @@ class Run:
         shared, pending = self._share_step()
         with self.metrics.optimizer():
             skipped = False
-            if self.config.grad_clip_norm is not None:
+            if self.config.numerics.grad_clip_norm is not None:
                 self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.numerics.grad_clip_norm)
             scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -575,8 +585,8 @@ class Run:
             self.save_checkpoint()
         if checkpoint and self.checkpointer is not None and self.rank == 0:
             self.checkpointer.clear_micro_batch()  # it was for the restarts of this run, not for later ones
-        self.summary = self.metrics.summary(self.config.predicted)
-        self.metrics.close(self.config.predicted)
+        self.summary = self.metrics.summary(self.config.plan.predicted)
+        self.metrics.close(self.config.plan.predicted)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
