@@ -36,6 +36,7 @@ class Constraints:
     tensor: int | None = None
     pipeline: int | None = None
     micro_batch: int | None = None
+    accumulation: int | None = None
     checkpointing: str | None = None
 
 
@@ -138,6 +139,15 @@ def candidates(
                     excluded[f"--micro-batch {constraints.micro_batch} does not divide the per-rank batch"] += 1
                     continue
                 micro_batches = [constraints.micro_batch]
+            if constraints.accumulation is not None:
+                if per_rank % constraints.accumulation:
+                    excluded[f"--accumulation {constraints.accumulation} does not divide the per-rank batch"] += 1
+                    continue
+                micro = per_rank // constraints.accumulation
+                if constraints.micro_batch not in (None, micro):
+                    excluded["--micro-batch x --accumulation is not the per-rank batch"] += 1
+                    continue
+                micro_batches = [micro]
             for sharding in shardings:
                 for b in micro_batches:
                     for ckpt in ("none", "full") if blocks else ("none",):
