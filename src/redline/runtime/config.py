@@ -137,11 +137,17 @@ class RunConfig:
     strategy: Strategy = field(default_factory=Strategy)
     """How the step is laid out: the plan file's ``strategy`` section."""
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    """TF32, cudnn, compile, clipping (``apply_numerics``, ``apply_compile``, the optimizer step)."""
     ddp: DdpConfig = field(default_factory=DdpConfig)
+    """DistributedDataParallel and BatchNorm over the ranks (``apply_ddp``, ``apply_sync_batchnorm``)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The user's DataLoader over the ranks (``feed.py``, ``data.py``)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where and how often to checkpoint (``checkpoint.py``)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Step metrics (``metrics.py``)."""
     plan: PlanFacts = field(default_factory=PlanFacts)
+    """What the planner worked out; empty without a plan file."""
 
     def __post_init__(self) -> None:
         check_runnable(self.strategy)
