@@ -2,6 +2,7 @@
 
     python examples/train_cnn.py
     redline run --nproc-per-node 2 examples/train_cnn.py
+    redline monitor                                    # meanwhile: the GPUs, the host, its steps
 
 The lines marked `# redline` are all that differs from the same loop without redline.
 """
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import redline  # redline
+from redline.monitor.steps import DEFAULT_STEPS  # redline
 
 
 class ConvBlock(nn.Module):
@@ -61,7 +63,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = torch.utils.data.DataLoader(synthetic_images(2048), batch_size=args.batch, shuffle=True)
 
-    run = redline.prepare(model, optimizer, loader, checkpoint_dir=args.checkpoint_dir)  # redline
+    # redline: step metrics where `redline monitor` looks for them (`redline run --metrics` puts them elsewhere)
+    run = redline.prepare(model, optimizer, loader, checkpoint_dir=args.checkpoint_dir, metrics_path=DEFAULT_STEPS)
     for images, labels in run.micro_batches(epochs=args.epochs):  # redline: was `for ... in loader`
         with run.accumulate():  # redline
             loss = F.cross_entropy(run.model(images), labels)

@@ -4,6 +4,7 @@
     redline plan --params 20M --hardware local -o plan.yaml       # or plan it first ...
     redline run --plan plan.yaml examples/train_gpt.py            # ... and run the plan
     redline run --nproc-per-node 2 examples/train_gpt.py --epochs 1
+    redline monitor                                               # meanwhile: the GPUs, the host, its steps
 
 The lines marked `# redline` are all that differs from the same loop without redline.
 """
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import redline  # redline
+from redline.monitor.steps import DEFAULT_STEPS  # redline
 
 
 class Block(nn.Module):
@@ -70,7 +72,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = torch.utils.data.DataLoader(synthetic_tokens(2048, 64, 512), batch_size=args.batch, shuffle=True)
 
-    run = redline.prepare(model, optimizer, loader, checkpoint_dir=args.checkpoint_dir)  # redline
+    # redline: step metrics where `redline monitor` looks for them (`redline run --metrics` puts them elsewhere)
+    run = redline.prepare(model, optimizer, loader, checkpoint_dir=args.checkpoint_dir, metrics_path=DEFAULT_STEPS)
     for tokens, targets in run.micro_batches(epochs=args.epochs):  # redline: was `for ... in loader`
         with run.accumulate():  # redline
             logits = run.model(tokens)

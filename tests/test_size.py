@@ -12,10 +12,6 @@ SRC = Path(redline.__file__).parent
 MAX_FILE_LINES = 800
 MAX_FUNCTION_LINES = 80
 
-# #15: being split
-ALLOWED_FILES = {"runtime/prepare.py"}
-ALLOWED_FUNCTIONS = {("runtime/checkpoint.py", "Checkpointer.save"), ("cli/plan.py", "plan")}
-
 
 def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """Every function and method, nested ones too, by qualified name (``Class.method``, ``outer.inner``)."""
@@ -55,24 +51,15 @@ def long_functions() -> dict[tuple[str, str], int]:
 
 
 def test_no_module_is_over_800_lines() -> None:
-    offenders = {path: lines for path, lines in long_files().items() if path not in ALLOWED_FILES}
+    offenders = long_files()
     listed = ", ".join(f"{path} ({lines} lines)" for path, lines in offenders.items())
     assert not offenders, f"over {MAX_FILE_LINES} lines: {listed}; split it by concern"
 
 
 def test_no_function_is_over_80_lines() -> None:
-    offenders = {key: lines for key, lines in long_functions().items() if key not in ALLOWED_FUNCTIONS}
+    offenders = long_functions()
     listed = ", ".join(f"{path} {name} ({lines} lines)" for (path, name), lines in offenders.items())
     assert not offenders, f"over {MAX_FUNCTION_LINES} lines: {listed}; split it into named steps"
-
-
-def test_the_allow_lists_name_only_what_is_still_over() -> None:
-    """An entry whose module or function is now short comes off the list, so that it cannot grow back."""
-    short_files = ALLOWED_FILES - long_files().keys()
-    short_functions = ALLOWED_FUNCTIONS - long_functions().keys()
-    assert not short_files and not short_functions, (
-        f"within the limits now, remove from the allow-lists: {sorted(short_files)} {sorted(short_functions)}"
-    )
 
 
 def test_the_counts_are_of_def_to_the_end_of_the_body() -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from redline.plan.strategy import Strategy
-from redline.runtime.config import RunConfig
+from redline.runtime.config import NumericsConfig, RunConfig
 from redline.runtime.prepare import prepare
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +41,7 @@ def test_precision_policies_train(precision: str) -> None:
 
 
 def test_compile_trains_to_the_same_loss_scale() -> None:
-    plan = RunConfig(strategy=Strategy(precision="bf16", micro_batch=64), compile=True)
+    plan = RunConfig(strategy=Strategy(precision="bf16", micro_batch=64), numerics=NumericsConfig(compile=True))
     run = train(mlp(depth=2), plan, samples=64 * 6)
     assert run.step == 6
 

@@ -60,3 +60,18 @@ def test_not_yaml_or_missing(tmp_path: Path) -> None:
         load_plan(bad)
     with pytest.raises(BadInput, match="no such plan file"):
         load_plan(tmp_path / "missing.yaml")
+
+
+def test_the_runtime_section_round_trips_and_an_older_plan_without_it_loads(tmp_path: Path) -> None:
+    profile = preset_profile("gpt2")
+    cluster = parse_hardware("8xa100-sxm4-80gb")
+    goal = Goal(global_batch=64, tokens=1e9)
+    best = search(profile, cluster, goal).ranked[0]
+    path = tmp_path / "plan.yaml"
+    runtime = {"metrics": {"path": "m-{rank}.jsonl"}, "data": {"num_workers": 4}}
+    path.write_text(dump_plan(make_plan(profile, cluster, goal, best, runtime=runtime)))
+    assert load_plan(path).runtime == runtime
+    data = yaml.safe_load(path.read_text())
+    del data["runtime"]  # as redline wrote plans before the section existed
+    path.write_text(yaml.safe_dump(data))
+    assert load_plan(path).runtime == {}

@@ -12,7 +12,7 @@ from torch import nn
 
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
-from redline.runtime.config import RunConfig
+from redline.runtime.config import PlanFacts, RunConfig
 from redline.runtime.metrics import _mfu
 from redline.runtime.prepare import prepare
 
@@ -23,10 +23,11 @@ def data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(dataset, batch_size=4)
 
 
-def train(epochs: int, **overrides) -> None:
+def train(epochs: int, facts: PlanFacts | None = None, **overrides) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    plan = RunConfig(strategy=Strategy(micro_batch=4, precision="fp32"), **overrides)
+    plan = RunConfig(strategy=Strategy(micro_batch=4, precision="fp32"), plan=facts or PlanFacts())
+    plan = plan.with_settings(overrides)
     run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), plan=plan)
     for x, y in run.micro_batches(epochs=epochs):
         with run.accumulate():
@@ -59,7 +60,7 @@ def test_restarts_that_resume_from_one_checkpoint_have_their_own_attempts(tmp_pa
     def crash_at(step: int) -> None:
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
-        plan = RunConfig(strategy=Strategy(micro_batch=4, precision="fp32"), **settings)
+        plan = RunConfig(strategy=Strategy(micro_batch=4, precision="fp32")).with_settings(settings)
         run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data(), plan=plan)
         with pytest.raises(RuntimeError, match="crash"):
             for x, y in run.micro_batches():
@@ -96,8 +97,8 @@ def test_a_recorded_micro_batch_is_said_and_cleared_when_the_run_completes(tmp_p
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({"planned_device": "NVIDIA H100 SXM5 80GB"}, "made for NVIDIA H100 SXM5 80GB and runs on cpu"),
-        ({"planned_params": 1000}, "the model has 5 parameters and the plan was made for 1,000"),
+        ({"facts": PlanFacts(device="NVIDIA H100 SXM5 80GB")}, "made for NVIDIA H100 SXM5 80GB and runs on cpu"),
+        ({"facts": PlanFacts(params=1000)}, "the model has 5 parameters and the plan was made for 1,000"),
     ],
 )
 def test_a_plan_for_other_hardware_or_another_model_is_said(caplog, overrides: dict, expected: str) -> None:
@@ -108,7 +109,7 @@ def test_a_plan_for_other_hardware_or_another_model_is_said(caplog, overrides: d
 
 def test_a_plan_for_this_device_and_model_says_nothing(caplog) -> None:
     with caplog.at_level("WARNING", logger="redline.runtime"):
-        train(1, planned_device="cpu", planned_params=5)
+        train(1, facts=PlanFacts(device="cpu", params=5))
     assert "plan" not in caplog.text
 
 

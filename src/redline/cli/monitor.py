@@ -55,7 +55,10 @@ def monitor(
         None, "--listen", help=f"Serve the metrics on this address instead of 127.0.0.1: {params.LISTEN_HELP}."
     ),
     steps: list[str] = typer.Option(
-        [], "--steps", help="The training run's metrics JSON lines (a path or glob, '{rank}' allowed); repeatable."
+        [],
+        "--steps",
+        help="The training run's metrics JSON lines (a path or glob, '{rank}' allowed); repeatable. "
+        "Default: redline-steps/rank-{rank}.jsonl, where the examples write, when it is there.",
     ),
     gpus: str | None = typer.Option(None, "--gpus", help="GPU indices to watch, e.g. 0,1 (default: all)."),
     job_pids: list[int] = typer.Option([], "--job-pid", help="A process of the job; others are 'foreign'."),
@@ -82,6 +85,9 @@ def monitor(
         listen = params.listen_address("--listen", listen)
 
     from redline.monitor.sampler import Sampler
+    from redline.monitor.steps import default_steps
+
+    steps = steps or default_steps()
 
     with contextlib.ExitStack() as stack:
         store = _open_record(record, retention_s, stack)

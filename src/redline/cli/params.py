@@ -1,8 +1,16 @@
-"""Option values that several commands take, parsed one way: where to listen, which port."""
+"""Option values that several commands take, parsed one way: where to listen, which port, the runtime's
+settings (``redline run`` and ``redline plan``)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import ipaddress
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import typer
 
 from redline.errors import BadInput
 
@@ -33,3 +41,43 @@ def tcp_port(option: str, value: int, *, allow_zero: bool = False) -> int:
     if not low <= value <= 65535:
         raise BadInput(f"{option} {value} is not a TCP port ({low}-65535)")
     return value
+
+
+def with_runtime_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` taking, besides its own options, one per runtime setting that has a flag
+    (``runtime.config.SETTINGS``: the one table ``redline run`` and ``redline plan`` share). The command's own
+    ``runtime`` parameter receives the settings given, as {keyword: value}; an option left out is not there."""
+    from redline.runtime.config import SETTINGS
+
+    flagged = [s for s in SETTINGS if s.flag is not None]
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "runtime"]
+    added = [
+        inspect.Parameter(
+            s.keyword,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=typer.Option(None, _declaration(s), help=s.help, show_default=False),
+            annotation=_optional(s.type),
+        )
+        for s in flagged
+    ]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        given = {s.keyword: kwargs.pop(s.keyword) for s in flagged}
+        return command(**kwargs, runtime={k: v for k, v in given.items() if v is not None})
+
+    wrapper.__signature__ = inspect.Signature([*own, *added])  # what typer reads the options from
+    wrapper.__annotations__ = {p.name: p.annotation for p in (*own, *added)}
+    return wrapper
+
+
+def _declaration(setting: Any) -> str:
+    """A boolean setting is a pair of switches (``--compile/--no-compile``); the rest take a value."""
+    if setting.type is bool:
+        return f"{setting.flag}/--no-{setting.flag[2:]}"
+    return setting.flag
+
+
+def _optional(kind: Any) -> Any:
+    """The option's type: the setting's, None allowed (an option not given)."""
+    return kind if type(None) in typing.get_args(kind) else kind | None

@@ -9,82 +9,158 @@ runtime reads. `--cloud` ranks cloud instances and node counts by cost and by ti
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich import box
 from rich.table import Table
 
-from redline.cli import ui
+from redline.cli import params, ui
 from redline.errors import BadInput
 from redline.report.output import write_output
 from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count, parse_duration
 
-
-def plan(
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        "-m",
-        help="A preset (see --list-models), a Hugging Face config.json, or package.module:factory.",
+# the options, one line each in plan()'s signature
+Model = Annotated[
+    str | None,
+    typer.Option(
+        "--model", "-m", help="A preset (see --list-models), a Hugging Face config.json, or package.module:factory."
     ),
-    params: str | None = typer.Option(
-        None, "--params", help="Only a parameter count (7e9, 7B): a GPT shape is assumed."
-    ),
-    hardware: str = typer.Option(
-        "local", "--hardware", help="COUNTxGPU (8xh100-sxm), a cloud instance (p5.48xlarge), or local (this machine)."
-    ),
-    nodes: int = typer.Option(1, "--nodes", help="Identical nodes."),
-    network_gbps: float | None = typer.Option(None, "--network-gbps", help="Inter-node bandwidth per node, Gbit/s."),
-    global_batch: int | None = typer.Option(None, "--global-batch", help="Samples per optimizer step."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Training sequence length (language models)."),
-    input_shape: str | None = typer.Option(
-        None, "--input-shape", help="Per-sample input of a factory model: 3,224,224."
-    ),
-    tokens: str | None = typer.Option(None, "--tokens", help="Train on this many tokens (300B, 1e12)."),
-    epochs: float | None = typer.Option(None, "--epochs", help="... or this many epochs of --dataset-size samples."),
-    dataset_size: str | None = typer.Option(None, "--dataset-size", help="Samples in the dataset (1.28M)."),
-    precision: str | None = typer.Option(
-        None, "--precision", help="fp32 | bf16 | fp16 | fp8 (default: bf16 if the GPU has it)."
-    ),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | adam | sgd | adafactor | adam8bit."),
-    sharding: str | None = typer.Option(
-        None, "--sharding", help="Fix the sharding: ddp | zero1 | zero2 | fsdp | hsdp."
-    ),
-    tensor: int | None = typer.Option(None, "--tp", help="Fix the tensor-parallel degree."),
-    pipeline: int | None = typer.Option(None, "--pp", help="Fix the pipeline-parallel degree."),
-    micro_batch: int | None = typer.Option(None, "--micro-batch", help="Fix the micro-batch."),
-    checkpointing: str | None = typer.Option(
-        None, "--checkpointing", help="Fix activation checkpointing: none | full."
-    ),
-    top: int = typer.Option(5, "--top", help="How many strategies (or cloud options) to show."),
-    rank_by: str = typer.Option("time", "--rank", help="time | cost."),
-    cloud: bool = typer.Option(False, "--cloud", help="Rank cloud instances and node counts instead of one machine."),
-    max_nodes: int = typer.Option(8, "--max-nodes", help="With --cloud: try 1, 2, 4 ... up to this many nodes."),
-    provider: list[str] = typer.Option([], "--provider", help="With --cloud: only these providers (repeatable)."),
-    deadline: str | None = typer.Option(None, "--deadline", help="With --cloud: must finish within (36h, 7d)."),
-    calibrate: bool = typer.Option(
-        False, "--calibrate", help="With --hardware local: time real steps of the model here and correct the plan."
-    ),
-    calibrate_micro_batch: int | None = typer.Option(
-        None,
+]
+Params = Annotated[
+    str | None, typer.Option("--params", help="Only a parameter count (7e9, 7B): a GPT shape is assumed.")
+]
+Hardware = Annotated[
+    str,
+    typer.Option("--hardware", help="COUNTxGPU (8xh100-sxm), a cloud instance (p5.48xlarge), or local (this machine)."),
+]
+Nodes = Annotated[int, typer.Option("--nodes", help="Identical nodes.")]
+NetworkGbps = Annotated[float | None, typer.Option("--network-gbps", help="Inter-node bandwidth per node, Gbit/s.")]
+GlobalBatch = Annotated[int | None, typer.Option("--global-batch", help="Samples per optimizer step.")]
+SeqLen = Annotated[int | None, typer.Option("--seq-len", help="Training sequence length (language models).")]
+InputShape = Annotated[
+    str | None, typer.Option("--input-shape", help="Per-sample input of a factory model: 3,224,224.")
+]
+Tokens = Annotated[str | None, typer.Option("--tokens", help="Train on this many tokens (300B, 1e12).")]
+Epochs = Annotated[float | None, typer.Option("--epochs", help="... or this many epochs of --dataset-size samples.")]
+DatasetSize = Annotated[str | None, typer.Option("--dataset-size", help="Samples in the dataset (1.28M).")]
+Precision = Annotated[
+    str | None, typer.Option("--precision", help="fp32 | bf16 | fp16 | fp8 (default: bf16 if the GPU has it).")
+]
+Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw | adam | sgd | adafactor | adam8bit.")]
+Sharding = Annotated[
+    str | None, typer.Option("--sharding", help="Fix the sharding: ddp | zero1 | zero2 | fsdp | hsdp.")
+]
+Tensor = Annotated[int | None, typer.Option("--tp", help="Fix the tensor-parallel degree.")]
+Pipeline = Annotated[int | None, typer.Option("--pp", help="Fix the pipeline-parallel degree.")]
+MicroBatch = Annotated[int | None, typer.Option("--micro-batch", help="Fix the micro-batch.")]
+Checkpointing = Annotated[
+    str | None, typer.Option("--checkpointing", help="Fix activation checkpointing: none | full.")
+]
+Top = Annotated[int, typer.Option("--top", help="How many strategies (or cloud options) to show.")]
+RankBy = Annotated[str, typer.Option("--rank", help="time | cost.")]
+Cloud = Annotated[bool, typer.Option("--cloud", help="Rank cloud instances and node counts instead of one machine.")]
+MaxNodes = Annotated[int, typer.Option("--max-nodes", help="With --cloud: try 1, 2, 4 ... up to this many nodes.")]
+Provider = Annotated[list[str], typer.Option("--provider", help="With --cloud: only these providers (repeatable).")]
+Deadline = Annotated[str | None, typer.Option("--deadline", help="With --cloud: must finish within (36h, 7d).")]
+Calibrate = Annotated[
+    bool,
+    typer.Option("--calibrate", help="With --hardware local: time real steps of the model here and correct the plan."),
+]
+CalibrateMicroBatch = Annotated[
+    int | None,
+    typer.Option(
         "--calibrate-micro-batch",
         help="With --calibrate: measure at this micro-batch, half of it and 1 (default: the uncalibrated plan's).",
     ),
-    list_models: bool = typer.Option(False, "--list-models", help="List the built-in model presets and exit."),
-    json_output: bool = typer.Option(False, "--json", help="Print the whole result as JSON."),
-    output: Path | None = typer.Option(
-        None, "--output", "-o", help="Write the best plan as YAML (the runtime's input)."
-    ),
+]
+ListModels = Annotated[bool, typer.Option("--list-models", help="List the built-in model presets and exit.")]
+JsonOutput = Annotated[bool, typer.Option("--json", help="Print the whole result as JSON.")]
+Output = Annotated[
+    Path | None, typer.Option("--output", "-o", help="Write the best plan as YAML (the runtime's input).")
+]
+
+
+@params.with_runtime_options
+def plan(
+    model: Model = None,
+    params: Params = None,
+    hardware: Hardware = "local",
+    nodes: Nodes = 1,
+    network_gbps: NetworkGbps = None,
+    global_batch: GlobalBatch = None,
+    seq_len: SeqLen = None,
+    input_shape: InputShape = None,
+    tokens: Tokens = None,
+    epochs: Epochs = None,
+    dataset_size: DatasetSize = None,
+    precision: Precision = None,
+    optimizer: Optimizer = "adamw",
+    sharding: Sharding = None,
+    tensor: Tensor = None,
+    pipeline: Pipeline = None,
+    micro_batch: MicroBatch = None,
+    checkpointing: Checkpointing = None,
+    top: Top = 5,
+    rank_by: RankBy = "time",
+    cloud: Cloud = False,
+    max_nodes: MaxNodes = 8,
+    provider: Provider = [],  # noqa: B006 (typer's default: never mutated)
+    deadline: Deadline = None,
+    calibrate: Calibrate = False,
+    calibrate_micro_batch: CalibrateMicroBatch = None,
+    list_models: ListModels = False,
+    json_output: JsonOutput = False,
+    output: Output = None,
+    runtime: dict | None = None,  # the runtime options given (params.with_runtime_options)
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
     from redline.plan.estimate import Goal
-    from redline.plan.hardware import MAX_NODES
     from redline.workload.load import load_workload
     from redline.workload.presets import PRESET_NAMES
 
     if list_models:
         _list_models(PRESET_NAMES, json_output)
         return
+    _check_ranking(top, max_nodes, rank_by)
+    runtime = dict(runtime or {})
+    accumulation = runtime.pop("accumulation", None)
+    profile = load_workload(model, params=_count("--params", params), seq_len=seq_len, input_shape=_shape(input_shape))
+    constraints = _constraints(
+        precision, optimizer, sharding, tensor, pipeline, micro_batch, accumulation, checkpointing
+    )
+    tokens_total, samples = _amount(profile, tokens, epochs, dataset_size, seq_len)
+    if global_batch is not None and global_batch < 1:
+        raise BadInput(f"--global-batch must be at least 1, not {global_batch}")
+    _check_cloud_options(cloud, hardware, nodes, network_gbps, deadline, provider, max_nodes, runtime)
+    if cloud:
+        goal = (global_batch, tokens_total, samples)
+        _cloud(profile, constraints, *goal, rank_by, top, max_nodes, provider, deadline, json_output)
+        return
+    cluster = _cluster(hardware, nodes, network_gbps)
+    if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
+        raise BadInput(f"{cluster.name} has no price: rank by time, or plan for a cloud instance (or --cloud)")
+    if calibrate_micro_batch is not None and not calibrate:
+        raise BadInput("--calibrate-micro-batch goes with --calibrate")
+    if calibrate:
+        _check_calibration(model, cluster, calibrate_micro_batch)
+    from redline.plan.search import default_global_batch
+
+    batch = global_batch if global_batch is not None else default_global_batch(profile, cluster.gpus)
+    goal = Goal(batch, tokens=tokens_total, samples=samples)
+    calibration = (model, calibrate_micro_batch) if calibrate else None
+    profile, result = _search(profile, cluster, goal, constraints, calibration)
+    notes = [*profile.notes, *cluster.notes]
+    if global_batch is None:
+        notes.append(
+            f"global batch {batch} is a default (about 0.5M tokens or 256 images per step); set --global-batch"
+        )
+    _write(profile, cluster, goal, result, notes, _runtime_section(runtime), output, json_output, top)
+
+
+def _check_ranking(top: int, max_nodes: int, rank_by: str) -> None:
+    from redline.plan.hardware import MAX_NODES
+
     for name, value in (("--top", top), ("--max-nodes", max_nodes)):
         if value < 1:
             raise BadInput(f"{name} must be at least 1, not {value}")
@@ -92,13 +168,10 @@ def plan(
         raise BadInput(f"--max-nodes must be at most {MAX_NODES}, not {max_nodes}")
     if rank_by not in ("time", "cost"):
         raise BadInput(f"--rank must be time or cost, not '{rank_by}'")
-    profile = load_workload(
-        model,
-        params=_count("--params", params),
-        seq_len=seq_len,
-        input_shape=_shape(input_shape),
-    )
-    constraints = _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing)
+
+
+def _amount(profile, tokens: str | None, epochs: float | None, dataset_size: str | None, seq_len: int | None):
+    """(tokens, samples) to train on: --tokens, or --epochs of --dataset-size samples, or neither."""
     samples = None
     if epochs is not None or dataset_size is not None:
         if epochs is None or dataset_size is None or epochs <= 0:
@@ -114,75 +187,66 @@ def plan(
             )
         if seq_len is not None:
             raise BadInput(f"--seq-len applies to language models; {profile.name} takes {profile.sample_unit}s")
-    if global_batch is not None and global_batch < 1:
-        raise BadInput(f"--global-batch must be at least 1, not {global_batch}")
+    return tokens_total, samples
+
+
+def _check_cloud_options(cloud, hardware, nodes, network_gbps, deadline, provider, max_nodes, runtime) -> None:
+    """The options of a --cloud ranking and of a plan for one machine, each refused with the other."""
     if cloud:
         if hardware != "local" or nodes != 1 or network_gbps is not None:
             raise BadInput("--cloud picks the hardware itself: drop --hardware, --nodes and --network-gbps")
-    else:
-        for option, given in (("--deadline", deadline), ("--provider", provider), ("--max-nodes", max_nodes != 8)):
-            if given:
-                raise BadInput(f"{option} goes with --cloud")
-    if cloud:
-        _cloud(
-            profile,
-            constraints,
-            global_batch,
-            tokens_total,
-            samples,
-            rank_by,
-            top,
-            max_nodes,
-            provider,
-            deadline,
-            json_output,
-        )
+        if runtime:
+            from redline.runtime.config import setting
+
+            flag = setting(next(iter(runtime))).flag
+            raise BadInput(f"{flag} is a setting of the plan file, which --cloud does not write")
         return
+    for option, given in (("--deadline", deadline), ("--provider", provider), ("--max-nodes", max_nodes != 8)):
+        if given:
+            raise BadInput(f"{option} goes with --cloud")
 
-    cluster = _cluster(hardware, nodes, network_gbps)
-    from redline.plan.search import default_global_batch, explain_no_fit, search, smallest_fitting
 
-    if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
-        raise BadInput(f"{cluster.name} has no price: rank by time, or plan for a cloud instance (or --cloud)")
-    if calibrate_micro_batch is not None and not calibrate:
-        raise BadInput("--calibrate-micro-batch goes with --calibrate")
-    if calibrate:
-        _check_calibration(model, cluster, calibrate_micro_batch)
-    batch = global_batch if global_batch is not None else default_global_batch(profile, cluster.gpus)
-    goal = Goal(batch, tokens=tokens_total, samples=samples)
+def _runtime_section(runtime: dict) -> dict:
+    """The runtime options given, checked, as the plan file's ``runtime:`` section."""
+    from redline.runtime.config import RunConfig, check_settings
+
+    check_settings(runtime)
+    return RunConfig().with_settings(runtime).runtime_section()
+
+
+def _search(profile, cluster, goal, constraints, calibration):
+    """The ranked strategies (after a calibration on this machine, with ``calibration``: (model, micro-batch));
+    BadInput saying why none fits, and the smallest hardware that would."""
+    from redline.plan.search import explain_no_fit, search, smallest_fitting
+
     result = search(profile, cluster, goal, constraints)
-    if calibrate:
+    if calibration is not None:
+        model, micro_batch = calibration
         # measured where the plan runs: the micro-batch the uncalibrated search chose, half of it, 1 for the floor
         chosen = result.ranked[0].strategy.micro_batch if result.ranked else 1
-        profile, constraints = _calibrated(
-            profile,
-            cluster,
-            model,
-            constraints,
-            chosen if calibrate_micro_batch is None else calibrate_micro_batch,
-        )
+        measured_at = chosen if micro_batch is None else micro_batch
+        profile, constraints = _calibrated(profile, cluster, model, constraints, measured_at)
         result = search(profile, cluster, goal, constraints)
-    if not result.ranked:
-        message = explain_no_fit(result, cluster)
-        if result.closest_misfit is not None:
-            smallest = smallest_fitting(profile, goal, constraints)
-            if smallest:
-                options = "; ".join(
-                    f"{c.gpus} x {c.gpu.key if c.gpu else c.device} ({e.strategy.label()})" for c, e in smallest
-                )
-                message += f". Smallest hardware that fits (micro-batch 1, full checkpointing): {options}"
-            else:
-                message += ". It fits on no catalog GPU up to 1024 GPUs"
-        raise BadInput(message)
+    if result.ranked:
+        return profile, result
+    message = explain_no_fit(result, cluster)
+    if result.closest_misfit is not None:
+        smallest = smallest_fitting(profile, goal, constraints)
+        if smallest:
+            options = "; ".join(
+                f"{c.gpus} x {c.gpu.key if c.gpu else c.device} ({e.strategy.label()})" for c, e in smallest
+            )
+            message += f". Smallest hardware that fits (micro-batch 1, full checkpointing): {options}"
+        else:
+            message += ". It fits on no catalog GPU up to 1024 GPUs"
+    raise BadInput(message)
 
-    notes = [*profile.notes, *cluster.notes]
-    if global_batch is None:
-        notes.append(
-            f"global batch {batch} is a default (about 0.5M tokens or 256 images per step); set --global-batch"
-        )
+
+def _write(profile, cluster, goal, result, notes, runtime, output, json_output: bool, top: int) -> None:
+    """The best plan (with the runtime section) to ``output``, and the result as JSON or tables."""
     from redline.plan.planfile import PLAN_MARKER, dump_plan, make_plan
 
-    best = make_plan(profile, cluster, goal, result.ranked[0], notes)
+    best = make_plan(profile, cluster, goal, result.ranked[0], notes, runtime=runtime)
     if output is not None:
         write_output(output, dump_plan(best), marker=PLAN_MARKER)
     if json_output:
@@ -232,7 +296,7 @@ def _duration(text: str) -> float:
         raise BadInput(f"--deadline {exc}") from None
 
 
-def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, checkpointing):
+def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, accumulation, checkpointing):
     """The strategy parts the user fixed, each checked against what the planner knows."""
     from redline.plan.model_states import OPTIMIZERS, PRECISIONS, SHARDINGS
     from redline.plan.search import Constraints
@@ -245,7 +309,12 @@ def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, 
     ):
         if value is not None and value not in known:
             raise BadInput(f"{option} '{value}' is not one of {', '.join(known)}")
-    for option, value in (("--tp", tensor), ("--pp", pipeline), ("--micro-batch", micro_batch)):
+    for option, value in (
+        ("--tp", tensor),
+        ("--pp", pipeline),
+        ("--micro-batch", micro_batch),
+        ("--accumulation", accumulation),
+    ):
         if value is not None and value < 1:
             raise BadInput(f"{option} must be at least 1, not {value}")
     return Constraints(
@@ -255,6 +324,7 @@ def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, 
         tensor=tensor,
         pipeline=pipeline,
         micro_batch=micro_batch,
+        accumulation=accumulation,
         checkpointing=checkpointing,
     )
 

@@ -1,9 +1,11 @@
 """`redline run`: launch a training script that calls `redline.prepare()`, alone or through torchrun.
 
-Everything after the script is the script's own arguments. The plan goes to the script in REDLINE_PLAN and
-is checked first: it must load, and its world size (data x tensor x pipeline) must equal the processes
-launched. One process on one node runs as `python SCRIPT ARGS` would; more, several nodes or
---max-restarts go through torchrun, which restarts the worker group when a worker dies (elastic).
+Everything after the script is the script's own arguments. The plan goes to the script in REDLINE_PLAN and is
+checked first: it must load, and its world size (data x tensor x pipeline) must equal the processes launched.
+The runtime options (--metrics, --checkpoint-dir, --accumulation ...: ``runtime.config.SETTINGS``) go to the
+script's prepare() in REDLINE_RUNTIME, over the plan's ``runtime:`` section and prepare()'s keywords. One
+process on one node runs as `python SCRIPT ARGS` would; more, several nodes or --max-restarts go through
+torchrun, which restarts the worker group when a worker dies (elastic).
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from redline.cli import ui
+from redline.cli import params, ui
 
 if TYPE_CHECKING:
+    from redline.plan.strategy import Strategy
     from redline.runtime.launch import Launch
 
 
+@params.with_runtime_options
 def run(
     ctx: typer.Context,
     script: str = typer.Argument(
@@ -45,23 +49,19 @@ def run(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment, run nothing."),
     json_out: bool = typer.Option(False, "--json", help="With --dry-run: the launch as JSON."),
+    runtime: dict | None = None,  # the runtime options given (params.with_runtime_options)
 ) -> None:
     """Run a training script with a plan: one process as plain python, or N per node through torchrun."""
     from redline.capability import require_torch
     from redline.errors import BadInput
-    from redline.plan.planfile import load_plan
     from redline.runtime import launch as launcher
 
     if json_out and not dry_run:
         raise BadInput("--json describes the launch and goes with --dry-run; a run's output is the script's")
     nodes = launcher.parse_nodes(nnodes)
-    strategy = plan_path = None
-    if plan is not None:
-        plan_path = str(plan.resolve())
-        strategy = load_plan(plan).strategy
-        from redline.runtime.config import check_runnable
-
-        check_runnable(strategy, str(plan))  # before any rank starts: each would fail the same way
+    runtime = runtime or {}
+    strategy = _checked_plan(plan, runtime)
+    plan_path = str(plan.resolve()) if plan is not None else None
     nproc, why = launcher.resolve_nproc_per_node(nproc_per_node, nodes, strategy, launcher.visible_cuda_gpus)
     if strategy is not None:
         launcher.check_world_size(strategy, nproc, nodes, str(plan))
@@ -74,6 +74,7 @@ def run(
         rdzv_id=rdzv_id,
         max_restarts=max_restarts,
         plan_path=plan_path,
+        runtime=runtime,
     )
     if spec.torchrun:
         require_torch("a launch of more than one process (torchrun)")
@@ -94,6 +95,20 @@ def run(
         ui.error(f"interrupted ({outcome.signal}): the script was stopped")
     if outcome.exit_code:
         raise typer.Exit(outcome.exit_code)
+
+
+def _checked_plan(plan: Path | None, runtime: dict) -> Strategy | None:
+    """The plan's strategy, with the runtime options over its ``runtime:`` section, checked before any rank
+    starts (each would fail the same way): None without a plan."""
+    from redline.runtime.config import check_runnable, check_settings, from_plan_file
+
+    check_settings(runtime)
+    if plan is None:
+        return None
+    from redline.plan.planfile import load_plan
+
+    check_runnable(load_plan(plan).strategy, str(plan))
+    return from_plan_file(plan).with_settings(runtime).strategy
 
 
 def _describe(spec: Launch, why: str, plan_label: str | None) -> str:

@@ -1,9 +1,10 @@
 """The plan file: the contract between ``redline plan`` and the runtime.
 
-It says how to run (strategy, degrees, precision, micro-batch, accumulation, checkpointing) and what the
-planner expects (memory per component, step time per part, throughput), so a run can be compared with
-its prediction. YAML, because people edit it; the first key is the marker that lets redline overwrite
-a plan it wrote and nothing else.
+It says how to run (strategy, degrees, precision, micro-batch, accumulation, checkpointing; and in its
+optional ``runtime:`` section the runtime's settings by component, which ``redline.runtime.config`` reads and
+checks) and what the planner expects (memory per component, step time per part, throughput), so a run can be
+compared with its prediction. YAML, because people edit it; the first key is the marker that lets redline
+overwrite a plan it wrote and nothing else.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Plan:
     predicted: dict[str, Any]  # memory, step time, throughput, MFU, time to train, cost
     created_at: str = ""
     notes: tuple[str, ...] = field(default=())
+    # the runtime's settings by section (numerics, ddp, data, checkpoint, metrics): {section: {field: value}};
+    # a plan file without the section (older ones) runs with the runtime's defaults
+    runtime: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -41,12 +45,20 @@ class Plan:
             "hardware": self.hardware,
             "goal": self.goal,
             "strategy": self.strategy.to_dict(),
+            "runtime": self.runtime,
             "predicted": self.predicted,
             "notes": list(self.notes),
         }
 
 
-def make_plan(profile: WorkloadProfile, cluster: Cluster, goal: Goal, chosen: Estimate, notes=()) -> Plan:
+def make_plan(
+    profile: WorkloadProfile,
+    cluster: Cluster,
+    goal: Goal,
+    chosen: Estimate,
+    notes=(),
+    runtime: dict[str, Any] | None = None,
+) -> Plan:
     predicted = chosen.to_dict()
     del predicted["strategy"]
     return Plan(
@@ -66,6 +78,7 @@ def make_plan(profile: WorkloadProfile, cluster: Cluster, goal: Goal, chosen: Es
         predicted=predicted,
         created_at=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         notes=tuple(notes),
+        runtime=dict(runtime or {}),
     )
 
 
@@ -121,6 +134,7 @@ def load_plan(path: Path) -> Plan:
             predicted=dict(data["predicted"]),
             created_at=str(data.get("created_at", "")),
             notes=tuple(data.get("notes") or ()),
+            runtime=dict(data.get("runtime") or {}),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadInput(f"{path}: malformed plan ({type(exc).__name__}: {exc})") from None

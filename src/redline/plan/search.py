@@ -36,6 +36,7 @@ class Constraints:
     tensor: int | None = None
     pipeline: int | None = None
     micro_batch: int | None = None
+    accumulation: int | None = None
     checkpointing: str | None = None
 
 
@@ -76,6 +77,24 @@ def _micro_batches(per_rank: int) -> list[int]:
     sizes = {b for b in (2**i for i in range(per_rank.bit_length())) if per_rank % b == 0}
     sizes.add(per_rank)
     return sorted(sizes)
+
+
+def _micro_batch_choices(per_rank: int, constraints: Constraints, excluded: Counter[str]) -> list[int]:
+    """The micro-batches to try for a per-rank batch: powers of two that divide it and itself, or the one that
+    --micro-batch or --accumulation fixes; none (counted in ``excluded``) where the fixed one cannot be."""
+    fixed = constraints.micro_batch
+    if fixed is not None and per_rank % fixed:
+        excluded[f"--micro-batch {fixed} does not divide the per-rank batch"] += 1
+        return []
+    if constraints.accumulation is not None:
+        if per_rank % constraints.accumulation:
+            excluded[f"--accumulation {constraints.accumulation} does not divide the per-rank batch"] += 1
+            return []
+        if fixed not in (None, per_rank // constraints.accumulation):
+            excluded["--micro-batch x --accumulation is not the per-rank batch"] += 1
+            return []
+        fixed = per_rank // constraints.accumulation
+    return [fixed] if fixed is not None else _micro_batches(per_rank)
 
 
 def candidates(
@@ -132,12 +151,9 @@ def candidates(
                     excluded[f"--sharding {constraints.sharding} needs data parallelism across this layout"] += 1
                     continue
                 shardings = [constraints.sharding]
-            micro_batches = _micro_batches(per_rank)
-            if constraints.micro_batch is not None:
-                if per_rank % constraints.micro_batch:
-                    excluded[f"--micro-batch {constraints.micro_batch} does not divide the per-rank batch"] += 1
-                    continue
-                micro_batches = [constraints.micro_batch]
+            micro_batches = _micro_batch_choices(per_rank, constraints, excluded)
+            if not micro_batches:
+                continue
             for sharding in shardings:
                 for b in micro_batches:
                     for ckpt in ("none", "full") if blocks else ("none",):

@@ -50,6 +50,22 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return _map(batch, lambda t: t.to(device, non_blocking=t.is_pinned()))
 
 
+def tokens_per_sample(batch: Any) -> int:
+    """Tokens in each sample of a language model's batch: the sequence length of its ``input_ids``, else of
+    its first 2-D integer tensor (token ids, batch first); 1 for a batch without one (images, features)."""
+    if isinstance(batch, Mapping) and _token_ids(batch.get("input_ids")):
+        return batch["input_ids"].shape[1]
+    tensors: list[torch.Tensor] = []
+    _map(batch, tensors.append)
+    return next((t.shape[1] for t in tensors if _token_ids(t)), 1)
+
+
+def _token_ids(node: Any) -> bool:
+    return (
+        isinstance(node, torch.Tensor) and node.dim() == 2 and not node.is_floating_point() and node.dtype != torch.bool
+    )
+
+
 def _take(node: Any, size: int, start: int, stop: int) -> Any:
     if isinstance(node, torch.Tensor):
         return node[start:stop] if _batched(node, size) else node

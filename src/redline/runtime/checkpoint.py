@@ -142,18 +142,7 @@ class Checkpointer:
         partial.mkdir(parents=True, exist_ok=True)
 
         had_optimizer_state = bool(optimizer.state)
-        zero_shard = None
-        if _is_zero(optimizer):
-            state = {"model": get_model_state_dict(model)}
-            zero_shard = optimizer.optim.state_dict()  # this rank's shard of the optimizer states
-        else:
-            model_state, optim_state = get_state_dict(model, optimizer)
-            if not had_optimizer_state:
-                # get_state_dict initialises an empty optimizer's state with a zero-gradient step (Adam's step
-                # count becomes 1); a save must not change the run, so the state goes back to empty, saved so
-                optimizer.state = defaultdict(dict)
-                optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
-            state = {"model": model_state, "optim": optim_state}
+        state, zero_shard = _sharded_state(model, optimizer)
         try:
             with _single_process_quiet():
                 dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
@@ -444,6 +433,21 @@ def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
     # deprecation warnings); when nobody imported it, the optimizer is not one of its classes
     module = sys.modules.get("torch.distributed.optim")
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict | None]:
+    """What ``dcp.save`` writes (the model's state, and the optimizer's unless ZeRO-1 keeps it), and ZeRO-1's
+    shard of the optimizer states, which this rank saves in its own file (None otherwise)."""
+    if _is_zero(optimizer):
+        return {"model": get_model_state_dict(model)}, optimizer.optim.state_dict()
+    had_optimizer_state = bool(optimizer.state)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if not had_optimizer_state:
+        # get_state_dict initialises an empty optimizer's state with a zero-gradient step (Adam's step count
+        # becomes 1); a save must not change the run, so the state goes back to empty, saved so
+        optimizer.state = defaultdict(dict)
+        optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
+    return {"model": model_state, "optim": optim_state}, None
 
 
 def _dir_name(step: int) -> str:

@@ -1,14 +1,23 @@
-"""What the runtime applies: the plan's strategy plus the settings only a running job needs.
+"""What the runtime applies: the plan's strategy plus the settings only a running job needs, one tree.
 
-``RunConfig`` is the runtime's slice of the one config tree: the plan file's ``strategy`` section (the
-same ``Strategy`` the planner ranks) and runtime switches with defaults that suit most jobs. It comes
-from a plan file, an explicit object, or defaults for the probed hardware; the checks in
-``__post_init__`` run before any training starts.
+``RunConfig`` holds one section per component, each a frozen dataclass with a docstring per field and its
+checks in ``__post_init__`` (torchtitan's per-component configs): ``numerics``, ``ddp``, ``data``,
+``checkpoint``, ``metrics``, beside the plan file's ``strategy`` (the same ``Strategy`` the planner ranks) and
+``plan``, the facts the planner worked out. The settings come from, each over the one before: the defaults
+below, the plan file's ``runtime:`` section, ``prepare()``'s keywords, and ``redline run``'s options
+(``$REDLINE_RUNTIME``: the command line has the last word).
+
+``SETTINGS`` is the one table of the settings a user sets by name: a setting's place in the tree, its keyword
+(``prepare(checkpoint_dir=...)`` and ``$REDLINE_RUNTIME``'s keys), and its option on the command line where it
+has one, which ``redline run`` and ``redline plan`` both take from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,62 +26,245 @@ from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 
 COMM_HOOKS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
+# the settings `redline run` gives the script's prepare(), as JSON {keyword: value}, beside launch.PLAN_ENV
+RUNTIME_ENV = "REDLINE_RUNTIME"
+
+
+@dataclass(frozen=True)
+class NumericsConfig:
+    tf32: bool = True
+    """TF32 matmuls and convolutions on Ampere and newer (fp32 plans run on TF32 tensor cores)."""
+    cudnn_benchmark: bool = True
+    """Pick the fastest convolution algorithm per input shape."""
+    compile: bool = False
+    """``torch.compile`` each repeated block (the whole model when it has none)."""
+    grad_clip_norm: float | None = None
+    """Clip the global gradient norm to this before each optimizer step; None: no clipping."""
+
+    def __post_init__(self) -> None:
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            raise BadInput(f"grad_clip_norm must be positive, not {self.grad_clip_norm}")
+
+
+@dataclass(frozen=True)
+class DdpConfig:
+    bucket_cap_mb: int = 25
+    """DistributedDataParallel's gradient bucket size, MB."""
+    static_graph: bool = False
+    """DDP's ``static_graph``: the same parameters take part in every step."""
+    comm_hook: str = "none"
+    """Compress DDP's all-reduce: none, fp16, bf16, or powersgd (for slow inter-node links)."""
+    powersgd_rank: int = 4
+    """PowerSGD's matrix approximation rank (``comm_hook="powersgd"``)."""
+    sync_batchnorm: bool = True
+    """On several ranks, BatchNorm normalises over the global batch (SyncBatchNorm), as one process would."""
+
+    def __post_init__(self) -> None:
+        if self.comm_hook not in COMM_HOOKS:
+            raise BadInput(f"comm_hook '{self.comm_hook}' is not one of {', '.join(COMM_HOOKS)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    num_workers: int | None = None
+    """DataLoader worker processes; None keeps the user's loader's."""
+    pin_memory: bool | None = None
+    """DataLoader ``pin_memory``; None keeps the user's loader's."""
+    persistent_workers: bool | None = None
+    """DataLoader ``persistent_workers``; None keeps the user's loader's."""
+    prefetch_factor: int | None = None
+    """Batches each worker loads ahead; None keeps the user's loader's."""
+    loader_stall_s: float = 300.0
+    """A loader with workers and no timeout of its own that gives no batch for this long ends the run, naming
+    the worker that owes the batch; 0: wait forever."""
+    shard_stream: bool = True
+    """An IterableDataset is shared over ranks and workers; False: it shards itself."""
+    seed: int = 0
+    """Seeds the sampler's shuffling (and nothing else: the user seeds their own model)."""
+
+    def __post_init__(self) -> None:
+        if self.loader_stall_s < 0:
+            raise BadInput(f"loader_stall_s must be 0 (no limit) or more, not {self.loader_stall_s}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise BadInput(f"num_workers must be 0 or more, not {self.num_workers}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go (and a run resumes from); None: no checkpoints."""
+    every: int = 0
+    """Optimizer steps between checkpoints; 0: only at the end."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise BadInput(f"checkpoint_every must be 0 or more, not {self.every}")
+        if self.dir is not None and not self.dir.strip():
+            raise BadInput("checkpoint_dir is empty: give a directory, or none for no checkpoints")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    path: str | None = None
+    """Step metrics as JSON lines, one per optimizer step; ``{rank}`` in it: one file per rank. None: none."""
+    interval_s: float = 10.0
+    """Seconds between the step lines printed to stderr."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not self.path.strip():
+            raise BadInput("metrics_path is empty: give a file, or none for no step metrics")
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What the planner worked out, from the plan file: the prediction and the model's size, for the metrics
+    and for the checks that the plan suits this run."""
+
+    predicted: dict[str, Any] | None = None
+    """Memory, step time and throughput the planner predicted; the run's summary compares with it."""
+    training_flops_per_sample: float | None = None
+    """The model's training FLOPs per sample, for MFU."""
+    tokens_per_sample: int | None = None
+    """Tokens per sample (the sequence length); None: read from the first batch (1 when it has no tokens)."""
+    device: str | None = None
+    """The device the plan was made for ("NVIDIA H100 SXM5 80GB", "cpu")."""
+    params: int | None = None
+    """The model's parameters as the planner counted them."""
 
 
 @dataclass(frozen=True)
 class RunConfig:
     strategy: Strategy = field(default_factory=Strategy)
-    # numerics and kernels
-    tf32: bool = True  # TF32 matmuls and convolutions on Ampere and newer (fp32 plans run on TF32 tensor cores)
-    cudnn_benchmark: bool = True  # pick the fastest convolution algorithm per input shape
-    compile: bool = False  # torch.compile each block (then the whole model when it has none)
-    grad_clip_norm: float | None = None  # clip the global gradient norm before each optimizer step
-    seed: int = 0  # sampler shuffling (and nothing else: the user seeds their own model)
-    # DistributedDataParallel
-    ddp_bucket_cap_mb: int = 25
-    ddp_static_graph: bool = False
-    comm_hook: str = "none"  # compress DDP's all-reduce: fp16/bf16, or PowerSGD for slow inter-node links
-    powersgd_rank: int = 4
-    sync_batchnorm: bool = True  # on several GPUs, BatchNorm normalises over the global batch (SyncBatchNorm)
-    shard_stream: bool = True  # an IterableDataset is shared over ranks and workers; False: it shards itself
-    # DataLoader: None keeps what the user's loader has
-    num_workers: int | None = None
-    pin_memory: bool | None = None
-    persistent_workers: bool | None = None
-    prefetch_factor: int | None = None
-    # a loader with workers and no timeout of its own that gives no batch for this long ends the run, naming
-    # the worker that owes the batch; 0: wait forever
-    loader_stall_s: float = 300.0
-    # checkpoints and metrics
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
-    metrics_path: str | None = None  # JSON lines, one per optimizer step
-    metrics_interval_s: float = 10.0
-    # from the plan: what the planner predicted, and the model's FLOPs for MFU
-    predicted: dict[str, Any] | None = None
-    training_flops_per_sample: float | None = None
-    tokens_per_sample: int = 1
-    planned_device: str | None = None  # the device the plan was made for ("NVIDIA H100 SXM5 80GB", "cpu")
-    planned_params: int | None = None  # the model's parameters as the planner counted them
+    """How the step is laid out: the plan file's ``strategy`` section."""
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    """TF32, cudnn, compile, clipping (``apply_numerics``, ``apply_compile``, the optimizer step)."""
+    ddp: DdpConfig = field(default_factory=DdpConfig)
+    """DistributedDataParallel and BatchNorm over the ranks (``apply_ddp``, ``apply_sync_batchnorm``)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The user's DataLoader over the ranks (``feed.py``, ``data.py``)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where and how often to checkpoint (``checkpoint.py``)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Step metrics (``metrics.py``)."""
+    plan: PlanFacts = field(default_factory=PlanFacts)
+    """What the planner worked out; empty without a plan file."""
 
     def __post_init__(self) -> None:
         check_runnable(self.strategy)
-        if self.comm_hook not in COMM_HOOKS:
-            raise BadInput(f"comm_hook '{self.comm_hook}' is not one of {', '.join(COMM_HOOKS)}")
-        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
-            raise BadInput(f"grad_clip_norm must be positive, not {self.grad_clip_norm}")
-        if self.loader_stall_s < 0:
-            raise BadInput(f"loader_stall_s must be 0 (no limit) or more, not {self.loader_stall_s}")
-        if self.checkpoint_every < 0:
-            raise BadInput(f"checkpoint_every must be 0 or more, not {self.checkpoint_every}")
 
     @property
     def per_rank_batch(self) -> int:
         """Samples each rank loads per optimizer step: micro-batch x accumulation."""
         return self.strategy.micro_batch * self.strategy.accumulation
 
-    def replace(self, **changes: Any) -> RunConfig:
+    def with_settings(self, settings: dict[str, Any]) -> RunConfig:
+        """This config with ``settings`` ({keyword: value}, ``SETTINGS``' keywords) applied; a None value
+        leaves a setting as it is. ``accumulation`` splits each rank's batch in that many micro-batches: the
+        global batch stays the same."""
+        by_section: dict[str, dict[str, Any]] = {}
+        for keyword, value in settings.items():
+            if value is None:
+                continue
+            section, name = setting(keyword).path.split(".")
+            by_section.setdefault(section, {})[name] = value
+        if not by_section:
+            return self
+        changes = {section: _replaced(getattr(self, section), values) for section, values in by_section.items()}
+        if "strategy" in changes:
+            changes["strategy"] = _split_batch(self.strategy, changes["strategy"])
         return dataclasses.replace(self, **changes)
+
+    def runtime_section(self) -> dict[str, dict[str, Any]]:
+        """The settings that differ from the defaults, by section: a plan file's ``runtime:`` section."""
+        default = RunConfig()
+        out: dict[str, dict[str, Any]] = {}
+        for section in SECTIONS:
+            mine, theirs = dataclasses.asdict(getattr(self, section)), dataclasses.asdict(getattr(default, section))
+            changed = {name: value for name, value in mine.items() if value != theirs[name]}
+            if changed:
+                out[section] = changed
+        return out
+
+
+# the sections a plan file's `runtime:` holds (the strategy has its own section, the plan facts are its others)
+SECTIONS: dict[str, type] = {
+    "numerics": NumericsConfig,
+    "ddp": DdpConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting a user sets by name: ``path`` (section.field of ``RunConfig``), ``keyword`` (``prepare()``'s
+    and ``$REDLINE_RUNTIME``'s), and ``flag``, its option of ``redline run`` and ``redline plan`` (None: set in
+    Python or the plan file only), with the option's ``help``."""
+
+    path: str
+    keyword: str
+    flag: str | None = None
+    help: str = ""
+
+    @property
+    def type(self) -> Any:
+        """The field's type, read off the section's dataclass (``int | None``, ``bool``, ``str | None``...)."""
+        section, name = self.path.split(".")
+        return typing.get_type_hints(Strategy if section == "strategy" else SECTIONS[section])[name]
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("numerics.tf32", "tf32"),
+    Setting("numerics.cudnn_benchmark", "cudnn_benchmark"),
+    Setting("numerics.compile", "compile", "--compile", "torch.compile each repeated block of the model."),
+    Setting("numerics.grad_clip_norm", "grad_clip_norm"),
+    Setting("ddp.bucket_cap_mb", "ddp_bucket_cap_mb"),
+    Setting("ddp.static_graph", "ddp_static_graph"),
+    Setting("ddp.comm_hook", "comm_hook", "--comm-hook", f"Compress DDP's all-reduce: {' | '.join(COMM_HOOKS)}."),
+    Setting("ddp.powersgd_rank", "powersgd_rank"),
+    Setting("ddp.sync_batchnorm", "sync_batchnorm"),
+    Setting("data.num_workers", "num_workers", "--num-workers", "DataLoader workers (default: the loader's own)."),
+    Setting("data.pin_memory", "pin_memory"),
+    Setting("data.persistent_workers", "persistent_workers"),
+    Setting("data.prefetch_factor", "prefetch_factor"),
+    Setting("data.loader_stall_s", "loader_stall_s"),
+    Setting("data.shard_stream", "shard_stream"),
+    Setting("data.seed", "seed"),
+    Setting("checkpoint.dir", "checkpoint_dir", "--checkpoint-dir", "Checkpoint here, and resume from the newest."),
+    Setting("checkpoint.every", "checkpoint_every", "--checkpoint-every", "Steps between checkpoints (0: at the end)."),
+    Setting(
+        "metrics.path",
+        "metrics_path",
+        "--metrics",
+        "Step metrics as JSON lines ('{rank}': a file per rank), for `redline monitor --steps`.",
+    ),
+    Setting("metrics.interval_s", "metrics_interval_s"),
+    Setting(
+        "strategy.accumulation",
+        "accumulation",
+        "--accumulation",
+        "Micro-batches per optimizer step (the global batch stays the same).",
+    ),
+)
+
+
+def setting(keyword: str) -> Setting:
+    """The setting of ``keyword``; BadInput naming the known ones otherwise."""
+    for candidate in SETTINGS:
+        if candidate.keyword == keyword:
+            return candidate
+    raise BadInput(f"unknown runtime setting '{keyword}'; known: {', '.join(s.keyword for s in SETTINGS)}")
+
+
+def check_settings(settings: dict[str, Any]) -> None:
+    """Each setting's value as its section checks it, alone (a command line's options, before anything
+    runs): BadInput naming the option."""
+    for keyword, value in settings.items():
+        known = setting(keyword)
+        section, name = known.path.split(".")
+        owner = Strategy if section == "strategy" else SECTIONS[section]
+        _replaced(owner(), {name: value}, where=known.flag or keyword)
 
 
 def check_runnable(strategy: Strategy, where: str = "the plan") -> None:
@@ -87,21 +279,52 @@ def check_runnable(strategy: Strategy, where: str = "the plan") -> None:
         raise BadInput(f"{where}: fp8 training is not supported by redline's runtime yet: plan with --precision bf16")
 
 
-def from_plan_file(path: str | Path, **overrides: Any) -> RunConfig:
-    """A RunConfig from a plan file written by ``redline plan -o``; ``overrides`` set runtime fields."""
+def from_plan_file(path: str | Path) -> RunConfig:
+    """A RunConfig from a plan file written by ``redline plan -o``: its strategy, its ``runtime:`` section (an
+    older plan file has none: the defaults) and what the planner worked out."""
     from redline.plan.planfile import load_plan
 
     plan = load_plan(Path(path))
     model = plan.model
+    tokens = model.get("tokens_per_sample")
     return RunConfig(
         strategy=plan.strategy,
-        predicted=plan.predicted,
-        training_flops_per_sample=model.get("training_flops_per_sample"),
-        tokens_per_sample=int(model.get("tokens_per_sample") or 1),
-        planned_device=_planned_device(plan.hardware or {}),
-        planned_params=model.get("params"),
-        **overrides,
+        plan=PlanFacts(
+            predicted=plan.predicted,
+            training_flops_per_sample=model.get("training_flops_per_sample"),
+            tokens_per_sample=int(tokens) if tokens else None,
+            device=_planned_device(plan.hardware or {}),
+            params=model.get("params"),
+        ),
+        **runtime_sections(plan.runtime, str(path)),
     )
+
+
+def runtime_sections(runtime: dict[str, Any], where: str) -> dict[str, Any]:
+    """The sections of a plan file's ``runtime:`` mapping, checked: an unknown section or field, or a value a
+    section refuses, is one line naming the file."""
+    sections = {}
+    for name, values in runtime.items():
+        if name not in SECTIONS:
+            raise BadInput(f"{where}: unknown runtime section '{name}'; known: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise BadInput(f"{where}: runtime section '{name}' must be a mapping of settings")
+        sections[name] = _replaced(SECTIONS[name](), values, where=f"{where}: runtime.{name}")
+    return sections
+
+
+def runtime_from_env() -> dict[str, Any]:
+    """The settings ``redline run`` gave this process's ``prepare()`` ({keyword: value}); none outside it."""
+    text = os.environ.get(RUNTIME_ENV)
+    if not text:
+        return {}
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError:
+        raise BadInput(f"${RUNTIME_ENV} is not JSON: {text[:80]!r}") from None
+    if not isinstance(settings, dict):
+        raise BadInput(f"${RUNTIME_ENV} must be a JSON object of settings, not {text[:80]!r}")
+    return settings
 
 
 def default_config(world_size: int, per_rank_batch: int, *, cuda: bool, bf16: bool) -> RunConfig:
@@ -109,6 +332,31 @@ def default_config(world_size: int, per_rank_batch: int, *, cuda: bool, bf16: bo
     bf16 autocast where the GPU has it, fp32 on a CPU."""
     precision = "bf16" if cuda and bf16 else ("fp16" if cuda else "fp32")
     return RunConfig(strategy=Strategy(data=world_size, micro_batch=per_rank_batch, precision=precision))
+
+
+def _replaced(section: Any, values: dict[str, Any], where: str = "runtime setting") -> Any:
+    """``section`` with ``values`` set; a strategy's ValueError and an unknown field become BadInput."""
+    known = {f.name for f in dataclasses.fields(section)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise BadInput(f"{where}: unknown setting '{unknown[0]}'; known: {', '.join(sorted(known))}")
+    try:
+        return dataclasses.replace(section, **values)
+    except (TypeError, ValueError) as exc:
+        raise BadInput(f"{where}: {exc}") from None
+
+
+def _split_batch(before: Strategy, after: Strategy) -> Strategy:
+    """A new accumulation splits the same per-rank batch: the micro-batch follows (it must divide evenly)."""
+    if after.accumulation == before.accumulation:
+        return after
+    per_rank = before.micro_batch * before.accumulation
+    if per_rank % after.accumulation:
+        raise BadInput(
+            f"accumulation {after.accumulation} does not divide the per-rank batch of {per_rank} "
+            f"(micro-batch {before.micro_batch} x accumulation {before.accumulation})"
+        )
+    return dataclasses.replace(after, micro_batch=per_rank // after.accumulation)
 
 
 def _planned_device(hardware: dict[str, Any]) -> str | None:

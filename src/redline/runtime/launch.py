@@ -13,6 +13,7 @@ Deciding the launch (``resolve_nproc_per_node``, ``check_world_size``, ``build_l
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -27,6 +28,7 @@ from typing import Any
 from redline.capability import is_available
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
+from redline.runtime.config import RUNTIME_ENV
 from redline.runtime.supervised import die_with_parent
 
 PLAN_ENV = "REDLINE_PLAN"
@@ -167,6 +169,7 @@ def build_launch(
     rdzv_id: str | None = None,
     max_restarts: int = 0,
     plan_path: str | None = None,
+    runtime: dict[str, Any] | None = None,
     python: str = sys.executable,
 ) -> Launch:
     """The command that runs ``script``: plain python for one process on one node with nothing to restart,
@@ -182,6 +185,8 @@ def build_launch(
     if rdzv_id is not None and rdzv_endpoint is None:
         raise BadInput("--rdzv-id goes with --rdzv-endpoint (a single-node launch makes its own rendezvous)")
     env = {PLAN_ENV: plan_path} if plan_path else {}
+    if runtime:  # the runtime options, for the script's prepare() (config.runtime_from_env)
+        env[RUNTIME_ENV] = json.dumps(runtime, sort_keys=True)
     env |= thread_settings(nproc_per_node)
     common = {
         "script": script,

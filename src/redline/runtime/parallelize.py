@@ -19,14 +19,14 @@ from torch import nn
 
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
-from redline.runtime.config import RunConfig
+from redline.runtime.config import DdpConfig, NumericsConfig
 
 log = logging.getLogger("redline.runtime")
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
-def apply_numerics(config: RunConfig, device: torch.device) -> None:
+def apply_numerics(config: NumericsConfig, device: torch.device) -> None:
     """TF32 and ``cudnn.benchmark`` on GPUs, as the config asks."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = config.tf32
@@ -99,7 +99,7 @@ def apply_compile(model: nn.Module, blocks: list[nn.Module]) -> None:
 
 
 def apply_ddp(
-    model: nn.Module, config: RunConfig, *, device: torch.device, local_rank: int, on_bucket_ready: Callable[[], None]
+    model: nn.Module, config: DdpConfig, *, device: torch.device, local_rank: int, on_bucket_ready: Callable[[], None]
 ) -> nn.Module:
     """DDP with the config's bucket size, static graph and gradient compression hook; gradients are views of
     the buckets. ``on_bucket_ready`` is called as each bucket's gradients are ready: the last call marks where
@@ -110,8 +110,8 @@ def apply_ddp(
     ddp = DistributedDataParallel(
         model,
         device_ids=[local_rank] if device.type == "cuda" else None,
-        bucket_cap_mb=config.ddp_bucket_cap_mb,
-        static_graph=config.ddp_static_graph,
+        bucket_cap_mb=config.bucket_cap_mb,
+        static_graph=config.static_graph,
         gradient_as_bucket_view=True,
     )
     hook = config.comm_hook

@@ -1,0 +1,192 @@
+"""This rank's batches for the loop: the user's DataLoader shared out over the ranks (``data.py``), each batch
+split into micro-batches (``batch.py``), and the ranks kept in step: once per epoch they check that they drew
+one order, and over a stream, per batch, that every rank still has one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+
+from redline.errors import BadInput
+from redline.runtime.batch import bounds, split
+from redline.runtime.config import RunConfig
+from redline.runtime.data import (
+    DistributedBatches,
+    batches_vary,
+    distributed_loader,
+    loader_batch,
+    next_batch,
+    rank_view,
+    set_position,
+)
+from redline.runtime.distributed import agree
+
+log = logging.getLogger("redline.runtime")
+
+
+def global_batch_without_plan(data: DataLoader, *, world: int, rank: int) -> int:
+    """Without a plan, the loader's batch is the global batch: it must share evenly over the ranks. A batch
+    sampler of the user's own sets the micro-batches from its batches (``Feed``); ``world`` stands for it."""
+    batch = loader_batch(data)
+    if batch is None:  # a batch sampler of the user's own: each batch it draws is a global batch
+        if data.batch_sampler is None:
+            raise BadInput(
+                "the DataLoader has batch_size=None: give it the batch size (a global batch, without a plan)"
+            )
+        if world > 1 and rank == 0:
+            log.warning("no plan: each batch of the batch sampler is a global batch, split over %d ranks", world)
+        batch = world  # a placeholder: the batches set the micro-batch
+    if batch % world:
+        raise BadInput(
+            f"without a plan the loader's batch of {batch} is the global batch, which {world} ranks "
+            f"cannot share evenly: give the loader a multiple of {world}, or a plan"
+        )
+    if world > 1 and rank == 0 and not batches_vary(data):
+        log.warning(
+            "no plan: the loader's batch of %d is the global batch, %d per rank over %d ranks",
+            batch,
+            batch // world,
+            world,
+        )
+    return batch
+
+
+def micro_batches(batch: Any, *, parts: int, size: int, uneven: bool) -> list[tuple[Any, float]]:
+    """The batch of ``size`` samples in ``parts`` micro-batches, each with the divisor that makes its loss its
+    share of the batch's mean: ``parts``, or, where the parts differ in size, the batch's size over its own."""
+    micros = split(batch, parts, size, uneven=uneven)
+    edges = bounds(size, len(micros))
+    return [(micro, size / (edges[index + 1] - edges[index])) for index, micro in enumerate(micros)]
+
+
+class Feed:
+    """The user's DataLoader for this rank: every setting kept (the config's loader settings win where set),
+    its sampler or stream shared out over the ranks, the per-rank batch (``data.py``)."""
+
+    def __init__(self, loader: DataLoader, config: RunConfig, *, world: int, rank: int, device: torch.device) -> None:
+        self.world = world
+        self.rank = rank
+        self.device = device
+        self.config = config
+        strategy = config.strategy
+        given = loader_batch(loader)
+        if given not in (None, config.per_rank_batch) and rank == 0:
+            log.info(
+                "loader batch size %s replaced by the per-rank batch %s (micro-batch %s x accumulation %s)",
+                given,
+                config.per_rank_batch,
+                strategy.micro_batch,
+                strategy.accumulation,
+            )
+        self.iterable = isinstance(loader.dataset, IterableDataset)
+        self.loader = distributed_loader(
+            loader,
+            world=world,
+            rank=rank,
+            per_rank_batch=config.per_rank_batch,
+            seed=config.data.seed,
+            shard_stream=config.data.shard_stream,
+            overrides=self._loader_settings(loader),
+        )
+        sampler = self.loader.batch_sampler
+        self.batches = sampler if isinstance(sampler, DistributedBatches) else None  # batches of every size
+        if self.batches is not None and rank == 0:
+            log.info(
+                "the batch sampler's batches are kept: %.1f samples per global batch on average, each split in "
+                "%d micro-batch(es) per rank",
+                self.batches.mean_batch(),
+                strategy.accumulation,
+            )
+
+    def _loader_settings(self, loader: DataLoader) -> dict[str, Any]:
+        config = self.config.data
+        workers = config.num_workers if config.num_workers is not None else loader.num_workers
+        return {
+            "num_workers": config.num_workers,
+            "pin_memory": config.pin_memory,
+            "persistent_workers": config.persistent_workers,
+            "prefetch_factor": config.prefetch_factor,
+            # a loader with workers and no timeout would wait for a hung worker forever
+            "timeout": config.loader_stall_s if not loader.timeout and workers else None,
+        }
+
+    def micro_batch(self, accumulation: int) -> int | None:
+        """For batches of every size, which the plan's (or the run's) accumulation splits: the micro-batch
+        ``accumulation`` parts of a mean batch make. None where the batches are the per-rank batch."""
+        if self.batches is None:
+            return None
+        return max(1, round(self.batches.mean_batch() / self.world / accumulation))
+
+    def batch_size(self, batch_in_epoch: int) -> int:
+        """Samples in this rank's batch ``batch_in_epoch`` (a batch sampler's batches vary; otherwise the
+        per-rank batch)."""
+        if self.batches is None:
+            return self.loader.batch_size
+        return self.batches.sizes[batch_in_epoch]
+
+    def epoch(self, epoch: int, batches_done: int) -> Iterator[Any]:
+        """The epoch's batches from ``batches_done`` on: a resumed run does not load again what its checkpoint
+        trained on (the order is the same; with DataLoader workers, per-worker random augmentations draw
+        differently from an uninterrupted run)."""
+        set_position(self.loader, epoch=epoch, batches_done=batches_done, seed=self.config.data.seed, rank=self.rank)
+        self._check_ranks_drew_alike()
+        return iter(self.loader)
+
+    def next(self, batches: Iterator[Any]) -> Any:
+        """The next batch, None at the end (see ``data.next_batch``)."""
+        return next_batch(batches, self.loader, stall_s=self.config.data.loader_stall_s)
+
+    def all_ranks_have(self, has_batch: bool) -> bool:
+        """Whether every rank loaded a batch. A map-style dataset gives every rank as many (DistributedView);
+        a stream may end sooner on one rank, and a rank that stopped while the others step would leave them in a
+        collective forever: the ranks agree per batch, over one tiny all-reduce, and stop together."""
+        if not self.iterable:
+            return has_batch
+        return agree(has_batch, dist.ReduceOp.MIN, world=self.world, device=self.device)
+
+    def _check_ranks_drew_alike(self) -> None:
+        """Once per epoch: the ranks' samplers drew one order, else their shares overlap and miss samples."""
+        if self.world == 1 or self.iterable:
+            return
+        view = rank_view(self.loader)
+        mine = view.fingerprint()
+        value = torch.tensor([mine, -mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        if value[0].item() != -value[1].item():
+            raise BadInput(
+                f"the DataLoader's sampler ({type(view.sampler).__name__}) drew a different order "
+                "on each rank: give it a generator (the same seed on every rank) or a set_epoch method"
+            )
+
+    def batches_done(self, saved: dict[str, Any]) -> int:
+        """This epoch's batches a checkpoint's position (``saved``) already trained on, in this run's per-rank
+        batches. The ranks share one order (``DistributedView``), so what a checkpoint trained on is a count of
+        samples of it, whatever its ranks and batch were: an elastic restart with fewer nodes goes on from the
+        same sample (to a whole global batch). A stream's shares are per rank, and change with the ranks."""
+        done = int(saved["batch_in_epoch"])
+        if self.batches is not None:  # the batch sampler's batches are global batches, whatever the ranks
+            return done
+        batch = self.loader.batch_size
+        was = (int(saved.get("world_size", self.world)), int(saved.get("per_rank_batch", batch)))
+        if was == (self.world, batch):
+            return done
+        now = done * was[0] * was[1] // (self.world * batch)
+        if self.rank == 0:
+            log.warning(
+                "the checkpoint was written by %d rank(s) x %d samples, this run has %d x %d: the epoch goes on "
+                "from sample %d of its order%s",
+                *was,
+                self.world,
+                batch,
+                now * self.world * batch,
+                " (a stream's shares change with the ranks: some samples of this epoch may be read twice or not at all)"
+                if self.iterable
+                else "",
+            )
+        return now

@@ -1,0 +1,68 @@
+"""The command line's options, frozen: a new, renamed or dropped option fails here until this list says so,
+so that a change to what users type is a deliberate one."""
+
+from __future__ import annotations
+
+FLAGS: dict[str, set[str]] = {
+    "probe": {"--data", "--json", "--output", "-o"},
+    "doctor": {"--bench", "--bench-file", "--data", "--from", "--html", "--json", "--list-rules", "--strict"},
+    "bench": {
+        *("--connect", "--dataset", "--device", "--json", "--listen", "--path", "--port", "--precision"),
+        *("--quick", "--ranks", "--save", "--serve", "--streams"),
+    },
+    "plan": {
+        *("--calibrate", "--calibrate-micro-batch", "--checkpointing", "--cloud", "--dataset-size", "--deadline"),
+        *("--epochs", "--global-batch", "--hardware", "--input-shape", "--json", "--list-models", "--max-nodes"),
+        *("--micro-batch", "--model", "--network-gbps", "--nodes", "--optimizer", "--output", "--params", "--pp"),
+        *("--precision", "--provider", "--rank", "--seq-len", "--sharding", "--tokens", "--top", "--tp", "-m", "-o"),
+        # the runtime's settings (runtime.config.SETTINGS), the same as `redline run`'s
+        *("--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile", "--no-compile"),
+        *("--metrics", "--num-workers"),
+    },
+    "run": {
+        *("--dry-run", "--json", "--max-restarts", "--nnodes", "--nproc-per-node", "--plan", "--rdzv-endpoint"),
+        "--rdzv-id",
+        *("--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile", "--no-compile"),
+        *("--metrics", "--num-workers"),
+    },
+    "monitor": {
+        *("--duration", "--gpus", "--interval", "--job-pid", "--json", "--listen", "--once", "--port", "--record"),
+        *("--retention", "--steps", "--window"),
+    },
+    "report": {"--html", "--json", "--png", "--window"},
+    "catalog gpus": {"--json"},
+    "catalog instances": {"--gpu", "--json", "--max-price", "--provider"},
+}
+
+
+def _flags() -> dict[str, set[str]]:
+    import typer
+
+    from redline.cli.main import app
+
+    found: dict[str, set[str]] = {}
+
+    def walk(command, path: tuple[str, ...]) -> None:
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                walk(sub, (*path, name))
+            return
+        options = [p for p in command.params if p.param_type_name == "option"]
+        found[" ".join(path)] = {name for p in options for name in (*p.opts, *p.secondary_opts)}
+
+    walk(typer.main.get_command(app), ())
+    return found
+
+
+def test_every_command_has_the_options_listed() -> None:
+    assert _flags() == FLAGS
+
+
+def test_run_and_plan_take_the_runtime_settings_from_one_table() -> None:
+    from redline.runtime.config import SETTINGS
+
+    flagged = {s.flag for s in SETTINGS if s.flag is not None}
+    assert {"--metrics", "--checkpoint-dir", "--checkpoint-every", "--compile", "--num-workers"} <= flagged
+    assert {"--comm-hook", "--accumulation"} <= flagged
+    flags = _flags()
+    assert flagged <= flags["run"] and flagged <= flags["plan"]
