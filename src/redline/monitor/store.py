@@ -528,10 +528,8 @@ class Store:
         end: float | None = None,
         max_points: int | None = None,
     ) -> dict[str, dict[int, Series]]:
-        """Several fields of one table ("gpu", "host" or "step") at once: field -> key (GPU index, rank; 0 for
-        the host) -> Series. Raw rows while a line has at most ``max_points``; else that many time buckets of
-        mean/min/max, from the rollups when a bucket spans at least ``ROLLUP_S``, from raw rows otherwise
-        (then the range is short, so the rows are few). One query serves all the fields."""
+        """Several fields of one table ("gpu", "host" or "step") at once: field -> key -> Series, downsampled
+        to ``max_points`` per line (how: ``record_query.series``)."""
         with self._reading() as conn:
             return record_query.series(conn, table, fields, key, start, end, max_points)
 
