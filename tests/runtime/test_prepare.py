@@ -367,11 +367,6 @@ def test_a_scheduler_factory_is_built_on_the_optimizer_in_use() -> None:
     assert run.optimizer.param_groups[0]["lr"] == 0.0 and torch.equal(before, weights(model))
 
 
-def test_selective_checkpointing_is_refused_rather_than_run_as_full() -> None:
-    with pytest.raises(BadInput, match="selective"):
-        train(config(micro_batch=8, checkpointing="selective"))
-
-
 def test_stopping_early_still_checkpoints_and_summarises(tmp_path: Path) -> None:
     model = make_model()
     loader = torch.utils.data.DataLoader(dataset(), batch_size=8)
