@@ -326,6 +326,16 @@ def test_a_rebuilt_adamw_steps_fused_and_matches_one_process(tmp_path: Path, sha
         torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_selective_checkpointing_under_fsdp_matches_one_process(tmp_path: Path) -> None:
+    """Each block's forward checkpointed selectively inside FSDP2's per-block all-gather: the recomputation
+    runs on the gathered weights and two ranks still train as one process without checkpointing does."""
+    strategy = {"data": 2, "micro_batch": 4, "accumulation": 2, "sharding": "fsdp", "precision": "fp32"}
+    ranks = two_ranks(tmp_path, strategy | {"checkpointing": "selective"})
+    single = train(config(micro_batch=16, accumulation=1))
+    for name, param in single.named_parameters():
+        torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_resume_from_a_checkpoint_finishes_like_an_uninterrupted_run(tmp_path: Path) -> None:
     plan = config(micro_batch=4, accumulation=2)
 
