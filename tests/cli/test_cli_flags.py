@@ -16,14 +16,14 @@ FLAGS: dict[str, set[str]] = {
         *("--micro-batch", "--model", "--network-gbps", "--nodes", "--optimizer", "--output", "--params", "--pp"),
         *("--precision", "--provider", "--rank", "--seq-len", "--sharding", "--tokens", "--top", "--tp", "-m", "-o"),
         # the runtime's settings (runtime.config.SETTINGS), the same as `redline run`'s
-        *("--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile", "--no-compile"),
-        *("--metrics", "--num-workers"),
+        *("--ac-every", "--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile"),
+        *("--metrics", "--no-compile", "--num-workers"),
     },
     "run": {
         *("--dry-run", "--json", "--max-restarts", "--nnodes", "--nproc-per-node", "--plan", "--rdzv-endpoint"),
         "--rdzv-id",
-        *("--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile", "--no-compile"),
-        *("--metrics", "--num-workers"),
+        *("--ac-every", "--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile"),
+        *("--metrics", "--no-compile", "--num-workers"),
     },
     "monitor": {
         *("--duration", "--gpus", "--interval", "--job-pid", "--json", "--listen", "--once", "--port", "--record"),

@@ -15,7 +15,8 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
    must match the ranks that exist;
 2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); BatchNorm synchronised over the
    ranks (``apply_sync_batchnorm``);
-3. activation checkpointing of each block (``checkpointing: full``; ``apply_activation_checkpointing``);
+3. activation checkpointing of each block, or each k-th (``checkpointing: full`` or ``selective``,
+   ``ac_every``; ``apply_activation_checkpointing``);
 4. ``torch.compile`` of each block (``compile``; ``apply_compile``);
 5. data parallelism: DDP (bucket size, static graph, gradients as bucket views, a compression hook;
    ``apply_ddp``), ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``, ``apply_zero1``), or FSDP2 ``fully_shard`` per
@@ -228,7 +229,7 @@ class Run:
             )
         blocks = [block for _, block in find_blocks(model)]
         strategy = self.config.strategy
-        apply_activation_checkpointing(blocks, strategy.checkpointing)
+        apply_activation_checkpointing(blocks, strategy.checkpointing, self.config.activation_checkpoint)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
         if self.world_size == 1:
