@@ -180,10 +180,27 @@ def measured_bytes(
     return max(0.0, max(c / strategy.tensor + x * samples for c, x in lines[key]))
 
 
-def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> int:
-    """1F1B: stage i of p holds the activations of min(p - i, m) micro-batches, the first stage the most
-    (Narayanan et al. 2021); without a pipeline, micro-batches run one after the other."""
-    return min(strategy.pipeline - stage_index, strategy.accumulation)
+def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> float:
+    """How many micro-batches' activations of its whole stage a pipeline rank holds at once, by schedule (p
+    stages, m micro-batches, v virtual stages; stage i from 0):
+
+    - GPipe (Huang et al. 2019) runs every forward before any backward: all m, on every stage;
+    - 1F1B (Narayanan et al. 2021, section 2.2) starts a backward once stage i has p - i forwards in flight:
+      min(p - i, m), the first stage the most (p: the activations of L layers, whatever p is);
+    - interleaved 1F1B holds (p - i - 1) x 2 + (v - 1) x p + 1 chunks of 1/v of the stage in warm-up
+      (Megatron-LM's schedule): p + (p - 1)/v stages' worth on the first stage, which is Korthikanti et al. 2022's
+      factor 1 + (p - 1)/(p v) over 1F1B's p; at most m.
+
+    Without a pipeline micro-batches run one after the other: 1.
+    """
+    p, m, v = strategy.pipeline, strategy.accumulation, strategy.virtual_stages
+    if p == 1:
+        return 1.0
+    if strategy.schedule == "gpipe":
+        return float(m)
+    if strategy.schedule == "interleaved":
+        return min(((p - stage_index - 1) * 2 + (v - 1) * p + 1) / v, float(m))
+    return float(min(p - stage_index, m))
 
 
 def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> dict[str, float]:
@@ -485,7 +502,7 @@ def _backward_peak(
     *,
     held: float,
     grads: float,
-    in_flight: int,
+    in_flight: float,
     head: LayerProfile | None,
     tied_grad: float,
 ) -> float:

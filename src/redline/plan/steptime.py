@@ -127,9 +127,10 @@ def _micro_batch_compute_s(
 def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) -> StepTime:
     """One optimizer step of ``strategy`` on ``cluster``.
 
-    The slowest pipeline stage sets the pace. With 1F1B over p stages and m micro-batches a step takes
-    m + p - 1 micro-batch slots, the p - 1 extra being the bubble (Narayanan et al. 2021, section 2.2);
-    a slot is a micro-batch's compute plus its tensor-parallel all-reduces, which nothing hides.
+    The slowest pipeline stage sets the pace. With GPipe or 1F1B over p stages and m micro-batches a step
+    takes m + p - 1 micro-batch slots, the p - 1 extra being the bubble, (p - 1)/m of the ideal time; the
+    interleaved schedule's v virtual stages per rank shrink it to (p - 1)/(v m) (Narayanan et al. 2021,
+    section 2.2). A slot is a micro-batch's compute plus its tensor-parallel all-reduces, which nothing hides.
     """
     m, p, t = strategy.accumulation, strategy.pipeline, strategy.tensor
     stage = max(stages(profile, p), key=lambda s: sum(layer.forward_flops_per_sample for layer in s.blocks + s.fixed))
@@ -150,22 +151,29 @@ def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) ->
 
     # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients): a
     # block's input (a transformer's b*s*h residual stream, fp32 under autocast too), split t ways (Megatron's
-    # scatter/gather optimisation)
+    # scatter/gather optimisation); interleaved, each rank sends every micro-batch on v times, once per chunk
     pp_s = 0.0
     if p > 1:
         size = stage.blocks[0].input_bytes_per_sample.get(activation_key(strategy), 0.0) * strategy.micro_batch / t
         crossing = where.pp_crosses_nodes and cluster.nodes > 1 and cluster.inter is not None
         link = network_share(cluster.inter, cluster.gpus_per_node) if crossing else cluster.intra
-        pp_s = 2 * (m + p - 1) * p2p_s(size, link)
+        pp_s = 2 * (strategy.virtual_stages * m + p - 1) * p2p_s(size, link)
 
     return StepTime(
         compute=m * micro_batch_s,
-        bubble=(p - 1) * (micro_batch_s + tp_micro_s),
+        bubble=bubble_slots(strategy) * (micro_batch_s + tp_micro_s),
         data_parallel_comm=_data_parallel_exposed_s(profile, strategy, cluster, stage, where, forward, backward),
         tensor_parallel_comm=m * tp_micro_s,
         pipeline_comm=pp_s,
         optimizer=_optimizer_s(profile, strategy, cluster, stage),
     )
+
+
+def bubble_slots(strategy: Strategy) -> float:
+    """Micro-batch slots a step spends filling and draining the pipeline: p - 1 for GPipe and 1F1B, (p - 1)/v
+    for interleaved 1F1B (Narayanan et al. 2021, section 2.2: a bubble of (p - 1)/m and (p - 1)/(v m) of the
+    ideal m slots)."""
+    return (strategy.pipeline - 1) / strategy.virtual_stages
 
 
 def _data_parallel_exposed_s(
