@@ -7,7 +7,7 @@ from typing import Any
 
 from redline.plan.hardware import Cluster
 from redline.plan.memory import MemoryBreakdown, memory_per_gpu
-from redline.plan.steptime import StepTime, step_time
+from redline.plan.steptime import StepTime, recomputed_flops_per_sample, step_time
 from redline.plan.strategy import Strategy
 from redline.specs.catalog import peak_precisions
 from redline.workload.profile import WorkloadProfile
@@ -76,7 +76,7 @@ def estimate(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goa
     if peak:
         model_flops = profile.training_flops_per_sample * samples_per_s
         mfu = model_flops / (strategy.gpus * peak)
-        recomputed = sum(b.forward_flops_per_sample for b in profile.blocks) if strategy.checkpointing == "full" else 0
+        recomputed = recomputed_flops_per_sample(profile, strategy)
         hfu = (model_flops + recomputed * samples_per_s) / (strategy.gpus * peak)
     time_to_train = None
     if goal.tokens is not None:

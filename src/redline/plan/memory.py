@@ -203,6 +203,16 @@ def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> float:
     return float(min(p - stage_index, m))
 
 
+def recomputes_block(layer: LayerProfile, strategy: Strategy) -> bool:
+    """Whether a block's backward reruns its forward first: under full checkpointing, and under selective
+    checkpointing where the tracer measured what ``workload.selective``'s per-operator policy keeps (the runtime's:
+    it recomputes all but the matmuls). Korthikanti's analytic selective recomputes only the attention core,
+    inside the backward."""
+    if strategy.checkpointing == "full":
+        return True
+    return strategy.checkpointing == "selective" and activation_key(strategy) in layer.selective_bytes_per_sample
+
+
 def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> dict[str, float]:
     """Each block of the stage: bytes saved for backward per micro-batch without checkpointing. Identical
     blocks (all of an analytic transformer's) are computed once."""
@@ -362,8 +372,9 @@ def _weight_copies_and_comm_buffers(
 
 
 def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, float]) -> dict[str, float]:
-    """Bytes each layer of the stage keeps for its backward, for one micro-batch: a checkpointed block only its
-    input."""
+    """Bytes each layer of the stage keeps for its backward, for one micro-batch: a checkpointed block its input,
+    and under measured selective checkpointing what the policy saved (matmul outputs, split t ways as the
+    matmuls are); an analytic one under selective checkpointing all but its attention core (Korthikanti)."""
     key = activation_key(strategy)
     t = strategy.tensor
     sp_divisor = t if strategy.sequence_parallel else 1
@@ -371,8 +382,11 @@ def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, f
     for layer in (*stage.blocks, *stage.fixed):
         if not layer.is_block:
             kept[layer.name] = layer.activation_bytes_per_sample[key] * strategy.micro_batch / t
-        elif strategy.checkpointing == "full":  # the block's input
-            kept[layer.name] = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor * strategy.micro_batch
+        elif recomputes_block(layer, strategy):
+            per_sample = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor
+            if strategy.checkpointing == "selective":
+                per_sample += layer.selective_bytes_per_sample[key] / t
+            kept[layer.name] = per_sample * strategy.micro_batch
         else:
             kept[layer.name] = full_blocks[layer.name]
     return kept
@@ -395,8 +409,9 @@ def _backward_working_sets(
     rise: dict[str, float],
     autocast_copies: dict[str, float],
 ) -> dict[str, float]:
-    """The working set of each block's backward, on top of what is still saved: its activation gradients (under
-    full checkpointing also its recomputed activations and the weight copies its recomputation casts again);
+    """The working set of each block's backward, on top of what is still saved: its activation gradients (where it
+    is recomputed also its recomputed activations and the weight copies its recomputation casts again: under
+    selective checkpointing this counts the saved matmul outputs twice, on the safe side);
     and the loss's for an LM's head. Copies per parameter: autocast's, not FSDP's whole units."""
     working = {}
     for block in stage.blocks:
@@ -404,7 +419,7 @@ def _backward_working_sets(
         backward = measured_bytes(block.backward_working, block, strategy, saved)
         if backward is None:  # not measured: all it saved, at most
             backward = saved
-        if strategy.checkpointing == "full":
+        if recomputes_block(block, strategy):
             # the recomputation's forward (its rise counts the block's input, which is already held, where the
             # gradient of its output now waits), then the backward on what it saved and the weight copies it cast
             backward = max(rise[block.name], saved + backward + autocast_copies[block.name])
@@ -476,7 +491,7 @@ def _layers_in_model_order(
             ),
             # a checkpointed block saves no weight copies (autocast without its weight cache, as the runtime runs
             # it: a loop with the cache on holds them to the end of the forward)
-            copies=0.0 if strategy.checkpointing == "full" and layer.is_block else autocast_copies[layer.name],
+            copies=0.0 if layer.is_block and recomputes_block(layer, strategy) else autocast_copies[layer.name],
             rise=rise[layer.name],
             working=working.get(layer.name, 0.0),
             grads=layer.params * grad_share,

@@ -10,7 +10,7 @@ compute is subtracted, what cannot stays on the critical path.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from redline.plan.comm import collective_s, network_share, p2p_s, ring_s
@@ -28,6 +28,7 @@ from redline.plan.memory import (
 from redline.plan.model_states import ZERO_STAGE
 from redline.plan.strategy import Strategy
 from redline.workload.profile import WorkloadProfile
+from redline.workload.transformer import attention_core_flops
 
 # A training step's GEMMs (split by tensor parallelism, of many shapes) sustain less than one large GEMM.
 # 0.79 of the matmul ceiling is fitted on Narayanan et al.'s three 175B runs (Table 2, 384-1536 A100) and
@@ -94,11 +95,15 @@ def groups(strategy: Strategy, cluster: Cluster) -> Groups:
 def _micro_batch_compute_s(
     profile: WorkloadProfile, strategy: Strategy, stage: Stage, cluster: Cluster
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch on one stage; recomputation counts in backward."""
+    """(forward, backward) seconds of one micro-batch on one stage; recomputation counts in backward: full
+    checkpointing reruns each block's forward; selective reruns everything but the matmuls (``workload.selective``),
+    the memory-bound half of the forward and the attention core's FLOPs (Korthikanti et al. 2022, section 5)."""
     b, t = strategy.micro_batch, strategy.tensor
     rate = cluster.matmul[strategy.precision].value * SUSTAINED_MATMUL_FRACTION
     bandwidth = cluster.memory_bandwidth.value
-    blocks = block_activations(profile, strategy, stage)
+    # what the forward writes and the backward reads, kept or recomputed
+    blocks = block_activations(profile, replace(strategy, checkpointing="none"), stage)
+    core_flops = attention_core_flops_per_sample(profile)
     forward = backward = 0.0
     for layer in (*stage.blocks, *stage.fixed):
         flops = layer.forward_flops_per_sample * b / t
@@ -114,6 +119,8 @@ def _micro_batch_compute_s(
         backward += max(2 * flops / rate + memory_s / 2, 2 * launches)
         if layer.is_block and strategy.checkpointing == "full":
             backward += layer_forward
+        elif layer.is_block and strategy.checkpointing == "selective":
+            backward += core_flops * b / t / rate + memory_s / 2
     if profile.calibration is not None and forward + backward > 0:  # measured here: correct the total, keep the split
         # the floor was measured on the whole model: this stage launches its layers' share, and a recomputed
         # forward adds about a third
@@ -122,6 +129,23 @@ def _micro_batch_compute_s(
         factor = profile.calibration.corrected_compute_s(forward + backward, floor_share) / (forward + backward)
         forward, backward = forward * factor, backward * factor
     return forward, backward
+
+
+def attention_core_flops_per_sample(profile: WorkloadProfile) -> float:
+    """Forward FLOPs of one block's attention core for one sample, which selective checkpointing recomputes (a
+    transformer's; 0 where the profile has no transformer shape to tell them)."""
+    shape = profile.transformer
+    return 0.0 if shape is None else attention_core_flops(shape, profile.tokens_per_sample)
+
+
+def recomputed_flops_per_sample(profile: WorkloadProfile, strategy: Strategy) -> float:
+    """Forward FLOPs a step recomputes per sample: every block's under full checkpointing, every attention core
+    under selective (hardware FLOPs, HFU)."""
+    if strategy.checkpointing == "full":
+        return sum(b.forward_flops_per_sample for b in profile.blocks)
+    if strategy.checkpointing == "selective":
+        return len(profile.blocks) * attention_core_flops_per_sample(profile)
+    return 0.0
 
 
 def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) -> StepTime:
