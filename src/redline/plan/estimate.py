@@ -65,7 +65,11 @@ class Estimate:
         }
 
 
-def estimate(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goal: Goal) -> Estimate:
+def estimate(
+    profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goal: Goal, *, memory_margin: float = 0.0
+) -> Estimate:
+    """The strategy's predictions; it fits when its device total leaves ``memory_margin`` of the GPU's memory
+    free."""
     memory = memory_per_gpu(profile, strategy, cluster.gpus_per_node)
     time = step_time(profile, strategy, cluster)
     step_s = time.total
@@ -90,7 +94,7 @@ def estimate(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goa
         strategy=strategy,
         memory=memory,
         time=time,
-        fits=memory.device_total <= cluster.memory_bytes,
+        fits=memory.device_total <= (1 - memory_margin) * cluster.memory_bytes,
         samples_per_s=samples_per_s,
         tokens_per_s=tokens_per_s,
         mfu=mfu,

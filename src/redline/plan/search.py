@@ -3,9 +3,15 @@
 The space: tensor degree (a divisor of the node size that divides the attention heads), pipeline degree
 (a divisor of what is left, no deeper than the model has blocks), data degree (the rest), what the data-
 parallel group shards, micro-batch (powers of two and the whole per-rank batch), the gradient
-accumulation that reaches the global batch, and activation checkpointing. Sequence parallelism is on
-whenever tensor parallelism is (it only saves memory). Everything is arithmetic: a 70B model over 64 GPUs
-is a few thousand candidates.
+accumulation that reaches the global batch, and activation checkpointing (none, selective, full).
+Sequence parallelism is on whenever tensor parallelism is (it only saves memory) unless the user turns it
+off; pipelines run 1F1B unless the user picks a schedule. Everything is arithmetic: a 70B model over 64
+GPUs is a few thousand candidates.
+
+A plan fits when its predicted device total leaves ``Constraints.memory_margin`` of the GPU's memory free
+(none by default: the prediction already counts the allocator's reserve, the CUDA context and NCCL's
+buffers). Plans within ``Constraints.time_tolerance`` of the fastest are ranked by memory headroom, more
+free memory first: a 0.2% faster plan is not worth running at the edge of memory.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 from redline.errors import BadInput
 from redline.plan.estimate import Estimate, Goal, estimate
 from redline.plan.hardware import Cluster
-from redline.plan.strategy import Strategy
+from redline.plan.strategy import CHECKPOINTING, Strategy
 from redline.units import GiB
 from redline.workload.profile import WorkloadProfile
 
@@ -28,7 +34,8 @@ OUT_OF_MEMORY = "does not fit in GPU memory"
 
 @dataclass(frozen=True)
 class Constraints:
-    """Parts of the strategy the user fixed; None leaves them to the search."""
+    """Parts of the strategy the user fixed (None leaves them to the search), and how the search judges the
+    candidates."""
 
     precision: str | None = None
     optimizer: str = "adamw"
@@ -38,6 +45,18 @@ class Constraints:
     micro_batch: int | None = None
     accumulation: int | None = None
     checkpointing: str | None = None
+    sequence_parallel: bool = True  # wherever tensor parallelism is
+    flash_attention: bool = True
+    schedule: str | None = None  # of a pipeline; None: 1F1B
+    virtual_stages: int | None = None  # of the interleaved schedule; None: 2
+    memory_margin: float = 0.0  # fraction of each GPU's memory a plan leaves free
+    time_tolerance: float = 0.0  # plans this close to the fastest (a fraction of its time) rank by headroom
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.memory_margin < 1:
+            raise ValueError(f"memory margin must be a fraction in [0, 1), not {self.memory_margin}")
+        if self.time_tolerance < 0:
+            raise ValueError(f"time tolerance must not be negative, not {self.time_tolerance}")
 
 
 @dataclass
@@ -46,6 +65,7 @@ class SearchResult:
     considered: int
     excluded: Counter[str] = field(default_factory=Counter)  # reason -> how many
     closest_misfit: Estimate | None = None  # the excluded strategy that came nearest to fitting
+    memory_margin: float = 0.0  # the fraction of each GPU's memory the plans were to leave free
 
     def exclusions(self) -> list[dict[str, Any]]:
         return [{"reason": reason, "count": count} for reason, count in self.excluded.most_common()]
@@ -154,9 +174,17 @@ def candidates(
             micro_batches = _micro_batch_choices(per_rank, constraints, excluded)
             if not micro_batches:
                 continue
+            schedule, virtual = _schedule(constraints, p)
+            if p * virtual > max(blocks, 1):
+                excluded["fewer blocks than pipeline stages x virtual stages"] += 1
+                continue
             for sharding in shardings:
                 for b in micro_batches:
-                    for ckpt in ("none", "full") if blocks else ("none",):
+                    if schedule == "interleaved" and (per_rank // b) % p:
+                        # Megatron-LM and torch.distributed.pipelining's interleaved 1F1B alike
+                        excluded["interleaved: micro-batches per step not a multiple of the pipeline stages"] += 1
+                        continue
+                    for ckpt in CHECKPOINTING if blocks else ("none",):
                         if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
                             continue
                         yield Strategy(
@@ -168,9 +196,22 @@ def candidates(
                             micro_batch=b,
                             accumulation=per_rank // b,
                             checkpointing=ckpt,
-                            sequence_parallel=t > 1,
+                            sequence_parallel=t > 1 and constraints.sequence_parallel,
                             optimizer=constraints.optimizer,
+                            flash_attention=constraints.flash_attention,
+                            schedule=schedule,
+                            virtual_stages=virtual,
                         )
+
+
+def _schedule(constraints: Constraints, pipeline: int) -> tuple[str, int]:
+    """The schedule and virtual stages of a pipeline of ``pipeline`` stages: the user's, or 1F1B; without a
+    pipeline there is nothing to schedule."""
+    if pipeline == 1 or constraints.schedule in (None, "1f1b"):
+        return "1f1b", 1
+    if constraints.schedule == "interleaved":
+        return "interleaved", constraints.virtual_stages or 2
+    return constraints.schedule, 1
 
 
 def search(
@@ -187,16 +228,32 @@ def search(
     considered = 0
     for strategy in candidates(profile, cluster, goal, constraints, excluded):
         considered += 1
-        result = estimate(profile, strategy, cluster, goal)
+        result = estimate(profile, strategy, cluster, goal, memory_margin=constraints.memory_margin)
         if result.fits:
             fitting.append(result)
             continue
         excluded[OUT_OF_MEMORY] += 1
         if closest is None or result.memory.device_total < closest.memory.device_total:
             closest = result
-    # on one cluster cost is time x price, so one order serves both; equal times: more memory to spare first
-    fitting.sort(key=lambda e: (e.time.total, e.memory.device_total))
-    return SearchResult(ranked=fitting, considered=considered, excluded=excluded, closest_misfit=closest)
+    ranked = rank(fitting, constraints.time_tolerance)
+    return SearchResult(
+        ranked=ranked,
+        considered=considered,
+        excluded=excluded,
+        closest_misfit=closest,
+        memory_margin=constraints.memory_margin,
+    )
+
+
+def rank(fitting: list[Estimate], time_tolerance: float) -> list[Estimate]:
+    """Fastest first (on one cluster cost is time x price, so one order serves both), but the plans within
+    ``time_tolerance`` of the fastest by memory headroom, more free memory first; equal times, likewise."""
+    ordered = sorted(fitting, key=lambda e: (e.time.total, e.memory.device_total))
+    if not ordered:
+        return ordered
+    limit = ordered[0].time.total * (1 + time_tolerance)
+    close = [e for e in ordered if e.time.total <= limit]  # a prefix: ordered by time
+    return sorted(close, key=lambda e: (e.memory.device_total, e.time.total)) + ordered[len(close) :]
 
 
 def explain_no_fit(result: SearchResult, cluster: Cluster) -> str:
@@ -205,9 +262,10 @@ def explain_no_fit(result: SearchResult, cluster: Cluster) -> str:
         reasons = "; ".join(f"{r['reason']} ({r['count']})" for r in result.exclusions()) or "no candidates"
         return f"no strategy can run on {cluster.name}: {reasons}"
     best = result.closest_misfit
+    margin = f" less the {result.memory_margin:.0%} margin" if result.memory_margin else ""
     return (
         f"nothing fits on {cluster.name}: the smallest footprint ({best.strategy.label()}) needs "
-        f"{best.memory.device_total / GiB:.1f} GiB per GPU of {cluster.memory_bytes / GiB:.1f} GiB"
+        f"{best.memory.device_total / GiB:.1f} GiB per GPU of {cluster.memory_bytes / GiB:.1f} GiB{margin}"
     )
 
 
