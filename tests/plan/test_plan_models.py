@@ -365,16 +365,21 @@ def _with(result, *, total_gib: float, step_s: float):
 
 def test_near_ties_in_time_go_to_the_plan_with_more_memory_headroom() -> None:
     """A plan at 79.5 of an H100's 79.6 GiB that is 0.2% faster than one at 60 GiB: within a 1% tolerance the
-    one with 19.6 GiB to spare ranks first; a plan 2% slower stays behind both; without a tolerance, time alone."""
-    from redline.plan.search import rank
+    one with 19.6 GiB to spare ranks first; a plan 2% slower stays behind both; without a tolerance, time alone.
+    Where the fastest has a tenth of the memory to spare (70 GiB), time alone too."""
+    from redline.plan.search import TIME_TOLERANCE, rank
 
+    memory = H100X8.memory_bytes
+    assert memory == pytest.approx(79.6 * GiB, rel=1e-3)
     base = estimate(LLAMA7, strategy(sharding="fsdp"), H100X8, Goal(64))
     edge = _with(base, total_gib=79.5, step_s=1.000)
     roomy = _with(base, total_gib=60.0, step_s=1.002)
     slow = _with(base, total_gib=40.0, step_s=1.020)
-    assert rank([edge, slow, roomy], 0.01) == [roomy, edge, slow]
-    assert rank([edge, slow, roomy], 0.0) == [edge, roomy, slow]
-    assert rank([], 0.01) == []
+    assert rank([edge, slow, roomy], TIME_TOLERANCE, memory) == [roomy, edge, slow]
+    assert rank([edge, slow, roomy], 0.0, memory) == [edge, roomy, slow]
+    comfortable = _with(base, total_gib=70.0, step_s=1.000)
+    assert rank([roomy, comfortable], TIME_TOLERANCE, memory) == [comfortable, roomy]
+    assert rank([], TIME_TOLERANCE, memory) == []
 
 
 def test_a_memory_margin_keeps_that_much_of_each_gpu_free() -> None:
