@@ -185,10 +185,7 @@ def plan(
     cluster = _cluster(hardware, nodes, network_gbps)
     if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
         raise BadInput(f"{cluster.name} has no price: rank by time, or plan for a cloud instance (or --cloud)")
-    if calibrate_micro_batch is not None and not calibrate:
-        raise BadInput("--calibrate-micro-batch goes with --calibrate")
-    if calibrate:
-        _check_calibration(model, cluster, calibrate_micro_batch)
+    _check_calibration(calibrate, model, cluster, calibrate_micro_batch)
     from redline.plan.search import default_global_batch
 
     batch = global_batch if global_batch is not None else default_global_batch(profile, cluster.gpus)
@@ -403,8 +400,12 @@ def _layout(constraints, sequence_parallel: bool, flash_attention: bool, schedul
     )
 
 
-def _check_calibration(model, cluster, micro_batch: int | None) -> None:
+def _check_calibration(calibrate: bool, model, cluster, micro_batch: int | None) -> None:
     """What --calibrate needs, checked before any planning: PyTorch, a model it can run, this machine."""
+    if not calibrate:
+        if micro_batch is not None:
+            raise BadInput("--calibrate-micro-batch goes with --calibrate")
+        return
     from redline import capability
 
     capability.require_torch("--calibrate (it times real training steps)")

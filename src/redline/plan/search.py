@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redline.errors import BadInput
@@ -181,34 +181,46 @@ def candidates(
             micro_batches = _micro_batch_choices(per_rank, constraints, excluded)
             if not micro_batches:
                 continue
-            schedule, virtual = _schedule(constraints, p)
-            if p * virtual > max(blocks, 1):
-                excluded["fewer blocks than pipeline stages x virtual stages"] += 1
+            layout = Strategy(data=dp, tensor=t, pipeline=p, precision=precision, optimizer=constraints.optimizer)
+            yield from _strategies(layout, constraints, shardings, micro_batches, per_rank, blocks, excluded)
+
+
+def _strategies(
+    layout: Strategy,
+    constraints: Constraints,
+    shardings: list[str],
+    micro_batches: list[int],
+    per_rank: int,
+    blocks: int,
+    excluded: Counter[str],
+) -> Iterator[Strategy]:
+    """The candidates of one layout (degrees, precision, optimizer) for ``per_rank`` samples per data-parallel rank
+    and step: each sharding, micro-batch and checkpointing, with the user's switches and the pipeline's schedule."""
+    t, p = layout.tensor, layout.pipeline
+    schedule, virtual = _schedule(constraints, p)
+    if p * virtual > max(blocks, 1):
+        excluded["fewer blocks than pipeline stages x virtual stages"] += 1
+        return
+    for sharding in shardings:
+        for b in micro_batches:
+            if schedule == "interleaved" and (per_rank // b) % p:
+                # Megatron-LM and torch.distributed.pipelining's interleaved 1F1B alike
+                excluded["interleaved: micro-batches per step not a multiple of the pipeline stages"] += 1
                 continue
-            for sharding in shardings:
-                for b in micro_batches:
-                    if schedule == "interleaved" and (per_rank // b) % p:
-                        # Megatron-LM and torch.distributed.pipelining's interleaved 1F1B alike
-                        excluded["interleaved: micro-batches per step not a multiple of the pipeline stages"] += 1
-                        continue
-                    for ckpt in CHECKPOINTING if blocks else ("none",):
-                        if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
-                            continue
-                        yield Strategy(
-                            data=dp,
-                            tensor=t,
-                            pipeline=p,
-                            sharding=sharding,
-                            precision=precision,
-                            micro_batch=b,
-                            accumulation=per_rank // b,
-                            checkpointing=ckpt,
-                            sequence_parallel=t > 1 and constraints.sequence_parallel,
-                            optimizer=constraints.optimizer,
-                            flash_attention=constraints.flash_attention,
-                            schedule=schedule,
-                            virtual_stages=virtual,
-                        )
+            for ckpt in CHECKPOINTING if blocks else ("none",):
+                if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
+                    continue
+                yield replace(
+                    layout,
+                    sharding=sharding,
+                    micro_batch=b,
+                    accumulation=per_rank // b,
+                    checkpointing=ckpt,
+                    sequence_parallel=t > 1 and constraints.sequence_parallel,
+                    flash_attention=constraints.flash_attention,
+                    schedule=schedule,
+                    virtual_stages=virtual,
+                )
 
 
 def _schedule(constraints: Constraints, pipeline: int) -> tuple[str, int]:
@@ -286,8 +298,6 @@ def smallest_fitting(
 ) -> list[tuple[Cluster, Estimate]]:
     """For each catalog GPU, the fewest GPUs (8 per node) on which the model fits with its leanest
     strategy (micro-batch 1, full checkpointing); the ``limit`` smallest by total GPU memory."""
-    from dataclasses import replace
-
     from redline.plan.hardware import catalog_cluster
     from redline.specs.catalog import gpu_catalog
 
