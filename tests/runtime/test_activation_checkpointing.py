@@ -24,9 +24,10 @@ from redline.errors import BadInput
 from redline.plan.planfile import dump_plan, load_plan
 from redline.plan.strategy import Strategy
 from redline.runtime.config import ActivationCheckpointConfig, RunConfig, check_settings, from_plan_file
-from redline.runtime.parallelize import SAVED_OPS, apply_activation_checkpointing
+from redline.runtime.parallelize import apply_activation_checkpointing
 from redline.runtime.prepare import prepare
 from redline.workload.profile import TransformerShape
+from redline.workload.selective import SAVED_OPS
 from redline.workload.structure import find_blocks, without_kv_cache
 from reference_gpt import Gpt
 

@@ -269,12 +269,14 @@ def test_gpt2_activations_are_fused_attention_sized(gpt2_profile):
 
 def test_gpt2_selective_checkpointing_keeps_the_projections(gpt2_profile):
     """A GPT-2 block under selective checkpointing keeps the outputs of its four linear layers (GPT-2's Conv1D is
-    an addmm): QKV 3h, the attention projection h, the MLP's 4h and h wide, 9 s h values; not the attention core,
-    the norms, GELU or dropout, which its backward recomputes."""
+    an addmm): QKV 3h, the attention projection h, the MLP's 4h and h wide, 9 s h values; and the fused attention
+    kernel's output (s h) with its log-sum-exp (fp32, one per head and token), so its backward reruns no
+    attention; not the norms, GELU or dropout, which it recomputes."""
     block = gpt2_profile.blocks[3]
-    s, h = 1024, 768
-    assert block.selective_bytes_per_sample["16bit"] == 2 * 9 * s * h
-    assert block.selective_bytes_per_sample["fp32"] == 4 * 9 * s * h
+    s, h, heads = 1024, 768, 12
+    logsumexp_bytes = 4 * heads * s
+    assert block.selective_bytes_per_sample["16bit"] == 2 * 10 * s * h + logsumexp_bytes
+    assert block.selective_bytes_per_sample["fp32"] == 4 * 10 * s * h + logsumexp_bytes
     assert block.selective_bytes_per_sample["16bit"] < block.activation_bytes_per_sample["16bit"] / 2
 
 

@@ -96,14 +96,15 @@ def _micro_batch_compute_s(
     profile: WorkloadProfile, strategy: Strategy, stage: Stage, cluster: Cluster
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch on one stage; recomputation counts in backward: full
-    checkpointing reruns each block's forward; selective reruns everything but the matmuls (``workload.selective``),
-    the memory-bound half of the forward and the attention core's FLOPs (Korthikanti et al. 2022, section 5)."""
+    checkpointing reruns each block's forward; selective reruns what ``workload.selective`` does not keep: the
+    memory-bound half of the forward, and without flash attention the attention core's FLOPs (Korthikanti et al.
+    2022, section 5; a fused attention kernel's output is kept, so nothing of the attention is rerun)."""
     b, t = strategy.micro_batch, strategy.tensor
     rate = cluster.matmul[strategy.precision].value * SUSTAINED_MATMUL_FRACTION
     bandwidth = cluster.memory_bandwidth.value
     # what the forward writes and the backward reads, kept or recomputed
     blocks = block_activations(profile, replace(strategy, checkpointing="none"), stage)
-    core_flops = attention_core_flops_per_sample(profile)
+    core_flops = recomputed_core_flops_per_sample(profile, strategy)
     forward = backward = 0.0
     for layer in (*stage.blocks, *stage.fixed):
         flops = layer.forward_flops_per_sample * b / t
@@ -138,13 +139,19 @@ def attention_core_flops_per_sample(profile: WorkloadProfile) -> float:
     return 0.0 if shape is None else attention_core_flops(shape, profile.tokens_per_sample)
 
 
+def recomputed_core_flops_per_sample(profile: WorkloadProfile, strategy: Strategy) -> float:
+    """Forward FLOPs of one block's attention core that selective checkpointing reruns per sample: all of them
+    for an unfused core, none for a fused kernel (flash attention), whose output is kept."""
+    return 0.0 if strategy.flash_attention else attention_core_flops_per_sample(profile)
+
+
 def recomputed_flops_per_sample(profile: WorkloadProfile, strategy: Strategy) -> float:
-    """Forward FLOPs a step recomputes per sample: every block's under full checkpointing, every attention core
-    under selective (hardware FLOPs, HFU)."""
+    """Forward FLOPs a step recomputes per sample: every block's under full checkpointing, every unfused
+    attention core under selective (hardware FLOPs, HFU)."""
     if strategy.checkpointing == "full":
         return sum(b.forward_flops_per_sample for b in profile.blocks)
     if strategy.checkpointing == "selective":
-        return len(profile.blocks) * attention_core_flops_per_sample(profile)
+        return len(profile.blocks) * recomputed_core_flops_per_sample(profile, strategy)
     return 0.0
 
 

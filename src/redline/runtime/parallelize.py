@@ -7,7 +7,6 @@ none holds state: each can be called and tested on its own.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import os
@@ -17,17 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    SelectiveCheckpointContext,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.config import ActivationCheckpointConfig, DdpConfig, NumericsConfig
+from redline.workload.selective import selective_checkpoint_context
 
 log = logging.getLogger("redline.runtime")
 
@@ -73,28 +67,6 @@ def sync_batchnorm(model: nn.Module) -> None:
         raise BadInput("the model is a single BatchNorm layer: wrap it in a module")
 
 
-# Selective activation checkpointing keeps the outputs of these ops and recomputes every other op of a block
-# in the backward (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"):
-# the matmuls of the linear layers (``aten.linear`` reaches the dispatcher as ``addmm`` with a bias, ``mm``
-# without) and fused attention, whose outputs are costly to recompute, while the normalisations, activations,
-# residual adds, dropout and an unfused attention core (its two ``bmm``s, the mask, softmax and dropout over
-# s x s scores) are cheap to recompute and, for long sequences, most of a block's activations. ``bmm`` is
-# recomputed on purpose: in a transformer block it is the attention core (a linear layer's batched input is
-# folded into one ``mm``), and saving it would keep the s x s scores selective checkpointing exists to drop.
-# The fused attention kernels save no s x s tensor; keeping their outputs saves rerunning them.
-# Mirrors the planner's op list (workload/selective.py, which counts what these keep); the two are to become one.
-SAVED_OPS: frozenset[torch._ops.OpOverload] = frozenset(
-    {
-        torch.ops.aten.mm.default,
-        torch.ops.aten.addmm.default,
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
-)
-
-
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, config: ActivationCheckpointConfig) -> None:
     """The plan's activation checkpointing (``none``, ``selective``, ``full``) over every ``config.every``-th
     of the model's repeated blocks (the k-th, the 2k-th...)."""
@@ -112,7 +84,8 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, config: A
 
 def checkpoint_blocks(blocks: list[nn.Module], *, selective: bool = False) -> None:
     """Activation checkpointing of each block (non-reentrant ``torch.utils.checkpoint``): full, each block keeps
-    its input and recomputes the rest in the backward; selective, it also keeps the outputs of ``SAVED_OPS`` and
+    its input and recomputes the rest in the backward; selective, it also keeps the outputs of the matmuls and
+    fused attention kernels (``workload.selective.SAVED_OPS``, the same policy the planner measures) and
     recomputes the rest. The random ops recompute as they ran: the checkpoint restores the RNG state. A Hugging
     Face model must also run without its KV cache (``workload.structure.without_kv_cache``), or each
     recomputation appends its keys and values again."""
@@ -122,20 +95,12 @@ def checkpoint_blocks(blocks: list[nn.Module], *, selective: bool = False) -> No
 
 def _checkpointed(forward: Callable[..., Any], *, selective: bool) -> Callable[..., Any]:
     # called by each forward, it makes the pair of contexts that hold what that forward saved for its backward
-    contexts = functools.partial(create_selective_checkpoint_contexts, _saved_or_recomputed)
-    context_fn = contexts if selective else noop_context_fn
+    context_fn = selective_checkpoint_context if selective else noop_context_fn
 
     def run(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
-
-
-def _saved_or_recomputed(
-    ctx: SelectiveCheckpointContext, op: torch._ops.OpOverload, *args: Any, **kwargs: Any
-) -> CheckpointPolicy:
-    """Selective checkpointing's policy: keep the output of ``SAVED_OPS``, recompute any other op's."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_compile(model: nn.Module, blocks: list[nn.Module]) -> None:
