@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
@@ -132,22 +133,29 @@ def apply_ddp(
 
 
 def apply_fsdp(
-    model: nn.Module, blocks: list[nn.Module], strategy: Strategy, *, device: torch.device, world: int
+    model: nn.Module,
+    blocks: list[nn.Module],
+    strategy: Strategy,
+    *,
+    device: torch.device,
+    world: int,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` per block, then the root: parameters in the plan's 16-bit precision with fp32
     reductions; ZeRO-2 keeps the parameters gathered after the forward, FSDP reshards them; HSDP shards within
-    a node and replicates across nodes."""
+    a node and replicates across nodes. ``mesh``: the data-parallel ranks to shard over (beside tensor
+    parallelism), instead of all of them; DDP and ZeRO-1 plans shard there as ZeRO-2 does (DDP takes no
+    DTensor parameters), each rank holding its share of the parameters, gradients and optimizer states."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    mesh = None
-    if strategy.sharding == "hsdp":
+    if mesh is None and strategy.sharding == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
 
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         mesh = init_device_mesh(device.type, (world // per_node, per_node))
-    reshard = strategy.sharding != "zero2"
+    reshard = strategy.sharding not in ("zero2", "ddp", "zero1")
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)

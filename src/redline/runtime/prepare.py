@@ -57,6 +57,7 @@ from redline.runtime.batch import to_device, tokens_per_sample
 from redline.runtime.config import RunConfig, default_config, from_plan_file, runtime_from_env
 from redline.runtime.distributed import agree, init_distributed
 from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
+from redline.runtime.mesh import ParallelDims, build_mesh
 from redline.runtime.oom import (
     SimulatedOutOfMemory,
     free_memory,
@@ -76,6 +77,7 @@ from redline.runtime.parallelize import (
     build_optimizer,
     unfused_adam,
 )
+from redline.runtime.tensor_parallel import apply_tp
 from redline.workload.structure import find_blocks, without_kv_cache
 
 log = logging.getLogger("redline.runtime")
@@ -118,11 +120,20 @@ class Run:
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         self.config = self._resolve_config(plan, data, overrides)
         strategy = self.config.strategy
-        if strategy.data != self.world_size:
+        if strategy.gpus != self.world_size:
+            layout = f" x tensor degree {strategy.tensor}" if strategy.tensor > 1 else ""
             raise BadInput(
-                f"the plan is for {strategy.data} data-parallel ranks but {self.world_size} are running; "
-                f"launch with `redline run --nproc-per-node {strategy.data}` or re-plan"
+                f"the plan is for {strategy.data} data-parallel ranks{layout} but {self.world_size} are running; "
+                f"launch with `redline run --nproc-per-node {strategy.gpus}` or re-plan"
             )
+        # a tensor-parallel plan lays the ranks out on a device mesh; the others keep the flat group
+        self.mesh = (
+            build_mesh(ParallelDims.from_strategy(strategy, per_node=_per_node(self.world_size)), self.device.type)
+            if strategy.tensor > 1
+            else None
+        )
+        # the ranks that load different batches: all of them, except that a tensor-parallel group shares one
+        self.dp_rank, self.dp_size = self.mesh.dp_rank_and_size() if self.mesh else (self.rank, self.world_size)
         self.precision = strategy.precision
         self._check_precision()
         self.micro_batch = strategy.micro_batch
@@ -130,11 +141,13 @@ class Run:
         apply_numerics(self.config.numerics, self.device)
         self._check_plan_matches(model)
         self.model = self._wrap(model.to(self.device))
-        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=strategy.sharding)
+        # under tensor parallelism the parameters are DTensors, sharded over the data ranks by FSDP2 if any
+        sharding = "fsdp" if self.mesh else strategy.sharding
+        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=sharding)
         self._flag_unfused_adam("as asked")
         self.scheduler = self._build_scheduler(scheduler)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.feed = Feed(data, self.config, world=self.world_size, rank=self.rank, device=self.device)
+        self.feed = Feed(data, self.config, world=self.dp_size, rank=self.dp_rank, device=self.device)
         self.micro_batch = self.feed.micro_batch(self.accumulation) or self.micro_batch
 
         from redline.runtime.metrics import StepMetrics, peak_flops
@@ -228,11 +241,17 @@ class Run:
             )
         blocks = [block for _, block in find_blocks(model)]
         strategy = self.config.strategy
+        if self.mesh is not None and self.mesh.tp is not None:
+            apply_tp(model, self.mesh.tp, sequence_parallel=strategy.sequence_parallel)
         apply_activation_checkpointing(blocks, strategy.checkpointing)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
         if self.world_size == 1:
             return model
+        if self.mesh is not None:  # DDP takes no DTensor parameters: FSDP2 over the data ranks, if any
+            if self.mesh.dp is None:
+                return model
+            return apply_fsdp(model, blocks, strategy, device=self.device, world=self.world_size, mesh=self.mesh.dp)
         if strategy.sharding in ("ddp", "zero1"):
             return apply_ddp(
                 model,
@@ -532,7 +551,7 @@ class Run:
 
     def _position(self) -> dict[str, int]:
         return {
-            "world_size": self.world_size,
+            "world_size": self.dp_size,  # the ranks the batches were split over
             "per_rank_batch": self.loader.batch_size,  # None for a batch sampler's batches
             "attempt": self.attempt,
             "step": self.step,
@@ -590,6 +609,11 @@ class Run:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+
+
+def _per_node(world: int) -> int:
+    """Ranks per node, as the launcher set them (HSDP shards within a node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def _device_name(device: torch.device) -> str:

@@ -1,0 +1,47 @@
+"""Tensor parallelism on the CPU (gloo, fp32): ranks in tensor-parallel groups train as one process does,
+the split is checked before anything is sharded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import tp_worker
+
+from ranks import spawn_ranks
+from redline.plan.strategy import Strategy
+from redline.runtime.config import RunConfig
+
+WORKER = Path(tp_worker.__file__)
+# fp32 over gloo: the sharded matmuls and the all-reduced partial sums add in another order than one process
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def ranks(tmp_path: Path, model: str, world: int, strategy: dict, **env: str) -> tuple[dict, list[float]]:
+    out = tmp_path / "weights.pt"
+    env = {"MODEL": model, "STRATEGY": json.dumps({"precision": "fp32"} | strategy), "OUT": str(out)} | env
+    spawn_ranks(WORKER, world, store=tmp_path / "store", env=env)
+    return torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
+
+
+def one_process(model: str, **strategy) -> tuple[dict, list[float]]:
+    plan = RunConfig(strategy=Strategy(**({"precision": "fp32"} | strategy)))
+    run, losses = tp_worker.train(model, plan)
+    return tp_worker.full_weights(run.model), losses
+
+
+def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -> None:
+    (got_weights, got_losses), (want_weights, want_losses) = got, want
+    assert len(got_losses) == len(want_losses) == tp_worker.SAMPLES // 8
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), **TOLERANCE)
+    assert got_weights.keys() == want_weights.keys()
+    for name, value in want_weights.items():
+        torch.testing.assert_close(got_weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
+    got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
+    assert_same(got, one_process(model, micro_batch=8))
