@@ -45,3 +45,26 @@ def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
     got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
     assert_same(got, one_process(model, micro_batch=8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_tensor_parallel_groups_beside_data_parallel_ranks_train_as_one_process(tmp_path: Path, sharding: str) -> None:
+    """TP2 x DP2: the two groups load different halves of each batch, FSDP2 shards over the data ranks (a DDP
+    plan too: DDP takes no DTensor parameters)."""
+    got = ranks(tmp_path, "gpt", 4, {"data": 2, "tensor": 2, "micro_batch": 4, "sharding": sharding})
+    assert_same(got, one_process("gpt", micro_batch=8))
+
+
+def test_a_head_count_the_degree_does_not_divide_is_one_line_before_anything_is_sharded() -> None:
+    from redline.errors import BadInput
+    from redline.runtime.tensor_parallel import check_divisible, find_plan
+
+    gpt = tp_worker.make_model("gpt")
+    with pytest.raises(BadInput, match="splits heads over them, and Block has 4: plan with a --tp that divides 4"):
+        check_divisible(gpt, find_plan(gpt, 3), 3)
+    llama = tp_worker.make_model("llama")
+    with pytest.raises(BadInput, match="splits num_key_value_heads over them, and LlamaConfig has 2") as error:
+        check_divisible(llama, find_plan(llama, 4), 4)
+    assert "\n" not in str(error.value)
+    check_divisible(llama, find_plan(llama, 2), 2)
