@@ -20,6 +20,7 @@ TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def ranks(tmp_path: Path, model: str, world: int, strategy: dict, **env: str) -> tuple[dict, list[float]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "weights.pt"
     env = {"MODEL": model, "STRATEGY": json.dumps({"precision": "fp32"} | strategy), "OUT": str(out)} | env
     spawn_ranks(WORKER, world, store=tmp_path / "store", env=env)
@@ -68,3 +69,14 @@ def test_a_head_count_the_degree_does_not_divide_is_one_line_before_anything_is_
         check_divisible(llama, find_plan(llama, 4), 4)
     assert "\n" not in str(error.value)
     check_divisible(llama, find_plan(llama, 2), 2)
+
+
+def test_a_tensor_parallel_run_resumes_from_its_checkpoint_bit_identically(tmp_path: Path) -> None:
+    strategy = {"tensor": 2, "micro_batch": 8}
+    whole = ranks(tmp_path / "whole", "gpt", 2, strategy)
+    directory = str(tmp_path / "checkpoints")
+    ranks(tmp_path / "first", "gpt", 2, strategy, CHECKPOINT_DIR=directory, STEPS="2")
+    weights, losses = ranks(tmp_path / "second", "gpt", 2, strategy, CHECKPOINT_DIR=directory)
+    assert losses == whole[1][2:]  # the resumed run's own steps
+    for name, value in whole[0].items():
+        assert torch.equal(weights[name], value), name
