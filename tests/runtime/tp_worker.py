@@ -1,9 +1,9 @@
 """Trains a tiny model under a strategy through ``prepare()`` and writes its whole weights and step losses:
 run as one process by the tests, and as ranks by ``spawn_ranks`` (tensor parallelism over gloo).
 
-Environment: MODEL (gpt, llama), STRATEGY (JSON of Strategy fields), OUT (the weights file; the losses go to
-OUT.losses.json), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer steps), PLAN (a plan
-file instead of STRATEGY).
+Environment: MODEL (gpt, llama), STRATEGY (JSON of Strategy fields) or REDLINE_PLAN (a plan file, as
+`redline run --plan` sets it), OUT (the weights file; the losses go to OUT.losses.json, each rank's parameter
+bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer steps).
 """
 
 from __future__ import annotations
@@ -81,14 +81,15 @@ def main() -> None:
     from redline.plan.strategy import Strategy
     from redline.runtime.config import RunConfig
 
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a file rendezvous: prepare() finds the group made
+    if "STORE" in os.environ:  # spawn_ranks' file rendezvous: prepare() finds the group made (under
+        # `redline run`, prepare() joins torchrun's)
         torch.distributed.init_process_group(
             "gloo",
             init_method="file://" + os.environ["STORE"],
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
         )
-    plan = os.environ.get("PLAN") or RunConfig(strategy=Strategy(**json.loads(os.environ["STRATEGY"])))
+    plan = None if "REDLINE_PLAN" in os.environ else RunConfig(strategy=Strategy(**json.loads(os.environ["STRATEGY"])))
     steps = int(os.environ["STEPS"]) if os.environ.get("STEPS") else None
     run, losses = train(os.environ["MODEL"], plan, checkpoint_dir=os.environ.get("CHECKPOINT_DIR"), steps=steps)
     weights = full_weights(run.model)
