@@ -87,7 +87,8 @@ def test_a_tensor_parallel_run_resumes_from_its_checkpoint_bit_identically(tmp_p
 @pytest.mark.slow
 def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path: Path) -> None:
     """`redline plan --tp 2` for a tiny Llama's config.json, then `redline run --plan` of a script training that
-    Llama: two ranks in one tensor-parallel group, as one process trains it with the plan's batch."""
+    Llama: two ranks in one tensor-parallel group, as one process trains it with the plan's batch, each rank
+    holding the parameter bytes the plan counts (but for the norms, see below)."""
     import yaml
 
     from conftest import run_cli
@@ -107,3 +108,10 @@ def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path:
     assert "sequence parallelism, which the runtime does not apply yet" in result.stderr  # the plan asked for it
     got = torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
     assert_same(got, one_process("llama", micro_batch=8, accumulation=strategy["accumulation"]))
+    # each rank holds half of every projection and of the embedding and head, and the norms whole; the plan
+    # counts a rank's parameters as the model's over the degree, norms included: exact up to that half
+    planned = yaml.safe_load(plan.read_text())["predicted"]["memory_bytes"]["weights"]
+    model = tp_worker.make_model("llama")
+    norms = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
+    for rank in (0, 1):
+        assert int((tmp_path / f"weights.pt.bytes.{rank}").read_text()) == planned + norms / 2
