@@ -1,8 +1,8 @@
 """The steps ``prepare()`` applies to the model and its optimizer, one free function each, in the order it calls
-them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_sync_batchnorm``,
-``apply_activation_checkpointing``, ``apply_compile``, then ``apply_ddp`` or ``apply_fsdp``, then
-``build_optimizer`` (with ``apply_zero1`` for ZeRO-1). Each takes the model and the settings it needs, and
-none holds state: each can be called and tested on its own.
+them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_sync_batchnorm``, ``apply_tp``
+(``tensor_parallel.py``), ``apply_activation_checkpointing``, ``apply_compile``, then ``apply_ddp`` or
+``apply_fsdp``, then ``build_optimizer`` (with ``apply_zero1`` for ZeRO-1). Each takes the model and the
+settings it needs, and none holds state: each can be called and tested on its own.
 """
 
 from __future__ import annotations

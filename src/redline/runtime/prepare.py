@@ -12,15 +12,16 @@ What is applied, in this order (torchtitan's order; each step is a no-op when th
 it, so the loop has one code path; steps 2 to 6 are the free functions of ``parallelize.py``):
 
 1. process group (``WORLD_SIZE`` > 1) and device (``cuda:LOCAL_RANK``, else the CPU); the plan's world size
-   must match the ranks that exist;
+   must match the ranks that exist; a tensor-parallel plan's device mesh (``mesh.py``);
 2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); BatchNorm synchronised over the
-   ranks (``apply_sync_batchnorm``);
+   ranks (``apply_sync_batchnorm``); tensor parallelism over the mesh's ``tp`` group (``tensor`` > 1;
+   ``apply_tp`` of ``tensor_parallel.py``), before anything else wraps the layers;
 3. activation checkpointing of each block (``checkpointing: full``; ``apply_activation_checkpointing``);
 4. ``torch.compile`` of each block (``compile``; ``apply_compile``);
 5. data parallelism: DDP (bucket size, static graph, gradients as bucket views, a compression hook;
    ``apply_ddp``), ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``, ``apply_zero1``), or FSDP2 ``fully_shard`` per
    block then the root (ZeRO-2: ``reshard_after_forward=False``; FSDP: True), with bf16/fp16 parameters and
-   fp32 reductions (``apply_fsdp``);
+   fp32 reductions (``apply_fsdp``); beside tensor parallelism always FSDP2, over the mesh's ``dp`` group;
 6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave,
    or rebuilt from the ready optimizer's class and settings (``build_optimizer``);
 7. precision: autocast to bf16/fp16 around each micro-batch, a GradScaler for fp16;
@@ -57,7 +58,7 @@ from redline.runtime.batch import to_device, tokens_per_sample
 from redline.runtime.config import RunConfig, default_config, from_plan_file, runtime_from_env
 from redline.runtime.distributed import agree, init_distributed
 from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
-from redline.runtime.mesh import ParallelDims, build_mesh
+from redline.runtime.mesh import ParallelDims, RunMesh, build_mesh
 from redline.runtime.oom import (
     SimulatedOutOfMemory,
     free_memory,
@@ -120,18 +121,7 @@ class Run:
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         self.config = self._resolve_config(plan, data, overrides)
         strategy = self.config.strategy
-        if strategy.gpus != self.world_size:
-            layout = f" x tensor degree {strategy.tensor}" if strategy.tensor > 1 else ""
-            raise BadInput(
-                f"the plan is for {strategy.data} data-parallel ranks{layout} but {self.world_size} are running; "
-                f"launch with `redline run --nproc-per-node {strategy.gpus}` or re-plan"
-            )
-        # a tensor-parallel plan lays the ranks out on a device mesh; the others keep the flat group
-        self.mesh = (
-            build_mesh(ParallelDims.from_strategy(strategy, per_node=_per_node(self.world_size)), self.device.type)
-            if strategy.tensor > 1
-            else None
-        )
+        self.mesh = self._lay_out_ranks()
         # the ranks that load different batches: all of them, except that a tensor-parallel group shares one
         self.dp_rank, self.dp_size = self.mesh.dp_rank_and_size() if self.mesh else (self.rank, self.world_size)
         self.precision = strategy.precision
@@ -204,6 +194,21 @@ class Run:
             cuda = torch.cuda.is_available()
             config = default_config(self.world_size, batch // self.world_size, cuda=cuda, bf16=bf16)
         return config.with_settings(overrides).with_settings(runtime_from_env())
+
+    def _lay_out_ranks(self) -> RunMesh | None:
+        """The plan's layout must be the running ranks. A tensor-parallel plan lays them out on a device mesh;
+        the others keep the flat group (None)."""
+        strategy = self.config.strategy
+        if strategy.gpus != self.world_size:
+            layout = f" x tensor degree {strategy.tensor}" if strategy.tensor > 1 else ""
+            raise BadInput(
+                f"the plan is for {strategy.data} data-parallel ranks{layout} but {self.world_size} are running; "
+                f"launch with `redline run --nproc-per-node {strategy.gpus}` or re-plan"
+            )
+        if strategy.tensor == 1:
+            return None
+        dims = ParallelDims.from_strategy(strategy, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
+        return build_mesh(dims, self.device.type)
 
     def _check_precision(self) -> None:
         if self.device.type == "cuda" and self.precision == "bf16" and not torch.cuda.is_bf16_supported():
@@ -609,11 +614,6 @@ class Run:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-
-def _per_node(world: int) -> int:
-    """Ranks per node, as the launcher set them (HSDP shards within a node)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def _device_name(device: torch.device) -> str:
