@@ -48,6 +48,8 @@ def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
     got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
     assert_same(got, one_process(model, micro_batch=8))
+    # the step metrics' global batch: the group's one batch, not one per rank
+    assert json.loads((tmp_path / "weights.pt.samples.json").read_text()) == [8] * (tp_worker.SAMPLES // 8)
 
 
 @pytest.mark.slow

@@ -102,6 +102,7 @@ def main() -> None:
         if rank == 0:
             torch.save(weights, os.environ["OUT"])
             Path(os.environ["OUT"] + ".losses.json").write_text(json.dumps(losses))
+            Path(os.environ["OUT"] + ".samples.json").write_text(json.dumps([r.samples for r in run.metrics.records]))
         torch.distributed.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
         torch.distributed.destroy_process_group()
         os._exit(0)  # the results are written: skip the teardown, where gloo's threads abort now and then

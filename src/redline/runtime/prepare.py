@@ -147,6 +147,7 @@ class Run:
             device=self.device,
             world_size=self.world_size,
             rank=self.rank,
+            ranks_per_batch=strategy.tensor,
             flops_per_sample=self.config.plan.training_flops_per_sample,
             tokens_per_sample=self.config.plan.tokens_per_sample or 1,
             peak_flops_catalog=catalog,
