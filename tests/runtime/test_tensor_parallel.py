@@ -44,7 +44,7 @@ def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -
         torch.testing.assert_close(got_weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "bert"])
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
     got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
     assert_same(got, one_process(model, micro_batch=8))
@@ -117,3 +117,19 @@ def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path:
     norms = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
     for rank in (0, 1):
         assert int((tmp_path / f"weights.pt.bytes.{rank}").read_text()) == planned + norms / 2
+
+
+def test_a_model_without_a_plan_is_told_how_to_give_one() -> None:
+    from redline.errors import BadInput
+    from redline.runtime.tensor_parallel import find_plan
+
+    with pytest.raises(BadInput, match=r"no tensor-parallel plan for Sequential: .* redline_tp_plan"):
+        find_plan(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2)
+
+
+def test_a_bare_hugging_face_body_gets_its_familys_plan_under_its_own_names() -> None:
+    from redline.runtime.tensor_parallel import find_plan
+
+    body = tp_worker.make_model("llama").model  # LlamaModel: embed_tokens, layers.N at the root
+    assert "layers.*.self_attn.q_proj" in find_plan(body, 2) and "lm_head" not in find_plan(body, 2)
+    assert "cls.predictions.decoder" in find_plan(tp_worker.make_model("bert"), 2)

@@ -1,7 +1,7 @@
 """Trains a tiny model under a strategy through ``prepare()`` and writes its whole weights and step losses:
 run as one process by the tests, and as ranks by ``spawn_ranks`` (tensor parallelism over gloo).
 
-Environment: MODEL (gpt, llama), STRATEGY (JSON of Strategy fields) or REDLINE_PLAN (a plan file, as
+Environment: MODEL (gpt, llama, bert), STRATEGY (JSON of Strategy fields) or REDLINE_PLAN (a plan file, as
 `redline run --plan` sets it), OUT (the weights file; the losses go to OUT.losses.json, each rank's parameter
 bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer steps).
 """
@@ -28,6 +28,20 @@ def make_model(kind: str) -> nn.Module:
         from train_gpt import Gpt
 
         return Gpt(vocab=VOCAB, width=32, layers=2, heads=4, seq=SEQ)
+    if kind == "bert":  # a masked-LM head tied to the word embedding; no dropout: ranks would draw their own
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return BertForMaskedLM(config)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

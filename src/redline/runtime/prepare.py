@@ -380,7 +380,8 @@ class Run:
                 with self._no_sync(boundary), autocast:
                     yield
             except torch.OutOfMemoryError as exc:
-                sharding = self.config.strategy.sharding
+                # tensor parallelism, like FSDP2, runs collectives in every forward and backward
+                sharding = "fsdp" if self.mesh else self.config.strategy.sharding
                 if in_collective(
                     world=self.world_size, boundary=boundary, sharding=sharding, batchnorm_synced=self._batchnorm_synced
                 ):  # no agreement is possible: end here and come back smaller

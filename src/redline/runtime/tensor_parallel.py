@@ -10,7 +10,8 @@ Where the plan comes from, first match wins:
    ``parallelize_module`` plan, ``{module path or fnmatch pattern: ParallelStyle}``. A model declares its plan
    this way when its layers do not follow a known family (``examples/train_gpt.py`` does). Its attention must
    compute with the heads its rank holds: reshape with ``-1`` heads, or store the local count;
-2. Hugging Face Llama, Mistral and Qwen2 (``LlamaForCausalLM``'s module names: ``self_attn.q_proj``...).
+2. Hugging Face Llama, Mistral and Qwen2 (``LlamaModel``'s module names: ``self_attn.q_proj``...), and
+   BERT (``BertModel``'s), with or without a head around them.
 
 Attention heads, key/value heads and the vocabulary must divide by the degree: checked, one line, before
 anything is sharded. The logits come back whole on every rank (the head's output all-gathered), so the
@@ -27,7 +28,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from redline.errors import BadInput
@@ -50,34 +51,63 @@ SPLIT_COUNTS = (
 )
 
 
-def llama_plan(model: nn.Module) -> TpPlan:
-    """Llama, Mistral, Qwen2 (``LlamaForCausalLM``'s names): q/k/v and gate/up column-wise, o and down
-    row-wise, the embedding and head vocabulary-sharded. Attention reshapes with ``-1`` heads and keeps only
-    the ratio of query to key/value heads, which the split leaves as it is."""
-    plan: TpPlan = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-        "model.layers.*.mlp.up_proj": ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": RowwiseParallel(),
-    }
-    if isinstance(getattr(model, "lm_head", None), nn.Linear):
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    return plan
+def llama_plan(model: nn.Module, base: str) -> TpPlan:
+    """Llama, Mistral, Qwen2 (``LlamaModel``'s names under ``base``): q/k/v and gate/up column-wise, o and down
+    row-wise, the embedding vocabulary-sharded. Attention reshapes with ``-1`` heads and keeps only the ratio of
+    query to key/value heads, which the split leaves as it is."""
+    layer = f"{base}layers.*."
+    return {
+        f"{base}embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{layer}self_attn.q_proj": ColwiseParallel(),
+        f"{layer}self_attn.k_proj": ColwiseParallel(),
+        f"{layer}self_attn.v_proj": ColwiseParallel(),
+        f"{layer}self_attn.o_proj": RowwiseParallel(),
+        f"{layer}mlp.gate_proj": ColwiseParallel(),
+        f"{layer}mlp.up_proj": ColwiseParallel(),
+        f"{layer}mlp.down_proj": RowwiseParallel(),
+    } | _head(model, "lm_head")
 
 
-def _is_llama(model: nn.Module) -> bool:
-    names = {name for name, _ in model.named_modules()}
-    return {"model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate_proj"} <= names
+def bert_plan(model: nn.Module, base: str) -> TpPlan:
+    """BERT (``BertModel``'s names under ``base``): query/key/value and the intermediate layer column-wise,
+    the attention's and the layer's output row-wise, the word embedding vocabulary-sharded (position and type
+    embeddings, norms and the pooler stay whole); a masked-LM head's decoder too. Attention reshapes with
+    ``-1`` heads."""
+    layer = f"{base}encoder.layer.*."
+    return {
+        f"{base}embeddings.word_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{layer}attention.self.query": ColwiseParallel(),
+        f"{layer}attention.self.key": ColwiseParallel(),
+        f"{layer}attention.self.value": ColwiseParallel(),
+        f"{layer}attention.output.dense": RowwiseParallel(),
+        f"{layer}intermediate.dense": ColwiseParallel(),
+        f"{layer}output.dense": RowwiseParallel(),
+    } | _head(model, "cls.predictions.decoder")
 
 
-# the families found by their module names: (what the family is, whether a model is one, its plan)
-FAMILIES: tuple[tuple[str, Callable[[nn.Module], bool], Callable[[nn.Module], TpPlan]], ...] = (
-    ("Llama/Mistral/Qwen2", _is_llama, llama_plan),
+def _head(model: nn.Module, path: str) -> TpPlan:
+    """The output head at ``path``, where the model has one: vocabulary-sharded, the logits gathered whole."""
+    found = dict(model.named_modules()).get(path)
+    return {path: ColwiseParallel(output_layouts=Replicate())} if isinstance(found, nn.Linear) else {}
+
+
+# the families found by their module names: what the family is, the names that tell it (each under one
+# prefix, "model." in LlamaForCausalLM, "" in LlamaModel), its plan
+FAMILIES: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module, str], TpPlan]], ...] = (
+    ("Llama/Mistral/Qwen2", ("embed_tokens", "layers.0.self_attn.q_proj", "layers.0.mlp.gate_proj"), llama_plan),
+    ("BERT", ("embeddings.word_embeddings", "encoder.layer.0.attention.self.query"), bert_plan),
 )
+
+
+def _base(model: nn.Module, names: tuple[str, ...]) -> str | None:
+    """The prefix under which the model has every one of ``names``; None if it has not."""
+    paths = {name for name, _ in model.named_modules()}
+    for path in paths:
+        if path == names[0] or path.endswith("." + names[0]):
+            base = path.removesuffix(names[0])
+            if all(base + name in paths for name in names):
+                return base
+    return None
 
 
 def find_plan(model: nn.Module, degree: int) -> TpPlan:
@@ -89,9 +119,10 @@ def find_plan(model: nn.Module, degree: int) -> TpPlan:
         if not isinstance(plan, dict) or not plan:
             raise BadInput(f"{type(model).__name__}.redline_tp_plan gave {plan!r}: give {{module path: ParallelStyle}}")
         return plan
-    for _, matches, build in FAMILIES:
-        if matches(model):
-            return build(model)
+    for _, names, build in FAMILIES:
+        base = _base(model, names)
+        if base is not None:
+            return build(model, base)
     known = ", ".join(family for family, _, _ in FAMILIES)
     raise BadInput(
         f"no tensor-parallel plan for {type(model).__name__}: redline knows {known}; give the model a "
@@ -138,8 +169,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         )
     tied = _tied_weights(model)
     parallelize_module(model, tp_mesh, plan)
-    for owner, name, source in tied:
-        setattr(owner, name, getattr(source[0], source[1]))
+    for group in tied:
+        _tie_again(group)
 
 
 def _planned_layers(model: nn.Module, plan: TpPlan) -> list[tuple[str, nn.Module]]:
@@ -167,18 +198,23 @@ def _sharded_dim(layer: nn.Module, style: ParallelStyle) -> int | None:
     return None
 
 
-def _tied_weights(model: nn.Module) -> list[tuple[nn.Module, str, tuple[nn.Module, str]]]:
-    """(module, parameter name, (module, name) it shares its parameter with, met first): ties that
-    ``parallelize_module`` would undo by making each its own DTensor."""
-    first: dict[int, tuple[nn.Module, str]] = {}
-    tied = []
+def _tied_weights(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, parameter name) places that share one parameter, per shared parameter: ties that
+    ``parallelize_module`` would undo by making the planned places' parameters DTensors of their own."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            if id(param) in first:
-                tied.append((module, name, first[id(param)]))
-            else:
-                first[id(param)] = (module, name)
-    return tied
+            places.setdefault(id(param), []).append((module, name))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _tie_again(group: list[tuple[nn.Module, str]]) -> None:
+    """Every place of a tie holds the same parameter again: the sharded one where the plan sharded one
+    (an embedding and the head it is tied to are sharded alike, along the vocabulary)."""
+    params = [getattr(module, name) for module, name in group]
+    kept = next((p for p in params if isinstance(p, DTensor)), params[0])
+    for module, name in group:
+        setattr(module, name, kept)
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
