@@ -133,3 +133,16 @@ def test_a_bare_hugging_face_body_gets_its_familys_plan_under_its_own_names() ->
     body = tp_worker.make_model("llama").model  # LlamaModel: embed_tokens, layers.N at the root
     assert "layers.*.self_attn.q_proj" in find_plan(body, 2) and "lm_head" not in find_plan(body, 2)
     assert "cls.predictions.decoder" in find_plan(tp_worker.make_model("bert"), 2)
+
+
+def test_the_mesh_orders_tensor_innermost_and_leaves_degrees_of_one_out() -> None:
+    from redline.runtime.mesh import ParallelDims
+
+    def sizes(per_node: int = 8, **strategy) -> dict[str, int]:
+        return ParallelDims.from_strategy(Strategy(**strategy), per_node=per_node).sizes()
+
+    assert list(sizes(data=4, tensor=2, sharding="fsdp").items()) == [("dp_shard", 4), ("tp", 2)]
+    assert sizes(data=4, tensor=2, sharding="ddp") == {"dp_replicate": 4, "tp": 2}
+    assert sizes(data=4, tensor=2, sharding="hsdp") == {"dp_shard": 4, "tp": 2}  # one node holds them all
+    assert sizes(per_node=4, data=4, tensor=2, sharding="hsdp") == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert sizes(tensor=2) == {"tp": 2}
