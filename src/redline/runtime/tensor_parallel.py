@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from fnmatch import fnmatch
 from typing import Any
 
 from torch import nn
@@ -175,8 +176,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
 
 def _planned_layers(model: nn.Module, plan: TpPlan) -> list[tuple[str, nn.Module]]:
     """(plan key, module) for every module a plan key names (keys are fnmatch patterns per path part)."""
-    from fnmatch import fnmatch
-
     found = []
     for name, module in model.named_modules():
         for key in plan:
