@@ -96,6 +96,49 @@ for x, y in run.micro_batches():
 print("pinned loader: ok, steps", run.step)
 PY
 step runtime-syncbn bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || { echo "skipped: needs 2 GPUs"; exit 0; }; "$0" -m redline run --nproc-per-node 2 examples/train_cnn.py --epochs 1 2>&1 | tee /dev/stderr | grep -q "made SyncBatchNorm"' "$py"
+# activation checkpointing on the GPU: the peak of a bf16 step of a small GPT (8 blocks x 1024, 8 x 2048
+# tokens) without it, selective (matmul and attention outputs kept) and full, with the fused attention
+# kernel and with SDPA's unfused math path (its s x s scores are what selective drops); each peak above
+# the weights, and none > selective > full required
+step runtime-ac-peaks "$py" - <<'PY'
+import torch, torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from redline.runtime.config import ActivationCheckpointConfig
+from redline.runtime.parallelize import apply_activation_checkpointing
+
+class Block(nn.Module):
+    def __init__(self, h=1024, heads=16):
+        super().__init__()
+        self.heads, self.ln1, self.ln2 = heads, nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj, self.fc1, self.fc2 = nn.Linear(h, 3 * h), nn.Linear(h, h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+def peak_gib(mode, backend):
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(Block() for _ in range(8))).cuda()
+    apply_activation_checkpointing(list(blocks), mode, ActivationCheckpointConfig())
+    x = torch.randn(8, 2048, 1024, device="cuda", requires_grad=True)
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with sdpa_kernel(backend), torch.autocast("cuda", torch.bfloat16):
+        blocks(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+bad = []
+for name, backend in (("fused attention", SDPBackend.FLASH_ATTENTION), ("unfused attention", SDPBackend.MATH)):
+    none, selective, full = (peak_gib(mode, backend) for mode in ("none", "selective", "full"))
+    print(f"{name}: peak above the inputs and weights, GiB: none {none:.2f}  selective {selective:.2f}  full {full:.2f}")
+    if not none > selective > full:
+        bad.append(name)
+print("activation checkpointing peaks: " + (f"NOT none > selective > full for {', '.join(bad)}" if bad else "none > selective > full"))
+raise SystemExit(1 if bad else 0)
+PY
 step pytest-gpu "$py" -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider  # -s: the plan-memory ratios
 
 # the monitor against the real NVML: which fields this GPU and driver answer, then a record taken while the

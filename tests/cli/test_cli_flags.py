@@ -15,15 +15,18 @@ FLAGS: dict[str, set[str]] = {
         *("--epochs", "--global-batch", "--hardware", "--input-shape", "--json", "--list-models", "--max-nodes"),
         *("--micro-batch", "--model", "--network-gbps", "--nodes", "--optimizer", "--output", "--params", "--pp"),
         *("--precision", "--provider", "--rank", "--seq-len", "--sharding", "--tokens", "--top", "--tp", "-m", "-o"),
+        # the layout switches, the pipeline schedule, tracing or not, and the memory kept free (issue 16)
+        *("--sequence-parallel", "--no-sequence-parallel", "--flash-attention", "--no-flash-attention"),
+        *("--schedule", "--virtual-stages", "--analytic", "--memory-margin"),
         # the runtime's settings (runtime.config.SETTINGS), the same as `redline run`'s
-        *("--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile", "--no-compile"),
-        *("--metrics", "--num-workers"),
+        *("--ac-every", "--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile"),
+        *("--metrics", "--no-compile", "--num-workers"),
     },
     "run": {
         *("--dry-run", "--json", "--max-restarts", "--nnodes", "--nproc-per-node", "--plan", "--rdzv-endpoint"),
         "--rdzv-id",
-        *("--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile", "--no-compile"),
-        *("--metrics", "--num-workers"),
+        *("--ac-every", "--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile"),
+        *("--metrics", "--no-compile", "--num-workers"),
     },
     "monitor": {
         *("--duration", "--gpus", "--interval", "--job-pid", "--json", "--listen", "--once", "--port", "--record"),

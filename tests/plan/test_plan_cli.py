@@ -213,3 +213,47 @@ def test_a_malformed_known_config_is_an_error_even_with_transformers(tmp_path: P
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config | {field: value}))
     one_line_error(run_cli("plan", "-m", str(path), "--hardware", "1xh100-sxm"))
+
+
+def test_the_layout_switches_and_the_schedule_reach_the_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    args = ("plan", "-m", "llama-2-7b", "--hardware", "8xh100-sxm", "--global-batch", "64", "--pp", "4", "--tp", "2")
+    result = run_cli(
+        *args,
+        *("--checkpointing", "selective", "--no-sequence-parallel", "--no-flash-attention"),
+        *("--schedule", "interleaved", "--virtual-stages", "4", "--memory-margin", "0.1", "-o", str(out)),
+    )
+    assert result.returncode == 0, result.stderr
+    strategy = load_plan(out).strategy
+    assert (strategy.checkpointing, strategy.sequence_parallel, strategy.flash_attention) == ("selective", False, False)
+    assert (strategy.schedule, strategy.virtual_stages) == ("interleaved", 4)
+    assert load_plan(out).predicted["memory_bytes"]["device_total"] <= 0.9 * load_plan(out).hardware["memory_bytes"]
+
+
+def test_analytic_profiles_a_config_by_formula(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {"model_type": "gpt2", "n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 256, "vocab_size": 1000}
+        )
+    )
+    result = run_cli("plan", "-m", str(config), "--analytic", "--hardware", "1xh100-sxm", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["plan"]["model"]["method"] == "analytic"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--checkpointing", "some"], "--checkpointing 'some' is not one of none, selective, full"),
+        (["--schedule", "zigzag"], "--schedule 'zigzag' is not one of gpipe, 1f1b, interleaved"),
+        (["--virtual-stages", "2"], "--virtual-stages goes with --schedule interleaved"),
+        (["--schedule", "interleaved", "--virtual-stages", "1"], "--virtual-stages must be at least 2"),
+        (["--memory-margin", "1.5"], "--memory-margin must be a fraction"),
+        (["--memory-margin", "-0.1"], "--memory-margin must be a fraction"),
+        (["--analytic", "-m", "resnet50"], "--analytic: preset 'resnet50' is traced"),
+    ],
+)
+def test_bad_layout_options_are_one_line(args: list[str], message: str) -> None:
+    base = ["-m", "gpt2"] if "-m" not in args else []
+    assert message in one_line_error(run_cli("plan", *base, *args, "--hardware", "8xh100-sxm"))

@@ -340,3 +340,81 @@ def test_pipeline_remainder_goes_to_later_stages_and_a_tied_head_is_copied() -> 
     assert [len(s.blocks) for s in split] == [2, 2, 2, 3, 3]
     last = memory_per_gpu(GPT2, strategy(data=1, pipeline=2, accumulation=4), gpus_per_node=8)
     assert last.weights > 4 * GPT2.params_total / 2  # the last stage also holds the tied word embedding
+
+
+# ------------------------------------------------------------------- ties, margins, schedules, selective
+
+
+def _with(result, *, total_gib: float, step_s: float):
+    """An estimate with its device total and step time set (the rest as estimated)."""
+    memory = result.memory
+    others = memory.device_total - memory.allocated
+    time_ = dataclasses.replace(
+        result.time,
+        compute=step_s,
+        bubble=0.0,
+        data_parallel_comm=0.0,
+        tensor_parallel_comm=0.0,
+        pipeline_comm=0.0,
+        optimizer=0.0,
+    )
+    return dataclasses.replace(
+        result, memory=dataclasses.replace(memory, allocated=total_gib * GiB - others), time=time_
+    )
+
+
+def test_near_ties_in_time_go_to_the_plan_with_more_memory_headroom() -> None:
+    """A plan at 79.5 of an H100's 79.6 GiB that is 0.2% faster than one at 60 GiB: within a 1% tolerance the
+    one with 19.6 GiB to spare ranks first; a plan 2% slower stays behind both; without a tolerance, time alone.
+    Where the fastest has a tenth of the memory to spare (70 GiB), time alone too."""
+    from redline.plan.search import TIME_TOLERANCE, rank
+
+    memory = H100X8.memory_bytes
+    assert memory == pytest.approx(79.6 * GiB, rel=1e-3)
+    base = estimate(LLAMA7, strategy(sharding="fsdp"), H100X8, Goal(64))
+    edge = _with(base, total_gib=79.5, step_s=1.000)
+    roomy = _with(base, total_gib=60.0, step_s=1.002)
+    slow = _with(base, total_gib=40.0, step_s=1.020)
+    assert rank([edge, slow, roomy], TIME_TOLERANCE, memory) == [roomy, edge, slow]
+    assert rank([edge, slow, roomy], 0.0, memory) == [edge, roomy, slow]
+    comfortable = _with(base, total_gib=70.0, step_s=1.000)
+    assert rank([roomy, comfortable], TIME_TOLERANCE, memory) == [comfortable, roomy]
+    assert rank([], TIME_TOLERANCE, memory) == []
+
+
+def test_a_memory_margin_keeps_that_much_of_each_gpu_free() -> None:
+    plain = search(LLAMA7, H100X8, Goal(64))
+    margin = search(LLAMA7, H100X8, Goal(64), Constraints(memory_margin=0.25))
+    limit = 0.75 * H100X8.memory_bytes
+    assert all(e.memory.device_total <= limit for e in margin.ranked)
+    assert any(e.memory.device_total > limit for e in plain.ranked)
+    assert margin.excluded["does not fit in GPU memory"] > plain.excluded["does not fit in GPU memory"]
+    with pytest.raises(ValueError, match="memory margin"):
+        Constraints(memory_margin=1.0)
+
+
+def test_the_search_tries_selective_checkpointing_and_takes_the_users_switches() -> None:
+    result = search(GPT2, H100X8, Goal(64))
+    assert {e.strategy.checkpointing for e in result.ranked} == {"none", "selective", "full"}
+    fixed = Constraints(tensor=4, checkpointing="selective", sequence_parallel=False, flash_attention=False)
+    chosen = search(GPT2, H100X8, Goal(64), fixed).ranked
+    assert chosen
+    assert all(
+        (e.strategy.checkpointing, e.strategy.sequence_parallel, e.strategy.flash_attention)
+        == ("selective", False, False)
+        for e in chosen
+    )
+
+
+def test_the_search_runs_pipelines_on_the_schedule_asked_for() -> None:
+    interleaved = Constraints(pipeline=4, schedule="interleaved", virtual_stages=4)
+    result = search(LLAMA7, H100X8, Goal(64), interleaved)
+    assert result.ranked
+    assert {(e.strategy.schedule, e.strategy.virtual_stages) for e in result.ranked} == {("interleaved", 4)}
+    assert all(e.strategy.accumulation % 4 == 0 for e in result.ranked)
+    assert result.excluded["interleaved: micro-batches per step not a multiple of the pipeline stages"] > 0
+    too_deep = search(LLAMA7, H100X8, Goal(64), Constraints(pipeline=8, schedule="interleaved", virtual_stages=8))
+    assert not too_deep.ranked and too_deep.excluded["fewer blocks than pipeline stages x virtual stages"] > 0
+    gpipe = search(LLAMA7, H100X8, Goal(64), Constraints(schedule="gpipe"))
+    assert {e.strategy.schedule for e in gpipe.ranked if e.strategy.pipeline > 1} == {"gpipe"}
+    assert {e.strategy.schedule for e in gpipe.ranked if e.strategy.pipeline == 1} == {"1f1b"}

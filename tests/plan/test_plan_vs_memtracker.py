@@ -109,9 +109,9 @@ def check_bf16(profile, model, x, loss_of, accumulation: int = 1, checkpointing:
 @pytest.mark.parametrize(
     ("name", "batch", "accumulation", "checkpointing"),
     [
-        ("resnet50", 6, 1, "none"),
+        pytest.param("resnet50", 6, 1, "none", marks=pytest.mark.slow),
         ("vit-b-16", 2, 1, "none"),
-        ("resnet50", 6, 2, "none"),
+        pytest.param("resnet50", 6, 2, "none", marks=pytest.mark.slow),
         ("vit-b-16", 4, 1, "full"),
         ("vit-b-16", 2, 2, "full"),
     ],
@@ -263,6 +263,7 @@ def test_a_mixture_of_experts_bf16_real_step(tmp_path) -> None:
         check_bf16(profile, model, ids, lm_loss(ids))
 
 
+@pytest.mark.slow
 def test_the_runtimes_own_step_peaks_where_the_plan_says() -> None:
     """The plan is the runtime's contract: a step run by redline.prepare itself (ViT-B/16, every block
     checkpointed, two micro-batches of two images) against the plan's peak."""

@@ -12,6 +12,7 @@ from redline.plan.estimate import Goal
 from redline.plan.hardware import parse_hardware
 from redline.plan.planfile import dump_plan, load_plan, make_plan
 from redline.plan.search import search
+from redline.plan.strategy import Strategy
 from redline.workload.presets import preset_profile
 
 
@@ -75,3 +76,39 @@ def test_the_runtime_section_round_trips_and_an_older_plan_without_it_loads(tmp_
     del data["runtime"]  # as redline wrote plans before the section existed
     path.write_text(yaml.safe_dump(data))
     assert load_plan(path).runtime == {}
+
+
+def test_the_schedule_round_trips_and_an_older_plan_without_it_loads(plan_path: Path) -> None:
+    data = yaml.safe_load(plan_path.read_text())
+    data["strategy"].update(data=2, pipeline=4, schedule="interleaved", virtual_stages=3, accumulation=8)
+    plan_path.write_text(yaml.safe_dump(data))
+    strategy = load_plan(plan_path).strategy
+    assert (strategy.schedule, strategy.virtual_stages) == ("interleaved", 3)
+    assert "pp4:interleavedx3" in strategy.label()
+    for name in ("schedule", "virtual_stages"):  # as redline wrote plans before pipeline schedules were choices
+        del data["strategy"][name]
+    plan_path.write_text(yaml.safe_dump(data))
+    assert (load_plan(plan_path).strategy.schedule, load_plan(plan_path).strategy.virtual_stages) == ("1f1b", 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"schedule": "zigzag"}, "Strategy.schedule 'zigzag' is not one of gpipe, 1f1b, interleaved"),
+        ({"virtual_stages": 0}, "virtual_stages must be a positive integer"),
+        ({"pipeline": 4, "virtual_stages": 2}, "virtual_stages 2 needs the interleaved schedule, not 1f1b"),
+        ({"schedule": "interleaved", "virtual_stages": 2}, "interleaved schedule needs pipeline > 1"),
+        ({"pipeline": 4, "schedule": "interleaved"}, "virtual_stages > 1"),
+    ],
+)
+def test_a_schedule_that_cannot_run_is_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Strategy(**fields)
+
+
+def test_the_label_names_the_schedule_only_with_a_pipeline() -> None:
+    assert Strategy(data=8).label() == "ddp dp8 mb1x1 bf16"
+    assert Strategy(pipeline=2, schedule="gpipe").label() == "ddp dp1 pp2:gpipe mb1x1 bf16"
+    assert (
+        Strategy(flash_attention=False, checkpointing="selective").label() == "ddp dp1 mb1x1 bf16 ckpt=selective -flash"
+    )

@@ -372,6 +372,7 @@ def two_ranks(tmp_path, loop: str, world: int = 2) -> dict:
     return torch.load(out)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_a_hugging_face_loop_as_one_process(tmp_path) -> None:
     """Collator batches (BatchEncoding) split over the ranks, the weighted sampler kept, the loader's batch the
     global batch, the reported loss the global batch's: weights and losses match one process (fp32)."""
@@ -434,6 +435,7 @@ def classifier_loop() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_two_ranks_train_a_padded_hugging_face_classifier_as_one_process(tmp_path) -> None:
     pytest.importorskip("transformers")
     alone = two_ranks(tmp_path / "one", "classifier_loop", world=1)

@@ -16,6 +16,7 @@ from conftest import run_cli
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_gpt.py", "train_cnn.py"])
 def test_example_trains_on_the_cpu(script: str, tmp_path: Path) -> None:
     result = subprocess.run(

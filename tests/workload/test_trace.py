@@ -120,6 +120,27 @@ def test_forward_rise_and_backward_working_set_by_hand():
     assert second.backward_working["fp32"] == ((weight_grads, 2 * u),)
 
 
+def test_selective_checkpointing_keeps_the_matmul_outputs_by_hand():
+    """Under selective checkpointing (workload.selective's policy, run through torch.utils.checkpoint) a block
+    keeps, beyond its input, the outputs of its matmuls and none of its elementwise work: for x + down(sin(exp(
+    up(x)))) on 128 x 64 values, up's 128 x 256 and down's 128 x 64 (4 bytes each in fp32, 2 under autocast)."""
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+        def forward(self, x):
+            return x + self.down(self.up(x).exp().sin())
+
+    profile = trace_module(lambda: nn.Sequential(*(Wide() for _ in range(3))), (128, 64), name="w", source="test")
+    matmul_outputs = 128 * (256 + 64)
+    for block in profile.blocks:
+        assert block.selective_bytes_per_sample == {"fp32": 4 * matmul_outputs, "16bit": 2 * matmul_outputs}
+        assert block.selective_bytes_per_sample["fp32"] < block.activation_bytes_per_sample["fp32"]
+    assert all(not layer.selective_bytes_per_sample for layer in profile.layers if not layer.is_block)
+
+
 def test_working_sets_keep_every_line_that_is_the_largest_somewhere():
     """What was live after each operator at batches 2 and 4 becomes lines in the batch; every line that is the
     largest at some micro-batch from 1 on is kept, also one that leads only between powers of two."""
@@ -244,6 +265,19 @@ def test_gpt2_activations_are_fused_attention_sized(gpt2_profile):
     assert 30e6 < block["16bit"] < 90e6
     assert block["fp32"] < 140e6
     assert any("fused kernel" in note for note in gpt2_profile.notes)
+
+
+def test_gpt2_selective_checkpointing_keeps_the_projections(gpt2_profile):
+    """A GPT-2 block under selective checkpointing keeps the outputs of its four linear layers (GPT-2's Conv1D is
+    an addmm): QKV 3h, the attention projection h, the MLP's 4h and h wide, 9 s h values; and the fused attention
+    kernel's output (s h) with its log-sum-exp (fp32, one per head and token), so its backward reruns no
+    attention; not the norms, GELU or dropout, which it recomputes."""
+    block = gpt2_profile.blocks[3]
+    s, h, heads = 1024, 768, 12
+    logsumexp_bytes = 4 * heads * s
+    assert block.selective_bytes_per_sample["16bit"] == 2 * 10 * s * h + logsumexp_bytes
+    assert block.selective_bytes_per_sample["fp32"] == 4 * 10 * s * h + logsumexp_bytes
+    assert block.selective_bytes_per_sample["16bit"] < block.activation_bytes_per_sample["16bit"] / 2
 
 
 def test_a_mixture_of_experts_traces_with_its_experts_flops():

@@ -55,7 +55,43 @@ Tensor = Annotated[int | None, typer.Option("--tp", help="Fix the tensor-paralle
 Pipeline = Annotated[int | None, typer.Option("--pp", help="Fix the pipeline-parallel degree.")]
 MicroBatch = Annotated[int | None, typer.Option("--micro-batch", help="Fix the micro-batch.")]
 Checkpointing = Annotated[
-    str | None, typer.Option("--checkpointing", help="Fix activation checkpointing: none | full.")
+    str | None,
+    typer.Option(
+        "--checkpointing",
+        help="Fix activation checkpointing: none | selective (keep matmul outputs, recompute the attention core "
+        "and elementwise ops) | full (keep each block's input).",
+    ),
+]
+SequenceParallel = Annotated[
+    bool,
+    typer.Option(
+        "--sequence-parallel/--no-sequence-parallel", help="Shard norms and dropout along the sequence under --tp."
+    ),
+]
+FlashAttention = Annotated[
+    bool,
+    typer.Option(
+        "--flash-attention/--no-flash-attention", help="Fused attention (no s x s matrices kept), or the math path."
+    ),
+]
+Schedule = Annotated[
+    str | None, typer.Option("--schedule", help="Pipeline schedule: gpipe | 1f1b | interleaved (default 1f1b).")
+]
+VirtualStages = Annotated[
+    int | None,
+    typer.Option("--virtual-stages", help="With --schedule interleaved: layer chunks per pipeline rank (default 2)."),
+]
+Analytic = Annotated[
+    bool,
+    typer.Option("--analytic", help="Profile a config.json by formula instead of tracing it (transformers only)."),
+]
+MemoryMargin = Annotated[
+    float,
+    typer.Option(
+        "--memory-margin",
+        help="Fraction of each GPU's memory a plan leaves free (0.05 = 5%). Default 0: the prediction already counts "
+        "the allocator's 5% reserve, the CUDA context and NCCL's buffers.",
+    ),
 ]
 Top = Annotated[int, typer.Option("--top", help="How many strategies (or cloud options) to show.")]
 RankBy = Annotated[str, typer.Option("--rank", help="time | cost.")]
@@ -101,6 +137,12 @@ def plan(
     pipeline: Pipeline = None,
     micro_batch: MicroBatch = None,
     checkpointing: Checkpointing = None,
+    sequence_parallel: SequenceParallel = True,
+    flash_attention: FlashAttention = True,
+    schedule: Schedule = None,
+    virtual_stages: VirtualStages = None,
+    analytic: Analytic = False,
+    memory_margin: MemoryMargin = 0.0,
     top: Top = 5,
     rank_by: RankBy = "time",
     cloud: Cloud = False,
@@ -125,9 +167,12 @@ def plan(
     _check_ranking(top, max_nodes, rank_by)
     runtime = dict(runtime or {})
     accumulation = runtime.pop("accumulation", None)
-    profile = load_workload(model, params=_count("--params", params), seq_len=seq_len, input_shape=_shape(input_shape))
     constraints = _constraints(
         precision, optimizer, sharding, tensor, pipeline, micro_batch, accumulation, checkpointing
+    )
+    constraints = _layout(constraints, sequence_parallel, flash_attention, schedule, virtual_stages, memory_margin)
+    profile = load_workload(
+        model, params=_count("--params", params), seq_len=seq_len, input_shape=_shape(input_shape), analytic=analytic
     )
     tokens_total, samples = _amount(profile, tokens, epochs, dataset_size, seq_len)
     if global_batch is not None and global_batch < 1:
@@ -140,10 +185,7 @@ def plan(
     cluster = _cluster(hardware, nodes, network_gbps)
     if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
         raise BadInput(f"{cluster.name} has no price: rank by time, or plan for a cloud instance (or --cloud)")
-    if calibrate_micro_batch is not None and not calibrate:
-        raise BadInput("--calibrate-micro-batch goes with --calibrate")
-    if calibrate:
-        _check_calibration(model, cluster, calibrate_micro_batch)
+    _check_calibration(calibrate, model, cluster, calibrate_micro_batch)
     from redline.plan.search import default_global_batch
 
     batch = global_batch if global_batch is not None else default_global_batch(profile, cluster.gpus)
@@ -300,12 +342,13 @@ def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, 
     """The strategy parts the user fixed, each checked against what the planner knows."""
     from redline.plan.model_states import OPTIMIZERS, PRECISIONS, SHARDINGS
     from redline.plan.search import Constraints
+    from redline.plan.strategy import CHECKPOINTING
 
     for option, value, known in (
         ("--precision", precision, PRECISIONS),
         ("--optimizer", optimizer, OPTIMIZERS),
         ("--sharding", sharding, SHARDINGS),
-        ("--checkpointing", checkpointing, ("none", "full")),
+        ("--checkpointing", checkpointing, CHECKPOINTING),
     ):
         if value is not None and value not in known:
             raise BadInput(f"{option} '{value}' is not one of {', '.join(known)}")
@@ -329,8 +372,40 @@ def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, 
     )
 
 
-def _check_calibration(model, cluster, micro_batch: int | None) -> None:
+def _layout(constraints, sequence_parallel: bool, flash_attention: bool, schedule, virtual_stages, memory_margin):
+    """The constraints with the user's layout switches, pipeline schedule and memory margin, each checked; plans
+    within ``TIME_TOLERANCE`` of the fastest rank by memory headroom."""
+    import dataclasses
+
+    from redline.plan.search import TIME_TOLERANCE
+    from redline.plan.strategy import SCHEDULES
+
+    if schedule is not None and schedule not in SCHEDULES:
+        raise BadInput(f"--schedule '{schedule}' is not one of {', '.join(SCHEDULES)}")
+    if virtual_stages is not None:
+        if schedule != "interleaved":
+            raise BadInput("--virtual-stages goes with --schedule interleaved")
+        if virtual_stages < 2:
+            raise BadInput(f"--virtual-stages must be at least 2, not {virtual_stages}")
+    if not 0 <= memory_margin < 1:
+        raise BadInput(f"--memory-margin must be a fraction from 0 to below 1 (0.05 = 5%), not {memory_margin}")
+    return dataclasses.replace(
+        constraints,
+        sequence_parallel=sequence_parallel,
+        flash_attention=flash_attention,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        memory_margin=memory_margin,
+        time_tolerance=TIME_TOLERANCE,
+    )
+
+
+def _check_calibration(calibrate: bool, model, cluster, micro_batch: int | None) -> None:
     """What --calibrate needs, checked before any planning: PyTorch, a model it can run, this machine."""
+    if not calibrate:
+        if micro_batch is not None:
+            raise BadInput("--calibrate-micro-batch goes with --calibrate")
+        return
     from redline import capability
 
     capability.require_torch("--calibrate (it times real training steps)")

@@ -7,7 +7,7 @@ from typing import Any
 
 from redline.plan.hardware import Cluster
 from redline.plan.memory import MemoryBreakdown, memory_per_gpu
-from redline.plan.steptime import StepTime, step_time
+from redline.plan.steptime import StepTime, recomputed_flops_per_sample, step_time
 from redline.plan.strategy import Strategy
 from redline.specs.catalog import peak_precisions
 from redline.workload.profile import WorkloadProfile
@@ -65,7 +65,11 @@ class Estimate:
         }
 
 
-def estimate(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goal: Goal) -> Estimate:
+def estimate(
+    profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goal: Goal, *, memory_margin: float = 0.0
+) -> Estimate:
+    """The strategy's predictions; it fits when its device total leaves ``memory_margin`` of the GPU's memory
+    free."""
     memory = memory_per_gpu(profile, strategy, cluster.gpus_per_node)
     time = step_time(profile, strategy, cluster)
     step_s = time.total
@@ -76,7 +80,7 @@ def estimate(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goa
     if peak:
         model_flops = profile.training_flops_per_sample * samples_per_s
         mfu = model_flops / (strategy.gpus * peak)
-        recomputed = sum(b.forward_flops_per_sample for b in profile.blocks) if strategy.checkpointing == "full" else 0
+        recomputed = recomputed_flops_per_sample(profile, strategy)
         hfu = (model_flops + recomputed * samples_per_s) / (strategy.gpus * peak)
     time_to_train = None
     if goal.tokens is not None:
@@ -90,7 +94,7 @@ def estimate(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goa
         strategy=strategy,
         memory=memory,
         time=time,
-        fits=memory.device_total <= cluster.memory_bytes,
+        fits=memory.device_total <= (1 - memory_margin) * cluster.memory_bytes,
         samples_per_s=samples_per_s,
         tokens_per_s=tokens_per_s,
         mfu=mfu,

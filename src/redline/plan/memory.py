@@ -180,10 +180,37 @@ def measured_bytes(
     return max(0.0, max(c / strategy.tensor + x * samples for c, x in lines[key]))
 
 
-def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> int:
-    """1F1B: stage i of p holds the activations of min(p - i, m) micro-batches, the first stage the most
-    (Narayanan et al. 2021); without a pipeline, micro-batches run one after the other."""
-    return min(strategy.pipeline - stage_index, strategy.accumulation)
+def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> float:
+    """How many micro-batches' activations of its whole stage a pipeline rank holds at once, by schedule (p
+    stages, m micro-batches, v virtual stages; stage i from 0):
+
+    - GPipe (Huang et al. 2019) runs every forward before any backward: all m, on every stage;
+    - 1F1B (Narayanan et al. 2021, section 2.2) starts a backward once stage i has p - i forwards in flight:
+      min(p - i, m), the first stage the most (p: the activations of L layers, whatever p is);
+    - interleaved 1F1B holds (p - i - 1) x 2 + (v - 1) x p + 1 chunks of 1/v of the stage in warm-up
+      (Megatron-LM's schedule): p + (p - 1)/v stages' worth on the first stage, which is Korthikanti et al. 2022's
+      factor 1 + (p - 1)/(p v) over 1F1B's p; at most m.
+
+    Without a pipeline micro-batches run one after the other: 1.
+    """
+    p, m, v = strategy.pipeline, strategy.accumulation, strategy.virtual_stages
+    if p == 1:
+        return 1.0
+    if strategy.schedule == "gpipe":
+        return float(m)
+    if strategy.schedule == "interleaved":
+        return min(((p - stage_index - 1) * 2 + (v - 1) * p + 1) / v, float(m))
+    return float(min(p - stage_index, m))
+
+
+def recomputes_block(layer: LayerProfile, strategy: Strategy) -> bool:
+    """Whether a block's backward reruns its forward first: under full checkpointing, and under selective
+    checkpointing where the tracer measured what ``workload.selective``'s per-operator policy keeps (the runtime's:
+    it recomputes all but the matmuls). Korthikanti's analytic selective recomputes only the attention core,
+    inside the backward."""
+    if strategy.checkpointing == "full":
+        return True
+    return strategy.checkpointing == "selective" and activation_key(strategy) in layer.selective_bytes_per_sample
 
 
 def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> dict[str, float]:
@@ -345,8 +372,9 @@ def _weight_copies_and_comm_buffers(
 
 
 def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, float]) -> dict[str, float]:
-    """Bytes each layer of the stage keeps for its backward, for one micro-batch: a checkpointed block only its
-    input."""
+    """Bytes each layer of the stage keeps for its backward, for one micro-batch: a checkpointed block its input,
+    and under measured selective checkpointing what the policy saved (matmul outputs, split t ways as the
+    matmuls are); an analytic one under selective checkpointing all but its attention core (Korthikanti)."""
     key = activation_key(strategy)
     t = strategy.tensor
     sp_divisor = t if strategy.sequence_parallel else 1
@@ -354,8 +382,11 @@ def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, f
     for layer in (*stage.blocks, *stage.fixed):
         if not layer.is_block:
             kept[layer.name] = layer.activation_bytes_per_sample[key] * strategy.micro_batch / t
-        elif strategy.checkpointing == "full":  # the block's input
-            kept[layer.name] = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor * strategy.micro_batch
+        elif recomputes_block(layer, strategy):
+            per_sample = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor
+            if strategy.checkpointing == "selective":
+                per_sample += layer.selective_bytes_per_sample[key] / t
+            kept[layer.name] = per_sample * strategy.micro_batch
         else:
             kept[layer.name] = full_blocks[layer.name]
     return kept
@@ -378,8 +409,9 @@ def _backward_working_sets(
     rise: dict[str, float],
     autocast_copies: dict[str, float],
 ) -> dict[str, float]:
-    """The working set of each block's backward, on top of what is still saved: its activation gradients (under
-    full checkpointing also its recomputed activations and the weight copies its recomputation casts again);
+    """The working set of each block's backward, on top of what is still saved: its activation gradients (where it
+    is recomputed also its recomputed activations and the weight copies its recomputation casts again: under
+    selective checkpointing this counts the saved matmul outputs twice, on the safe side);
     and the loss's for an LM's head. Copies per parameter: autocast's, not FSDP's whole units."""
     working = {}
     for block in stage.blocks:
@@ -387,7 +419,7 @@ def _backward_working_sets(
         backward = measured_bytes(block.backward_working, block, strategy, saved)
         if backward is None:  # not measured: all it saved, at most
             backward = saved
-        if strategy.checkpointing == "full":
+        if recomputes_block(block, strategy):
             # the recomputation's forward (its rise counts the block's input, which is already held, where the
             # gradient of its output now waits), then the backward on what it saved and the weight copies it cast
             backward = max(rise[block.name], saved + backward + autocast_copies[block.name])
@@ -459,7 +491,7 @@ def _layers_in_model_order(
             ),
             # a checkpointed block saves no weight copies (autocast without its weight cache, as the runtime runs
             # it: a loop with the cache on holds them to the end of the forward)
-            copies=0.0 if strategy.checkpointing == "full" and layer.is_block else autocast_copies[layer.name],
+            copies=0.0 if layer.is_block and recomputes_block(layer, strategy) else autocast_copies[layer.name],
             rise=rise[layer.name],
             working=working.get(layer.name, 0.0),
             grads=layer.params * grad_share,
@@ -485,7 +517,7 @@ def _backward_peak(
     *,
     held: float,
     grads: float,
-    in_flight: int,
+    in_flight: float,
     head: LayerProfile | None,
     tied_grad: float,
 ) -> float:

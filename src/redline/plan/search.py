@@ -3,9 +3,16 @@
 The space: tensor degree (a divisor of the node size that divides the attention heads), pipeline degree
 (a divisor of what is left, no deeper than the model has blocks), data degree (the rest), what the data-
 parallel group shards, micro-batch (powers of two and the whole per-rank batch), the gradient
-accumulation that reaches the global batch, and activation checkpointing. Sequence parallelism is on
-whenever tensor parallelism is (it only saves memory). Everything is arithmetic: a 70B model over 64 GPUs
-is a few thousand candidates.
+accumulation that reaches the global batch, and activation checkpointing (none, selective, full).
+Sequence parallelism is on whenever tensor parallelism is (it only saves memory) unless the user turns it
+off; pipelines run 1F1B unless the user picks a schedule. Everything is arithmetic: a 70B model over 64
+GPUs is a few thousand candidates.
+
+A plan fits when its predicted device total leaves ``Constraints.memory_margin`` of the GPU's memory free
+(none by default: the prediction already counts the allocator's reserve, the CUDA context and NCCL's
+buffers). Plans rank by time; but where the fastest leaves less than ``TIGHT_HEADROOM`` of the memory
+free, those within ``Constraints.time_tolerance`` of it rank by memory headroom, more free memory first: a
+0.2% faster plan is not worth running at the edge of memory.
 """
 
 from __future__ import annotations
@@ -13,22 +20,29 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redline.errors import BadInput
 from redline.plan.estimate import Estimate, Goal, estimate
 from redline.plan.hardware import Cluster
-from redline.plan.strategy import Strategy
+from redline.plan.strategy import CHECKPOINTING, Strategy
 from redline.units import GiB
 from redline.workload.profile import WorkloadProfile
 
 OUT_OF_MEMORY = "does not fit in GPU memory"
+# `redline plan` ranks plans within 1% of the fastest by memory headroom: less than the planner's own error on the
+# published runs (benchmarks/plan_vs_published.py), so such a difference in time is no reason to run at the edge
+TIME_TOLERANCE = 0.01
+# a plan that leaves less than a tenth of the GPU's memory free runs at the edge: the allocator's reserve in the
+# prediction (5%) is a typical figure, and a long run's fragmentation or an unusual batch can exceed it
+TIGHT_HEADROOM = 0.10
 
 
 @dataclass(frozen=True)
 class Constraints:
-    """Parts of the strategy the user fixed; None leaves them to the search."""
+    """Parts of the strategy the user fixed (None leaves them to the search), and how the search judges the
+    candidates."""
 
     precision: str | None = None
     optimizer: str = "adamw"
@@ -38,6 +52,18 @@ class Constraints:
     micro_batch: int | None = None
     accumulation: int | None = None
     checkpointing: str | None = None
+    sequence_parallel: bool = True  # wherever tensor parallelism is
+    flash_attention: bool = True
+    schedule: str | None = None  # of a pipeline; None: 1F1B
+    virtual_stages: int | None = None  # of the interleaved schedule; None: 2
+    memory_margin: float = 0.0  # fraction of each GPU's memory a plan leaves free
+    time_tolerance: float = 0.0  # plans this close to the fastest (a fraction of its time) rank by headroom
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.memory_margin < 1:
+            raise ValueError(f"memory margin must be a fraction in [0, 1), not {self.memory_margin}")
+        if self.time_tolerance < 0:
+            raise ValueError(f"time tolerance must not be negative, not {self.time_tolerance}")
 
 
 @dataclass
@@ -46,6 +72,7 @@ class SearchResult:
     considered: int
     excluded: Counter[str] = field(default_factory=Counter)  # reason -> how many
     closest_misfit: Estimate | None = None  # the excluded strategy that came nearest to fitting
+    memory_margin: float = 0.0  # the fraction of each GPU's memory the plans were to leave free
 
     def exclusions(self) -> list[dict[str, Any]]:
         return [{"reason": reason, "count": count} for reason, count in self.excluded.most_common()]
@@ -154,23 +181,56 @@ def candidates(
             micro_batches = _micro_batch_choices(per_rank, constraints, excluded)
             if not micro_batches:
                 continue
-            for sharding in shardings:
-                for b in micro_batches:
-                    for ckpt in ("none", "full") if blocks else ("none",):
-                        if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
-                            continue
-                        yield Strategy(
-                            data=dp,
-                            tensor=t,
-                            pipeline=p,
-                            sharding=sharding,
-                            precision=precision,
-                            micro_batch=b,
-                            accumulation=per_rank // b,
-                            checkpointing=ckpt,
-                            sequence_parallel=t > 1,
-                            optimizer=constraints.optimizer,
-                        )
+            layout = Strategy(data=dp, tensor=t, pipeline=p, precision=precision, optimizer=constraints.optimizer)
+            yield from _strategies(layout, constraints, shardings, micro_batches, per_rank, blocks, excluded)
+
+
+def _strategies(
+    layout: Strategy,
+    constraints: Constraints,
+    shardings: list[str],
+    micro_batches: list[int],
+    per_rank: int,
+    blocks: int,
+    excluded: Counter[str],
+) -> Iterator[Strategy]:
+    """The candidates of one layout (degrees, precision, optimizer) for ``per_rank`` samples per data-parallel rank
+    and step: each sharding, micro-batch and checkpointing, with the user's switches and the pipeline's schedule."""
+    t, p = layout.tensor, layout.pipeline
+    schedule, virtual = _schedule(constraints, p)
+    if p * virtual > max(blocks, 1):
+        excluded["fewer blocks than pipeline stages x virtual stages"] += 1
+        return
+    for sharding in shardings:
+        for b in micro_batches:
+            if schedule == "interleaved" and (per_rank // b) % p:
+                # Megatron-LM and torch.distributed.pipelining's interleaved 1F1B alike
+                excluded["interleaved: micro-batches per step not a multiple of the pipeline stages"] += 1
+                continue
+            for ckpt in CHECKPOINTING if blocks else ("none",):
+                if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
+                    continue
+                yield replace(
+                    layout,
+                    sharding=sharding,
+                    micro_batch=b,
+                    accumulation=per_rank // b,
+                    checkpointing=ckpt,
+                    sequence_parallel=t > 1 and constraints.sequence_parallel,
+                    flash_attention=constraints.flash_attention,
+                    schedule=schedule,
+                    virtual_stages=virtual,
+                )
+
+
+def _schedule(constraints: Constraints, pipeline: int) -> tuple[str, int]:
+    """The schedule and virtual stages of a pipeline of ``pipeline`` stages: the user's, or 1F1B; without a
+    pipeline there is nothing to schedule."""
+    if pipeline == 1 or constraints.schedule in (None, "1f1b"):
+        return "1f1b", 1
+    if constraints.schedule == "interleaved":
+        return "interleaved", constraints.virtual_stages or 2
+    return constraints.schedule, 1
 
 
 def search(
@@ -187,16 +247,33 @@ def search(
     considered = 0
     for strategy in candidates(profile, cluster, goal, constraints, excluded):
         considered += 1
-        result = estimate(profile, strategy, cluster, goal)
+        result = estimate(profile, strategy, cluster, goal, memory_margin=constraints.memory_margin)
         if result.fits:
             fitting.append(result)
             continue
         excluded[OUT_OF_MEMORY] += 1
         if closest is None or result.memory.device_total < closest.memory.device_total:
             closest = result
-    # on one cluster cost is time x price, so one order serves both; equal times: more memory to spare first
-    fitting.sort(key=lambda e: (e.time.total, e.memory.device_total))
-    return SearchResult(ranked=fitting, considered=considered, excluded=excluded, closest_misfit=closest)
+    ranked = rank(fitting, constraints.time_tolerance, cluster.memory_bytes)
+    return SearchResult(
+        ranked=ranked,
+        considered=considered,
+        excluded=excluded,
+        closest_misfit=closest,
+        memory_margin=constraints.memory_margin,
+    )
+
+
+def rank(fitting: list[Estimate], time_tolerance: float, memory_bytes: float) -> list[Estimate]:
+    """Fastest first (on one cluster cost is time x price, so one order serves both; equal times: more memory to
+    spare first). Where the fastest leaves less than ``TIGHT_HEADROOM`` of ``memory_bytes`` free, the plans within
+    ``time_tolerance`` of it rank by memory headroom, more free memory first."""
+    ordered = sorted(fitting, key=lambda e: (e.time.total, e.memory.device_total))
+    if not ordered or ordered[0].memory.device_total < (1 - TIGHT_HEADROOM) * memory_bytes:
+        return ordered
+    limit = ordered[0].time.total * (1 + time_tolerance)
+    close = [e for e in ordered if e.time.total <= limit]  # a prefix: ordered by time
+    return sorted(close, key=lambda e: (e.memory.device_total, e.time.total)) + ordered[len(close) :]
 
 
 def explain_no_fit(result: SearchResult, cluster: Cluster) -> str:
@@ -205,9 +282,10 @@ def explain_no_fit(result: SearchResult, cluster: Cluster) -> str:
         reasons = "; ".join(f"{r['reason']} ({r['count']})" for r in result.exclusions()) or "no candidates"
         return f"no strategy can run on {cluster.name}: {reasons}"
     best = result.closest_misfit
+    margin = f" less the {result.memory_margin:.0%} margin" if result.memory_margin else ""
     return (
         f"nothing fits on {cluster.name}: the smallest footprint ({best.strategy.label()}) needs "
-        f"{best.memory.device_total / GiB:.1f} GiB per GPU of {cluster.memory_bytes / GiB:.1f} GiB"
+        f"{best.memory.device_total / GiB:.1f} GiB per GPU of {cluster.memory_bytes / GiB:.1f} GiB{margin}"
     )
 
 
@@ -220,8 +298,6 @@ def smallest_fitting(
 ) -> list[tuple[Cluster, Estimate]]:
     """For each catalog GPU, the fewest GPUs (8 per node) on which the model fits with its leanest
     strategy (micro-batch 1, full checkpointing); the ``limit`` smallest by total GPU memory."""
-    from dataclasses import replace
-
     from redline.plan.hardware import catalog_cluster
     from redline.specs.catalog import gpu_catalog
 

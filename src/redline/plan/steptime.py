@@ -10,7 +10,7 @@ compute is subtracted, what cannot stays on the critical path.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from redline.plan.comm import collective_s, network_share, p2p_s, ring_s
@@ -28,6 +28,7 @@ from redline.plan.memory import (
 from redline.plan.model_states import ZERO_STAGE
 from redline.plan.strategy import Strategy
 from redline.workload.profile import WorkloadProfile
+from redline.workload.transformer import attention_core_flops
 
 # A training step's GEMMs (split by tensor parallelism, of many shapes) sustain less than one large GEMM.
 # 0.79 of the matmul ceiling is fitted on Narayanan et al.'s three 175B runs (Table 2, 384-1536 A100) and
@@ -94,11 +95,16 @@ def groups(strategy: Strategy, cluster: Cluster) -> Groups:
 def _micro_batch_compute_s(
     profile: WorkloadProfile, strategy: Strategy, stage: Stage, cluster: Cluster
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch on one stage; recomputation counts in backward."""
+    """(forward, backward) seconds of one micro-batch on one stage; recomputation counts in backward: full
+    checkpointing reruns each block's forward; selective reruns what ``workload.selective`` does not keep: the
+    memory-bound half of the forward, and without flash attention the attention core's FLOPs (Korthikanti et al.
+    2022, section 5; a fused attention kernel's output is kept, so nothing of the attention is rerun)."""
     b, t = strategy.micro_batch, strategy.tensor
     rate = cluster.matmul[strategy.precision].value * SUSTAINED_MATMUL_FRACTION
     bandwidth = cluster.memory_bandwidth.value
-    blocks = block_activations(profile, strategy, stage)
+    # what the forward writes and the backward reads, kept or recomputed
+    blocks = block_activations(profile, replace(strategy, checkpointing="none"), stage)
+    core_flops = recomputed_core_flops_per_sample(profile, strategy)
     forward = backward = 0.0
     for layer in (*stage.blocks, *stage.fixed):
         flops = layer.forward_flops_per_sample * b / t
@@ -114,6 +120,8 @@ def _micro_batch_compute_s(
         backward += max(2 * flops / rate + memory_s / 2, 2 * launches)
         if layer.is_block and strategy.checkpointing == "full":
             backward += layer_forward
+        elif layer.is_block and strategy.checkpointing == "selective":
+            backward += core_flops * b / t / rate + memory_s / 2
     if profile.calibration is not None and forward + backward > 0:  # measured here: correct the total, keep the split
         # the floor was measured on the whole model: this stage launches its layers' share, and a recomputed
         # forward adds about a third
@@ -124,12 +132,36 @@ def _micro_batch_compute_s(
     return forward, backward
 
 
+def attention_core_flops_per_sample(profile: WorkloadProfile) -> float:
+    """Forward FLOPs of one block's attention core for one sample, which selective checkpointing recomputes (a
+    transformer's; 0 where the profile has no transformer shape to tell them)."""
+    shape = profile.transformer
+    return 0.0 if shape is None else attention_core_flops(shape, profile.tokens_per_sample)
+
+
+def recomputed_core_flops_per_sample(profile: WorkloadProfile, strategy: Strategy) -> float:
+    """Forward FLOPs of one block's attention core that selective checkpointing reruns per sample: all of them
+    for an unfused core, none for a fused kernel (flash attention), whose output is kept."""
+    return 0.0 if strategy.flash_attention else attention_core_flops_per_sample(profile)
+
+
+def recomputed_flops_per_sample(profile: WorkloadProfile, strategy: Strategy) -> float:
+    """Forward FLOPs a step recomputes per sample: every block's under full checkpointing, every unfused
+    attention core under selective (hardware FLOPs, HFU)."""
+    if strategy.checkpointing == "full":
+        return sum(b.forward_flops_per_sample for b in profile.blocks)
+    if strategy.checkpointing == "selective":
+        return len(profile.blocks) * recomputed_core_flops_per_sample(profile, strategy)
+    return 0.0
+
+
 def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) -> StepTime:
     """One optimizer step of ``strategy`` on ``cluster``.
 
-    The slowest pipeline stage sets the pace. With 1F1B over p stages and m micro-batches a step takes
-    m + p - 1 micro-batch slots, the p - 1 extra being the bubble (Narayanan et al. 2021, section 2.2);
-    a slot is a micro-batch's compute plus its tensor-parallel all-reduces, which nothing hides.
+    The slowest pipeline stage sets the pace. With GPipe or 1F1B over p stages and m micro-batches a step
+    takes m + p - 1 micro-batch slots, the p - 1 extra being the bubble, (p - 1)/m of the ideal time; the
+    interleaved schedule's v virtual stages per rank shrink it to (p - 1)/(v m) (Narayanan et al. 2021,
+    section 2.2). A slot is a micro-batch's compute plus its tensor-parallel all-reduces, which nothing hides.
     """
     m, p, t = strategy.accumulation, strategy.pipeline, strategy.tensor
     stage = max(stages(profile, p), key=lambda s: sum(layer.forward_flops_per_sample for layer in s.blocks + s.fixed))
@@ -150,22 +182,29 @@ def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) ->
 
     # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients): a
     # block's input (a transformer's b*s*h residual stream, fp32 under autocast too), split t ways (Megatron's
-    # scatter/gather optimisation)
+    # scatter/gather optimisation); interleaved, each rank sends every micro-batch on v times, once per chunk
     pp_s = 0.0
     if p > 1:
         size = stage.blocks[0].input_bytes_per_sample.get(activation_key(strategy), 0.0) * strategy.micro_batch / t
         crossing = where.pp_crosses_nodes and cluster.nodes > 1 and cluster.inter is not None
         link = network_share(cluster.inter, cluster.gpus_per_node) if crossing else cluster.intra
-        pp_s = 2 * (m + p - 1) * p2p_s(size, link)
+        pp_s = 2 * (strategy.virtual_stages * m + p - 1) * p2p_s(size, link)
 
     return StepTime(
         compute=m * micro_batch_s,
-        bubble=(p - 1) * (micro_batch_s + tp_micro_s),
+        bubble=bubble_slots(strategy) * (micro_batch_s + tp_micro_s),
         data_parallel_comm=_data_parallel_exposed_s(profile, strategy, cluster, stage, where, forward, backward),
         tensor_parallel_comm=m * tp_micro_s,
         pipeline_comm=pp_s,
         optimizer=_optimizer_s(profile, strategy, cluster, stage),
     )
+
+
+def bubble_slots(strategy: Strategy) -> float:
+    """Micro-batch slots a step spends filling and draining the pipeline: p - 1 for GPipe and 1F1B, (p - 1)/v
+    for interleaved 1F1B (Narayanan et al. 2021, section 2.2: a bubble of (p - 1)/m and (p - 1)/(v m) of the
+    ideal m slots)."""
+    return (strategy.pipeline - 1) / strategy.virtual_stages
 
 
 def _data_parallel_exposed_s(

@@ -1,11 +1,11 @@
 """What the runtime applies: the plan's strategy plus the settings only a running job needs, one tree.
 
 ``RunConfig`` holds one section per component, each a frozen dataclass with a docstring per field and its
-checks in ``__post_init__`` (torchtitan's per-component configs): ``numerics``, ``ddp``, ``data``,
-``checkpoint``, ``metrics``, beside the plan file's ``strategy`` (the same ``Strategy`` the planner ranks) and
-``plan``, the facts the planner worked out. The settings come from, each over the one before: the defaults
-below, the plan file's ``runtime:`` section, ``prepare()``'s keywords, and ``redline run``'s options
-(``$REDLINE_RUNTIME``: the command line has the last word).
+checks in ``__post_init__`` (torchtitan's per-component configs): ``numerics``, ``activation_checkpoint``,
+``ddp``, ``data``, ``checkpoint``, ``metrics``, beside the plan file's ``strategy`` (the same ``Strategy``
+the planner ranks) and ``plan``, the facts the planner worked out. The settings come from, each over the one
+before: the defaults below, the plan file's ``runtime:`` section, ``prepare()``'s keywords, and ``redline
+run``'s options (``$REDLINE_RUNTIME``: the command line has the last word).
 
 ``SETTINGS`` is the one table of the settings a user sets by name: a setting's place in the tree, its keyword
 (``prepare(checkpoint_dir=...)`` and ``$REDLINE_RUNTIME``'s keys), and its option on the command line where it
@@ -44,6 +44,18 @@ class NumericsConfig:
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise BadInput(f"grad_clip_norm must be positive, not {self.grad_clip_norm}")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointConfig:
+    every: int = 1
+    """Checkpoint the activations of every k-th repeated block only, the way the plan's ``checkpointing`` says
+    (full or selective): the blocks between keep theirs, less recomputation for more memory. 1: every block, as
+    the planner counts it. Nothing to do when the plan checkpoints none."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise BadInput(f"ac_every must be 1 (every block) or more, not {self.every}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,8 @@ class RunConfig:
     """How the step is laid out: the plan file's ``strategy`` section."""
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     """TF32, cudnn, compile, clipping (``apply_numerics``, ``apply_compile``, the optimizer step)."""
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    """Which blocks the plan's activation checkpointing covers (``apply_activation_checkpointing``)."""
     ddp: DdpConfig = field(default_factory=DdpConfig)
     """DistributedDataParallel and BatchNorm over the ranks (``apply_ddp``, ``apply_sync_batchnorm``)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -189,6 +203,7 @@ class RunConfig:
 # the sections a plan file's `runtime:` holds (the strategy has its own section, the plan facts are its others)
 SECTIONS: dict[str, type] = {
     "numerics": NumericsConfig,
+    "activation_checkpoint": ActivationCheckpointConfig,
     "ddp": DdpConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
@@ -219,6 +234,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("numerics.cudnn_benchmark", "cudnn_benchmark"),
     Setting("numerics.compile", "compile", "--compile", "torch.compile each repeated block of the model."),
     Setting("numerics.grad_clip_norm", "grad_clip_norm"),
+    Setting(
+        "activation_checkpoint.every",
+        "ac_every",
+        "--ac-every",
+        "Checkpoint activations in every K-th block only, as the plan says (full or selective; 1: each block).",
+    ),
     Setting("ddp.bucket_cap_mb", "ddp_bucket_cap_mb"),
     Setting("ddp.static_graph", "ddp_static_graph"),
     Setting("ddp.comm_hook", "comm_hook", "--comm-hook", f"Compress DDP's all-reduce: {' | '.join(COMM_HOOKS)}."),

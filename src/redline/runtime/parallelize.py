@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
-from redline.runtime.config import DdpConfig, NumericsConfig
+from redline.runtime.config import ActivationCheckpointConfig, DdpConfig, NumericsConfig
+from redline.workload.selective import selective_checkpoint_context
 
 log = logging.getLogger("redline.runtime")
 
@@ -66,29 +68,38 @@ def sync_batchnorm(model: nn.Module) -> None:
         raise BadInput("the model is a single BatchNorm layer: wrap it in a module")
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> None:
-    """The plan's activation checkpointing (``none``, ``full``) over the model's repeated blocks."""
-    if mode == "selective":
-        raise BadInput("selective activation checkpointing is not applied by the runtime yet: plan with none or full")
-    if mode == "full":
-        if not blocks:
-            raise BadInput("the plan checkpoints activations per block, but this model has no repeated blocks")
-        checkpoint_blocks(blocks)
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, config: ActivationCheckpointConfig) -> None:
+    """The plan's activation checkpointing (``none``, ``selective``, ``full``) over every ``config.every``-th
+    of the model's repeated blocks (the k-th, the 2k-th...)."""
+    if mode == "none":
+        return
+    if not blocks:
+        raise BadInput("the plan checkpoints activations per block, but this model has no repeated blocks")
+    if config.every > len(blocks):
+        raise BadInput(
+            f"ac_every {config.every} is more than the model's {len(blocks)} repeated blocks: none would be "
+            "checkpointed"
+        )
+    checkpoint_blocks(blocks[config.every - 1 :: config.every], selective=mode == "selective")
 
 
-def checkpoint_blocks(blocks: list[nn.Module]) -> None:
-    """Full activation checkpointing: each block keeps its input and recomputes the rest in the backward
-    (non-reentrant ``torch.utils.checkpoint``). A Hugging Face model must also run without its KV cache
-    (``workload.structure.without_kv_cache``), or each recomputation appends its keys and values again."""
+def checkpoint_blocks(blocks: list[nn.Module], *, selective: bool = False) -> None:
+    """Activation checkpointing of each block (non-reentrant ``torch.utils.checkpoint``): full, each block keeps
+    its input and recomputes the rest in the backward; selective, it also keeps the outputs of the matmuls and
+    fused attention kernels (``workload.selective.SAVED_OPS``, the same policy the planner measures) and
+    recomputes the rest. The random ops recompute as they ran: the checkpoint restores the RNG state. A Hugging
+    Face model must also run without its KV cache (``workload.structure.without_kv_cache``), or each
+    recomputation appends its keys and values again."""
     for block in blocks:
-        block.forward = _checkpointed(block.forward)
+        block.forward = _checkpointed(block.forward, selective=selective)
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    from torch.utils.checkpoint import checkpoint
+def _checkpointed(forward: Callable[..., Any], *, selective: bool) -> Callable[..., Any]:
+    # called by each forward, it makes the pair of contexts that hold what that forward saved for its backward
+    context_fn = selective_checkpoint_context if selective else noop_context_fn
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
 

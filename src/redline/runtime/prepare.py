@@ -16,7 +16,8 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
 2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); BatchNorm synchronised over the
    ranks (``apply_sync_batchnorm``); tensor parallelism over the mesh's ``tp`` group (``tensor`` > 1;
    ``apply_tp`` of ``tensor_parallel.py``), before anything else wraps the layers;
-3. activation checkpointing of each block (``checkpointing: full``; ``apply_activation_checkpointing``);
+3. activation checkpointing of each block, or each k-th (``checkpointing: full`` or ``selective``,
+   ``ac_every``; ``apply_activation_checkpointing``);
 4. ``torch.compile`` of each block (``compile``; ``apply_compile``);
 5. data parallelism: DDP (bucket size, static graph, gradients as bucket views, a compression hook;
    ``apply_ddp``), ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``, ``apply_zero1``), or FSDP2 ``fully_shard`` per
@@ -249,7 +250,7 @@ class Run:
         strategy = self.config.strategy
         if self.mesh is not None and self.mesh.tp is not None:
             apply_tp(model, self.mesh.tp, sequence_parallel=strategy.sequence_parallel)
-        apply_activation_checkpointing(blocks, strategy.checkpointing)
+        apply_activation_checkpointing(blocks, strategy.checkpointing, self.config.activation_checkpoint)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
         if self.world_size == 1:

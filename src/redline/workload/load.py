@@ -15,7 +15,7 @@ from typing import Any
 from redline.capability import is_available, require_torch
 from redline.errors import BadInput
 from redline.units import fmt_count
-from redline.workload.presets import PRESET_NAMES, preset_profile
+from redline.workload.presets import PRESET_NAMES, TRANSFORMER_PRESETS, preset_profile
 from redline.workload.profile import TransformerShape, WorkloadProfile
 
 # A bare parameter count gets a GPT-shaped stack: GPT-3's 6.7B and 13B, Llama's 7B and 13B all keep
@@ -32,7 +32,10 @@ def load_workload(
     params: float | None = None,
     seq_len: int | None = None,
     input_shape: tuple[int, ...] | None = None,
+    analytic: bool = False,
 ) -> WorkloadProfile:
+    """The profile of ``model`` (or a bare ``params`` count); ``analytic`` takes a config.json's formulas where it
+    would be traced, and refuses a model that has none (a factory, a traced preset)."""
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be at least 1, not {seq_len}")
     if (model is None) == (params is None):
@@ -43,11 +46,15 @@ def load_workload(
         return bare_params_profile(params, seq_len)
     assert model is not None
     if model.strip().lower() in PRESET_NAMES:
+        if analytic and model.strip().lower() not in TRANSFORMER_PRESETS:
+            raise BadInput(f"--analytic: preset '{model}' is traced, it has no formula")
         return preset_profile(model, seq_len)
     path = Path(model).expanduser()
     if path.suffix == ".json" or path.is_dir() or path.exists():
-        return config_profile(path, seq_len)
+        return config_profile(path, seq_len, analytic=analytic)
     if ":" in model:
+        if analytic:
+            raise BadInput(f"--analytic: {model} is a factory; only a transformer's config.json has a formula")
         return factory_profile(model, input_shape)
     raise BadInput(
         f"unknown model '{model}': not a preset ({', '.join(PRESET_NAMES)}), not a config.json path, "
@@ -142,18 +149,22 @@ def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
     )
 
 
-def config_profile(path: Path, seq_len: int | None) -> WorkloadProfile:
-    """A Hugging Face config: the analytic shape, traced through transformers when it is installed."""
+def config_profile(path: Path, seq_len: int | None, *, analytic: bool = False) -> WorkloadProfile:
+    """A Hugging Face config: the analytic shape, traced through transformers when it is installed (and not
+    ``analytic``)."""
     from redline.workload.hf import KNOWN_MODEL_TYPES, read_config, shape_from_config
     from redline.workload.transformer import transformer_profile
 
     config = read_config(path)
     name = str(config.get("_name_or_path") or (path.resolve().parent.name if path.is_file() else path.name))
     shape: TransformerShape | None = None
+    if analytic and config["model_type"] not in KNOWN_MODEL_TYPES:
+        known = ", ".join(sorted(KNOWN_MODEL_TYPES))
+        raise BadInput(f"--analytic: no formula for model_type '{config['model_type']}' (known: {known})")
     if config["model_type"] in KNOWN_MODEL_TYPES or not is_available("transformers"):
         # a known layout is checked here even when transformers could trace it: a malformed config is an error
         shape = shape_from_config(config, seq_len, origin=str(path))
-    if not is_available("transformers") or not is_available("torch") or config["model_type"] == "t5":
+    if analytic or not is_available("transformers") or not is_available("torch") or config["model_type"] == "t5":
         # T5 needs decoder inputs to trace; its layout is known
         if shape is None:
             raise BadInput(f"{path}: cannot profile model_type '{config['model_type']}'")

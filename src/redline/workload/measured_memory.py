@@ -14,7 +14,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 
+from redline.workload.selective import selective_checkpoint_context
 from redline.workload.user_model import training_loss
 
 
@@ -75,6 +77,51 @@ class LiveBytes(TorchDispatchMode):
         """What was live after each operator since the last take, and now; the next take starts from now."""
         history, self.history = [*self.history, self.live], [self.live]
         return history
+
+
+# --- what a block keeps under selective checkpointing ------------------------------------------------------
+
+
+def selective_saved_bytes(blocks: list[nn.Module], forward: Callable[[], Any]) -> list[int]:
+    """Bytes each of ``blocks`` keeps for its backward under selective checkpointing, beyond its input (which it
+    keeps under full checkpointing too): ``forward()`` runs with each block under ``torch.utils.checkpoint`` and
+    ``workload.selective``'s policy, as the runtime runs it, and what a block leaves live, less its output (the
+    next one's input), is what the policy saved. Autocast's weight cache should be off, as the runtime runs
+    checkpointed blocks: a cached cast outlives the block."""
+    live = LiveBytes()
+    kept = [0] * len(blocks)
+    at_entry: dict[int, int] = {}
+    handles = []
+
+    def enter(index: int) -> Callable[..., None]:
+        return lambda _module, _args: at_entry.__setitem__(index, live.live)
+
+    def leave(index: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            made = sum(n for ref, n in storage_bytes(tensor_leaves(output)).items() if live.holds(ref))
+            kept[index] = max(0, live.live - at_entry[index] - made)
+
+        return hook
+
+    try:
+        for index, block in enumerate(blocks):
+            handles += [block.register_forward_pre_hook(enter(index)), block.register_forward_hook(leave(index))]
+            block.forward = functools.partial(  # an instance attribute over the class's method, deleted below
+                checkpoint,
+                block.forward,
+                use_reentrant=False,
+                context_fn=selective_checkpoint_context,
+                preserve_rng_state=False,  # fake tensors have no RNG state; nothing is recomputed here
+            )
+        with live:
+            output = forward()
+        del output
+    finally:
+        for handle in handles:
+            handle.remove()
+        for block in blocks:
+            block.__dict__.pop("forward", None)
+    return kept
 
 
 # --- one training step under MemTracker -------------------------------------------------------------------

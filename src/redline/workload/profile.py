@@ -98,6 +98,10 @@ class LayerProfile:
     # what a block's backward needs at its most on top of what it saved, which it frees as it goes (the gradient it
     # is given, activation gradients, temporaries, its weight gradients as they arrive):
     backward_working: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # bytes per sample a block keeps under selective checkpointing beyond its input (the outputs of the operators
+    # ``workload.selective`` saves), by activation precision: measured by the tracer, as the runtime checkpoints;
+    # empty where not measured (the planner then takes Korthikanti's formula, or what the block saves)
+    selective_bytes_per_sample: dict[str, float] = field(default_factory=dict)
     # parameters of embedding tables (lookups): autocast leaves them in fp32, and their backward writes a dense
     # gradient of the whole table
     table_params: int = 0

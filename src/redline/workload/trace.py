@@ -52,7 +52,13 @@ from torch.utils import flop_counter
 from redline.errors import BadInput
 from redline.workload.cuda_autocast import cuda_autocast_policy
 from redline.workload.kernels import flop_formulas, fused_attention, traceable_experts
-from redline.workload.measured_memory import LiveBytes, storage_bytes, tensor_leaves, training_step_peak
+from redline.workload.measured_memory import (
+    LiveBytes,
+    selective_saved_bytes,
+    storage_bytes,
+    tensor_leaves,
+    training_step_peak,
+)
 from redline.workload.profile import ACTIVATION_PRECISIONS, ActivationPrecision, LayerProfile, WorkloadProfile
 from redline.workload.structure import find_blocks, without_kv_cache
 from redline.workload.user_model import input_kind, lm_logits, training_loss, unpack_build
@@ -250,6 +256,8 @@ class _Segment:
     # before it saved, and of a block's backward above what was live as it began less the gradient it was given
     forward_live: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     backward_live: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    # per batch size and precision, what a block keeps under selective checkpointing beyond its input
+    selective_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
 
 
 def _slope(values: dict[Any, float], key: Callable[[int], Any]) -> float:
@@ -355,10 +363,12 @@ class _Tracer:
 
     def measure(self) -> None:
         # the 16-bit runs take CUDA's autocast policy (its fp32 ops in fp32), as on the GPUs the planner predicts
-        with self._segment_hooks(), self._first_call_hooks(), cuda_autocast_policy():
-            for batch in BATCHES:
-                self._run(batch, "fp32", count_flops=True)
-                self._run(batch, "16bit", count_flops=False)
+        with cuda_autocast_policy():
+            with self._segment_hooks(), self._first_call_hooks():
+                for batch in BATCHES:
+                    self._run(batch, "fp32", count_flops=True)
+                    self._run(batch, "16bit", count_flops=False)
+            self._measure_selective()
         self._assign_params()
         self.forward_flops_per_sample = _slope(self.total_flops, lambda b: b)
         self.backward_flops_per_sample = _slope(self.backward_flops, lambda b: b)
@@ -428,6 +438,33 @@ class _Tracer:
             self.backward_flops[batch] = backward_flops
         self.counter = None
         del output, loss
+
+    def _measure_selective(self) -> None:
+        """What each block keeps under selective checkpointing (``workload.selective``), by forward passes with
+        the blocks checkpointed, as the runtime runs them (autocast without its weight cache). A model the
+        checkpoint cannot run keeps no figure, and the planner its formula or what the block saves."""
+        blocks = [block for _, block in self.blocks]
+        if not blocks:
+            return
+        for batch in BATCHES:
+            for precision in ACTIVATION_PRECISIONS:
+                autocast = (
+                    torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+                    if precision == "16bit"
+                    else nullcontext()
+                )
+                x = self.make_input(batch)
+                try:
+                    with self.attention, autocast:
+                        kept = selective_saved_bytes(blocks, lambda x=x: self.module(x))
+                except Exception as error:  # the user's block under torch.utils.checkpoint: any error of theirs
+                    message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    self.notes.append(f"selective checkpointing not measured ({message[:MAX_MESSAGE_CHARS]})")
+                    for segment in self.segments:
+                        segment.selective_bytes.clear()
+                    return
+                for segment, nbytes in zip(self.segments[1 : 1 + len(blocks)], kept, strict=True):
+                    segment.selective_bytes[(batch, precision)] = float(nbytes)
 
     def _backward(self, loss: torch.Tensor | None, formulas: dict[Any, Any]) -> float:
         """Run the backward pass from a first micro-batch's state (no gradients yet), measuring each block's
@@ -607,6 +644,7 @@ class _Tracer:
                     held_bytes_per_sample=per_sample(segment.held_bytes),
                     forward_rise=lines(segment.forward_live),
                     backward_working=lines(segment.backward_live),
+                    selective_bytes_per_sample=per_sample(segment.selective_bytes) if segment.selective_bytes else {},
                     is_block=segment.is_block,
                 )
             )

@@ -77,11 +77,17 @@ def block_forward_flops(shape: TransformerShape, seq_len: int, *, decoder: bool 
     """
     s, h, q, f = seq_len, shape.hidden, shape.query_width, shape.ffn_hidden
     kv = shape.groups * shape.dim_per_head
-    flops = 2 * s * h * (2 * q + 2 * kv) + 4 * s * s * q
+    flops = 2 * s * h * (2 * q + 2 * kv)
     flops += 2 * s * h * f * (3 if shape.gated_mlp else 2)
     if decoder:  # cross-attention over an encoder output of the same length
-        flops += 2 * s * h * 4 * q + 4 * s * s * q
-    return float(flops)
+        flops += 2 * s * h * 4 * q
+    return flops + attention_core_flops(shape, seq_len, decoder=decoder)
+
+
+def attention_core_flops(shape: TransformerShape, seq_len: int, *, decoder: bool = False) -> float:
+    """Forward FLOPs of one block's attention core for one sequence, QK^T and the attention over V: 4 s^2 q
+    (twice in a decoder block, with its cross-attention). What selective checkpointing recomputes."""
+    return float(4 * seq_len * seq_len * shape.query_width * (2 if decoder else 1))
 
 
 def logits_forward_flops(shape: TransformerShape, seq_len: int) -> float:
