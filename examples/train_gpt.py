@@ -24,15 +24,17 @@ from redline.monitor.steps import DEFAULT_STEPS  # redline
 class Block(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.head_dim = heads, width // heads
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+        b, s, _ = x.shape
+        # each head's query, key and value side by side (Megatron's layout), the heads counted by -1: a
+        # tensor-parallel rank's share of qkv is whole heads, and the block computes with those it holds
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -43,6 +45,19 @@ class Gpt(nn.Module):
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
+
+    def redline_tp_plan(self, degree: int) -> dict:  # redline: how a tensor-parallel plan splits the layers
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),  # vocabulary-sharded
+            "blocks.*.qkv": ColwiseParallel(),  # whole heads per rank
+            "blocks.*.proj": RowwiseParallel(),
+            "blocks.*.mlp.0": ColwiseParallel(),
+            "blocks.*.mlp.2": RowwiseParallel(),
+            "head": ColwiseParallel(output_layouts=Replicate()),  # the logits whole on every rank
+        }
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))

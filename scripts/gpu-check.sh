@@ -165,6 +165,13 @@ step monitor-during-training bash -c '
     sleep 3 && "$0" examples/train_gpt.py --epochs 2 >/dev/null 2>&1
     wait $monitor && "$0" -m redline report "$1/monitor.rlm" --html "$1/monitor-report.html" --json' "$py" "$out"
 
+# tensor parallelism over NCCL: a tiny Llama in one tensor-parallel group of 2 (bf16), through `redline run`.
+# It needs two GPUs: NCCL refuses two ranks on one GPU, and a group of one shards nothing (the runtime builds
+# no mesh for tensor degree 1), so on one GPU the layout is what the gloo tests on the CPU check
+step tensor-parallel bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || { echo "skipped: needs 2 GPUs, one NCCL rank each"; exit 0; }
+    MODEL=llama OUT="$1/tp-weights.pt" STRATEGY="{\"tensor\": 2, \"micro_batch\": 8, \"precision\": \"bf16\"}" \
+        "$0" -m redline run --nproc-per-node 2 tests/runtime/tp_worker.py && cat "$1/tp-weights.pt.losses.json"' "$py" "$out"
+
 echo
 echo "== summary"
 "$py" - "$out" <<'PY'

@@ -304,14 +304,24 @@ class _ModelStates:
     optimizer: float
 
 
+def _tensor_parallel_share(layer: LayerProfile, tensor: int) -> float:
+    """A layer's parameters on one tensor-parallel rank, as the runtime's ``apply_tp`` shards them: the matmul
+    weights (those autocast casts, ``cast_params``) and embedding tables split ``tensor`` ways, the rest (norms)
+    whole on every rank. Where the tracer did not tell them apart (``cast_params`` None), all of them split."""
+    if tensor == 1 or layer.cast_params is None:
+        return layer.params / tensor
+    split = layer.cast_params + layer.table_params
+    return split / tensor + (layer.params - split)
+
+
 def _model_states(profile: WorkloadProfile, strategy: Strategy, stage: Stage, gpus_per_node: int) -> _ModelStates:
     """PyTorch keeps fp32 weights and gradients (autocast adds no master copy). ZeRO-1 (ZeroRedundancyOptimizer)
     shards the optimizer states; ZeRO-2 as FSDP runs it (reshard_after_forward=False) also the gradients and the
     fp32 weights, keeping the 16-bit copies whole between forward and backward; FSDP/ZeRO-3 shards everything."""
-    stage_params = stage.params
+    params = sum(_tensor_parallel_share(layer, strategy.tensor) for layer in (*stage.blocks, *stage.fixed))
     if stage.index == strategy.pipeline - 1 and strategy.pipeline > 1:
-        stage_params += profile.tied_params  # the last stage keeps its own copy of a tied embedding table
-    params = stage_params / strategy.tensor
+        # the last stage keeps its own copy of a tied embedding table (vocabulary-split under TP)
+        params += profile.tied_params / strategy.tensor
     states = pytorch_state_bytes(strategy.precision, optimizer_bytes(profile, strategy))
     zero_stage = ZERO_STAGE[strategy.sharding]
     shard = shard_degree(strategy, gpus_per_node)

@@ -291,10 +291,10 @@ def check_settings(settings: dict[str, Any]) -> None:
 def check_runnable(strategy: Strategy, where: str = "the plan") -> None:
     """What the runtime cannot apply yet, refused before training (and by ``redline run`` before any rank
     starts)."""
-    if strategy.tensor > 1 or strategy.pipeline > 1:
+    if strategy.pipeline > 1:
         raise BadInput(
-            f"{where} asks for tensor degree {strategy.tensor} and pipeline degree {strategy.pipeline}; redline's "
-            "runtime applies data parallelism (DDP, ZeRO, FSDP) only so far: plan with --tp 1 --pp 1"
+            f"{where} asks for pipeline degree {strategy.pipeline}; redline's runtime applies data parallelism "
+            "(DDP, ZeRO, FSDP) and tensor parallelism only so far: plan with --pp 1"
         )
     if strategy.precision == "fp8":
         raise BadInput(f"{where}: fp8 training is not supported by redline's runtime yet: plan with --precision bf16")

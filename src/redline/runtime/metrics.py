@@ -26,7 +26,8 @@ Conventions (each figure in a record is one of these, nothing else):
   comm never overlap.
 - ``samples`` and ``tokens`` are GLOBAL per optimizer step: ``end_step(samples=...)`` takes the samples
   this rank processed (micro-batch x accumulation, the same on every data-parallel rank) and multiplies
-  by ``world_size``; ``tokens = samples x tokens_per_sample``. ``samples_per_s`` and ``tokens_per_s``
+  by the data-parallel ranks, ``world_size / ranks_per_batch`` (a tensor-parallel group shares one batch);
+  ``tokens = samples x tokens_per_sample``. ``samples_per_s`` and ``tokens_per_s``
   are these over ``time_s``, comparable with a plan's ``samples_per_s``/``tokens_per_s`` (also global).
 - MFU (PaLM's model FLOPs utilisation, as the planner computes it in ``redline.plan.estimate``)::
 
@@ -229,7 +230,9 @@ class StepMetrics:
     """Measure each optimizer step of a training loop; see the module docstring for what each figure means.
 
     ``device``: where the step runs; CUDA gets event timing and peak memory, anything else host timing.
-    ``world_size``, ``rank``: data-parallel ranks and this one (figures are global, output is rank 0's).
+    ``world_size``, ``rank``: the ranks and this one (figures are global, output is rank 0's).
+    ``ranks_per_batch``: ranks that share each batch (a tensor-parallel group): the global batch is
+    ``samples x world_size / ranks_per_batch``, and MFU counts every rank.
     ``flops_per_sample``: training FLOPs per sample, 3 x forward (from the plan or a trace); None: no MFU.
     ``tokens_per_sample``: tokens per sample (sequence length for a language model; 1 otherwise).
     ``peak_flops_catalog``, ``peak_flops_measured``: per-device peaks in FLOP/s (see ``peak_flops``).
@@ -245,6 +248,7 @@ class StepMetrics:
         device: torch.device,
         world_size: int = 1,
         rank: int = 0,
+        ranks_per_batch: int = 1,
         flops_per_sample: float | None = None,
         tokens_per_sample: int = 1,
         peak_flops_catalog: float | None = None,
@@ -258,6 +262,8 @@ class StepMetrics:
             raise ValueError(f"world_size must be at least 1, not {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), not {rank}")
+        if ranks_per_batch < 1 or world_size % ranks_per_batch:
+            raise ValueError(f"ranks_per_batch must divide world_size {world_size}, not {ranks_per_batch}")
         if tokens_per_sample < 1:
             raise ValueError(f"tokens_per_sample must be at least 1, not {tokens_per_sample}")
         if interval_s < 0:
@@ -265,6 +271,7 @@ class StepMetrics:
         self.device = torch.device(device)
         self.world_size = world_size
         self.rank = rank
+        self.ranks_per_batch = ranks_per_batch
         self.flops_per_sample = flops_per_sample
         self.tokens_per_sample = tokens_per_sample
         self.peak_flops_catalog = peak_flops_catalog
@@ -380,7 +387,7 @@ class StepMetrics:
             phase_s["compute"] = max(phase_s["compute"] - phase_s["comm"], 0.0)
             comm_s = (comm_s or 0.0) + phase_s["comm"]
 
-        global_samples = samples * self.world_size
+        global_samples = samples * (self.world_size // self.ranks_per_batch)
         samples_per_s = global_samples / time_s if time_s > 0 else 0.0
         record = StepRecord(
             step=self.first_step + len(self.records),

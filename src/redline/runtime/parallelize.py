@@ -1,8 +1,8 @@
 """The steps ``prepare()`` applies to the model and its optimizer, one free function each, in the order it calls
-them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_sync_batchnorm``,
-``apply_activation_checkpointing``, ``apply_compile``, then ``apply_ddp`` or ``apply_fsdp``, then
-``build_optimizer`` (with ``apply_zero1`` for ZeRO-1). Each takes the model and the settings it needs, and
-none holds state: each can be called and tested on its own.
+them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_sync_batchnorm``, ``apply_tp``
+(``tensor_parallel.py``), ``apply_activation_checkpointing``, ``apply_compile``, then ``apply_ddp`` or
+``apply_fsdp``, then ``build_optimizer`` (with ``apply_zero1`` for ZeRO-1). Each takes the model and the
+settings it needs, and none holds state: each can be called and tested on its own.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from redline.errors import BadInput
@@ -143,22 +144,29 @@ def apply_ddp(
 
 
 def apply_fsdp(
-    model: nn.Module, blocks: list[nn.Module], strategy: Strategy, *, device: torch.device, world: int
+    model: nn.Module,
+    blocks: list[nn.Module],
+    strategy: Strategy,
+    *,
+    device: torch.device,
+    world: int,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` per block, then the root: parameters in the plan's 16-bit precision with fp32
     reductions; ZeRO-2 keeps the parameters gathered after the forward, FSDP reshards them; HSDP shards within
-    a node and replicates across nodes."""
+    a node and replicates across nodes. ``mesh``: the data-parallel ranks to shard over (beside tensor
+    parallelism), instead of all of them; DDP and ZeRO-1 plans shard there as ZeRO-2 does (DDP takes no
+    DTensor parameters), each rank holding its share of the parameters, gradients and optimizer states."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    mesh = None
-    if strategy.sharding == "hsdp":
+    if mesh is None and strategy.sharding == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
 
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         mesh = init_device_mesh(device.type, (world // per_node, per_node))
-    reshard = strategy.sharding != "zero2"
+    reshard = strategy.sharding not in ("zero2", "ddp", "zero1")
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)

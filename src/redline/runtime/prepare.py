@@ -12,16 +12,17 @@ What is applied, in this order (torchtitan's order; each step is a no-op when th
 it, so the loop has one code path; steps 2 to 6 are the free functions of ``parallelize.py``):
 
 1. process group (``WORLD_SIZE`` > 1) and device (``cuda:LOCAL_RANK``, else the CPU); the plan's world size
-   must match the ranks that exist;
+   must match the ranks that exist; a tensor-parallel plan's device mesh (``mesh.py``);
 2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); BatchNorm synchronised over the
-   ranks (``apply_sync_batchnorm``);
+   ranks (``apply_sync_batchnorm``); tensor parallelism over the mesh's ``tp`` group (``tensor`` > 1;
+   ``apply_tp`` of ``tensor_parallel.py``), before anything else wraps the layers;
 3. activation checkpointing of each block, or each k-th (``checkpointing: full`` or ``selective``,
    ``ac_every``; ``apply_activation_checkpointing``);
 4. ``torch.compile`` of each block (``compile``; ``apply_compile``);
 5. data parallelism: DDP (bucket size, static graph, gradients as bucket views, a compression hook;
    ``apply_ddp``), ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``, ``apply_zero1``), or FSDP2 ``fully_shard`` per
    block then the root (ZeRO-2: ``reshard_after_forward=False``; FSDP: True), with bf16/fp16 parameters and
-   fp32 reductions (``apply_fsdp``);
+   fp32 reductions (``apply_fsdp``); beside tensor parallelism always FSDP2, over the mesh's ``dp`` group;
 6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave,
    or rebuilt from the ready optimizer's class and settings (``build_optimizer``);
 7. precision: autocast to bf16/fp16 around each micro-batch, a GradScaler for fp16;
@@ -58,6 +59,7 @@ from redline.runtime.batch import to_device, tokens_per_sample
 from redline.runtime.config import RunConfig, default_config, from_plan_file, runtime_from_env
 from redline.runtime.distributed import agree, init_distributed
 from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
+from redline.runtime.mesh import ParallelDims, RunMesh, build_mesh
 from redline.runtime.oom import (
     SimulatedOutOfMemory,
     free_memory,
@@ -77,6 +79,7 @@ from redline.runtime.parallelize import (
     build_optimizer,
     unfused_adam,
 )
+from redline.runtime.tensor_parallel import apply_tp
 from redline.workload.structure import find_blocks, without_kv_cache
 
 log = logging.getLogger("redline.runtime")
@@ -119,11 +122,9 @@ class Run:
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         self.config = self._resolve_config(plan, data, overrides)
         strategy = self.config.strategy
-        if strategy.data != self.world_size:
-            raise BadInput(
-                f"the plan is for {strategy.data} data-parallel ranks but {self.world_size} are running; "
-                f"launch with `redline run --nproc-per-node {strategy.data}` or re-plan"
-            )
+        self.mesh = self._lay_out_ranks()
+        # the ranks that load different batches: all of them, except that a tensor-parallel group shares one
+        self.dp_rank, self.dp_size = self.mesh.dp_rank_and_size() if self.mesh else (self.rank, self.world_size)
         self.precision = strategy.precision
         self._check_precision()
         self.micro_batch = strategy.micro_batch
@@ -131,11 +132,13 @@ class Run:
         apply_numerics(self.config.numerics, self.device)
         self._check_plan_matches(model)
         self.model = self._wrap(model.to(self.device))
-        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=strategy.sharding)
+        # under tensor parallelism the parameters are DTensors, sharded over the data ranks by FSDP2 if any
+        sharding = "fsdp" if self.mesh else strategy.sharding
+        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=sharding)
         self._flag_unfused_adam("as asked")
         self.scheduler = self._build_scheduler(scheduler)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.feed = Feed(data, self.config, world=self.world_size, rank=self.rank, device=self.device)
+        self.feed = Feed(data, self.config, world=self.dp_size, rank=self.dp_rank, device=self.device)
         self.micro_batch = self.feed.micro_batch(self.accumulation) or self.micro_batch
 
         from redline.runtime.metrics import StepMetrics, peak_flops
@@ -145,6 +148,7 @@ class Run:
             device=self.device,
             world_size=self.world_size,
             rank=self.rank,
+            ranks_per_batch=strategy.tensor,
             flops_per_sample=self.config.plan.training_flops_per_sample,
             tokens_per_sample=self.config.plan.tokens_per_sample or 1,
             peak_flops_catalog=catalog,
@@ -193,6 +197,21 @@ class Run:
             config = default_config(self.world_size, batch // self.world_size, cuda=cuda, bf16=bf16)
         return config.with_settings(overrides).with_settings(runtime_from_env())
 
+    def _lay_out_ranks(self) -> RunMesh | None:
+        """The plan's layout must be the running ranks. A tensor-parallel plan lays them out on a device mesh;
+        the others keep the flat group (None)."""
+        strategy = self.config.strategy
+        if strategy.gpus != self.world_size:
+            layout = f" x tensor degree {strategy.tensor}" if strategy.tensor > 1 else ""
+            raise BadInput(
+                f"the plan is for {strategy.data} data-parallel ranks{layout} but {self.world_size} are running; "
+                f"launch with `redline run --nproc-per-node {strategy.gpus}` or re-plan"
+            )
+        if strategy.tensor == 1:
+            return None
+        dims = ParallelDims.from_strategy(strategy, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
+        return build_mesh(dims, self.device.type)
+
     def _check_precision(self) -> None:
         if self.device.type == "cuda" and self.precision == "bf16" and not torch.cuda.is_bf16_supported():
             raise BadInput(f"{torch.cuda.get_device_name(self.device)} has no bf16: plan with --precision fp16")
@@ -229,11 +248,17 @@ class Run:
             )
         blocks = [block for _, block in find_blocks(model)]
         strategy = self.config.strategy
+        if self.mesh is not None and self.mesh.tp is not None:
+            apply_tp(model, self.mesh.tp, sequence_parallel=strategy.sequence_parallel)
         apply_activation_checkpointing(blocks, strategy.checkpointing, self.config.activation_checkpoint)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
         if self.world_size == 1:
             return model
+        if self.mesh is not None:  # DDP takes no DTensor parameters: FSDP2 over the data ranks, if any
+            if self.mesh.dp is None:
+                return model
+            return apply_fsdp(model, blocks, strategy, device=self.device, world=self.world_size, mesh=self.mesh.dp)
         if strategy.sharding in ("ddp", "zero1"):
             return apply_ddp(
                 model,
@@ -356,7 +381,8 @@ class Run:
                 with self._no_sync(boundary), autocast:
                     yield
             except torch.OutOfMemoryError as exc:
-                sharding = self.config.strategy.sharding
+                # tensor parallelism, like FSDP2, runs collectives in every forward and backward
+                sharding = "fsdp" if self.mesh else self.config.strategy.sharding
                 if in_collective(
                     world=self.world_size, boundary=boundary, sharding=sharding, batchnorm_synced=self._batchnorm_synced
                 ):  # no agreement is possible: end here and come back smaller
@@ -533,7 +559,7 @@ class Run:
 
     def _position(self) -> dict[str, int]:
         return {
-            "world_size": self.world_size,
+            "world_size": self.dp_size,  # the ranks the batches were split over
             "per_rank_batch": self.loader.batch_size,  # None for a batch sampler's batches
             "attempt": self.attempt,
             "step": self.step,

@@ -1,0 +1,146 @@
+"""Tensor parallelism on the CPU (gloo, fp32): ranks in tensor-parallel groups train as one process does,
+the split is checked before anything is sharded."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import tp_worker
+
+import redline
+from ranks import spawn_ranks
+from redline.plan.strategy import Strategy
+from redline.runtime.config import RunConfig
+
+WORKER = Path(tp_worker.__file__)
+# fp32 over gloo: the sharded matmuls and the all-reduced partial sums add in another order than one process
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def ranks(tmp_path: Path, model: str, world: int, strategy: dict, **env: str) -> tuple[dict, list[float]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "weights.pt"
+    env = {"MODEL": model, "STRATEGY": json.dumps({"precision": "fp32"} | strategy), "OUT": str(out)} | env
+    spawn_ranks(WORKER, world, store=tmp_path / "store", env=env)
+    return torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
+
+
+def one_process(model: str, **strategy) -> tuple[dict, list[float]]:
+    plan = RunConfig(strategy=Strategy(**({"precision": "fp32"} | strategy)))
+    run, losses = tp_worker.train(model, plan)
+    return tp_worker.full_weights(run.model), losses
+
+
+def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -> None:
+    (got_weights, got_losses), (want_weights, want_losses) = got, want
+    assert len(got_losses) == len(want_losses) == tp_worker.SAMPLES // 8
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), **TOLERANCE)
+    assert got_weights.keys() == want_weights.keys()
+    for name, value in want_weights.items():
+        torch.testing.assert_close(got_weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "bert"])
+def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
+    got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
+    assert_same(got, one_process(model, micro_batch=8))
+    # the step metrics' global batch: the group's one batch, not one per rank
+    assert json.loads((tmp_path / "weights.pt.samples.json").read_text()) == [8] * (tp_worker.SAMPLES // 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_tensor_parallel_groups_beside_data_parallel_ranks_train_as_one_process(tmp_path: Path, sharding: str) -> None:
+    """TP2 x DP2: the two groups load different halves of each batch, FSDP2 shards over the data ranks (a DDP
+    plan too: DDP takes no DTensor parameters)."""
+    got = ranks(tmp_path, "gpt", 4, {"data": 2, "tensor": 2, "micro_batch": 4, "sharding": sharding})
+    assert_same(got, one_process("gpt", micro_batch=8))
+
+
+def test_a_head_count_the_degree_does_not_divide_is_one_line_before_anything_is_sharded() -> None:
+    from redline.errors import BadInput
+    from redline.runtime.tensor_parallel import check_divisible, find_plan
+
+    gpt = tp_worker.make_model("gpt")
+    with pytest.raises(BadInput, match="splits heads over them, and Block has 4: plan with a --tp that divides 4"):
+        check_divisible(gpt, find_plan(gpt, 3), 3)
+    llama = tp_worker.make_model("llama")
+    with pytest.raises(BadInput, match="splits num_key_value_heads over them, and LlamaConfig has 2") as error:
+        check_divisible(llama, find_plan(llama, 4), 4)
+    assert "\n" not in str(error.value)
+    check_divisible(llama, find_plan(llama, 2), 2)
+
+
+def test_a_tensor_parallel_run_resumes_from_its_checkpoint_bit_identically(tmp_path: Path) -> None:
+    strategy = {"tensor": 2, "micro_batch": 8}
+    whole = ranks(tmp_path / "whole", "gpt", 2, strategy)
+    directory = str(tmp_path / "checkpoints")
+    ranks(tmp_path / "first", "gpt", 2, strategy, CHECKPOINT_DIR=directory, STEPS="2")
+    weights, losses = ranks(tmp_path / "second", "gpt", 2, strategy, CHECKPOINT_DIR=directory)
+    assert losses == whole[1][2:]  # the resumed run's own steps
+    for name, value in whole[0].items():
+        assert torch.equal(weights[name], value), name
+
+
+@pytest.mark.slow
+def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path: Path) -> None:
+    """`redline plan --tp 2` for a tiny Llama's config.json, then `redline run --plan` of a script training that
+    Llama: two ranks in one tensor-parallel group, as one process trains it with the plan's batch, each rank
+    holding the parameter bytes the plan counts (but for the norms, see below)."""
+    import yaml
+
+    from conftest import run_cli
+
+    tp_worker.make_model("llama").config.to_json_file(tmp_path / "config.json")
+    plan = tmp_path / "plan.yaml"
+    args = ("--seq-len", str(tp_worker.SEQ), "--hardware", "2xh100-sxm", "--precision", "fp32", "--global-batch", "8")
+    result = run_cli("plan", "--model", str(tmp_path / "config.json"), "--tp", "2", *args, "-o", str(plan))
+    assert result.returncode == 0, result.stderr[-2000:]
+    strategy = yaml.safe_load(plan.read_text())["strategy"]
+    assert (strategy["data"], strategy["tensor"], strategy["micro_batch"]) == (1, 2, 8)
+    out = tmp_path / "weights.pt"
+    source = str(Path(redline.__file__).parents[1])  # the ranks run this redline, whatever the working directory
+    env = {"MODEL": "llama", "OUT": str(out), "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
+    result = run_cli("run", "--plan", str(plan), "--nproc-per-node", "2", str(WORKER), env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sequence parallelism, which the runtime does not apply yet" in result.stderr  # the plan asked for it
+    got = torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
+    assert_same(got, one_process("llama", micro_batch=8, accumulation=strategy["accumulation"]))
+    # each rank holds half of every projection and of the embedding and head, and the norms whole; the plan
+    # counts them the same way
+    planned = yaml.safe_load(plan.read_text())["predicted"]["memory_bytes"]["weights"]
+    for rank in (0, 1):
+        assert int((tmp_path / f"weights.pt.bytes.{rank}").read_text()) == planned
+
+
+def test_a_model_without_a_plan_is_told_how_to_give_one() -> None:
+    from redline.errors import BadInput
+    from redline.runtime.tensor_parallel import find_plan
+
+    with pytest.raises(BadInput, match=r"no tensor-parallel plan for Sequential: .* redline_tp_plan"):
+        find_plan(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2)
+
+
+def test_a_bare_hugging_face_body_gets_its_familys_plan_under_its_own_names() -> None:
+    from redline.runtime.tensor_parallel import find_plan
+
+    body = tp_worker.make_model("llama").model  # LlamaModel: embed_tokens, layers.N at the root
+    assert "layers.*.self_attn.q_proj" in find_plan(body, 2) and "lm_head" not in find_plan(body, 2)
+    assert "cls.predictions.decoder" in find_plan(tp_worker.make_model("bert"), 2)
+
+
+def test_the_mesh_orders_tensor_innermost_and_leaves_degrees_of_one_out() -> None:
+    from redline.runtime.mesh import ParallelDims
+
+    def sizes(per_node: int = 8, **strategy) -> dict[str, int]:
+        return ParallelDims.from_strategy(Strategy(**strategy), per_node=per_node).sizes()
+
+    assert list(sizes(data=4, tensor=2, sharding="fsdp").items()) == [("dp_shard", 4), ("tp", 2)]
+    assert sizes(data=4, tensor=2, sharding="ddp") == {"dp_replicate": 4, "tp": 2}
+    assert sizes(data=4, tensor=2, sharding="hsdp") == {"dp_shard": 4, "tp": 2}  # one node holds them all
+    assert sizes(per_node=4, data=4, tensor=2, sharding="hsdp") == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert sizes(tensor=2) == {"tp": 2}
