@@ -14,7 +14,6 @@ import tp_worker
 import redline
 from ranks import spawn_ranks
 from redline.plan.strategy import Strategy
-from redline.runtime.config import RunConfig
 
 WORKER = Path(tp_worker.__file__)
 # fp32 over gloo: the sharded matmuls and the all-reduced partial sums add in another order than one process
@@ -29,10 +28,10 @@ def ranks(tmp_path: Path, model: str, world: int, strategy: dict, **env: str) ->
     return torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
 
 
-def one_process(model: str, **strategy) -> tuple[dict, list[float]]:
-    plan = RunConfig(strategy=Strategy(**({"precision": "fp32"} | strategy)))
-    run, losses = tp_worker.train(model, plan)
-    return tp_worker.full_weights(run.model), losses
+def one_process(tmp_path: Path, model: str, **strategy) -> tuple[dict, list[float]]:
+    """The reference: the same training in one fresh process (in this test process, state that earlier tests
+    leave behind made it differ under the full suite)."""
+    return ranks(tmp_path / "one-process", model, 1, strategy)
 
 
 def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -> None:
@@ -47,7 +46,7 @@ def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -
 @pytest.mark.parametrize("model", ["gpt", "llama", "bert"])
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
     got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
-    assert_same(got, one_process(model, micro_batch=8))
+    assert_same(got, one_process(tmp_path, model, micro_batch=8))
     # the step metrics' global batch: the group's one batch, not one per rank
     assert json.loads((tmp_path / "weights.pt.samples.json").read_text()) == [8] * (tp_worker.SAMPLES // 8)
 
@@ -58,7 +57,7 @@ def test_tensor_parallel_groups_beside_data_parallel_ranks_train_as_one_process(
     """TP2 x DP2: the two groups load different halves of each batch, FSDP2 shards over the data ranks (a DDP
     plan too: DDP takes no DTensor parameters)."""
     got = ranks(tmp_path, "gpt", 4, {"data": 2, "tensor": 2, "micro_batch": 4, "sharding": sharding})
-    assert_same(got, one_process("gpt", micro_batch=8))
+    assert_same(got, one_process(tmp_path, "gpt", micro_batch=8))
 
 
 def test_a_head_count_the_degree_does_not_divide_is_one_line_before_anything_is_sharded() -> None:
@@ -109,7 +108,7 @@ def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sequence parallelism, which the runtime does not apply yet" in result.stderr  # the plan asked for it
     got = torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
-    assert_same(got, one_process("llama", micro_batch=8, accumulation=strategy["accumulation"]))
+    assert_same(got, one_process(tmp_path, "llama", micro_batch=8, accumulation=strategy["accumulation"]))
     # each rank holds half of every projection and of the embedding and head, and the norms whole; the plan
     # counts them the same way
     planned = yaml.safe_load(plan.read_text())["predicted"]["memory_bytes"]["weights"]
