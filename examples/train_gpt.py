@@ -45,6 +45,7 @@ class Gpt(nn.Module):
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
+        self.redline_pp_modules = {"first": ("embed", "position"), "last": ("norm", "head")}  # redline
 
     def redline_tp_plan(self, degree: int) -> dict:  # redline: how a tensor-parallel plan splits the layers
         from torch.distributed.tensor import Replicate
@@ -59,11 +60,17 @@ class Gpt(nn.Module):
             "head": ColwiseParallel(output_layouts=Replicate()),  # the logits whole on every rank
         }
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks:
+    # redline: how a pipeline-parallel plan runs the model in stages: one stage's share of forward (the same code,
+    # cut), and the modules the first and the last stage use besides the blocks (redline_pp_modules, above)
+    def redline_pp_stage(self, x: torch.Tensor, blocks: list[nn.Module], *, first: bool, last: bool) -> torch.Tensor:
+        if first:
+            x = self.embed(x) + self.position(torch.arange(x.shape[1], device=x.device))
+        for block in blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x)) if last else x
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.redline_pp_stage(tokens, self.blocks, first=True, last=True)
 
 
 def synthetic_tokens(samples: int, seq: int, vocab: int) -> torch.utils.data.TensorDataset:
@@ -88,12 +95,17 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(synthetic_tokens(2048, 64, 512), batch_size=args.batch, shuffle=True)
 
     # redline: step metrics where `redline monitor` looks for them (`redline run --metrics` puts them elsewhere)
-    run = redline.prepare(model, optimizer, loader, checkpoint_dir=args.checkpoint_dir, metrics_path=DEFAULT_STEPS)
+    run = redline.prepare(
+        model, optimizer, loader, loss_fn=loss_fn, checkpoint_dir=args.checkpoint_dir, metrics_path=DEFAULT_STEPS
+    )
     for tokens, targets in run.micro_batches(epochs=args.epochs):  # redline: was `for ... in loader`
         with run.accumulate():  # redline
-            logits = run.model(tokens)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            run.backward(loss)  # redline: was loss.backward(); optimizer.step(); optimizer.zero_grad()
+            # redline: was loss_fn(model(tokens), targets).backward(); optimizer.step(); optimizer.zero_grad()
+            run.forward_backward(tokens, targets)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 if __name__ == "__main__":

@@ -21,13 +21,13 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 VOCAB, SEQ, SAMPLES = 64, 16, 32
 
 
-def make_model(kind: str) -> nn.Module:
+def make_model(kind: str, layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
     if kind == "gpt":
         sys.path.insert(0, str(EXAMPLES))
         from train_gpt import Gpt
 
-        return Gpt(vocab=VOCAB, width=32, layers=2, heads=4, seq=SEQ)
+        return Gpt(vocab=VOCAB, width=32, layers=layers, heads=4, seq=SEQ)
     if kind == "bert":  # a masked-LM head tied to the word embedding; no dropout: ranks would draw their own
         from transformers import BertConfig, BertForMaskedLM
 
@@ -35,7 +35,7 @@ def make_model(kind: str) -> nn.Module:
             vocab_size=VOCAB,
             hidden_size=32,
             intermediate_size=64,
-            num_hidden_layers=2,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             max_position_embeddings=SEQ,
             hidden_dropout_prob=0.0,
@@ -48,7 +48,7 @@ def make_model(kind: str) -> nn.Module:
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=SEQ,

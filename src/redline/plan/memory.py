@@ -102,15 +102,20 @@ def stages(profile: WorkloadProfile, pipeline: int) -> list[Stage]:
     blocks = [profile.layers[i] for i in positions]
     first_block, head_start = (positions[0], positions[-1] + 1) if positions else (len(profile.layers),) * 2
     before, after = profile.layers[:first_block], profile.layers[head_start:]
-    per_stage, extra = divmod(len(blocks), pipeline)
     out: list[Stage] = []
     start = 0
-    for index in range(pipeline):
-        count = per_stage + (1 if index >= pipeline - extra else 0)
+    for index, count in enumerate(block_counts(len(blocks), pipeline)):
         fixed = (before if index == 0 else ()) + (after if index == pipeline - 1 else ())
         out.append(Stage(tuple(blocks[start : start + count]), tuple(fixed), index=index))
         start += count
     return out
+
+
+def block_counts(blocks: int, stages: int) -> list[int]:
+    """How many of ``blocks`` repeated blocks each of ``stages`` pipeline stages holds, first stage first: as
+    even as they go, the remainder on the last stages (the runtime splits a model the same way)."""
+    per_stage, extra = divmod(blocks, stages)
+    return [per_stage + (1 if index >= stages - extra else 0) for index in range(stages)]
 
 
 def activation_value_bytes(strategy: Strategy) -> int:
@@ -567,6 +572,18 @@ def memory_per_gpu(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: 
     busiest = split[:1] + split[1:][-1:]
     candidates = [stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node) for stage in busiest]
     return _calibrated(profile, max(candidates, key=lambda m: m.device_total))
+
+
+def pipeline_stages(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int) -> list[dict[str, float]]:
+    """Each pipeline rank's share, first to last: its repeated blocks (the runtime cuts the model there) and
+    the bytes of the weights it holds."""
+    return [
+        {
+            "blocks": len(stage.blocks),
+            "weights": stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node).weights,
+        }
+        for stage in stages(profile, strategy.pipeline)
+    ]
 
 
 def _calibrated(profile: WorkloadProfile, memory: MemoryBreakdown) -> MemoryBreakdown:

@@ -17,6 +17,7 @@ from typing import Any
 from redline.errors import BadInput, read_user_file
 from redline.plan.estimate import Estimate, Goal
 from redline.plan.hardware import Cluster
+from redline.plan.memory import pipeline_stages
 from redline.plan.strategy import Strategy
 from redline.workload.profile import WorkloadProfile
 
@@ -61,6 +62,8 @@ def make_plan(
 ) -> Plan:
     predicted = chosen.to_dict()
     del predicted["strategy"]
+    if chosen.strategy.pipeline > 1:
+        predicted["pipeline_stages"] = pipeline_stages(profile, chosen.strategy, cluster.gpus_per_node)
     return Plan(
         strategy=chosen.strategy,
         model={

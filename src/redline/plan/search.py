@@ -207,6 +207,10 @@ def _strategies(
                 # Megatron-LM and torch.distributed.pipelining's interleaved 1F1B alike
                 excluded["interleaved: micro-batches per step not a multiple of the pipeline stages"] += 1
                 continue
+            if schedule == "1f1b" and p > 1 and per_rank // b < p:
+                # torch.distributed.pipelining's 1F1B refuses it (and its bubble would be most of the step)
+                excluded["1F1B: fewer micro-batches per step than pipeline stages"] += 1
+                continue
             for ckpt in CHECKPOINTING if blocks else ("none",):
                 if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
                     continue

@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -63,11 +64,16 @@ from torch.distributed.checkpoint.state_dict import (
 from redline import __version__
 from redline.errors import BadInput, RedlineError
 
+# the optimizer's state dict keyed by parameter name throughout ("param_groups.<name>.lr"): torchtitan's choice,
+# and what pipeline stages need (a nested "param_groups" list is one object DCP writes from one rank only)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 MARKER = "COMPLETE"
 # the micro-batch a restart must use after an out-of-memory inside a gradient collective (see record_micro_batch)
 MICRO_BATCH_FILE = ".micro-batch.json"
 ATTEMPTS_FILE = ".attempts"  # how many times a run started on this directory (hidden, like the record)
-FORMAT = 1  # of the COMPLETE marker and the per-rank files
+# of the COMPLETE marker, the per-rank files and the optimizer's layout (2: flattened, each parameter's group
+# settings under its own name, so pipeline ranks holding different parameters do not overwrite each other's)
+FORMAT = 2
 # A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
 # test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
 SLOW_SAVE_ENV = "REDLINE_TEST_SLOW_SAVE_S"
@@ -332,10 +338,11 @@ class Checkpointer:
             if zero:
                 state = {"model": get_model_state_dict(model)}
             else:
-                model_state, optim_state = get_state_dict(model, optimizer)
-                if not per_rank["optimizer_state_saved"]:
-                    optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
-                state = {"model": model_state, "optim": optim_state}
+                # the template: every key get_state_dict gives (it fills an empty optimizer's state); of the
+                # optimizer's, those saved, the group settings alone where it had no state yet
+                model_state, template = get_state_dict(model, optimizer, options=FLAT)
+                saved = template if per_rank["optimizer_state_saved"] else _groups_only(template)
+                state = {"model": model_state, "optim": saved}
             with _single_process_quiet():
                 dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
         except (Exception, CheckpointException) as exc:
@@ -351,7 +358,8 @@ class Checkpointer:
             for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
                 outer.update({key: value for key, value in inner.items() if key != "params"})
         else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            optim = template | state["optim"]
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim, options=FLAT)
             if not per_rank["optimizer_state_saved"]:
                 optimizer.state = defaultdict(dict)
         if scaler is not None and per_rank["scaler"]:  # a disabled GradScaler saves {}
@@ -441,13 +449,18 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     if _is_zero(optimizer):
         return {"model": get_model_state_dict(model)}, optimizer.optim.state_dict()
     had_optimizer_state = bool(optimizer.state)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=FLAT)
     if not had_optimizer_state:
         # get_state_dict initialises an empty optimizer's state with a zero-gradient step (Adam's step count
         # becomes 1); a save must not change the run, so the state goes back to empty, saved so
         optimizer.state = defaultdict(dict)
-        optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
+        optim_state = _groups_only(optim_state)
     return {"model": model_state, "optim": optim_state}, None
+
+
+def _groups_only(optim_state: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer state dict's parameter-group settings, without the per-parameter state."""
+    return {key: value for key, value in optim_state.items() if key.startswith("param_groups.")}
 
 
 def _dir_name(step: int) -> str:

@@ -142,6 +142,8 @@ class PlanFacts:
     """The device the plan was made for ("NVIDIA H100 SXM5 80GB", "cpu")."""
     params: int | None = None
     """The model's parameters as the planner counted them."""
+    stage_blocks: tuple[int, ...] | None = None
+    """The repeated blocks each pipeline rank holds, first to last: where the runtime cuts the model."""
 
 
 @dataclass(frozen=True)
@@ -291,11 +293,6 @@ def check_settings(settings: dict[str, Any]) -> None:
 def check_runnable(strategy: Strategy, where: str = "the plan") -> None:
     """What the runtime cannot apply yet, refused before training (and by ``redline run`` before any rank
     starts)."""
-    if strategy.pipeline > 1:
-        raise BadInput(
-            f"{where} asks for pipeline degree {strategy.pipeline}; redline's runtime applies data parallelism "
-            "(DDP, ZeRO, FSDP) and tensor parallelism only so far: plan with --pp 1"
-        )
     if strategy.precision == "fp8":
         raise BadInput(f"{where}: fp8 training is not supported by redline's runtime yet: plan with --precision bf16")
 
@@ -316,6 +313,7 @@ def from_plan_file(path: str | Path) -> RunConfig:
             tokens_per_sample=int(tokens) if tokens else None,
             device=_planned_device(plan.hardware or {}),
             params=model.get("params"),
+            stage_blocks=tuple(int(stage["blocks"]) for stage in plan.predicted.get("pipeline_stages", ())) or None,
         ),
         **runtime_sections(plan.runtime, str(path)),
     )

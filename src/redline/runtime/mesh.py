@@ -59,13 +59,14 @@ class ParallelDims:
 
 @dataclass(frozen=True)
 class RunMesh:
-    """The mesh over every rank and the two groups the runtime uses from it: ``dp`` (batches are split over
-    it, FSDP2 shards over it) and ``tp`` (what ``apply_tp`` shards the layers over); None where that degree
-    is 1."""
+    """The mesh over every rank and the groups the runtime uses from it: ``dp`` (batches are split over it,
+    FSDP2 shards over it), ``tp`` (what ``apply_tp`` shards the layers over) and ``pp`` (the ranks of one
+    pipeline, a stage each); None where that degree is 1."""
 
     world: DeviceMesh
     dp: DeviceMesh | None
     tp: DeviceMesh | None
+    pp: DeviceMesh | None = None
 
     def dp_rank_and_size(self) -> tuple[int, int]:
         """This rank's place in the data-parallel group and the group's size ((0, 1) without one: every rank
@@ -80,4 +81,5 @@ def build_mesh(dims: ParallelDims, device_type: str) -> RunMesh:
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     data = tuple(name for name in ("dp_replicate", "dp_shard") if name in sizes)
     dp = mesh[data]._flatten("dp") if data else None
-    return RunMesh(world=mesh, dp=dp, tp=mesh["tp"] if "tp" in sizes else None)
+    pick = {name: mesh[name] if name in sizes else None for name in ("tp", "pp")}
+    return RunMesh(world=mesh, dp=dp, **pick)

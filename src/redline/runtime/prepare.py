@@ -79,6 +79,7 @@ from redline.runtime.parallelize import (
     build_optimizer,
     unfused_adam,
 )
+from redline.runtime.pipeline import LossFn, Pipeline, RankModel, find_layout, split, tied_group, tied_names
 from redline.runtime.tensor_parallel import apply_tp
 from redline.workload.structure import find_blocks, without_kv_cache
 
@@ -97,13 +98,15 @@ def prepare(
     *,
     plan: str | Path | RunConfig | None = None,
     scheduler: Any = None,
+    loss_fn: LossFn | None = None,
     **overrides: Any,
 ) -> Run:
     """Apply ``plan`` (a plan file, a RunConfig, ``$REDLINE_PLAN``, or defaults for this machine) and
     return the ``Run`` whose ``model``, ``optimizer`` and ``micro_batches()`` the loop uses. ``overrides`` are
     settings by keyword (``checkpoint_dir=...``, ``metrics_path=...``: ``config.SETTINGS``; None leaves one as
-    the plan has it); ``redline run``'s options win over them."""
-    return Run(model, optimizer, data, plan=plan, scheduler=scheduler, **overrides)
+    the plan has it); ``redline run``'s options win over them. ``loss_fn(output, target)``: the loss for
+    ``run.forward_backward``, which a pipeline-parallel plan needs (its last stage computes the loss)."""
+    return Run(model, optimizer, data, plan=plan, scheduler=scheduler, loss_fn=loss_fn, **overrides)
 
 
 class Run:
@@ -115,9 +118,12 @@ class Run:
         *,
         plan: str | Path | RunConfig | None,
         scheduler: Any,
+        loss_fn: LossFn | None = None,
         **overrides: Any,
     ) -> None:
         self.world_size, self.rank, self.local_rank = init_distributed()
+        self.loss_fn = loss_fn
+        self.pipeline: Pipeline | None = None  # the stages and their schedule, under a pipeline-parallel plan
         self._batchnorm_synced = False  # SyncBatchNorm layers: collectives in every forward and backward
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         self.config = self._resolve_config(plan, data, overrides)
@@ -148,7 +154,7 @@ class Run:
             device=self.device,
             world_size=self.world_size,
             rank=self.rank,
-            ranks_per_batch=strategy.tensor,
+            ranks_per_batch=strategy.tensor * strategy.pipeline,
             flops_per_sample=self.config.plan.training_flops_per_sample,
             tokens_per_sample=self.config.plan.tokens_per_sample or 1,
             peak_flops_catalog=catalog,
@@ -198,8 +204,8 @@ class Run:
         return config.with_settings(overrides).with_settings(runtime_from_env())
 
     def _lay_out_ranks(self) -> RunMesh | None:
-        """The plan's layout must be the running ranks. A tensor-parallel plan lays them out on a device mesh;
-        the others keep the flat group (None)."""
+        """The plan's layout must be the running ranks. A tensor- or pipeline-parallel plan lays them out on a
+        device mesh; the others keep the flat group (None)."""
         strategy = self.config.strategy
         if strategy.gpus != self.world_size:
             layout = f" x tensor degree {strategy.tensor}" if strategy.tensor > 1 else ""
@@ -207,7 +213,7 @@ class Run:
                 f"the plan is for {strategy.data} data-parallel ranks{layout} but {self.world_size} are running; "
                 f"launch with `redline run --nproc-per-node {strategy.gpus}` or re-plan"
             )
-        if strategy.tensor == 1:
+        if strategy.tensor == 1 and strategy.pipeline == 1:
             return None
         dims = ParallelDims.from_strategy(strategy, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         return build_mesh(dims, self.device.type)
@@ -250,6 +256,8 @@ class Run:
         strategy = self.config.strategy
         if self.mesh is not None and self.mesh.tp is not None:
             apply_tp(model, self.mesh.tp, sequence_parallel=strategy.sequence_parallel)
+        if self.mesh is not None and self.mesh.pp is not None:
+            return self._wrap_pipeline(model)
         apply_activation_checkpointing(blocks, strategy.checkpointing, self.config.activation_checkpoint)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
@@ -268,6 +276,45 @@ class Run:
                 on_bucket_ready=self._bucket_ready,
             )
         return apply_fsdp(model, blocks, strategy, device=self.device, world=self.world_size)
+
+    def _wrap_pipeline(self, model: nn.Module) -> nn.Module:
+        """A pipeline-parallel plan: this rank's stages cut from the model (``pipeline.py``), each checkpointed
+        and compiled per block as the plan says and sharded by FSDP2 over the data ranks; the model the loop
+        and checkpoints see is the stages' parts under the model's own names (``RankModel``)."""
+        if self.loss_fn is None:
+            raise BadInput(
+                "a pipeline-parallel plan computes the loss on its last stage: pass prepare(..., loss_fn=...) and "
+                "call run.forward_backward(inputs, target) in the loop"
+            )
+        strategy, mesh = self.config.strategy, self.mesh
+        layout = find_layout(model)
+        tied = tied_names(model, layout)
+        pp_rank = mesh.pp.get_local_rank()
+        stages = split(
+            model,
+            layout,
+            pipeline=strategy.pipeline,
+            virtual=strategy.virtual_stages,
+            pp_rank=pp_rank,
+            rank_blocks=self.config.plan.stage_blocks,
+        )
+        blocks = [block for stage in stages for block in stage.held_blocks]
+        apply_activation_checkpointing(blocks, strategy.checkpointing, self.config.activation_checkpoint)
+        if self.config.numerics.compile:
+            apply_compile(model, blocks)
+        for stage in stages if mesh.dp is not None else ():
+            blocks = list(stage.held_blocks)
+            apply_fsdp(stage, blocks, strategy, device=self.device, world=self.world_size, mesh=mesh.dp)
+        self.pipeline = Pipeline(
+            stages,
+            schedule=strategy.schedule,
+            pp_group=mesh.pp.get_group(),
+            device=self.device,
+            loss_fn=self.loss_fn,
+            tied=tied,
+            tied_group=tied_group(mesh.world, tied),
+        )
+        return RankModel(stages)
 
     def _bucket_ready(self) -> None:
         self._last_bucket_ready = self.metrics.mark()
@@ -355,7 +402,8 @@ class Run:
         size = self.feed.batch_size(self.batch_in_epoch)
         while True:
             self._retry = False
-            micros = micro_batches(batch, parts=self.accumulation, size=size, uneven=self.feed.batches is not None)
+            parts = 1 if self.pipeline else self.accumulation  # a pipeline's schedule splits the batch itself
+            micros = micro_batches(batch, parts=parts, size=size, uneven=self.feed.batches is not None)
             for index, (micro, divisor) in enumerate(micros):
                 self._micro_index = index
                 self._last_micro = index == len(micros) - 1
@@ -405,8 +453,27 @@ class Run:
         if boundary:
             self._optimizer_step()
 
+    def forward_backward(self, inputs: Any, target: Any) -> torch.Tensor | None:
+        """One micro-batch's forward, loss (``prepare``'s ``loss_fn(output, target)``; a Hugging Face model's
+        output is its logits) and backward; under a pipeline-parallel plan the whole batch through the schedule
+        (the loss on the last stage). The loss, detached (None on the pipeline's other stages)."""
+        if self.loss_fn is None:
+            raise BadInput("run.forward_backward needs the loss: pass prepare(..., loss_fn=...)")
+        if self.pipeline is None:
+            output = self.model(inputs)
+            loss = self.loss_fn(getattr(output, "logits", output), target)
+            self.backward(loss)
+            return loss.detach()
+        loss = self.pipeline.step(inputs, target, self.accumulation)
+        if loss is not None:  # each step's loss is summed over every rank, then divided by their number: only
+            # the last stage has it, so it counts for the pipeline's ranks
+            self._loss_sum = self._loss_sum + loss * self.config.strategy.pipeline
+        return loss
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
+        if self.pipeline is not None:
+            raise BadInput("under pipeline parallelism the schedule runs the backward: call run.forward_backward")
         self._simulated_oom.maybe_raise(step=self.step, rank=self.rank, micro_index=self._micro_index)
         share = loss / self._micro_divisor
         self._loss_sum = self._loss_sum + share.detach()  # a tensor: reading it would sync the GPU every micro-batch
@@ -433,7 +500,10 @@ class Run:
             skipped = False
             if self.config.numerics.grad_clip_norm is not None:
                 self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.numerics.grad_clip_norm)
+                if self.pipeline is not None:  # the norm over every stage's gradients
+                    self.pipeline.clip_grad_norm_(self.config.numerics.grad_clip_norm)
+                else:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.numerics.grad_clip_norm)
             scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -39,6 +39,18 @@ def _no_cache_by_default(forward: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def module_prefix(model: nn.Module, names: tuple[str, ...]) -> str | None:
+    """The prefix under which ``model`` has a module at every one of ``names`` (dotted paths): "" where they
+    are at its root, "model." in a Hugging Face ``...ForCausalLM``; None where it has not."""
+    paths = {name for name, _ in model.named_modules()}
+    for path in paths:
+        if path == names[0] or path.endswith("." + names[0]):
+            base = path.removesuffix(names[0])
+            if all(base + name in paths for name in names):
+                return base
+    return None
+
+
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks: children of ``nn.ModuleList``/``nn.Sequential`` containers whose children all share
     one class (not ``nn.ModuleList``, which has no forward), grouped by that class over the whole model. Of the
