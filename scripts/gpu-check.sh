@@ -172,6 +172,12 @@ step tensor-parallel bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || { e
     MODEL=llama OUT="$1/tp-weights.pt" STRATEGY="{\"tensor\": 2, \"micro_batch\": 8, \"precision\": \"bf16\"}" \
         "$0" -m redline run --nproc-per-node 2 tests/runtime/tp_worker.py && cat "$1/tp-weights.pt.losses.json"' "$py" "$out"
 
+# pipeline parallelism over NCCL: the example GPT in two 1F1B stages (bf16), through `redline run`; like tensor
+# parallelism it needs two GPUs (one stage per rank; a pipeline of one stage is no pipeline)
+step pipeline-parallel bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || { echo "skipped: needs 2 GPUs, one NCCL rank each"; exit 0; }
+    MODEL=gpt OUT="$1/pp-weights" STRATEGY="{\"pipeline\": 2, \"micro_batch\": 2, \"accumulation\": 4, \"precision\": \"bf16\"}" \
+        "$0" -m redline run --nproc-per-node 2 tests/runtime/pp_worker.py && cat "$1/pp-weights.losses.json"' "$py" "$out"
+
 echo
 echo "== summary"
 "$py" - "$out" <<'PY'

@@ -6,7 +6,9 @@ Environment: MODEL (gpt, llama; see ``tp_worker.make_model``), STRATEGY (JSON of
 REDLINE_PLAN (a plan file, as `redline run --plan` sets it), OUT (a prefix: each rank writes OUT.RANK.pt, its
 parameters whole by the model's own names; rank 0 writes OUT.losses.json, the step losses; each rank
 OUT.bytes.RANK, its parameter bytes), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer
-steps), GRAD_CLIP (clip the gradients' norm to this).
+steps), GRAD_CLIP (clip the gradients' norm to this), MISUSE (``no_loss_fn``: prepare() without one;
+``call_model``: the loop calls run.model; either way, or any BadInput, its message goes to OUT.error and the
+rank exits 0).
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def train(kind: str, plan, *, steps: int | None = None, **settings):
+def train(kind: str, plan, *, steps: int | None = None, misuse: str | None = None, **settings):
     from redline.runtime.prepare import prepare
 
     model = tp_worker.make_model(kind, layers=LAYERS)
     loader = torch.utils.data.DataLoader(tp_worker.dataset(), batch_size=8)
     optimizer = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
-    run = prepare(model, optimizer, loader, plan=plan, loss_fn=loss_fn, **settings)
+    given = None if misuse == "no_loss_fn" else loss_fn
+    run = prepare(model, optimizer, loader, plan=plan, loss_fn=given, **settings)
     for tokens, targets in run.micro_batches():
         with run.accumulate():
+            if misuse == "call_model":
+                run.model(tokens)
             run.forward_backward(tokens, targets)
         if steps is not None and run.step >= steps:
             break
@@ -43,6 +48,7 @@ def train(kind: str, plan, *, steps: int | None = None, **settings):
 
 
 def main() -> None:
+    from redline.errors import BadInput
     from redline.plan.strategy import Strategy
     from redline.runtime.config import RunConfig
     from redline.runtime.tensor_parallel import local_parameter_bytes
@@ -60,9 +66,13 @@ def main() -> None:
         "grad_clip_norm": float(os.environ["GRAD_CLIP"]) if os.environ.get("GRAD_CLIP") else None,
     }
     steps = int(os.environ["STEPS"]) if os.environ.get("STEPS") else None
-    run, losses = train(os.environ["MODEL"], plan, steps=steps, **settings)
     out = os.environ["OUT"]
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    try:
+        run, losses = train(os.environ["MODEL"], plan, steps=steps, misuse=os.environ.get("MISUSE"), **settings)
+    except BadInput as error:
+        Path(f"{out}.error").write_text(str(error))
+        os._exit(0)  # the other ranks may be in a collective: leave without tearing the group down
     torch.save(tp_worker.full_weights(run.model), f"{out}.{rank}.pt")
     Path(f"{out}.bytes.{rank}").write_text(str(local_parameter_bytes(run.model)))
     if rank == 0:

@@ -169,3 +169,21 @@ def test_more_stages_than_blocks_is_one_line() -> None:
     gpt = tp_worker.make_model("gpt", layers=2)
     with pytest.raises(BadInput, match="into 4 pipeline stages, and it has 2 repeated blocks"):
         split(gpt, find_layout(gpt), pipeline=2, virtual=2, pp_rank=0)
+
+
+@pytest.mark.parametrize(
+    ("misuse", "strategy", "said"),
+    [
+        ("no_loss_fn", {}, "a pipeline-parallel plan computes the loss on its last stage: pass prepare(..., loss_fn="),
+        ("call_model", {}, "call run.forward_backward(inputs, target) in the loop, not run.model(...)"),
+        ("", {"micro_batch": 8, "accumulation": 1}, "the 1f1b schedule over 2 stages cannot run 1 micro-batches"),
+    ],
+)
+def test_a_loop_a_pipeline_cannot_run_is_told_so_in_one_line(
+    tmp_path: Path, misuse: str, strategy: dict, said: str
+) -> None:
+    env = {"MODEL": "gpt", "OUT": str(tmp_path / "w"), "MISUSE": misuse}
+    env["STRATEGY"] = json.dumps({"precision": "fp32", "pipeline": 2, "micro_batch": 2, "accumulation": 4} | strategy)
+    spawn_ranks(WORKER, 2, store=tmp_path / "store", env=env)
+    error = (tmp_path / "w.error").read_text()
+    assert said in error and "\n" not in error
