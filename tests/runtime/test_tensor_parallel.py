@@ -43,7 +43,7 @@ def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -
         torch.testing.assert_close(got_weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "bert", "gpt2"])
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
     got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
     assert_same(got, one_process(tmp_path, model, micro_batch=8))
@@ -72,6 +72,27 @@ def test_a_head_count_the_degree_does_not_divide_is_one_line_before_anything_is_
         check_divisible(llama, find_plan(llama, 4), 4)
     assert "\n" not in str(error.value)
     check_divisible(llama, find_plan(llama, 2), 2)
+
+
+def test_a_conv1d_or_packed_layer_the_degree_does_not_divide_is_one_line() -> None:
+    from transformers import GPT2Config, GPT2Model
+
+    from redline.errors import BadInput
+    from redline.runtime.tensor_parallel import PackedColwiseParallel, check_divisible, find_plan
+
+    config = GPT2Config(
+        vocab_size=tp_worker.VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=tp_worker.SEQ, n_inner=30
+    )
+    gpt2 = GPT2Model(config)  # the heads and the vocabulary divide by 4, GPT-2's MLP width does not
+    with pytest.raises(
+        BadInput, match=r"splits h\.\*\.mlp\.c_fc \(Conv1D \(32, 30\)\) along dimension 1, of 30: not a"
+    ) as error:
+        check_divisible(gpt2, find_plan(gpt2, 4), 4)
+    assert "\n" not in str(error.value)
+    # 18 outputs divide by 9, but each of the three packed projections, of 6, does not
+    packed = torch.nn.ModuleDict({"qkv": torch.nn.Linear(4, 18)})
+    with pytest.raises(BadInput, match=r"splits qkv \(Linear \(18, 4\)\) along dimension 0, 3 packed projections of 6"):
+        check_divisible(packed, {"qkv": PackedColwiseParallel(packed=3)}, 9)
 
 
 def test_a_tensor_parallel_run_resumes_from_its_checkpoint_bit_identically(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Trains a tiny model under a strategy through ``prepare()`` and writes its whole weights and step losses:
 run as one process by the tests, and as ranks by ``spawn_ranks`` (tensor parallelism over gloo).
 
-Environment: MODEL (gpt, llama, bert), STRATEGY (JSON of Strategy fields) or REDLINE_PLAN (a plan file, as
+Environment: MODEL (gpt, llama, bert, gpt2), STRATEGY (JSON of Strategy fields) or REDLINE_PLAN (a plan file, as
 `redline run --plan` sets it), OUT (the weights file; the losses go to OUT.losses.json, each rank's parameter
 bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer steps).
 """
@@ -42,6 +42,20 @@ def make_model(kind: str) -> nn.Module:
             attention_probs_dropout_prob=0.0,
         )
         return BertForMaskedLM(config)
+    if kind == "gpt2":  # Conv1D projections, a packed q/k/v, the head tied to the token embedding
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        return GPT2LMHeadModel(config)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

@@ -10,8 +10,14 @@ Where the plan comes from, first match wins:
    ``parallelize_module`` plan, ``{module path or fnmatch pattern: ParallelStyle}``. A model declares its plan
    this way when its layers do not follow a known family (``examples/train_gpt.py`` does). Its attention must
    compute with the heads its rank holds: reshape with ``-1`` heads, or store the local count;
-2. Hugging Face Llama, Mistral and Qwen2 (``LlamaModel``'s module names: ``self_attn.q_proj``...), and
-   BERT (``BertModel``'s), with or without a head around them.
+2. Hugging Face Llama, Mistral and Qwen2 (``LlamaModel``'s module names: ``self_attn.q_proj``...), BERT
+   (``BertModel``'s) and GPT-2 (``GPT2Model``'s), with or without a head around them.
+
+A projection that packs several side by side (GPT-2's ``c_attn``, ``[q | k | v]``) is split per projection
+(``PackedColwiseParallel``): each rank computes its heads of each, and the gathered weight
+(``full_tensor()``) is laid out as the model's. DCP cannot save such a weight yet (torch 2.13 rejects a
+rank's share in pieces as "overlapping chunks"): a tensor-parallel GPT-2 trains, but its checkpoints fail,
+one line. GPT-2's ``Conv1D`` stores its weight transposed: its own styles shard the other dimension.
 
 Attention heads, key/value heads and the vocabulary must divide by the degree: checked, one line, before
 anything is sharded. The logits come back whole on every rank (the head's output all-gathered), so the
@@ -25,12 +31,14 @@ import itertools
 import logging
 from collections.abc import Callable
 from fnmatch import fnmatch
+from functools import partial
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from redline.errors import BadInput
 
@@ -50,6 +58,75 @@ SPLIT_COUNTS = (
     "n_head",
     "heads",
 )
+
+
+def _is_conv1d(layer: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's projections): a linear layer whose weight is stored (in, out), the
+    transpose of ``nn.Linear``'s."""
+    return type(layer).__name__ == "Conv1D" and type(layer).__module__.startswith("transformers.")
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for an ``nn.Linear`` or a ``Conv1D`` whose output packs ``packed`` projections
+    side by side (a fused ``[q | k | v]``: ``packed=3``): each rank holds its share of each projection, its
+    heads of q, of k and of v (``_StridedShard``), not one third of the packed output. Its output is its
+    own ``[q_r | k_r | v_r]``, local; a gathered weight (``full_tensor()``, a checkpoint) keeps the model's
+    layout. ``packed=1`` is ``ColwiseParallel`` for a ``Conv1D`` too."""
+
+    def __init__(self, *, packed: int = 1, input_layouts: Any = None, use_local_output: bool = True) -> None:
+        super().__init__(input_layouts=input_layouts, use_local_output=use_local_output)
+        self.packed = packed
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear) and not _is_conv1d(module):
+            raise NotImplementedError(f"PackedColwiseParallel takes nn.Linear and Conv1D, not {type(module).__name__}")
+        prepare_input = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        return distribute_module(module, device_mesh, self._partition, prepare_input, self._prepare_output)
+
+    def _partition(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            dim = 1 if _is_conv1d(module) and param_name == "weight" else 0  # the outputs' dimension
+            placement = Shard(dim) if self.packed == 1 else _StridedShard(dim, split_factor=self.packed)
+            sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def _prepare_output(self, module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
+        # the output stays sharded as the weight is: a redistribution to Shard(-1) would mix the projections
+        return outputs.to_local() if self.use_local_output else outputs
+
+
+class Conv1DRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for a ``Conv1D``: its weight's inputs are its first dimension, the bias whole."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not _is_conv1d(module):
+            raise NotImplementedError(f"Conv1DRowwiseParallel takes Conv1D, not {type(module).__name__}")
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_conv1d,
+            partial(self._prepare_input_fn, self.input_layouts, (Shard(-1),)),  # the inputs' shares
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def _partition_conv1d(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, placement in (("weight", Shard(0)), ("bias", Replicate())):
+            param = getattr(module, param_name)
+            sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+class LocalCounts(ParallelStyle):
+    """Shards nothing: divides a module's counts of what the ranks split by the degree, for a module that
+    computes with them (GPT-2's attention splits its packed output by ``split_size``, the width of q)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            setattr(module, name, getattr(module, name) // device_mesh.size())
+        return module
 
 
 def llama_plan(model: nn.Module, base: str) -> TpPlan:
@@ -86,6 +163,22 @@ def bert_plan(model: nn.Module, base: str) -> TpPlan:
     } | _head(model, "cls.predictions.decoder")
 
 
+def gpt2_plan(model: nn.Module, base: str) -> TpPlan:
+    """GPT-2 (``GPT2Model``'s names under ``base``): the packed q/k/v projection column-wise by projection
+    (each rank its heads of each), its attention told the local width of q, k and v; ``mlp.c_fc``
+    column-wise; the ``c_proj``s row-wise; the token embedding vocabulary-sharded (the position embedding
+    and the norms stay whole). The projections are ``Conv1D``s; attention reshapes with ``-1`` heads."""
+    layer = f"{base}h.*."
+    return {
+        f"{base}wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{layer}attn": LocalCounts("split_size"),
+        f"{layer}attn.c_attn": PackedColwiseParallel(packed=3),
+        f"{layer}attn.c_proj": Conv1DRowwiseParallel(),
+        f"{layer}mlp.c_fc": PackedColwiseParallel(),
+        f"{layer}mlp.c_proj": Conv1DRowwiseParallel(),
+    } | _head(model, "lm_head")
+
+
 def _head(model: nn.Module, path: str) -> TpPlan:
     """The output head at ``path``, where the model has one: vocabulary-sharded, the logits gathered whole."""
     found = dict(model.named_modules()).get(path)
@@ -97,6 +190,7 @@ def _head(model: nn.Module, path: str) -> TpPlan:
 FAMILIES: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module, str], TpPlan]], ...] = (
     ("Llama/Mistral/Qwen2", ("embed_tokens", "layers.0.self_attn.q_proj", "layers.0.mlp.gate_proj"), llama_plan),
     ("BERT", ("embeddings.word_embeddings", "encoder.layer.0.attention.self.query"), bert_plan),
+    ("GPT-2", ("wte", "wpe", "h.0.attn.c_attn", "h.0.mlp.c_fc"), gpt2_plan),
 )
 
 
@@ -145,11 +239,13 @@ def check_divisible(model: nn.Module, plan: TpPlan, degree: int) -> None:
     for path, layer in _planned_layers(model, plan):
         style = plan[path]
         dim = _sharded_dim(layer, style)
-        if dim is not None and layer.weight.shape[dim] % degree:
+        packed = getattr(style, "packed", 1)  # each packed projection is split on its own
+        if dim is not None and layer.weight.shape[dim] % (packed * degree):
+            size = layer.weight.shape[dim]
+            what = f"of {size}" if packed == 1 else f"{packed} packed projections of {size // packed}"
             raise BadInput(
                 f"tensor parallelism over {degree} ranks splits {path} ({type(layer).__name__} "
-                f"{tuple(layer.weight.shape)}) along dimension {dim}, of {layer.weight.shape[dim]}: not a "
-                f"multiple of {degree}"
+                f"{tuple(layer.weight.shape)}) along dimension {dim}, {what}: not a multiple of {degree}"
             )
 
 
@@ -186,14 +282,19 @@ def _planned_layers(model: nn.Module, plan: TpPlan) -> list[tuple[str, nn.Module
 
 
 def _sharded_dim(layer: nn.Module, style: ParallelStyle) -> int | None:
-    """The weight dimension a style splits: column-wise a Linear's outputs, an Embedding's width; row-wise a
-    Linear's inputs, an Embedding's vocabulary."""
-    if not isinstance(layer, nn.Linear | nn.Embedding):
+    """The weight dimension a style splits: column-wise a layer's outputs (an Embedding's width), row-wise
+    its inputs (an Embedding's vocabulary). A Linear stores its weight (out, in), an Embedding and a Conv1D
+    (in, out)."""
+    if isinstance(layer, nn.Linear):
+        outputs, inputs = 0, 1
+    elif isinstance(layer, nn.Embedding) or _is_conv1d(layer):
+        outputs, inputs = 1, 0
+    else:
         return None
     if isinstance(style, ColwiseParallel):
-        return 0 if isinstance(layer, nn.Linear) else 1
+        return outputs
     if isinstance(style, RowwiseParallel):
-        return 1 if isinstance(layer, nn.Linear) else 0
+        return inputs
     return None
 
 
