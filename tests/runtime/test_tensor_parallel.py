@@ -51,6 +51,34 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: s
     assert json.loads((tmp_path / "weights.pt.samples.json").read_text()) == [8] * (tp_worker.SAMPLES // 8)
 
 
+@pytest.mark.parametrize(("model", "norm"), [("llama", "model.norm"), ("gpt", "norm")])
+def test_two_sequence_parallel_ranks_train_as_one_process_each_norm_on_half_the_rows(
+    tmp_path: Path, model: str, norm: str
+) -> None:
+    got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}, NORM=norm)
+    assert_same(got, one_process(tmp_path, model, micro_batch=8))
+    for rank in (0, 1):  # the final norm of each step's forward saw its rank's half of the sequence
+        rows = json.loads((tmp_path / f"weights.pt.rows.{rank}").read_text())
+        assert rows == [tp_worker.SEQ // 2] * (tp_worker.SAMPLES // 8)
+
+
+def test_llamas_plan_and_a_models_own_taking_the_keyword_have_sequence_parallelism_bert_and_gpt2_not() -> None:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from redline.errors import BadInput
+    from redline.runtime.tensor_parallel import find_plan, has_sequence_parallel
+
+    llama = tp_worker.make_model("llama")
+    assert has_sequence_parallel(llama) and has_sequence_parallel(tp_worker.make_model("gpt"))
+    assert isinstance(find_plan(llama, 2, sequence_parallel=True)["model.norm"], SequenceParallel)
+    assert "model.norm" not in find_plan(llama, 2)
+    for kind in ("bert", "gpt2"):  # apply_tp warns for these and holds the activations whole
+        model = tp_worker.make_model(kind)
+        assert not has_sequence_parallel(model)
+        with pytest.raises(BadInput, match="lays out no sequence parallelism"):
+            find_plan(model, 2, sequence_parallel=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
 def test_tensor_parallel_groups_beside_data_parallel_ranks_train_as_one_process(tmp_path: Path, sharding: str) -> None:
@@ -127,7 +155,8 @@ def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path:
     env = {"MODEL": "llama", "OUT": str(out), "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
     result = run_cli("run", "--plan", str(plan), "--nproc-per-node", "2", str(WORKER), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "sequence parallelism, which the runtime does not apply yet" in result.stderr  # the plan asked for it
+    assert strategy["sequence_parallel"]  # the plan asked for it, and Llama's plan applies it: no warning
+    assert "sequence parallelism, which the runtime does not apply yet" not in result.stderr
     got = torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
     assert_same(got, one_process(tmp_path, "llama", micro_batch=8, accumulation=strategy["accumulation"]))
     # each rank holds half of every projection and of the embedding and head, and the norms whole; the plan

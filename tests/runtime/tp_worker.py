@@ -3,7 +3,8 @@ run as one process by the tests, and as ranks by ``spawn_ranks`` (tensor paralle
 
 Environment: MODEL (gpt, llama, bert, gpt2), STRATEGY (JSON of Strategy fields) or REDLINE_PLAN (a plan file, as
 `redline run --plan` sets it), OUT (the weights file; the losses go to OUT.losses.json, each rank's parameter
-bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer steps).
+bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer steps), NORM (a
+norm's module path: the sequence rows each of its forwards computed on go to OUT.rows.RANK).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 VOCAB, SEQ, SAMPLES = 64, 16, 32
+NORM_ROWS: list[int] = []  # the sequence rows of each forward of the norm NORM names, on this rank
 
 
 def make_model(kind: str) -> nn.Module:
@@ -80,6 +82,11 @@ def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+def local_share(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a DTensor, a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (a DTensor gathered), by name without wrappers' prefixes."""
     return {
@@ -96,6 +103,10 @@ def train(kind: str, plan, *, checkpoint_dir: str | None = None, steps: int | No
     run = prepare(
         model, lambda params: torch.optim.SGD(params, lr=0.5), loader, plan=plan, checkpoint_dir=checkpoint_dir
     )
+    if os.environ.get("NORM"):
+        run.model.get_submodule(os.environ["NORM"]).register_forward_hook(
+            lambda module, inputs, output: NORM_ROWS.append(local_share(output).shape[1])
+        )
     for tokens, targets in run.micro_batches():
         with run.accumulate():
             run.backward(F.cross_entropy(logits(run.model, tokens).flatten(0, 1), targets.flatten()))
@@ -127,6 +138,8 @@ def main() -> None:
     if torch.distributed.is_initialized():
         rank = torch.distributed.get_rank()
         Path(f"{os.environ['OUT']}.bytes.{rank}").write_text(str(local))
+        if os.environ.get("NORM"):
+            Path(f"{os.environ['OUT']}.rows.{rank}").write_text(json.dumps(NORM_ROWS))
         if rank == 0:
             torch.save(weights, os.environ["OUT"])
             Path(os.environ["OUT"] + ".losses.json").write_text(json.dumps(losses))

@@ -22,14 +22,23 @@ one line. GPT-2's ``Conv1D`` stores its weight transposed: its own styles shard 
 Attention heads, key/value heads and the vocabulary must divide by the degree: checked, one line, before
 anything is sharded. The logits come back whole on every rank (the head's output all-gathered), so the
 user's loss runs unchanged: loss parallelism would need the loss computed inside ``loss_parallel()``, which
-is the user's code. Sequence parallelism is not applied (see ``apply_tp``).
+is the user's code.
+
+Sequence parallelism (``sequence_parallel``), Megatron's as torchtitan lays it out, where the model's plan
+has it: Llama's family plan and a model's own ``redline_tp_plan(degree, sequence_parallel)``. Between the
+projections each rank holds its rows of the sequence (the residual stream a DTensor sharded along it, so a
+model reading the sequence length from it reads the whole one); the norms compute on those rows, the
+attention's and MLP's inputs are all-gathered, the row-wise projections reduce-scatter. BERT's and GPT-2's
+plans do not have it: the run warns and holds the activations whole (see ``apply_tp``).
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from fnmatch import fnmatch
 from functools import partial
 from typing import Any
@@ -37,7 +46,14 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from redline.errors import BadInput
@@ -129,21 +145,52 @@ class LocalCounts(ParallelStyle):
         return module
 
 
-def llama_plan(model: nn.Module, base: str) -> TpPlan:
+def llama_plan(model: nn.Module, base: str, *, sequence_parallel: bool = False) -> TpPlan:
     """Llama, Mistral, Qwen2 (``LlamaModel``'s names under ``base``): q/k/v and gate/up column-wise, o and down
     row-wise, the embedding vocabulary-sharded. Attention reshapes with ``-1`` heads and keeps only the ratio of
-    query to key/value heads, which the split leaves as it is."""
+    query to key/value heads, which the split leaves as it is.
+
+    Under sequence parallelism (Megatron's, as torchtitan lays it out) the residual stream is split along
+    the sequence between the projections: the norms compute on their rank's rows, the attention's and the
+    MLP's inputs are gathered whole, o and down reduce-scatter their sums back to rows, the embedding hands
+    rows out, the head gathers them. The stream stays a DTensor, of the whole sequence's shape: LlamaModel
+    takes the positions and the causal mask from its length."""
     layer = f"{base}layers.*."
-    return {
-        f"{base}embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    stream = _stream_layout(sequence_parallel)
+    plan = {
+        f"{base}embed_tokens": RowwiseParallel(input_layouts=Replicate(), **stream),
         f"{layer}self_attn.q_proj": ColwiseParallel(),
         f"{layer}self_attn.k_proj": ColwiseParallel(),
         f"{layer}self_attn.v_proj": ColwiseParallel(),
-        f"{layer}self_attn.o_proj": RowwiseParallel(),
+        f"{layer}self_attn.o_proj": RowwiseParallel(**stream),
         f"{layer}mlp.gate_proj": ColwiseParallel(),
         f"{layer}mlp.up_proj": ColwiseParallel(),
-        f"{layer}mlp.down_proj": RowwiseParallel(),
-    } | _head(model, "lm_head")
+        f"{layer}mlp.down_proj": RowwiseParallel(**stream),
+    } | _head(model, "lm_head", sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        plan |= {
+            f"{base}norm": SequenceParallel(),
+            f"{layer}input_layernorm": SequenceParallel(),
+            f"{layer}post_attention_layernorm": SequenceParallel(),
+            # the decoder layer hands the attention its input by keyword, the MLP by position
+            f"{layer}self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            ),
+            f"{layer}mlp": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        }
+    return plan
+
+
+def _stream_layout(sequence_parallel: bool) -> dict[str, Any]:
+    """How a layer writing the residual stream leaves it: whole on every rank, a plain tensor; under sequence
+    parallelism its rows split over the ranks (a reduce-scatter after a row-wise layer), a DTensor."""
+    if sequence_parallel:
+        return {"output_layouts": Shard(1), "use_local_output": False}
+    return {"output_layouts": Replicate()}
 
 
 def bert_plan(model: nn.Module, base: str) -> TpPlan:
@@ -179,18 +226,32 @@ def gpt2_plan(model: nn.Module, base: str) -> TpPlan:
     } | _head(model, "lm_head")
 
 
-def _head(model: nn.Module, path: str) -> TpPlan:
-    """The output head at ``path``, where the model has one: vocabulary-sharded, the logits gathered whole."""
+def _head(model: nn.Module, path: str, *, sequence_parallel: bool = False) -> TpPlan:
+    """The output head at ``path``, where the model has one: vocabulary-sharded, the logits gathered whole
+    (its input gathered first under sequence parallelism)."""
     found = dict(model.named_modules()).get(path)
-    return {path: ColwiseParallel(output_layouts=Replicate())} if isinstance(found, nn.Linear) else {}
+    if not isinstance(found, nn.Linear):
+        return {}
+    rows = Shard(1) if sequence_parallel else Replicate()
+    return {path: ColwiseParallel(input_layouts=rows, output_layouts=Replicate())}
 
 
-# the families found by their module names: what the family is, the names that tell it (each under one
-# prefix, "model." in LlamaForCausalLM, "" in LlamaModel), its plan
-FAMILIES: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module, str], TpPlan]], ...] = (
-    ("Llama/Mistral/Qwen2", ("embed_tokens", "layers.0.self_attn.q_proj", "layers.0.mlp.gate_proj"), llama_plan),
-    ("BERT", ("embeddings.word_embeddings", "encoder.layer.0.attention.self.query"), bert_plan),
-    ("GPT-2", ("wte", "wpe", "h.0.attn.c_attn", "h.0.mlp.c_fc"), gpt2_plan),
+@dataclass(frozen=True)
+class Family:
+    """A family of models found by their module names."""
+
+    name: str
+    names: tuple[str, ...]  # the module names that tell it, under one prefix ("model." in LlamaForCausalLM)
+    build: Callable[..., TpPlan]  # (model, prefix) -> its plan; sequence_parallel=True where it has that
+    sequence_parallel: bool  # whether its plan lays out sequence parallelism
+
+
+FAMILIES = (
+    Family(
+        "Llama/Mistral/Qwen2", ("embed_tokens", "layers.0.self_attn.q_proj", "layers.0.mlp.gate_proj"), llama_plan, True
+    ),
+    Family("BERT", ("embeddings.word_embeddings", "encoder.layer.0.attention.self.query"), bert_plan, False),
+    Family("GPT-2", ("wte", "wpe", "h.0.attn.c_attn", "h.0.mlp.c_fc"), gpt2_plan, False),
 )
 
 
@@ -205,20 +266,43 @@ def _base(model: nn.Module, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def find_plan(model: nn.Module, degree: int) -> TpPlan:
-    """The model's tensor-parallel plan (its own ``redline_tp_plan``, else its family's); BadInput naming
-    what a model can do where there is none."""
+def _family(model: nn.Module) -> tuple[Family, str] | None:
+    """The model's family and the prefix of its names; None if it is of none redline knows."""
+    for family in FAMILIES:
+        base = _base(model, family.names)
+        if base is not None:
+            return family, base
+    return None
+
+
+def has_sequence_parallel(model: nn.Module) -> bool:
+    """Whether the model's plan lays out sequence parallelism: its own ``redline_tp_plan`` method taking a
+    ``sequence_parallel`` keyword, or its family's (Llama's; not BERT's nor GPT-2's)."""
     own = getattr(model, "redline_tp_plan", None)
     if own is not None:
-        plan = own(degree) if callable(own) else own
+        return callable(own) and "sequence_parallel" in inspect.signature(own).parameters
+    found = _family(model)
+    return found is not None and found[0].sequence_parallel
+
+
+def find_plan(model: nn.Module, degree: int, *, sequence_parallel: bool = False) -> TpPlan:
+    """The model's tensor-parallel plan (its own ``redline_tp_plan``, else its family's), with sequence
+    parallelism where ``sequence_parallel`` (the model's plan must have it: ``has_sequence_parallel``);
+    BadInput naming what a model can do where there is none."""
+    if sequence_parallel and not has_sequence_parallel(model):
+        raise BadInput(f"the tensor-parallel plan for {type(model).__name__} lays out no sequence parallelism")
+    extra = {"sequence_parallel": True} if sequence_parallel else {}
+    own = getattr(model, "redline_tp_plan", None)
+    if own is not None:
+        plan = own(degree, **extra) if callable(own) else own
         if not isinstance(plan, dict) or not plan:
             raise BadInput(f"{type(model).__name__}.redline_tp_plan gave {plan!r}: give {{module path: ParallelStyle}}")
         return plan
-    for _, names, build in FAMILIES:
-        base = _base(model, names)
-        if base is not None:
-            return build(model, base)
-    known = ", ".join(family for family, _, _ in FAMILIES)
+    found = _family(model)
+    if found is not None:
+        family, base = found
+        return family.build(model, base, **extra)
+    known = ", ".join(family.name for family in FAMILIES)
     raise BadInput(
         f"no tensor-parallel plan for {type(model).__name__}: redline knows {known}; give the model a "
         "redline_tp_plan(degree) method returning its parallelize_module plan, or plan with --tp 1"
@@ -252,17 +336,19 @@ def check_divisible(model: nn.Module, plan: TpPlan, degree: int) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
     """Shard ``model``'s layers over ``tp_mesh`` in place, by its plan (``find_plan``), after checking the
     split. Its parameters become DTensors (an optimizer must be built on them afterwards); a weight tied to
-    another before (an embedding used as the output head) is tied again after. ``sequence_parallel`` is not
-    applied: a block computes its sequence length from its input, which sequence parallelism would hand it
-    a shard of; the activations are then held whole on each rank of a group, and the plan's memory figures,
-    which count them sharded, are said not to hold."""
+    another before (an embedding used as the output head) is tied again after. ``sequence_parallel`` is
+    applied where the model's plan has it (``has_sequence_parallel``); elsewhere (BERT, GPT-2, a model's own
+    plan without the keyword) a warning says the activations are held whole on each rank of a group, and
+    the plan's memory figures, which count them sharded, do not hold."""
     degree = tp_mesh.size()
-    plan = find_plan(model, degree)
+    applied = sequence_parallel and has_sequence_parallel(model)
+    plan = find_plan(model, degree, sequence_parallel=applied)
     check_divisible(model, plan, degree)
-    if sequence_parallel and tp_mesh.get_rank() == 0:
+    if sequence_parallel and not applied and tp_mesh.get_rank() == 0:
         log.warning(
-            "the plan asks for sequence parallelism, which the runtime does not apply yet: each tensor-parallel "
-            "rank holds its group's activations whole, more than the plan's memory figures count"
+            "the plan asks for sequence parallelism, which the runtime does not apply yet to %s: each "
+            "tensor-parallel rank holds its group's activations whole, more than the plan's memory figures count",
+            type(model).__name__,
         )
     tied = _tied_weights(model)
     parallelize_module(model, tp_mesh, plan)
