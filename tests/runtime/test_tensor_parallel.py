@@ -43,7 +43,7 @@ def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -
         torch.testing.assert_close(got_weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama", "bert", "gpt2"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "bert", "gpt2", "reference_gpt"])
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
     got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
     assert_same(got, one_process(tmp_path, model, micro_batch=8))

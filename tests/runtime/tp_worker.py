@@ -1,10 +1,11 @@
 """Trains a tiny model under a strategy through ``prepare()`` and writes its whole weights and step losses:
 run as one process by the tests, and as ranks by ``spawn_ranks`` (tensor parallelism over gloo).
 
-Environment: MODEL (gpt, llama, bert, gpt2), STRATEGY (JSON of Strategy fields) or REDLINE_PLAN (a plan file, as
-`redline run --plan` sets it), OUT (the weights file; the losses go to OUT.losses.json, each rank's parameter
-bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer steps), NORM (a
-norm's module path: the sequence rows each of its forwards computed on go to OUT.rows.RANK).
+Environment: MODEL (gpt, llama, bert, gpt2, reference_gpt), STRATEGY (JSON of Strategy fields) or
+REDLINE_PLAN (a plan file, as `redline run --plan` sets it), OUT (the weights file; the losses go to
+OUT.losses.json, each rank's parameter bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop
+after this many optimizer steps), NORM (a norm's module path: the sequence rows each of its forwards computed
+on go to OUT.rows.RANK).
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ def make_model(kind: str) -> nn.Module:
         from train_gpt import Gpt
 
         return Gpt(vocab=VOCAB, width=32, layers=2, heads=4, seq=SEQ)
+    if kind == "reference_gpt":  # a packed q/k/v in nn.Linear, the output projection the embedding's weight
+        from redline.workload.profile import TransformerShape
+        from reference_gpt import Gpt as ReferenceGpt
+
+        shape = TransformerShape(
+            layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=VOCAB, seq_len=SEQ, position_embeddings=SEQ
+        )
+        return ReferenceGpt(shape)
     if kind == "bert":  # a masked-LM head tied to the word embedding; no dropout: ranks would draw their own
         from transformers import BertConfig, BertForMaskedLM
 
