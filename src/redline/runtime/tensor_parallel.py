@@ -25,11 +25,12 @@ user's loss runs unchanged: loss parallelism would need the loss computed inside
 is the user's code.
 
 Sequence parallelism (``sequence_parallel``), Megatron's as torchtitan lays it out, where the model's plan
-has it: Llama's family plan and a model's own ``redline_tp_plan(degree, sequence_parallel)``. Between the
+has it: Llama's and GPT-2's family plans and a model's own ``redline_tp_plan(degree, sequence_parallel)``. Between the
 projections each rank holds its rows of the sequence (the residual stream a DTensor sharded along it, so a
 model reading the sequence length from it reads the whole one); the norms compute on those rows, the
-attention's and MLP's inputs are all-gathered, the row-wise projections reduce-scatter. BERT's and GPT-2's
-plans do not have it: the run warns and holds the activations whole (see ``apply_tp``).
+attention's and MLP's inputs are all-gathered, the row-wise projections reduce-scatter. BERT's plan does
+not have it (post-norm blocks, a pooler and a head transform outside the plan would each need a layout):
+the run warns and holds the activations whole (see ``apply_tp``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -210,20 +212,35 @@ def bert_plan(model: nn.Module, base: str) -> TpPlan:
     } | _head(model, "cls.predictions.decoder")
 
 
-def gpt2_plan(model: nn.Module, base: str) -> TpPlan:
+def gpt2_plan(model: nn.Module, base: str, *, sequence_parallel: bool = False) -> TpPlan:
     """GPT-2 (``GPT2Model``'s names under ``base``): the packed q/k/v projection column-wise by projection
     (each rank its heads of each), its attention told the local width of q, k and v; ``mlp.c_fc``
     column-wise; the ``c_proj``s row-wise; the token embedding vocabulary-sharded (the position embedding
-    and the norms stay whole). The projections are ``Conv1D``s; attention reshapes with ``-1`` heads."""
+    and the norms stay whole). The projections are ``Conv1D``s; attention reshapes with ``-1`` heads.
+
+    Under sequence parallelism as Llama's (``llama_plan``): ``c_attn`` and ``c_fc``, each the only reader
+    of its block's input, gather it; the position embedding hands each rank its rows."""
     layer = f"{base}h.*."
-    return {
-        f"{base}wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    stream = _stream_layout(sequence_parallel)
+    rows = Shard(1) if sequence_parallel else None
+    plan = {
+        f"{base}wte": RowwiseParallel(input_layouts=Replicate(), **stream),
         f"{layer}attn": LocalCounts("split_size"),
-        f"{layer}attn.c_attn": PackedColwiseParallel(packed=3),
-        f"{layer}attn.c_proj": Conv1DRowwiseParallel(),
-        f"{layer}mlp.c_fc": PackedColwiseParallel(),
-        f"{layer}mlp.c_proj": Conv1DRowwiseParallel(),
-    } | _head(model, "lm_head")
+        f"{layer}attn.c_attn": PackedColwiseParallel(packed=3, input_layouts=rows),
+        f"{layer}attn.c_proj": Conv1DRowwiseParallel(**stream),
+        f"{layer}mlp.c_fc": PackedColwiseParallel(input_layouts=rows),
+        f"{layer}mlp.c_proj": Conv1DRowwiseParallel(**stream),
+    } | _head(model, "lm_head", sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        plan |= {
+            f"{base}wpe": PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+            ),
+            f"{base}ln_f": SequenceParallel(),
+            f"{layer}ln_1": SequenceParallel(),
+            f"{layer}ln_2": SequenceParallel(),
+        }
+    return plan
 
 
 def _head(model: nn.Module, path: str, *, sequence_parallel: bool = False) -> TpPlan:
@@ -251,7 +268,7 @@ FAMILIES = (
         "Llama/Mistral/Qwen2", ("embed_tokens", "layers.0.self_attn.q_proj", "layers.0.mlp.gate_proj"), llama_plan, True
     ),
     Family("BERT", ("embeddings.word_embeddings", "encoder.layer.0.attention.self.query"), bert_plan, False),
-    Family("GPT-2", ("wte", "wpe", "h.0.attn.c_attn", "h.0.mlp.c_fc"), gpt2_plan, False),
+    Family("GPT-2", ("wte", "wpe", "h.0.attn.c_attn", "h.0.mlp.c_fc"), gpt2_plan, True),
 )
 
 
@@ -277,7 +294,7 @@ def _family(model: nn.Module) -> tuple[Family, str] | None:
 
 def has_sequence_parallel(model: nn.Module) -> bool:
     """Whether the model's plan lays out sequence parallelism: its own ``redline_tp_plan`` method taking a
-    ``sequence_parallel`` keyword, or its family's (Llama's; not BERT's nor GPT-2's)."""
+    ``sequence_parallel`` keyword, or its family's (Llama's and GPT-2's; not BERT's)."""
     own = getattr(model, "redline_tp_plan", None)
     if own is not None:
         return callable(own) and "sequence_parallel" in inspect.signature(own).parameters
@@ -337,7 +354,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     """Shard ``model``'s layers over ``tp_mesh`` in place, by its plan (``find_plan``), after checking the
     split. Its parameters become DTensors (an optimizer must be built on them afterwards); a weight tied to
     another before (an embedding used as the output head) is tied again after. ``sequence_parallel`` is
-    applied where the model's plan has it (``has_sequence_parallel``); elsewhere (BERT, GPT-2, a model's own
+    applied where the model's plan has it (``has_sequence_parallel``); elsewhere (BERT, a model's own
     plan without the keyword) a warning says the activations are held whole on each rank of a group, and
     the plan's memory figures, which count them sharded, do not hold."""
     degree = tp_mesh.size()
