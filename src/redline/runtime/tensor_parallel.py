@@ -46,7 +46,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -88,10 +88,12 @@ class PackedColwiseParallel(ColwiseParallel):
     """``ColwiseParallel`` for an ``nn.Linear`` or a ``Conv1D`` whose output packs ``packed`` projections
     side by side (a fused ``[q | k | v]``: ``packed=3``): each rank holds its share of each projection, its
     heads of q, of k and of v (``_StridedShard``), not one third of the packed output. Its output is its
-    own ``[q_r | k_r | v_r]``, local; a gathered weight (``full_tensor()``, a checkpoint) keeps the model's
-    layout. ``packed=1`` is ``ColwiseParallel`` for a ``Conv1D`` too."""
+    own ``[q_r | k_r | v_r]``, local; the gathered weight (``full_tensor()``) keeps the model's layout.
+    ``packed=1`` is ``ColwiseParallel`` for a ``Conv1D`` too."""
 
-    def __init__(self, *, packed: int = 1, input_layouts: Any = None, use_local_output: bool = True) -> None:
+    def __init__(
+        self, *, packed: int = 1, input_layouts: Placement | None = None, use_local_output: bool = True
+    ) -> None:
         super().__init__(input_layouts=input_layouts, use_local_output=use_local_output)
         self.packed = packed
 
