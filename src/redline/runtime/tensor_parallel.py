@@ -17,7 +17,10 @@ A projection that packs several side by side (GPT-2's ``c_attn``, ``[q | k | v]`
 (``PackedColwiseParallel``): each rank computes its heads of each, and the gathered weight
 (``full_tensor()``) is laid out as the model's. DCP cannot save such a weight yet (torch 2.13 rejects a
 rank's share in pieces as "overlapping chunks"): a tensor-parallel GPT-2 trains, but its checkpoints fail,
-one line. GPT-2's ``Conv1D`` stores its weight transposed: its own styles shard the other dimension.
+one line. Beside FSDP over data ranks, where FSDP2 shards the packed dimension again (GPT-2's ``c_attn``
+bias, an ``nn.Linear``'s weight), it trains as one process does but ``full_tensor()`` of that parameter
+comes back in the wrong order (seen on TP2 x DP2). GPT-2's ``Conv1D`` stores its weight transposed: its own
+styles shard the other dimension.
 
 Attention heads, key/value heads and the vocabulary must divide by the degree: checked, one line, before
 anything is sharded. The logits come back whole on every rank (the head's output all-gathered), so the
