@@ -47,18 +47,37 @@ class Gpt(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
         self.redline_pp_modules = {"first": ("embed", "position"), "last": ("norm", "head")}  # redline
 
-    def redline_tp_plan(self, degree: int) -> dict:  # redline: how a tensor-parallel plan splits the layers
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    def redline_tp_plan(self, degree: int, sequence_parallel: bool = False) -> dict:  # redline: how a
+        # tensor-parallel plan splits the layers; under sequence parallelism the residual stream between the
+        # projections holds each rank's rows of the sequence (a DTensor), the norms compute on those
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
 
-        return {
-            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),  # vocabulary-sharded
-            "blocks.*.qkv": ColwiseParallel(),  # whole heads per rank
-            "blocks.*.proj": RowwiseParallel(),
-            "blocks.*.mlp.0": ColwiseParallel(),
-            "blocks.*.mlp.2": RowwiseParallel(),
-            "head": ColwiseParallel(output_layouts=Replicate()),  # the logits whole on every rank
+        rows = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+        stream = {"output_layouts": rows, "use_local_output": not sequence_parallel}
+        plan = {
+            "embed": RowwiseParallel(input_layouts=Replicate(), **stream),  # vocabulary-sharded
+            "blocks.*.qkv": ColwiseParallel(input_layouts=rows),  # whole heads per rank
+            "blocks.*.proj": RowwiseParallel(**stream),
+            "blocks.*.mlp.0": ColwiseParallel(input_layouts=rows),
+            "blocks.*.mlp.2": RowwiseParallel(**stream),
+            "head": ColwiseParallel(input_layouts=rows, output_layouts=Replicate()),  # the logits whole on every rank
         }
+        if sequence_parallel:
+            plan |= {
+                "position": PrepareModuleOutput(  # each rank's rows of the position embeddings
+                    output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=False
+                ),
+                "blocks.*.norm1": SequenceParallel(),
+                "blocks.*.norm2": SequenceParallel(),
+                "norm": SequenceParallel(),
+            }
+        return plan
 
     # redline: how a pipeline-parallel plan runs the model in stages: one stage's share of forward (the same code,
     # cut), and the modules the first and the last stage use besides the blocks (redline_pp_modules, above)

@@ -43,12 +43,60 @@ def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -
         torch.testing.assert_close(got_weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "bert", "gpt2", "reference_gpt"])
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
     got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
     assert_same(got, one_process(tmp_path, model, micro_batch=8))
     # the step metrics' global batch: the group's one batch, not one per rank
     assert json.loads((tmp_path / "weights.pt.samples.json").read_text()) == [8] * (tp_worker.SAMPLES // 8)
+
+
+@pytest.mark.parametrize(("model", "norm"), [("llama", "model.norm"), ("gpt", "norm"), ("gpt2", "transformer.ln_f")])
+def test_two_sequence_parallel_ranks_train_as_one_process_each_norm_on_half_the_rows(
+    tmp_path: Path, model: str, norm: str
+) -> None:
+    got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}, NORM=norm)
+    assert_same(got, one_process(tmp_path, model, micro_batch=8))
+    for rank in (0, 1):  # the final norm of each step's forward saw its rank's half of the sequence
+        rows = json.loads((tmp_path / f"weights.pt.rows.{rank}").read_text())
+        assert rows == [tp_worker.SEQ // 2] * (tp_worker.SAMPLES // 8)
+
+
+def test_bert_asked_for_sequence_parallelism_trains_as_one_process_with_its_activations_whole_and_says_so(
+    tmp_path: Path,
+) -> None:
+    strategy = {"precision": "fp32", "tensor": 2, "micro_batch": 8, "sequence_parallel": True}
+    env = {
+        "MODEL": "bert",
+        "STRATEGY": json.dumps(strategy),
+        "OUT": str(tmp_path / "weights.pt"),
+        "NORM": "bert.encoder.layer.1.output.LayerNorm",
+    }
+    outputs = spawn_ranks(WORKER, 2, store=tmp_path / "store", env=env)
+    assert "sequence parallelism, which the runtime does not apply yet to BertForMaskedLM" in outputs[0]
+    got = torch.load(tmp_path / "weights.pt"), json.loads((tmp_path / "weights.pt.losses.json").read_text())
+    assert_same(got, one_process(tmp_path, "bert", micro_batch=8))
+    assert json.loads((tmp_path / "weights.pt.rows.1").read_text()) == [tp_worker.SEQ] * (tp_worker.SAMPLES // 8)
+
+
+def test_llama_gpt2_and_a_models_own_plan_taking_the_keyword_have_sequence_parallelism_bert_not() -> None:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from redline.errors import BadInput
+    from redline.runtime.tensor_parallel import find_plan, has_sequence_parallel
+
+    llama = tp_worker.make_model("llama")
+    assert has_sequence_parallel(llama) and has_sequence_parallel(tp_worker.make_model("gpt"))
+    assert has_sequence_parallel(tp_worker.make_model("gpt2"))
+    assert isinstance(find_plan(llama, 2, sequence_parallel=True)["model.norm"], SequenceParallel)
+    assert "model.norm" not in find_plan(llama, 2)
+    # apply_tp warns for these and holds the activations whole: BERT's family plan, a model's own plan
+    # without the keyword
+    for kind in ("bert", "reference_gpt"):
+        model = tp_worker.make_model(kind)
+        assert not has_sequence_parallel(model)
+        with pytest.raises(BadInput, match="lays out no sequence parallelism"):
+            find_plan(model, 2, sequence_parallel=True)
 
 
 @pytest.mark.slow
@@ -72,6 +120,27 @@ def test_a_head_count_the_degree_does_not_divide_is_one_line_before_anything_is_
         check_divisible(llama, find_plan(llama, 4), 4)
     assert "\n" not in str(error.value)
     check_divisible(llama, find_plan(llama, 2), 2)
+
+
+def test_a_conv1d_or_packed_layer_the_degree_does_not_divide_is_one_line() -> None:
+    from transformers import GPT2Config, GPT2Model
+
+    from redline.errors import BadInput
+    from redline.runtime.tensor_parallel import PackedColwiseParallel, check_divisible, find_plan
+
+    config = GPT2Config(
+        vocab_size=tp_worker.VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=tp_worker.SEQ, n_inner=30
+    )
+    gpt2 = GPT2Model(config)  # the heads and the vocabulary divide by 4, GPT-2's MLP width does not
+    with pytest.raises(
+        BadInput, match=r"splits h\.\*\.mlp\.c_fc \(Conv1D \(32, 30\)\) along dimension 1, of 30: not a"
+    ) as error:
+        check_divisible(gpt2, find_plan(gpt2, 4), 4)
+    assert "\n" not in str(error.value)
+    # 18 outputs divide by 9, but each of the three packed projections, of 6, does not
+    packed = torch.nn.ModuleDict({"qkv": torch.nn.Linear(4, 18)})
+    with pytest.raises(BadInput, match=r"splits qkv \(Linear \(18, 4\)\) along dimension 0, 3 packed projections of 6"):
+        check_divisible(packed, {"qkv": PackedColwiseParallel(packed=3)}, 9)
 
 
 def test_a_tensor_parallel_run_resumes_from_its_checkpoint_bit_identically(tmp_path: Path) -> None:
@@ -106,7 +175,8 @@ def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path:
     env = {"MODEL": "llama", "OUT": str(out), "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
     result = run_cli("run", "--plan", str(plan), "--nproc-per-node", "2", str(WORKER), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "sequence parallelism, which the runtime does not apply yet" in result.stderr  # the plan asked for it
+    assert strategy["sequence_parallel"]  # the plan asked for it, and Llama's plan applies it: no warning
+    assert "sequence parallelism, which the runtime does not apply yet" not in result.stderr
     got = torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
     assert_same(got, one_process(tmp_path, "llama", micro_batch=8, accumulation=strategy["accumulation"]))
     # each rank holds half of every projection and of the embedding and head, and the norms whole; the plan

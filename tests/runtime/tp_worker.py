@@ -1,9 +1,11 @@
 """Trains a tiny model under a strategy through ``prepare()`` and writes its whole weights and step losses:
 run as one process by the tests, and as ranks by ``spawn_ranks`` (tensor parallelism over gloo).
 
-Environment: MODEL (gpt, llama, bert), STRATEGY (JSON of Strategy fields) or REDLINE_PLAN (a plan file, as
-`redline run --plan` sets it), OUT (the weights file; the losses go to OUT.losses.json, each rank's parameter
-bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer steps).
+Environment: MODEL (gpt, llama, bert, gpt2, reference_gpt), STRATEGY (JSON of Strategy fields) or
+REDLINE_PLAN (a plan file, as `redline run --plan` sets it), OUT (the weights file; the losses go to
+OUT.losses.json, each rank's parameter bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop
+after this many optimizer steps), NORM (a norm's module path: the sequence rows each of its forwards computed
+on go to OUT.rows.RANK).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 VOCAB, SEQ, SAMPLES = 64, 16, 32
+NORM_ROWS: list[int] = []  # the sequence rows of each forward of the norm NORM names, on this rank
 
 
 def make_model(kind: str, layers: int = 2) -> nn.Module:
@@ -28,6 +31,14 @@ def make_model(kind: str, layers: int = 2) -> nn.Module:
         from train_gpt import Gpt
 
         return Gpt(vocab=VOCAB, width=32, layers=layers, heads=4, seq=SEQ)
+    if kind == "reference_gpt":  # a packed q/k/v in nn.Linear, the output projection the embedding's weight
+        from redline.workload.profile import TransformerShape
+        from reference_gpt import Gpt as ReferenceGpt
+
+        shape = TransformerShape(
+            layers=layers, hidden=32, heads=4, ffn_hidden=64, vocab=VOCAB, seq_len=SEQ, position_embeddings=SEQ
+        )
+        return ReferenceGpt(shape)
     if kind == "bert":  # a masked-LM head tied to the word embedding; no dropout: ranks would draw their own
         from transformers import BertConfig, BertForMaskedLM
 
@@ -42,6 +53,20 @@ def make_model(kind: str, layers: int = 2) -> nn.Module:
             attention_probs_dropout_prob=0.0,
         )
         return BertForMaskedLM(config)
+    if kind == "gpt2":  # Conv1D projections, a packed q/k/v, the head tied to the token embedding
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        return GPT2LMHeadModel(config)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -66,6 +91,11 @@ def logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+def local_share(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a DTensor, a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (a DTensor gathered), by name without wrappers' prefixes."""
     return {
@@ -82,6 +112,10 @@ def train(kind: str, plan, *, checkpoint_dir: str | None = None, steps: int | No
     run = prepare(
         model, lambda params: torch.optim.SGD(params, lr=0.5), loader, plan=plan, checkpoint_dir=checkpoint_dir
     )
+    if os.environ.get("NORM"):
+        run.model.get_submodule(os.environ["NORM"]).register_forward_hook(
+            lambda module, inputs, output: NORM_ROWS.append(local_share(output).shape[1])
+        )
     for tokens, targets in run.micro_batches():
         with run.accumulate():
             run.backward(F.cross_entropy(logits(run.model, tokens).flatten(0, 1), targets.flatten()))
@@ -113,6 +147,8 @@ def main() -> None:
     if torch.distributed.is_initialized():
         rank = torch.distributed.get_rank()
         Path(f"{os.environ['OUT']}.bytes.{rank}").write_text(str(local))
+        if os.environ.get("NORM"):
+            Path(f"{os.environ['OUT']}.rows.{rank}").write_text(json.dumps(NORM_ROWS))
         if rank == 0:
             torch.save(weights, os.environ["OUT"])
             Path(os.environ["OUT"] + ".losses.json").write_text(json.dumps(losses))

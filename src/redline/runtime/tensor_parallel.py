@@ -10,27 +10,56 @@ Where the plan comes from, first match wins:
    ``parallelize_module`` plan, ``{module path or fnmatch pattern: ParallelStyle}``. A model declares its plan
    this way when its layers do not follow a known family (``examples/train_gpt.py`` does). Its attention must
    compute with the heads its rank holds: reshape with ``-1`` heads, or store the local count;
-2. Hugging Face Llama, Mistral and Qwen2 (``LlamaModel``'s module names: ``self_attn.q_proj``...), and
-   BERT (``BertModel``'s), with or without a head around them.
+2. Hugging Face Llama, Mistral and Qwen2 (``LlamaModel``'s module names: ``self_attn.q_proj``...), BERT
+   (``BertModel``'s) and GPT-2 (``GPT2Model``'s), with or without a head around them.
+
+A projection that packs several side by side (GPT-2's ``c_attn``, ``[q | k | v]``) is split per projection
+(``PackedColwiseParallel``): each rank computes its heads of each, and the gathered weight
+(``full_tensor()``) is laid out as the model's. DCP cannot save such a weight yet (torch 2.13 rejects a
+rank's share in pieces as "overlapping chunks"): a tensor-parallel GPT-2 trains, but its checkpoints fail,
+one line. Beside FSDP over data ranks, where FSDP2 shards the packed dimension again (GPT-2's ``c_attn``
+bias, an ``nn.Linear``'s weight), it trains as one process does but ``full_tensor()`` of that parameter
+comes back in the wrong order (seen on TP2 x DP2). GPT-2's ``Conv1D`` stores its weight transposed: its own
+styles shard the other dimension.
 
 Attention heads, key/value heads and the vocabulary must divide by the degree: checked, one line, before
 anything is sharded. The logits come back whole on every rank (the head's output all-gathered), so the
 user's loss runs unchanged: loss parallelism would need the loss computed inside ``loss_parallel()``, which
-is the user's code. Sequence parallelism is not applied (see ``apply_tp``).
+is the user's code.
+
+Sequence parallelism (``sequence_parallel``), Megatron's as torchtitan lays it out, where the model's plan
+has it: Llama's and GPT-2's family plans and a model's own ``redline_tp_plan(degree, sequence_parallel)``. Between the
+projections each rank holds its rows of the sequence (the residual stream a DTensor sharded along it, so a
+model reading the sequence length from it reads the whole one); the norms compute on those rows, the
+attention's and MLP's inputs are all-gathered, the row-wise projections reduce-scatter. BERT's plan does
+not have it (post-norm blocks, a pooler and a head transform outside the plan would each need a layout):
+the run warns and holds the activations whole (see ``apply_tp``).
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import partial
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from redline.errors import BadInput
 
@@ -52,21 +81,123 @@ SPLIT_COUNTS = (
 )
 
 
-def llama_plan(model: nn.Module, base: str) -> TpPlan:
+def _is_conv1d(layer: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's projections): a linear layer whose weight is stored (in, out), the
+    transpose of ``nn.Linear``'s."""
+    return type(layer).__name__ == "Conv1D" and type(layer).__module__.startswith("transformers.")
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for an ``nn.Linear`` or a ``Conv1D`` whose output packs ``packed`` projections
+    side by side (a fused ``[q | k | v]``: ``packed=3``): each rank holds its share of each projection, its
+    heads of q, of k and of v (``_StridedShard``), not one third of the packed output. Its output is its
+    own ``[q_r | k_r | v_r]``, local; the gathered weight (``full_tensor()``) keeps the model's layout.
+    ``packed=1`` is ``ColwiseParallel`` for a ``Conv1D`` too."""
+
+    def __init__(
+        self, *, packed: int = 1, input_layouts: Placement | None = None, use_local_output: bool = True
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, use_local_output=use_local_output)
+        self.packed = packed
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear) and not _is_conv1d(module):
+            raise NotImplementedError(f"PackedColwiseParallel takes nn.Linear and Conv1D, not {type(module).__name__}")
+        prepare_input = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        return distribute_module(module, device_mesh, self._partition, prepare_input, self._prepare_output)
+
+    def _partition(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            dim = 1 if _is_conv1d(module) and param_name == "weight" else 0  # the outputs' dimension
+            placement = Shard(dim) if self.packed == 1 else _StridedShard(dim, split_factor=self.packed)
+            sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def _prepare_output(self, module: nn.Module, outputs: DTensor, device_mesh: DeviceMesh) -> Any:
+        # the output stays sharded as the weight is: a redistribution to Shard(-1) would mix the projections
+        return outputs.to_local() if self.use_local_output else outputs
+
+
+class Conv1DRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for a ``Conv1D``: its weight's inputs are its first dimension, the bias whole."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not _is_conv1d(module):
+            raise NotImplementedError(f"Conv1DRowwiseParallel takes Conv1D, not {type(module).__name__}")
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_conv1d,
+            partial(self._prepare_input_fn, self.input_layouts, (Shard(-1),)),  # the inputs' shares
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def _partition_conv1d(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, placement in (("weight", Shard(0)), ("bias", Replicate())):
+            param = getattr(module, param_name)
+            sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+class LocalCounts(ParallelStyle):
+    """Shards nothing: divides a module's counts of what the ranks split by the degree, for a module that
+    computes with them (GPT-2's attention splits its packed output by ``split_size``, the width of q)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            setattr(module, name, getattr(module, name) // device_mesh.size())
+        return module
+
+
+def llama_plan(model: nn.Module, base: str, *, sequence_parallel: bool = False) -> TpPlan:
     """Llama, Mistral, Qwen2 (``LlamaModel``'s names under ``base``): q/k/v and gate/up column-wise, o and down
     row-wise, the embedding vocabulary-sharded. Attention reshapes with ``-1`` heads and keeps only the ratio of
-    query to key/value heads, which the split leaves as it is."""
+    query to key/value heads, which the split leaves as it is.
+
+    Under sequence parallelism (Megatron's, as torchtitan lays it out) the residual stream is split along
+    the sequence between the projections: the norms compute on their rank's rows, the attention's and the
+    MLP's inputs are gathered whole, o and down reduce-scatter their sums back to rows, the embedding hands
+    rows out, the head gathers them. The stream stays a DTensor, of the whole sequence's shape: LlamaModel
+    takes the positions and the causal mask from its length."""
     layer = f"{base}layers.*."
-    return {
-        f"{base}embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    stream = _stream_layout(sequence_parallel)
+    plan = {
+        f"{base}embed_tokens": RowwiseParallel(input_layouts=Replicate(), **stream),
         f"{layer}self_attn.q_proj": ColwiseParallel(),
         f"{layer}self_attn.k_proj": ColwiseParallel(),
         f"{layer}self_attn.v_proj": ColwiseParallel(),
-        f"{layer}self_attn.o_proj": RowwiseParallel(),
+        f"{layer}self_attn.o_proj": RowwiseParallel(**stream),
         f"{layer}mlp.gate_proj": ColwiseParallel(),
         f"{layer}mlp.up_proj": ColwiseParallel(),
-        f"{layer}mlp.down_proj": RowwiseParallel(),
-    } | _head(model, "lm_head")
+        f"{layer}mlp.down_proj": RowwiseParallel(**stream),
+    } | _head(model, "lm_head", sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        plan |= {
+            f"{base}norm": SequenceParallel(),
+            f"{layer}input_layernorm": SequenceParallel(),
+            f"{layer}post_attention_layernorm": SequenceParallel(),
+            # the decoder layer hands the attention its input by keyword, the MLP by position
+            f"{layer}self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            ),
+            f"{layer}mlp": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        }
+    return plan
+
+
+def _stream_layout(sequence_parallel: bool) -> dict[str, Any]:
+    """How a layer writing the residual stream leaves it: whole on every rank, a plain tensor; under sequence
+    parallelism its rows split over the ranks (a reduce-scatter after a row-wise layer), a DTensor."""
+    if sequence_parallel:
+        return {"output_layouts": Shard(1), "use_local_output": False}
+    return {"output_layouts": Replicate()}
 
 
 def bert_plan(model: nn.Module, base: str) -> TpPlan:
@@ -86,17 +217,63 @@ def bert_plan(model: nn.Module, base: str) -> TpPlan:
     } | _head(model, "cls.predictions.decoder")
 
 
-def _head(model: nn.Module, path: str) -> TpPlan:
-    """The output head at ``path``, where the model has one: vocabulary-sharded, the logits gathered whole."""
+def gpt2_plan(model: nn.Module, base: str, *, sequence_parallel: bool = False) -> TpPlan:
+    """GPT-2 (``GPT2Model``'s names under ``base``): the packed q/k/v projection column-wise by projection
+    (each rank its heads of each), its attention told the local width of q, k and v; ``mlp.c_fc``
+    column-wise; the ``c_proj``s row-wise; the token embedding vocabulary-sharded (the position embedding
+    and the norms stay whole). The projections are ``Conv1D``s; attention reshapes with ``-1`` heads.
+
+    Under sequence parallelism as Llama's (``llama_plan``): ``c_attn`` and ``c_fc``, each the only reader
+    of its block's input, gather it; the position embedding hands each rank its rows."""
+    layer = f"{base}h.*."
+    stream = _stream_layout(sequence_parallel)
+    rows = Shard(1) if sequence_parallel else None
+    plan = {
+        f"{base}wte": RowwiseParallel(input_layouts=Replicate(), **stream),
+        f"{layer}attn": LocalCounts("split_size"),
+        f"{layer}attn.c_attn": PackedColwiseParallel(packed=3, input_layouts=rows),
+        f"{layer}attn.c_proj": Conv1DRowwiseParallel(**stream),
+        f"{layer}mlp.c_fc": PackedColwiseParallel(input_layouts=rows),
+        f"{layer}mlp.c_proj": Conv1DRowwiseParallel(**stream),
+    } | _head(model, "lm_head", sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        plan |= {
+            f"{base}wpe": PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+            ),
+            f"{base}ln_f": SequenceParallel(),
+            f"{layer}ln_1": SequenceParallel(),
+            f"{layer}ln_2": SequenceParallel(),
+        }
+    return plan
+
+
+def _head(model: nn.Module, path: str, *, sequence_parallel: bool = False) -> TpPlan:
+    """The output head at ``path``, where the model has one: vocabulary-sharded, the logits gathered whole
+    (its input gathered first under sequence parallelism)."""
     found = dict(model.named_modules()).get(path)
-    return {path: ColwiseParallel(output_layouts=Replicate())} if isinstance(found, nn.Linear) else {}
+    if not isinstance(found, nn.Linear):
+        return {}
+    rows = Shard(1) if sequence_parallel else Replicate()
+    return {path: ColwiseParallel(input_layouts=rows, output_layouts=Replicate())}
 
 
-# the families found by their module names: what the family is, the names that tell it (each under one
-# prefix, "model." in LlamaForCausalLM, "" in LlamaModel), its plan
-FAMILIES: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module, str], TpPlan]], ...] = (
-    ("Llama/Mistral/Qwen2", ("embed_tokens", "layers.0.self_attn.q_proj", "layers.0.mlp.gate_proj"), llama_plan),
-    ("BERT", ("embeddings.word_embeddings", "encoder.layer.0.attention.self.query"), bert_plan),
+@dataclass(frozen=True)
+class Family:
+    """A family of models found by their module names."""
+
+    name: str
+    names: tuple[str, ...]  # the module names that tell it, under one prefix ("model." in LlamaForCausalLM)
+    build: Callable[..., TpPlan]  # (model, prefix) -> its plan; sequence_parallel=True where it has that
+    sequence_parallel: bool  # whether its plan lays out sequence parallelism
+
+
+FAMILIES = (
+    Family(
+        "Llama/Mistral/Qwen2", ("embed_tokens", "layers.0.self_attn.q_proj", "layers.0.mlp.gate_proj"), llama_plan, True
+    ),
+    Family("BERT", ("embeddings.word_embeddings", "encoder.layer.0.attention.self.query"), bert_plan, False),
+    Family("GPT-2", ("wte", "wpe", "h.0.attn.c_attn", "h.0.mlp.c_fc"), gpt2_plan, True),
 )
 
 
@@ -111,20 +288,43 @@ def _base(model: nn.Module, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def find_plan(model: nn.Module, degree: int) -> TpPlan:
-    """The model's tensor-parallel plan (its own ``redline_tp_plan``, else its family's); BadInput naming
-    what a model can do where there is none."""
+def _family(model: nn.Module) -> tuple[Family, str] | None:
+    """The model's family and the prefix of its names; None if it is of none redline knows."""
+    for family in FAMILIES:
+        base = _base(model, family.names)
+        if base is not None:
+            return family, base
+    return None
+
+
+def has_sequence_parallel(model: nn.Module) -> bool:
+    """Whether the model's plan lays out sequence parallelism: its own ``redline_tp_plan`` method taking a
+    ``sequence_parallel`` keyword, or its family's (Llama's and GPT-2's; not BERT's)."""
     own = getattr(model, "redline_tp_plan", None)
     if own is not None:
-        plan = own(degree) if callable(own) else own
+        return callable(own) and "sequence_parallel" in inspect.signature(own).parameters
+    found = _family(model)
+    return found is not None and found[0].sequence_parallel
+
+
+def find_plan(model: nn.Module, degree: int, *, sequence_parallel: bool = False) -> TpPlan:
+    """The model's tensor-parallel plan (its own ``redline_tp_plan``, else its family's), with sequence
+    parallelism where ``sequence_parallel`` (the model's plan must have it: ``has_sequence_parallel``);
+    BadInput naming what a model can do where there is none."""
+    if sequence_parallel and not has_sequence_parallel(model):
+        raise BadInput(f"the tensor-parallel plan for {type(model).__name__} lays out no sequence parallelism")
+    extra = {"sequence_parallel": True} if sequence_parallel else {}
+    own = getattr(model, "redline_tp_plan", None)
+    if own is not None:
+        plan = own(degree, **extra) if callable(own) else own
         if not isinstance(plan, dict) or not plan:
             raise BadInput(f"{type(model).__name__}.redline_tp_plan gave {plan!r}: give {{module path: ParallelStyle}}")
         return plan
-    for _, names, build in FAMILIES:
-        base = _base(model, names)
-        if base is not None:
-            return build(model, base)
-    known = ", ".join(family for family, _, _ in FAMILIES)
+    found = _family(model)
+    if found is not None:
+        family, base = found
+        return family.build(model, base, **extra)
+    known = ", ".join(family.name for family in FAMILIES)
     raise BadInput(
         f"no tensor-parallel plan for {type(model).__name__}: redline knows {known}; give the model a "
         "redline_tp_plan(degree) method returning its parallelize_module plan, or plan with --tp 1"
@@ -145,28 +345,32 @@ def check_divisible(model: nn.Module, plan: TpPlan, degree: int) -> None:
     for path, layer in _planned_layers(model, plan):
         style = plan[path]
         dim = _sharded_dim(layer, style)
-        if dim is not None and layer.weight.shape[dim] % degree:
+        packed = getattr(style, "packed", 1)  # each packed projection is split on its own
+        if dim is not None and layer.weight.shape[dim] % (packed * degree):
+            size = layer.weight.shape[dim]
+            what = f"of {size}" if packed == 1 else f"{packed} packed projections of {size // packed}"
             raise BadInput(
                 f"tensor parallelism over {degree} ranks splits {path} ({type(layer).__name__} "
-                f"{tuple(layer.weight.shape)}) along dimension {dim}, of {layer.weight.shape[dim]}: not a "
-                f"multiple of {degree}"
+                f"{tuple(layer.weight.shape)}) along dimension {dim}, {what}: not a multiple of {degree}"
             )
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
     """Shard ``model``'s layers over ``tp_mesh`` in place, by its plan (``find_plan``), after checking the
     split. Its parameters become DTensors (an optimizer must be built on them afterwards); a weight tied to
-    another before (an embedding used as the output head) is tied again after. ``sequence_parallel`` is not
-    applied: a block computes its sequence length from its input, which sequence parallelism would hand it
-    a shard of; the activations are then held whole on each rank of a group, and the plan's memory figures,
-    which count them sharded, are said not to hold."""
+    another before (an embedding used as the output head) is tied again after. ``sequence_parallel`` is
+    applied where the model's plan has it (``has_sequence_parallel``); elsewhere (BERT, a model's own
+    plan without the keyword) a warning says the activations are held whole on each rank of a group, and
+    the plan's memory figures, which count them sharded, do not hold."""
     degree = tp_mesh.size()
-    plan = find_plan(model, degree)
+    applied = sequence_parallel and has_sequence_parallel(model)
+    plan = find_plan(model, degree, sequence_parallel=applied)
     check_divisible(model, plan, degree)
-    if sequence_parallel and tp_mesh.get_rank() == 0:
+    if sequence_parallel and not applied and tp_mesh.get_rank() == 0:
         log.warning(
-            "the plan asks for sequence parallelism, which the runtime does not apply yet: each tensor-parallel "
-            "rank holds its group's activations whole, more than the plan's memory figures count"
+            "the plan asks for sequence parallelism, which the runtime does not apply yet to %s: each "
+            "tensor-parallel rank holds its group's activations whole, more than the plan's memory figures count",
+            type(model).__name__,
         )
     tied = _tied_weights(model)
     parallelize_module(model, tp_mesh, plan)
@@ -186,14 +390,19 @@ def _planned_layers(model: nn.Module, plan: TpPlan) -> list[tuple[str, nn.Module
 
 
 def _sharded_dim(layer: nn.Module, style: ParallelStyle) -> int | None:
-    """The weight dimension a style splits: column-wise a Linear's outputs, an Embedding's width; row-wise a
-    Linear's inputs, an Embedding's vocabulary."""
-    if not isinstance(layer, nn.Linear | nn.Embedding):
+    """The weight dimension a style splits: column-wise a layer's outputs (an Embedding's width), row-wise
+    its inputs (an Embedding's vocabulary). A Linear stores its weight (out, in), an Embedding and a Conv1D
+    (in, out)."""
+    if isinstance(layer, nn.Linear):
+        outputs, inputs = 0, 1
+    elif isinstance(layer, nn.Embedding) or _is_conv1d(layer):
+        outputs, inputs = 1, 0
+    else:
         return None
     if isinstance(style, ColwiseParallel):
-        return 0 if isinstance(layer, nn.Linear) else 1
+        return outputs
     if isinstance(style, RowwiseParallel):
-        return 1 if isinstance(layer, nn.Linear) else 0
+        return inputs
     return None
 
 
