@@ -67,12 +67,12 @@ def main() -> None:
     }
     steps = int(os.environ["STEPS"]) if os.environ.get("STEPS") else None
     out = os.environ["OUT"]
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     try:
         run, losses = train(os.environ["MODEL"], plan, steps=steps, misuse=os.environ.get("MISUSE"), **settings)
     except BadInput as error:
         Path(f"{out}.error").write_text(str(error))
         os._exit(0)  # the other ranks may be in a collective: leave without tearing the group down
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0  # prepare() may have joined
     torch.save(tp_worker.full_weights(run.model), f"{out}.{rank}.pt")
     Path(f"{out}.bytes.{rank}").write_text(str(local_parameter_bytes(run.model)))
     if rank == 0:

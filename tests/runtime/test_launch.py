@@ -513,15 +513,15 @@ def test_a_redline_error_in_two_ranks_is_a_line_per_rank_and_a_short_summary(tmp
 
 
 def test_a_plan_the_runtime_cannot_apply_is_refused_before_any_rank_starts(tmp_path: Path, plan2: Path) -> None:
-    """A pipeline-parallel plan passed the launcher's check and then failed in every rank."""
+    """An fp8 plan, which needs a GPU with fp8 units, is refused once by the launcher rather than in every rank."""
     import yaml
 
     plan = yaml.safe_load(plan2.read_text())
-    plan["strategy"] |= {"data": 1, "pipeline": 2}
-    tp = tmp_path / "tp.yaml"
+    plan["strategy"] |= {"precision": "fp8"}
+    tp = tmp_path / "fp8.yaml"
     tp.write_text(yaml.safe_dump(plan))
     marker = tmp_path / "ran"
     script = _script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
     result = run_cli("run", "--plan", str(tp), "--nproc-per-node", "2", str(script))
-    assert result.returncode == 2 and "pipeline degree 2" in result.stderr and result.stderr.count("\n") == 1
+    assert result.returncode == 2 and "fp8" in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert not marker.exists()
