@@ -9,7 +9,7 @@ runtime reads. `--cloud` ranks cloud instances and node counts by cost and by ti
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich import box
@@ -172,7 +172,12 @@ def plan(
     )
     constraints = _layout(constraints, sequence_parallel, flash_attention, schedule, virtual_stages, memory_margin)
     profile = load_workload(
-        model, params=_count("--params", params), seq_len=seq_len, input_shape=_shape(input_shape), analytic=analytic
+        model,
+        params=_count("--params", params),
+        seq_len=seq_len,
+        input_shape=_shape(input_shape),
+        analytic=analytic,
+        tensor_split=_tensor_split,
     )
     tokens_total, samples = _amount(profile, tokens, epochs, dataset_size, seq_len)
     if global_batch is not None and global_batch < 1:
@@ -198,6 +203,14 @@ def plan(
             f"global batch {batch} is a default (about 0.5M tokens or 256 images per step); set --global-batch"
         )
     _write(profile, cluster, goal, result, notes, _runtime_section(runtime), output, json_output, top)
+
+
+def _tensor_split(module: Any) -> set[str] | None:
+    """What the runtime's tensor-parallel plan splits of a traced module, so that the plan counts each rank's
+    parameters as ``redline run`` will shard them (imported only when a model is traced: it needs torch)."""
+    from redline.runtime.tensor_parallel import split_parameters
+
+    return split_parameters(module)
 
 
 def _check_ranking(top: int, max_nodes: int, rank_by: str) -> None:

@@ -310,12 +310,19 @@ class _ModelStates:
 
 
 def _tensor_parallel_share(layer: LayerProfile, tensor: int) -> float:
-    """A layer's parameters on one tensor-parallel rank, as the runtime's ``apply_tp`` shards them: the matmul
-    weights (those autocast casts, ``cast_params``) and embedding tables split ``tensor`` ways, the rest (norms)
-    whole on every rank. Where the tracer did not tell them apart (``cast_params`` None), all of them split."""
-    if tensor == 1 or layer.cast_params is None:
+    """A layer's parameters on one tensor-parallel rank, as the runtime's ``apply_tp`` shards them: those its plan
+    splits (``tensor_split_params``, counted by the tracer from the runtime's plan) ``tensor`` ways, the rest
+    whole on every rank. Without the plan, the matmul weights (those autocast casts, ``cast_params``) and the
+    embedding tables split and the rest (norms) stay whole, which is Llama's layout; where the tracer did not
+    tell those apart either (``cast_params`` None), all of them split."""
+    if tensor == 1:
+        return layer.params
+    if layer.tensor_split_params is not None:
+        split = layer.tensor_split_params
+    elif layer.cast_params is not None:
+        split = layer.cast_params + layer.table_params
+    else:
         return layer.params / tensor
-    split = layer.cast_params + layer.table_params
     return split / tensor + (layer.params - split)
 
 

@@ -342,15 +342,15 @@ def check_divisible(model: nn.Module, plan: TpPlan, degree: int) -> None:
                 f"tensor parallelism over {degree} ranks splits {name} over them, and "
                 f"{type(holder).__name__} has {count}: plan with a --tp that divides {count}"
             )
-    for path, layer in _planned_layers(model, plan):
-        style = plan[path]
+    for key, _, layer in _planned_layers(model, plan):
+        style = plan[key]
         dim = _sharded_dim(layer, style)
         packed = getattr(style, "packed", 1)  # each packed projection is split on its own
         if dim is not None and layer.weight.shape[dim] % (packed * degree):
             size = layer.weight.shape[dim]
             what = f"of {size}" if packed == 1 else f"{packed} packed projections of {size // packed}"
             raise BadInput(
-                f"tensor parallelism over {degree} ranks splits {path} ({type(layer).__name__} "
+                f"tensor parallelism over {degree} ranks splits {key} ({type(layer).__name__} "
                 f"{tuple(layer.weight.shape)}) along dimension {dim}, {what}: not a multiple of {degree}"
             )
 
@@ -378,14 +378,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         _tie_again(group)
 
 
-def _planned_layers(model: nn.Module, plan: TpPlan) -> list[tuple[str, nn.Module]]:
-    """(plan key, module) for every module a plan key names (keys are fnmatch patterns per path part)."""
+def _planned_layers(model: nn.Module, plan: TpPlan) -> list[tuple[str, str, nn.Module]]:
+    """(plan key, path, module) for every module a plan key names (keys are fnmatch patterns per path part)."""
     found = []
     for name, module in model.named_modules():
         for key in plan:
             parts, patterns = name.split("."), key.split(".")
             if len(parts) == len(patterns) and all(fnmatch(p, q) for p, q in zip(parts, patterns, strict=True)):
-                found.append((key, module))
+                found.append((key, name, module))
     return found
 
 
@@ -404,6 +404,26 @@ def _sharded_dim(layer: nn.Module, style: ParallelStyle) -> int | None:
     if isinstance(style, RowwiseParallel):
         return inputs
     return None
+
+
+def split_parameters(model: nn.Module) -> set[str] | None:
+    """The names of the parameters the model's tensor-parallel plan splits over the ranks, which is what the
+    planner counts a rank to hold of them (``redline plan`` gives this to the tracer): a column-wise layer's
+    weight and bias, a row-wise layer's weight (its bias is added once the partial sums are reduced, so every
+    rank holds it whole), nothing of the layers the plan leaves alone (norms, a position embedding). None for a
+    model with no plan. Which layers split does not depend on the degree; a model's own ``redline_tp_plan`` is
+    asked for two ranks."""
+    if getattr(model, "redline_tp_plan", None) is None and _family(model) is None:
+        return None
+    plan = find_plan(model, 2)
+    split = set()
+    for key, path, layer in _planned_layers(model, plan):
+        style = plan[key]
+        if _sharded_dim(layer, style) is None:
+            continue
+        kept = ("weight",) if isinstance(style, RowwiseParallel) else ("weight", "bias")
+        split |= {f"{path}.{name}" for name, _ in layer.named_parameters(recurse=False) if name in kept}
+    return split
 
 
 def _tied_weights(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -10,13 +10,16 @@ import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redline.capability import is_available, require_torch
 from redline.errors import BadInput
 from redline.units import fmt_count
 from redline.workload.presets import PRESET_NAMES, TRANSFORMER_PRESETS, preset_profile
 from redline.workload.profile import TransformerShape, WorkloadProfile
+
+if TYPE_CHECKING:
+    from redline.workload.trace import TensorSplit
 
 # A bare parameter count gets a GPT-shaped stack: GPT-3's 6.7B and 13B, Llama's 7B and 13B all keep
 # about 128 model dimensions per layer (h = 128 L), so 12 L h^2 = N gives L = (N / (12 * 128^2))^(1/3).
@@ -33,9 +36,11 @@ def load_workload(
     seq_len: int | None = None,
     input_shape: tuple[int, ...] | None = None,
     analytic: bool = False,
+    tensor_split: TensorSplit | None = None,
 ) -> WorkloadProfile:
     """The profile of ``model`` (or a bare ``params`` count); ``analytic`` takes a config.json's formulas where it
-    would be traced, and refuses a model that has none (a factory, a traced preset)."""
+    would be traced, and refuses a model that has none (a factory, a traced preset). A traced model's layers
+    count the parameters ``tensor_split`` names (``trace_module``)."""
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be at least 1, not {seq_len}")
     if (model is None) == (params is None):
@@ -51,11 +56,11 @@ def load_workload(
         return preset_profile(model, seq_len)
     path = Path(model).expanduser()
     if path.suffix == ".json" or path.is_dir() or path.exists():
-        return config_profile(path, seq_len, analytic=analytic)
+        return config_profile(path, seq_len, analytic=analytic, tensor_split=tensor_split)
     if ":" in model:
         if analytic:
             raise BadInput(f"--analytic: {model} is a factory; only a transformer's config.json has a formula")
-        return factory_profile(model, input_shape)
+        return factory_profile(model, input_shape, tensor_split=tensor_split)
     raise BadInput(
         f"unknown model '{model}': not a preset ({', '.join(PRESET_NAMES)}), not a config.json path, "
         "not package.module:factory"
@@ -149,7 +154,9 @@ def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
     )
 
 
-def config_profile(path: Path, seq_len: int | None, *, analytic: bool = False) -> WorkloadProfile:
+def config_profile(
+    path: Path, seq_len: int | None, *, analytic: bool = False, tensor_split: TensorSplit | None = None
+) -> WorkloadProfile:
     """A Hugging Face config: the analytic shape, traced through transformers when it is installed (and not
     ``analytic``)."""
     from redline.workload.hf import KNOWN_MODEL_TYPES, read_config, shape_from_config
@@ -169,11 +176,16 @@ def config_profile(path: Path, seq_len: int | None, *, analytic: bool = False) -
         if shape is None:
             raise BadInput(f"{path}: cannot profile model_type '{config['model_type']}'")
         return transformer_profile(shape, name=name, source=f"config {path} (analytic)")
-    return _trace_hf(config, path, name, shape, seq_len)
+    return _trace_hf(config, path, name, shape, seq_len, tensor_split)
 
 
 def _trace_hf(
-    config: dict, path: Path, name: str, shape: TransformerShape | None, seq_len: int | None
+    config: dict,
+    path: Path,
+    name: str,
+    shape: TransformerShape | None,
+    seq_len: int | None,
+    tensor_split: TensorSplit | None = None,
 ) -> WorkloadProfile:
     import torch
     import transformers
@@ -194,6 +206,7 @@ def _trace_hf(
         tokens_per_sample=length,
         sample_unit="sequence",
         vocab_size=vocab,
+        tensor_split=tensor_split,
     )
     if shape is not None:
         profile = dataclasses.replace(profile, transformer=shape.replace(seq_len=length))
@@ -218,10 +231,12 @@ def _hf_module(config: dict, path: Path, shape: TransformerShape | None) -> tupl
     return hf_config, build
 
 
-def factory_profile(spec: str, input_shape: tuple[int, ...] | None) -> WorkloadProfile:
+def factory_profile(
+    spec: str, input_shape: tuple[int, ...] | None, *, tensor_split: TensorSplit | None = None
+) -> WorkloadProfile:
     require_torch(f"tracing {spec}")
     from redline.workload.factory import load_factory
     from redline.workload.trace import trace_module
 
     build = load_factory(spec)
-    return trace_module(build, input_shape, name=spec, source=f"factory {spec}")
+    return trace_module(build, input_shape, name=spec, source=f"factory {spec}", tensor_split=tensor_split)

@@ -108,6 +108,10 @@ class LayerProfile:
     # of the other parameters, those autocast copies into 16 bits (a matmul's or convolution's weights, not a norm's
     # or those of an operator autocast does not know): measured by the tracer; None, all of them, where not
     cast_params: int | None = None
+    # of all its parameters, those tensor parallelism splits over the ranks (the column-wise layers' weights and
+    # biases, the row-wise layers' weights, a vocabulary-split table), as the runtime's plan for this model names
+    # them; None where the tracer was not given the plan (the planner then splits the cast weights and tables)
+    tensor_split_params: int | None = None
     is_block: bool = True  # a repeated block (checkpointed, split over pipeline stages) or a fixed part
 
 

@@ -33,7 +33,7 @@ This module holds the entry and the tracer; beside it, ``kernels.py`` has the GP
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +63,10 @@ from redline.workload.profile import ACTIVATION_PRECISIONS, ActivationPrecision,
 from redline.workload.structure import find_blocks, without_kv_cache
 from redline.workload.user_model import input_kind, lm_logits, training_loss, unpack_build
 
+# names the parameters of a module that tensor parallelism splits over its ranks (the runtime's plan for the module,
+# which the planner cannot import), or None where there is no plan for it
+TensorSplit = Callable[[nn.Module], Collection[str] | None]
+
 # Two batch sizes; per-sample figures are their slope. Neither is 1: some models squeeze a batch of one.
 BATCHES = (2, 4)
 MAX_MESSAGE_CHARS = 300
@@ -80,6 +84,7 @@ def trace_module(
     tokens_per_sample: int | None = None,
     sample_unit: str | None = None,
     vocab_size: int | None = None,
+    tensor_split: TensorSplit | None = None,
 ) -> WorkloadProfile:
     """Build ``build()`` on fake tensors, run it, and return its ``WorkloadProfile`` (method "traced").
 
@@ -89,7 +94,9 @@ def trace_module(
     ``vocab_size``. Left out, they are inferred: token ids below its size when the model's first module with
     parameters is an ``nn.Embedding`` (a language model), float32 otherwise; ``sample_unit`` is then
     "sequence" (``tokens_per_sample`` the last input dimension) or "image" (1). Anything the module cannot do
-    on fake tensors raises ``BadInput`` as one line, "cannot trace NAME: ExcType: message".
+    on fake tensors raises ``BadInput`` as one line, "cannot trace NAME: ExcType: message". ``tensor_split``
+    names the parameters tensor parallelism would split in the module (the runtime's plan for it; None where it
+    has none): each layer's count of them is its ``tensor_split_params``.
     """
     started_s = time.perf_counter()
     # Real tensors a module holds outside its parameters (constants made at import time) become fake on use.
@@ -108,6 +115,7 @@ def trace_module(
         if tokens_per_sample is None:
             tokens_per_sample = shape[-1] if token_ids else 1
         tracer = _Tracer(module, shape, input_dtype, vocab_size, name)
+        split = tensor_split(module) if tensor_split is not None else None
         if input_note:
             tracer.notes.insert(0, input_note)
         with traceable_experts():
@@ -128,7 +136,7 @@ def trace_module(
         params_trainable=tracer.params_trainable,
         largest_module_params=tracer.largest_module_params,
         forward_flops_per_sample=tracer.forward_flops_per_sample,
-        layers=tracer.layer_profiles(),
+        layers=tracer.layer_profiles(tracer.count_split(split)),
         tokens_per_sample=tokens_per_sample,
         sample_unit=sample_unit,
         input_shape=shape,
@@ -353,6 +361,7 @@ class _Tracer:
         self.between_blocks = False  # some FLOPs ran outside the blocks after the first one began
         self.attention = fused_attention()  # one instance, entered for every pass
         self.cast_storages: set[StorageWeakRef] = set()  # what autocast copied into 16 bits, over the 16-bit runs
+        self.owner: dict[int, tuple[int, int]] = {}  # id(param) -> (segment, numel): where each parameter counts
 
     # -- measuring
 
@@ -601,7 +610,7 @@ class _Tracer:
             if isinstance(m, nn.Embedding | nn.EmbeddingBag)
             for p in m.parameters(recurse=False)
         }
-        owner: dict[int, tuple[int, int]] = {}  # id(param) -> (segment, numel)
+        owner = self.owner
         for m in self.module.modules():
             segment = segment_of.get(id(m), self.first_segment.get(id(m), last))
             for p in m.parameters(recurse=False):
@@ -620,9 +629,21 @@ class _Tracer:
                 if id(p) in first and StorageWeakRef(p.untyped_storage()) in self.head_uses
             )
 
+    def count_split(self, names: Collection[str] | None) -> list[int] | None:
+        """Of each segment's parameters, how many are among ``names`` (a parameter counted where it is owned,
+        as ``_assign_params`` places it); None for None."""
+        if names is None:
+            return None
+        params = dict(self.module.named_parameters())
+        split = {id(params[name]) for name in names if name in params}
+        counts = [0] * len(self.segments)
+        for key, (segment, numel) in self.owner.items():
+            counts[segment] += numel if key in split else 0
+        return counts
+
     # -- results
 
-    def layer_profiles(self) -> tuple[LayerProfile, ...]:
+    def layer_profiles(self, split: list[int] | None = None) -> tuple[LayerProfile, ...]:
         def per_sample(values: dict[tuple[int, str], float]) -> dict[str, float]:
             return {precision: _slope(values, lambda b, p=precision: (b, p)) for precision in ACTIVATION_PRECISIONS}
 
@@ -630,7 +651,7 @@ class _Tracer:
             return {precision: found for precision in ACTIVATION_PRECISIONS if (found := _lines(live, precision))}
 
         profiles = []
-        for segment in self.segments:
+        for index, segment in enumerate(self.segments):
             profiles.append(
                 LayerProfile(
                     name=segment.name,
@@ -638,6 +659,7 @@ class _Tracer:
                     params=segment.params,
                     table_params=segment.table_params,
                     cast_params=segment.cast_params,
+                    tensor_split_params=split[index] if split is not None else None,
                     forward_flops_per_sample=_slope(segment.flops, lambda b: b),
                     activation_bytes_per_sample=per_sample(segment.saved_bytes),
                     input_bytes_per_sample=per_sample(segment.input_bytes),
