@@ -78,7 +78,7 @@ def test_resnet50() -> None:
     check("resnet50", preset_profile("resnet50"), zoo.resnet50(), images, classify, micro_batch=128)
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 def test_gpt2_from_its_config(tmp_path: Path, checkpointing: str) -> None:
     transformers = pytest.importorskip("transformers")
     config = {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
