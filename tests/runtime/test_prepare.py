@@ -393,3 +393,43 @@ def test_stopping_early_still_checkpoints_and_summarises(tmp_path: Path) -> None
             break
     batches.close()  # what leaving the loop does once the generator is dropped
     assert run.summary and run.checkpointer.latest_step() == 2
+
+
+def test_max_steps_ends_the_run_and_a_resumed_run_goes_on_to_the_next_limit(tmp_path: Path) -> None:
+    """8 steps per epoch of 64 samples at 8: a limit of 3 stops mid-epoch with its checkpoint; resumed with
+    a limit of 11 it takes the rest of the first epoch and 3 of the second, as an uninterrupted run does."""
+    plan = config(micro_batch=8)
+
+    def loop(checkpoints: Path, max_steps: int) -> tuple[nn.Module, int]:
+        model = make_model()
+        loader = torch.utils.data.DataLoader(dataset(), batch_size=8, shuffle=True)
+        run = prepare(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loader,
+            plan=plan,
+            checkpoint_dir=str(checkpoints),
+            max_steps=max_steps,
+        )
+        for x, y in run.micro_batches(epochs=5):
+            with run.accumulate():
+                run.backward(nn.functional.mse_loss(run.model(x), y))
+        return model, run.step
+
+    _, steps = loop(tmp_path / "a", 3)
+    assert steps == 3
+    resumed, steps = loop(tmp_path / "a", 11)
+    assert steps == 11
+    whole, steps = loop(tmp_path / "b", 11)
+    assert steps == 11 and torch.equal(weights(resumed), weights(whole))
+    with pytest.raises(BadInput, match="max_steps must be 1 or more, not 0"):
+        prepare(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1), [], plan=plan, max_steps=0)
+
+
+def test_cpu_threads_sets_the_operators_threads() -> None:
+    before = torch.get_num_threads()
+    try:
+        train(config(micro_batch=16), cpu_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

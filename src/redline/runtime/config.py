@@ -2,7 +2,7 @@
 
 ``RunConfig`` holds one section per component, each a frozen dataclass with a docstring per field and its
 checks in ``__post_init__`` (torchtitan's per-component configs): ``numerics``, ``activation_checkpoint``,
-``ddp``, ``data``, ``checkpoint``, ``metrics``, beside the plan file's ``strategy`` (the same ``Strategy``
+``ddp``, ``data``, ``checkpoint``, ``metrics``, ``loop``, beside the plan file's ``strategy`` (the same ``Strategy``
 the planner ranks) and ``plan``, the facts the planner worked out. The settings come from, each over the one
 before: the defaults below, the plan file's ``runtime:`` section, ``prepare()``'s keywords, and ``redline
 run``'s options (``$REDLINE_RUNTIME``: the command line has the last word).
@@ -40,10 +40,26 @@ class NumericsConfig:
     """``torch.compile`` each repeated block (the whole model when it has none)."""
     grad_clip_norm: float | None = None
     """Clip the global gradient norm to this before each optimizer step; None: no clipping."""
+    cpu_threads: int | None = None
+    """Threads of each rank's CPU operators (``torch.set_num_threads``); None keeps PyTorch's choice."""
 
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise BadInput(f"grad_clip_norm must be positive, not {self.grad_clip_norm}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise BadInput(f"cpu_threads must be 1 or more, not {self.cpu_threads}")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    max_steps: int | None = None
+    """End the run after this many optimizer steps, counted from its start (a resumed run counts the steps
+    before it), as if the data had run out: a short trial (``redline tune``) or a smoke test. None: the epochs
+    decide."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise BadInput(f"max_steps must be 1 or more, not {self.max_steps}")
 
 
 @dataclass(frozen=True)
@@ -162,6 +178,8 @@ class RunConfig:
     """Where and how often to checkpoint (``checkpoint.py``)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Step metrics (``metrics.py``)."""
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    """When the loop ends (``Run.micro_batches``)."""
     plan: PlanFacts = field(default_factory=PlanFacts)
     """What the planner worked out; empty without a plan file."""
 
@@ -210,6 +228,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
+    "loop": LoopConfig,
 }
 
 
@@ -236,6 +255,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("numerics.cudnn_benchmark", "cudnn_benchmark"),
     Setting("numerics.compile", "compile", "--compile", "torch.compile each repeated block of the model."),
     Setting("numerics.grad_clip_norm", "grad_clip_norm"),
+    Setting("numerics.cpu_threads", "cpu_threads", "--cpu-threads", "Threads of each rank's CPU operators."),
     Setting(
         "activation_checkpoint.every",
         "ac_every",
@@ -263,6 +283,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Step metrics as JSON lines ('{rank}': a file per rank), for `redline monitor --steps`.",
     ),
     Setting("metrics.interval_s", "metrics_interval_s"),
+    Setting("loop.max_steps", "max_steps", "--max-steps", "End the run after this many optimizer steps."),
     Setting(
         "strategy.accumulation",
         "accumulation",

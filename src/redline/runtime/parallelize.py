@@ -30,7 +30,9 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
 def apply_numerics(config: NumericsConfig, device: torch.device) -> None:
-    """TF32 and ``cudnn.benchmark`` on GPUs, as the config asks."""
+    """TF32 and ``cudnn.benchmark`` on GPUs, and the CPU operators' threads, as the config asks."""
+    if config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = config.tf32
         torch.backends.cudnn.allow_tf32 = config.tf32

@@ -363,8 +363,10 @@ class Run:
                 epochs,
             )
         try:
-            while self.epoch < epochs:
+            while self.epoch < epochs and not self._steps_done():
                 yield from self._epoch()
+                if self._steps_done():  # the epoch was cut short: the checkpoint goes on from this batch
+                    break
                 self.epoch += 1
                 self.batch_in_epoch = 0
         except GeneratorExit:  # the loop stopped early: a break (every rank alike), or an error in its body
@@ -396,6 +398,12 @@ class Run:
                 self._stop_at_boundary()
             if self.config.checkpoint.every and self.step % self.config.checkpoint.every == 0:
                 self.save_checkpoint()
+            if self._steps_done():
+                return
+
+    def _steps_done(self) -> bool:
+        """The run has taken ``max_steps`` optimizer steps (every rank alike: they step together)."""
+        return self.config.loop.max_steps is not None and self.step >= self.config.loop.max_steps
 
     def _batch(self, batch: Any) -> Iterator[Any]:
         """The batch's micro-batches; replayed, split finer, after an agreed out-of-memory."""
