@@ -109,8 +109,18 @@ class DataConfig:
     """An IterableDataset is shared over ranks and workers; False: it shards itself."""
     seed: int = 0
     """Seeds the sampler's shuffling (and nothing else: the user seeds their own model)."""
+    adapt_workers: bool = True
+    """When the steps of an epoch wait for batches more than ``data_wait_limit`` of their time, the next
+    epoch loads with more DataLoader workers (none to two, then twice as many, up to this rank's share of the
+    CPUs), then with a deeper prefetch; said in the log, and in the step metrics (``data_workers``). With
+    ``num_workers`` set, or False, or a stream: the run says so and changes nothing."""
+    data_wait_limit: float = 0.2
+    """The share of an epoch's time its steps spent waiting for their batches above which the loading is too
+    slow."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.data_wait_limit < 1:
+            raise BadInput(f"data_wait_limit is a share of the time, between 0 and 1, not {self.data_wait_limit}")
         if self.loader_stall_s < 0:
             raise BadInput(f"loader_stall_s must be 0 (no limit) or more, not {self.loader_stall_s}")
         if self.num_workers is not None and self.num_workers < 0:
@@ -274,6 +284,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("data.loader_stall_s", "loader_stall_s"),
     Setting("data.shard_stream", "shard_stream"),
     Setting("data.seed", "seed"),
+    Setting("data.adapt_workers", "adapt_workers"),
+    Setting("data.data_wait_limit", "data_wait_limit"),
     Setting("checkpoint.dir", "checkpoint_dir", "--checkpoint-dir", "Checkpoint here, and resume from the newest."),
     Setting("checkpoint.every", "checkpoint_every", "--checkpoint-every", "Steps between checkpoints (0: at the end)."),
     Setting(

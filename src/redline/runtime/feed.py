@@ -6,7 +6,8 @@ one order, and over a stream, per batch, that every rank still has one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ from redline.runtime.data import (
 from redline.runtime.distributed import agree
 
 log = logging.getLogger("redline.runtime")
+
+ADAPT_MIN_STEPS = 5  # an epoch of fewer steps says too little of how long its batches take
+MAX_PREFETCH = 8  # batches per worker the loader may hold ahead, at most, when the runtime deepens it
 
 
 def global_batch_without_plan(data: DataLoader, *, world: int, rank: int) -> int:
@@ -85,15 +89,9 @@ class Feed:
                 strategy.accumulation,
             )
         self.iterable = isinstance(loader.dataset, IterableDataset)
-        self.loader = distributed_loader(
-            loader,
-            world=world,
-            rank=rank,
-            per_rank_batch=config.per_rank_batch,
-            seed=config.data.seed,
-            shard_stream=config.data.shard_stream,
-            overrides=self._loader_settings(loader),
-        )
+        self.source = loader
+        self.loader = self._build(self._loader_settings(loader))
+        self._said_slow = False  # the run said once why it leaves a slow loader as it is
         sampler = self.loader.batch_sampler
         self.batches = sampler if isinstance(sampler, DistributedBatches) else None  # batches of every size
         if self.batches is not None and rank == 0:
@@ -104,9 +102,69 @@ class Feed:
                 strategy.accumulation,
             )
 
-    def _loader_settings(self, loader: DataLoader) -> dict[str, Any]:
+    def _build(self, overrides: dict[str, Any]) -> DataLoader:
+        return distributed_loader(
+            self.source,
+            world=self.world,
+            rank=self.rank,
+            per_rank_batch=self.config.per_rank_batch,
+            seed=self.config.data.seed,
+            shard_stream=self.config.data.shard_stream,
+            overrides=overrides,
+        )
+
+    def widen(self, steps: Sequence[tuple[float, float]]) -> None:
+        """After an epoch of ``steps`` (each its seconds waiting for the batch, and in all): when the epoch
+        waited more than ``data_wait_limit`` of its time, the next one loads with more workers (none to two,
+        then twice as many, up to this rank's share of the CPUs less the one its loop runs on), then, at that
+        limit, with twice the prefetch (up to ``MAX_PREFETCH``). Said in the log: what changed, or once why
+        nothing can. The epoch's share, not a typical step's: workers that load ahead make most steps wait for
+        nothing and a few for a whole round of loading."""
+        data = self.config.data
+        total = sum(seconds for _, seconds in steps)
+        if len(steps) < ADAPT_MIN_STEPS or total <= 0:
+            return
+        wait = sum(waited for waited, _ in steps) / total
+        if wait <= data.data_wait_limit:
+            return
+        slow = f"rank {self.rank}: the last epoch's steps waited for their batches {wait:.0%} of their time"
+        workers, prefetch = self.loader.num_workers, self.loader.prefetch_factor or 2
+        cap = max(0, _cpus_per_rank() - 1)
+        why = None
+        if not data.adapt_workers:
+            why = "adapt_workers is off: set --num-workers, or make the dataset's loading cheaper"
+        elif data.num_workers is not None:
+            why = f"num_workers={data.num_workers} was set for this run: kept (raise it, or leave it unset)"
+        elif self.iterable:
+            why = "a stream's shares follow its workers: kept (set --num-workers, or make the loading cheaper)"
+        elif workers < cap:
+            wider = {"num_workers": min(cap, max(2, 2 * workers)), "prefetch_factor": self.loader.prefetch_factor}
+        elif workers and prefetch < MAX_PREFETCH:
+            wider = {"num_workers": workers, "prefetch_factor": min(MAX_PREFETCH, 2 * prefetch)}
+        else:
+            why = f"{workers} workers already, this rank's share of the CPUs: the loading itself is the bottleneck"
+        if why is not None:
+            if not self._said_slow:
+                log.warning("%s; %s", slow, why)
+            self._said_slow = True
+            return
+        settings = self._loader_settings(self.source, workers=wider["num_workers"]) | wider
+        settings["persistent_workers"] = self.loader.persistent_workers
+        self.loader = self._build(settings)
+        log.warning(
+            "%s: the next epoch loads with %d DataLoader workers (was %d), %d batches ahead each",
+            slow,
+            self.loader.num_workers,
+            workers,
+            self.loader.prefetch_factor,
+        )
+
+    def _loader_settings(self, loader: DataLoader, workers: int | None = None) -> dict[str, Any]:
+        """The run's settings over the user's loader's, ``workers`` the workers it will have (else the run's,
+        else the loader's own)."""
         config = self.config.data
-        workers = config.num_workers if config.num_workers is not None else loader.num_workers
+        if workers is None:
+            workers = config.num_workers if config.num_workers is not None else loader.num_workers
         return {
             "num_workers": config.num_workers,
             "pin_memory": config.pin_memory,
@@ -190,3 +248,9 @@ class Feed:
                 else "",
             )
         return now
+
+
+def _cpus_per_rank() -> int:
+    """The CPUs this process may run on, shared by the ranks on this machine."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -103,6 +103,7 @@ class StepRecord:
     skipped: bool  # the optimizer step was skipped (fp16 GradScaler found inf/nan gradients)
     rank: int
     attempt: int = 0  # 0 for a fresh start, then one more for each resume from the run's checkpoints
+    data_workers: int = 0  # DataLoader worker processes of this rank's loader (the runtime may add some per epoch)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -280,6 +281,7 @@ class StepMetrics:
         self.records: list[StepRecord] = []
         self.first_step = 1  # the number the next step of this object gets, if it is the first
         self.attempt = 0
+        self.data_workers = 0  # set by the runtime: its loader's workers
 
         self._clock = clock
         cuda = self.device.type == "cuda"
@@ -413,6 +415,7 @@ class StepMetrics:
             skipped=skipped,
             rank=self.rank,
             attempt=self.attempt,
+            data_workers=self.data_workers,
         )
         self.records.append(record)
         self._sink.write(record)

@@ -162,6 +162,7 @@ class Run:
             path=self.config.metrics.path,
             interval_s=self.config.metrics.interval_s,
         )
+        self.metrics.data_workers = self.feed.loader.num_workers
         self.checkpointer = None
         if self.config.checkpoint.dir:
             from redline.runtime.checkpoint import Checkpointer
@@ -364,11 +365,16 @@ class Run:
             )
         try:
             while self.epoch < epochs and not self._steps_done():
+                first_record = len(self.metrics.records)
                 yield from self._epoch()
                 if self._steps_done():  # the epoch was cut short: the checkpoint goes on from this batch
                     break
                 self.epoch += 1
                 self.batch_in_epoch = 0
+                if self.epoch < epochs:  # loading too slow: more workers for the next epoch, where it can
+                    records = self.metrics.records[first_record:]
+                    self.feed.widen([(record.data_s, record.time_s) for record in records])
+                    self.metrics.data_workers = self.feed.loader.num_workers
         except GeneratorExit:  # the loop stopped early: a break (every rank alike), or an error in its body
             if self._stepped:  # a break after the batch's optimizer step: the checkpoint counts the batch
                 self.batch_in_epoch += 1
