@@ -27,7 +27,7 @@ class SlowDataset(torch.utils.data.Dataset):
         return SAMPLES
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(0.03)
+        time.sleep(0.04)
         return torch.full((4,), float(index)), torch.zeros(1)
 
 
@@ -84,6 +84,15 @@ def test_at_the_cpus_share_the_loading_is_named_the_bottleneck(monkeypatch, capl
         records = train(epochs=2)
     assert workers_per_epoch(records) == [0, 0]
     assert any("the loading itself is the bottleneck" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fast_loop_over_a_fast_loader_is_left_alone(monkeypatch) -> None:
+    """Tiny steps may wait for their batches most of their time, but an epoch that waited under half a second
+    in all would lose more to starting workers than it could gain."""
+    monkeypatch.setattr(feed, "_cpus_per_rank", lambda: 5)
+    fast = lambda self, index: (torch.full((4,), float(index)), torch.zeros(1))  # noqa: E731
+    monkeypatch.setattr(SlowDataset, "__getitem__", fast)
+    assert workers_per_epoch(train(epochs=3)) == [0, 0, 0]
 
 
 def test_the_limit_is_a_share_of_the_time() -> None:

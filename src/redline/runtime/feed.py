@@ -31,6 +31,7 @@ from redline.runtime.distributed import agree
 log = logging.getLogger("redline.runtime")
 
 ADAPT_MIN_STEPS = 5  # an epoch of fewer steps says too little of how long its batches take
+ADAPT_MIN_WAIT_S = 0.5  # an epoch that waited less in all gains less than starting workers costs
 MAX_PREFETCH = 8  # batches per worker the loader may hold ahead, at most, when the runtime deepens it
 
 
@@ -117,15 +118,17 @@ class Feed:
         """After an epoch of ``steps`` (each its seconds waiting for the batch, and in all): when the epoch
         waited more than ``data_wait_limit`` of its time, the next one loads with more workers (none to two,
         then twice as many, up to this rank's share of the CPUs less the one its loop runs on), then, at that
-        limit, with twice the prefetch (up to ``MAX_PREFETCH``). Said in the log: what changed, or once why
-        nothing can. The epoch's share, not a typical step's: workers that load ahead make most steps wait for
-        nothing and a few for a whole round of loading."""
+        limit, with twice the prefetch (up to ``MAX_PREFETCH``); not for an epoch that waited under
+        ``ADAPT_MIN_WAIT_S`` in all. Said in the log: what changed, or once why nothing can. The epoch's
+        share, not a typical step's: workers that load ahead make most steps wait for nothing and a few for a
+        whole round of loading."""
         data = self.config.data
         total = sum(seconds for _, seconds in steps)
         if len(steps) < ADAPT_MIN_STEPS or total <= 0:
             return
-        wait = sum(waited for waited, _ in steps) / total
-        if wait <= data.data_wait_limit:
+        waited = sum(waited for waited, _ in steps)
+        wait = waited / total
+        if wait <= data.data_wait_limit or waited < ADAPT_MIN_WAIT_S:
             return
         slow = f"rank {self.rank}: the last epoch's steps waited for their batches {wait:.0%} of their time"
         workers, prefetch = self.loader.num_workers, self.loader.prefetch_factor or 2
