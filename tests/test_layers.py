@@ -22,6 +22,7 @@ LAYERS = [
     {"report"},
     {"monitor"},
     {"runtime"},
+    {"tune"},
     {"cli", "__main__", "__init__"},
 ]
 LEVEL = {package: level for level, packages in enumerate(LAYERS) for package in packages}

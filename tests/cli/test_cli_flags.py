@@ -33,6 +33,10 @@ FLAGS: dict[str, set[str]] = {
         *("--retention", "--steps", "--window"),
     },
     "report": {"--html", "--json", "--png", "--window"},
+    "tune": {
+        *("--budget", "--cache-dir", "--dry-run", "--json", "--max-trials", "--nproc-per-node", "--output", "--plan"),
+        *("--space", "--steps", "--trial-steps", "--trial-timeout", "--warmup", "-o"),
+    },
     "catalog gpus": {"--json"},
     "catalog instances": {"--gpu", "--json", "--max-price", "--provider"},
 }

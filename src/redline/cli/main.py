@@ -8,7 +8,7 @@ import sys
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, monitor, plan, probe, run, ui
+from redline.cli import bench, catalog, doctor, monitor, plan, probe, run, tune, ui
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -23,6 +23,7 @@ app.command("doctor")(doctor.doctor)
 app.command("bench")(bench.bench)
 app.command("plan")(plan.plan)
 app.command("run", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(run.run)
+app.command("tune", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(tune.tune)
 app.command("monitor")(monitor.monitor)
 app.command("report")(monitor.report)
 app.add_typer(catalog.app, name="catalog")

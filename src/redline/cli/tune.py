@@ -1,0 +1,226 @@
+"""`redline tune`: run the user's training script with candidate settings, measure each, keep the fastest that
+trains as the baseline does, and write it as a plan file for `redline run --plan`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from redline.cli import ui
+
+if TYPE_CHECKING:
+    from redline.tune.search import Outcome, Trial
+
+
+def tune(
+    ctx: typer.Context,
+    script: str = typer.Argument(
+        ..., metavar="SCRIPT [ARGS]...", help="The training script, then its own arguments.", show_default=False
+    ),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes each trial runs (one per GPU)."),
+    plan: Path | None = typer.Option(None, "--plan", help="A base plan file: the baseline and what trials change."),
+    budget: str | None = typer.Option(None, "--budget", help="Time the trials may take in all: 90s, 20m, 1h."),
+    max_trials: int | None = typer.Option(None, "--max-trials", help="Trials to run at most."),
+    trial_steps: int = typer.Option(8, "--trial-steps", help="Optimizer steps each trial measures."),
+    warmup: int = typer.Option(2, "--warmup", help="Optimizer steps each trial runs first, unmeasured."),
+    steps: int | None = typer.Option(
+        None, "--steps", help="Optimizer steps of the real run: a trial's startup (compile) is spread over them."
+    ),
+    trial_timeout: str = typer.Option("10m", "--trial-timeout", help="A trial still running after this is stopped."),
+    space: list[str] = typer.Option(
+        [], "--space", help="KNOB=V1,V2: only these values of a knob (KNOB=: leave it out). Repeatable."
+    ),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Write the winner's plan file here."),
+    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="The journals (default ~/.cache/redline/tune)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the knobs and trials, run nothing."),
+    json_output: bool = typer.Option(False, "--json", help="The trials and the winner as JSON."),
+) -> None:
+    """Find the fastest way to run a training script on this machine, by running it."""
+    from redline.capability import require_torch
+    from redline.errors import BadInput
+    from redline.units import parse_duration
+
+    require_torch("redline tune runs the script")
+    from redline.tune.journal import Journal
+    from redline.tune.search import Budget, Tuner
+    from redline.tune.space import Machine, default_space, restrict
+    from redline.tune.trial import Setup
+
+    if not Path(script).is_file():
+        raise BadInput(f"{script}: no such script")
+    for name, value, lowest in (("--nproc-per-node", nproc_per_node, 1), ("--trial-steps", trial_steps, 1)):
+        if value < lowest:
+            raise BadInput(f"{name} must be at least {lowest}, not {value}")
+    if warmup < 0 or (max_trials is not None and max_trials < 1) or (steps is not None and steps < 1):
+        raise BadInput("--warmup must be 0 or more, --max-trials and --steps 1 or more")
+    try:
+        seconds = parse_duration(budget) if budget is not None else None
+        timeout_s = parse_duration(trial_timeout)
+    except ValueError as exc:
+        raise BadInput(f"--budget/--trial-timeout: {exc}") from None
+    base = _base_plan(plan, nproc_per_node)
+    machine = Machine.here(nproc_per_node)
+    knobs = restrict(default_space(machine), space)
+    setup = Setup(
+        script=str(Path(script).resolve()),
+        args=tuple(ctx.args),
+        nproc_per_node=nproc_per_node,
+        warmup_steps=warmup,
+        steps=trial_steps,
+        timeout_s=timeout_s,
+        run_steps=steps,
+    )
+    if dry_run:
+        _dry_run(knobs, base, setup, json_output)
+        return
+    journal = Journal.open(setup, base, cache_dir)
+    workdir = journal.path.with_suffix("")
+    if journal.resumed and not json_output:
+        ui.warn(f"going on from {journal.path}: {len(journal.results)} trial(s) there are not run again")
+    with ui.progress_bar(enabled=not json_output) as progress:
+        done: list[Trial] = []
+
+        def advance(trial: Trial) -> None:
+            done.append(trial)
+            progress(f"trial {len(done)}: {trial.label}", len(done), max(len(done) + 1, _expected(knobs) + 4))
+
+        tuner = Tuner(
+            setup,
+            machine,
+            knobs,
+            journal,
+            workdir,
+            base_plan=base,
+            budget=Budget(seconds=seconds, trials=max_trials),
+            device_memory=_device_memory(),
+            progress=advance,
+        )
+        outcome = tuner.tune()
+    if output is not None and outcome.plan is not None:
+        _write_plan(output, outcome.plan)
+    if json_output:
+        ui.print_json(_to_json(outcome, journal.path))
+        return
+    _print(outcome, journal.path, output)
+
+
+def _base_plan(plan: Path | None, ranks: int) -> dict[str, Any] | None:
+    """The base plan file as a mapping, checked as `redline run` checks it."""
+    if plan is None:
+        return None
+    import yaml
+
+    from redline.runtime.config import from_plan_file
+
+    config = from_plan_file(plan)  # BadInput for anything it cannot run
+    if config.strategy.gpus != ranks:
+        from redline.errors import BadInput
+
+        raise BadInput(
+            f"{plan} is laid out for {config.strategy.gpus} processes: tune with --nproc-per-node "
+            f"{config.strategy.gpus}"
+        )
+    return yaml.safe_load(plan.read_text())
+
+
+def _device_memory() -> int | None:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def _expected(knobs: dict[str, list[Any]]) -> int:
+    """About how many trials the search runs: each knob's other values, a few micro-batches, the repeats."""
+    return sum(len(values) - 1 for values in knobs.values()) + 6
+
+
+def _dry_run(knobs: dict[str, list[Any]], base: dict[str, Any] | None, setup: Any, json_output: bool) -> None:
+    predicted = ((base or {}).get("predicted") or {}).get("step_time_s")
+    trial_s = predicted * (setup.warmup_steps + setup.steps) if predicted else None
+    values = {knob: ["default" if v is None else v for v in vs] for knob, vs in knobs.items()}
+    if json_output:
+        ui.print_json({"knobs": values, "trials_about": _expected(knobs), "predicted_trial_s": trial_s})
+        return
+    from rich.table import Table
+
+    table = Table(title="redline tune: what the trials would change")
+    table.add_column("knob")
+    table.add_column("values (default: as the script and the runtime have it)")
+    table.add_row("micro_batch", "the largest that fits (binary search over the per-rank batch's divisors), and half")
+    for knob, vs in values.items():
+        table.add_row(knob, ", ".join(str(v) for v in vs))
+    ui.console.print(table)
+    each = f", about {trial_s:.0f} s each by the plan's step time" if trial_s else ""
+    ui.console.print(
+        f"about {_expected(knobs)} trials of {setup.warmup_steps} + {setup.steps} steps{each}; nothing was run"
+    )
+
+
+def _write_plan(path: Path, plan: dict[str, Any]) -> None:
+    """The winner's plan file, as `redline plan -o` writes one (never over a file redline did not write)."""
+    import yaml
+
+    from redline.plan.planfile import PLAN_MARKER
+    from redline.report.output import write_output
+
+    write_output(path, yaml.safe_dump(plan, sort_keys=False, width=120), marker=PLAN_MARKER)
+
+
+def _row(trial: Trial) -> list[str]:
+    result = trial.result
+    config = "baseline (redline run as it is)" if trial.candidate is None else trial.candidate.key()
+    speed = f"{result.samples_per_s:,.1f}" if result.samples_per_s else ""
+    step = f"{result.step_s * 1e3:,.1f}" if result.step_s else ""
+    startup = f"{result.startup_s:.1f}" if result.startup_s is not None else ""
+    memory = f"{result.peak_memory_bytes / 2**30:.2f}" if result.peak_memory_bytes else ""
+    status = result.status + (" (journal)" if trial.cached else "") + (f": {result.why}" if result.why else "")
+    return [trial.label, config, speed, step, startup, memory, status]
+
+
+def _print(outcome: Outcome, journal: Path, output: Path | None) -> None:
+    from rich.table import Table
+
+    table = Table(title="redline tune: trials")
+    figures = ("samples/s", "step ms", "startup s", "peak GiB")
+    for column in ("for", "config", *figures, "status"):
+        table.add_column(column, justify="right" if column in figures else "left")
+    for trial in outcome.trials:
+        table.add_row(*_row(trial))
+    ui.console.print(table)
+    if outcome.winner is None:
+        ui.console.print("no candidate trained as the baseline does: keep running as you do")
+        return
+    spread = f", runs of one config within {outcome.spread:.1%}" if outcome.spread is not None else ""
+    ui.console.print(
+        f"winner: {outcome.winner.key()}: {outcome.winner_speed:,.1f} samples/s, "
+        f"{outcome.speedup:.2f}x the baseline{spread}; parity: {outcome.parity}"
+    )
+    if outcome.stopped:
+        ui.console.print(f"stopped early: {outcome.stopped}")
+    where = f"written to {output}: run it with `redline run --plan {output}`" if output else "give -o to write it"
+    ui.console.print(f"the winner's plan is {where}; journal {journal}")
+
+
+def _to_json(outcome: Outcome, journal: Path) -> dict[str, Any]:
+    return {
+        "baseline": outcome.baseline.to_dict(),
+        "trials": [
+            {
+                "for": t.label,
+                "config": None if t.candidate is None else t.candidate.to_dict(),
+                "cached": t.cached,
+                **t.result.to_dict(),
+            }
+            for t in outcome.trials
+        ],
+        "winner": None if outcome.winner is None else outcome.winner.to_dict(),
+        "winner_samples_per_s": outcome.winner_speed,
+        "speedup": outcome.speedup,
+        "spread": outcome.spread,
+        "parity": outcome.parity,
+        "stopped": outcome.stopped,
+        "plan": outcome.plan,
+        "journal": str(journal),
+    }

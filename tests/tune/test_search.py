@@ -1,0 +1,170 @@
+"""The search's decisions, on a fake trial runner (the product path runs the script through `redline run`:
+tests/tune/test_tune_cli.py): the largest micro-batch that fits a device's memory by binary search, pruning by
+the measured peaks, loss parity, the journal's resume and cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from redline.errors import BadInput
+from redline.tune.journal import Journal
+from redline.tune.search import Budget, Tuner
+from redline.tune.space import Machine, default_plan
+from redline.tune.trial import Setup, TrialResult
+
+MACHINE = Machine(cuda=True, bf16=True, cpus_per_rank=4, ranks=1)
+PER_RANK = 64
+GIB = 2**30
+
+
+class FakeDevice:
+    """A GPU with ``memory`` bytes: a micro-batch's peak is 1 GiB of weights plus 0.5 GiB per sample; above
+    the memory the run goes out of memory (as the runtime reports it: it went on smaller). Speed grows with the
+    micro-batch; fp16 is 1.5x as fast, and its losses are ``fp16_loss_error`` off the baseline's."""
+
+    def __init__(self, memory: float, fp16_loss_error: float = 0.0) -> None:
+        self.memory = memory
+        self.fp16_loss_error = fp16_loss_error
+        self.runs: list[dict | None] = []
+
+    def __call__(self, setup: Setup, plan: dict | None, workdir: Path) -> TrialResult:
+        self.runs.append(plan)
+        strategy = (plan or {}).get("strategy", {"micro_batch": PER_RANK})
+        micro_batch = strategy["micro_batch"]
+        peak = GIB + micro_batch * GIB / 2
+        if peak > self.memory:
+            return TrialResult("oom", why=f"micro-batch {micro_batch} ran out of memory")
+        fp16 = strategy.get("precision") == "fp16"
+        speed = (100 + micro_batch) * (1.5 if fp16 else 1.0)
+        error = 1 + (self.fp16_loss_error if fp16 else 0.0)
+        return TrialResult(
+            "ok",
+            samples_per_s=speed,
+            step_s=PER_RANK / speed,
+            startup_s=0.0,
+            peak_memory_bytes=int(peak),
+            samples_per_step=PER_RANK,
+            losses=tuple(2.0 / (step + 1) * error for step in range(6)),
+        )
+
+
+def tuner(
+    tmp_path: Path, device: FakeDevice, *, space=None, memory=None, journal=None, base_plan=None, **budget
+) -> Tuner:
+    setup = Setup(script=__file__)
+    return Tuner(
+        setup,
+        MACHINE,
+        {"precision": [None, "fp16"]} if space is None else space,
+        journal or Journal(tmp_path / "journal.jsonl", {"script": "test"}),
+        tmp_path / "trials",
+        budget=Budget(**budget),
+        base_plan=base_plan,
+        device_memory=memory,
+        runner=device,
+    )
+
+
+def micro_batches_run(device: FakeDevice) -> list[int]:
+    return [plan["strategy"]["micro_batch"] for plan in device.runs if plan is not None]
+
+
+def test_the_largest_micro_batch_that_fits_is_found_by_binary_search(tmp_path: Path) -> None:
+    """A base plan of 8 x 8 accumulated per rank on a device of 20 GiB, where up to 37 samples fit: binary
+    search over 64's divisors finds 32 (17 GiB) asking 64 (out of memory) and 32, then 16, in case it is
+    faster; never all seven. The winner is the fastest that fits, its plan 32 x 2: the same batch."""
+    base = default_plan(MACHINE, PER_RANK)
+    base["strategy"] |= {"micro_batch": 8, "accumulation": 8}
+    device = FakeDevice(memory=20 * GIB)
+    outcome = tuner(tmp_path, device, space={}, base_plan=base).tune()
+    assert micro_batches_run(device) == [8, 32, 64, 16, 32]  # the baseline, the search, the repeat of 32
+    statuses = {t.candidate.micro_batch: t.result.status for t in outcome.trials if t.candidate is not None}
+    assert statuses == {32: "ok", 64: "oom", 16: "ok"}
+    assert outcome.winner.micro_batch == 32
+    assert (outcome.plan["strategy"]["micro_batch"], outcome.plan["strategy"]["accumulation"]) == (32, 2)
+
+
+def test_a_baseline_that_does_not_run_is_said(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="the script does not run as it is \\(micro-batch 64 ran out of memory\\)"):
+        tuner(tmp_path, FakeDevice(memory=20 * GIB)).tune()
+
+
+def test_a_micro_batch_predicted_over_the_memory_is_pruned_unrun(tmp_path: Path) -> None:
+    """After two micro-batches measured (peaks on a line), one whose extrapolated peak is over the device's
+    memory less its margin is pruned without running."""
+    device = FakeDevice(memory=1000 * GIB)
+    t = tuner(tmp_path, device, space={}, memory=18 * GIB)
+    outcome = t.tune()
+    pruned = [tr for tr in outcome.trials if tr.result.status == "pruned"]
+    assert pruned and all(tr.candidate.micro_batch * GIB / 2 + GIB > 18 * GIB * 0.95 for tr in pruned)
+    assert not set(micro_batches_run(device)) & {tr.candidate.micro_batch for tr in pruned}
+    assert "predicted peak" in pruned[0].result.why
+
+
+def test_a_faster_config_that_changes_the_loss_is_excluded(tmp_path: Path) -> None:
+    device = FakeDevice(memory=1000 * GIB, fp16_loss_error=0.2)  # fp16 1.5x faster, its losses 20% off
+    outcome = tuner(tmp_path, device).tune()
+    assert outcome.winner.get("precision") is None
+    excluded = [t for t in outcome.trials if t.result.status == "parity"]
+    assert len(excluded) == 1 and excluded[0].candidate.get("precision") == "fp16"
+    assert "differs from the baseline's by 2.0e-01" in excluded[0].result.why
+    device = FakeDevice(memory=1000 * GIB, fp16_loss_error=0.01)  # within fp16's tolerance: it wins
+    outcome = tuner(tmp_path / "b", device).tune()
+    assert outcome.winner.get("precision") == "fp16" and outcome.parity.startswith("loss within 1.0e-02")
+    assert outcome.speedup == pytest.approx(1.5)
+
+
+def test_a_killed_tune_resumes_and_a_finished_one_is_a_cache_hit(tmp_path: Path) -> None:
+    complete = FakeDevice(memory=1000 * GIB)
+    whole = tuner(tmp_path / "whole", complete).tune()
+
+    class Killed(FakeDevice):  # the tune dies (as with kill -9) during its fourth trial
+        def __call__(self, setup, plan, workdir):
+            if len(self.runs) == 3:
+                raise SystemExit("killed")
+            return super().__call__(setup, plan, workdir)
+
+    path = tmp_path / "journal.jsonl"
+    with pytest.raises(SystemExit):
+        tuner(tmp_path, Killed(memory=1000 * GIB), journal=Journal(path, {"script": "test"})).tune()
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0])["format"] == 1 and len(lines) == 1 + 3 + 1  # the header, 3 trials, the start
+    again = FakeDevice(memory=1000 * GIB)
+    resumed = tuner(tmp_path, again, journal=Journal(path, {"script": "test"})).tune()
+    assert len(again.runs) == len(complete.runs) - 3  # the three trials in the journal are not run again
+    assert resumed.winner == whole.winner
+    cached = FakeDevice(memory=1000 * GIB)
+    hit = tuner(tmp_path, cached, journal=Journal(path, {"script": "test"})).tune()
+    assert cached.runs == [] and hit.winner == whole.winner and all(t.cached for t in hit.trials)
+
+
+def test_the_budget_stops_the_search(tmp_path: Path) -> None:
+    device = FakeDevice(memory=1000 * GIB)
+    outcome = tuner(tmp_path, device, trials=3).tune()
+    assert len(device.runs) == 3 and outcome.stopped == "the budget ran out"
+    assert outcome.winner is not None  # the best of what ran
+
+
+def test_a_candidates_plan_file_is_what_redline_run_reads(tmp_path: Path) -> None:
+    """Strategy knobs go to the strategy, the rest to their runtime sections; the batch stays the same."""
+    import yaml
+
+    from redline.runtime.config import from_plan_file
+    from redline.tune.space import Candidate, restrict, trial_plan
+
+    machine = Machine(cuda=False, bf16=True, cpus_per_rank=2, ranks=1)
+    candidate = Candidate(16).with_value("precision", "bf16").with_value("compile", True)
+    candidate = candidate.with_value("num_workers", 1).with_value("cpu_threads", 1)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(trial_plan(candidate, base=default_plan(machine, 64), per_rank_batch=64, ranks=1)))
+    config = from_plan_file(path)
+    assert (config.strategy.micro_batch, config.strategy.accumulation, config.strategy.precision) == (16, 4, "bf16")
+    assert config.numerics.compile and config.numerics.cpu_threads == 1 and config.data.num_workers == 1
+    assert restrict({"compile": [None, True], "num_workers": [None, 0]}, ["compile=", "num_workers=2"]) == {
+        "num_workers": [None, 2]
+    }
+    with pytest.raises(BadInput, match="--space cpu_threads takes whole numbers from 1; not '0'"):
+        restrict({}, ["cpu_threads=0"])
