@@ -34,7 +34,8 @@ FLAGS: dict[str, set[str]] = {
     },
     "report": {"--html", "--json", "--png", "--window"},
     "tune": {
-        *("--budget", "--cache-dir", "--dry-run", "--json", "--max-trials", "--nproc-per-node", "--output", "--plan"),
+        *("--budget", "--cache-dir", "--dry-run", "--html", "--json", "--max-trials", "--nproc-per-node", "--output"),
+        "--plan",
         *("--space", "--steps", "--trial-steps", "--trial-timeout", "--warmup", "-o"),
     },
     "catalog gpus": {"--json"},

@@ -65,10 +65,13 @@ def test_tune_writes_a_plan_redline_run_runs_and_a_second_tune_is_a_cache_hit(tm
         assert len(trial["losses"]) == 4 and trial["samples_per_step"] == 64
     result = run_cli("run", "--plan", str(tuned), str(script), "--max-steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    again = run_cli(*tune_args(script, tmp_path / "cache", "--json"))
+    page = tmp_path / "tune.html"
+    again = run_cli(*tune_args(script, tmp_path / "cache", "--json", "--html", str(page)))
     assert again.returncode == 0, again.stderr[-3000:]
     second = json.loads(again.stdout)
     assert all(t["cached"] for t in second["trials"]) and second["winner"] == report["winner"]
+    html = page.read_text()  # the report: the plot inline, a row per trial
+    assert html.count("data:image/png;base64,") == 1 and html.count("<tr><td>") == len(second["trials"])
 
 
 @pytest.mark.slow
@@ -124,6 +127,7 @@ def test_bad_input_is_one_line(tmp_path: Path, script: Path) -> None:
         (["tune", "--space", "colour=red", str(script)], "--space takes KNOB=V1,V2"),
         (["tune", "--space", "precision=fp64", str(script)], "--space precision takes fp32, bf16, fp16"),
         (["tune", "--budget", "soon", str(script)], "is not a duration"),
+        (["tune", "-o", str(script), str(script)], "was not written by redline"),  # before any trial
     ):
         result = run_cli(*args)
         assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr

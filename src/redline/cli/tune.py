@@ -33,6 +33,7 @@ def tune(
         [], "--space", help="KNOB=V1,V2: only these values of a knob (KNOB=: leave it out). Repeatable."
     ),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the winner's plan file here."),
+    html: Path | None = typer.Option(None, "--html", help="Write an HTML report (a plot of every trial) here."),
     cache_dir: Path | None = typer.Option(None, "--cache-dir", help="The journals (default ~/.cache/redline/tune)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the knobs and trials, run nothing."),
     json_output: bool = typer.Option(False, "--json", help="The trials and the winner as JSON."),
@@ -60,6 +61,13 @@ def tune(
         timeout_s = parse_duration(trial_timeout)
     except ValueError as exc:
         raise BadInput(f"--budget/--trial-timeout: {exc}") from None
+    from redline.plan.planfile import PLAN_MARKER
+    from redline.report.output import check_target
+    from redline.tune.report import GENERATOR
+
+    for target, marker in ((output, PLAN_MARKER), (html, GENERATOR)):  # refused now, not after the trials
+        if target is not None:
+            check_target(target, marker=marker)
     base = _base_plan(plan, nproc_per_node)
     machine = Machine.here(nproc_per_node)
     knobs = restrict(default_space(machine), space)
@@ -100,6 +108,11 @@ def tune(
         outcome = tuner.tune()
     if output is not None and outcome.plan is not None:
         _write_plan(output, outcome.plan)
+    if html is not None:
+        from redline.report.output import write_output
+        from redline.tune.report import html_report
+
+        write_output(html, html_report(outcome, Path(script).name), marker=GENERATOR)
     if json_output:
         ui.print_json(_to_json(outcome, journal.path))
         return

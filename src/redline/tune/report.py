@@ -1,0 +1,95 @@
+"""The tune's HTML report: one self-contained page (inline CSS, the plot as a base64 PNG, nothing fetched) with
+the samples per second of every trial in the order the search ran them, the baseline's and the winner's marked,
+and the table of trials with why each that did not run or count did not.
+
+Drawn with matplotlib's object API (``Figure`` + ``FigureCanvasAgg``), as ``monitor/report.py`` draws, so a
+caller's backend is left alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from html import escape
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from redline import __version__
+from redline.report.html import CSS
+from redline.tune.search import Outcome, Trial
+
+GENERATOR = "redline tune report"
+STATUS_COLOURS = {"ok": "#3b6fb6", "oom": "#c0392b", "pruned": "#b0b7c3", "failed": "#8e44ad", "hang": "#8e44ad"}
+
+
+def throughput_plot(outcome: Outcome) -> bytes:
+    """A bar per trial (its samples per second; a trial that did not run to the end has a short grey stub at
+    the baseline's tenth, so it still has its place), the baseline as a dashed line, the winner outlined."""
+    fig = Figure(figsize=(10, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    fig.subplots_adjust(left=0.08, right=0.98, top=0.88, bottom=0.2)
+    ax = fig.add_subplot()
+    ax.set_title("samples/s per trial, in the order the search ran them", loc="left", fontsize=11)
+    ax.set_ylabel("samples/s")
+    stub = (outcome.baseline.samples_per_s or 1.0) / 10
+    for index, trial in enumerate(outcome.trials):
+        result = trial.result
+        winner = trial.candidate is not None and trial.candidate == outcome.winner and result.status == "ok"
+        ax.bar(
+            index,
+            result.samples_per_s or stub,
+            color=STATUS_COLOURS.get(result.status, "#b0b7c3"),
+            edgecolor="#111111" if winner else "none",
+            linewidth=2 if winner else 0,
+        )
+    if outcome.baseline.samples_per_s:
+        ax.axhline(outcome.baseline.samples_per_s, color="#5a6475", linestyle="--", linewidth=1, label="baseline")
+        ax.legend(loc="upper left", fontsize="small", frameon=False)
+    ax.set_xticks(range(len(outcome.trials)), [t.label for t in outcome.trials], rotation=35, fontsize=7, ha="right")
+    ax.grid(True, axis="y", color="#e4e8ee", linewidth=0.6)
+    buf = io.BytesIO()
+    fig.canvas.print_png(buf, metadata={"Software": GENERATOR})
+    return buf.getvalue()
+
+
+def html_report(outcome: Outcome, script: str) -> str:
+    png = base64.b64encode(throughput_plot(outcome)).decode()
+    rows = "".join(_row(index, trial) for index, trial in enumerate(outcome.trials))
+    if outcome.winner is not None:
+        verdict = (
+            f"<p><b>winner</b>: {escape(outcome.winner.key())}: {outcome.winner_speed:,.1f} samples/s, "
+            f"{outcome.speedup:.2f}x the baseline; loss parity: {escape(outcome.parity)}</p>"
+        )
+    else:
+        verdict = "<p>No candidate trained as the baseline does.</p>"
+    spread = f"<p>Two runs of one config differed by {outcome.spread:.1%}.</p>" if outcome.spread is not None else ""
+    stopped = f"<p>Stopped early: {escape(outcome.stopped)}.</p>" if outcome.stopped else ""
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{GENERATOR}">
+<title>redline tune: {escape(script)}</title><style>{CSS}</style></head>
+<body>
+<h1>redline tune: {escape(script)}</h1>
+{verdict}{spread}{stopped}
+<figure><img alt="samples per second per trial" src="data:image/png;base64,{png}"></figure>
+<table><thead><tr><th>#</th><th>for</th><th>config</th><th>samples/s</th><th>step ms</th><th>startup s</th>
+<th>peak GiB</th><th>status</th></tr></thead><tbody>{rows}</tbody></table>
+<footer>redline {escape(__version__)}</footer>
+</body></html>
+"""
+
+
+def _row(index: int, trial: Trial) -> str:
+    result = trial.result
+    config = "baseline" if trial.candidate is None else trial.candidate.key()
+    cells = [
+        str(index),
+        trial.label,
+        config,
+        f"{result.samples_per_s:,.1f}" if result.samples_per_s else "",
+        f"{result.step_s * 1e3:,.1f}" if result.step_s else "",
+        f"{result.startup_s:.1f}" if result.startup_s is not None else "",
+        f"{result.peak_memory_bytes / 2**30:.2f}" if result.peak_memory_bytes else "",
+        result.status + (" (journal)" if trial.cached else "") + (f": {result.why}" if result.why else ""),
+    ]
+    return "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in cells) + "</tr>"
