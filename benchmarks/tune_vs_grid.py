@@ -1,0 +1,112 @@
+"""redline tune against an exhaustive grid over the same space, side by side in one run on this machine.
+
+For each target script, every candidate of the space is run once, as the tune runs a trial (``run_trial``:
+`redline run` with the candidate's plan file, warm-up plus measured steps), and so is the script with no plan;
+then a tune over the same space with a fresh journal. Reported per target:
+
+- pick/best: the grid's samples/s of the candidate the tune picked over the grid's best (the grid measures both
+  the same way, so the tune's own measurement noise does not flatter it), the issue's target >= 0.95;
+- time: the tune's trial time over the grid's (launch to exit of every trial), target <= 0.25;
+- speedup: the tune's pick, as the grid measured it, over `redline run` with no plan, target >= 1.5 where the
+  defaults leave gains;
+- the trial counts.
+
+    python benchmarks/tune_vs_grid.py [--targets cnn,gpt,hf-gpt2] [--json]
+
+The space (``SPACE``): the micro-batch over every divisor of the batch, precision (fp32, bf16), DataLoader
+workers (the script's, 1) and CPU threads (torch's, 1); not compile, as a compiled CPU trial spends most of its
+time in the compiler, which would make the grid take hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from redline.tune.journal import Journal
+from redline.tune.search import Budget, Tuner
+from redline.tune.space import Candidate, Machine, default_plan, default_space, micro_batches, restrict, trial_plan
+from redline.tune.trial import Setup, run_trial
+
+ROOT = Path(__file__).resolve().parents[1]
+# the tune's default knobs less compile, each at its default and one other value (the grid is their product)
+SPACE = ["compile=", "num_workers=1", "cpu_threads=1"]
+TARGETS = {
+    "cnn": (ROOT / "examples" / "train_cnn.py", ("--batch", "64")),
+    "gpt": (ROOT / "examples" / "train_gpt.py", ("--batch", "32")),
+    "hf-gpt2": (ROOT / "benchmarks" / "tune_targets" / "hf_gpt2.py", ("--batch", "16")),
+}
+
+
+def grid(setup: Setup, machine: Machine, space: dict, per_rank: int, workdir: Path) -> dict[str, tuple[float, float]]:
+    """Every candidate of the space, run once: {key: (samples/s, wall seconds)}."""
+    base = default_plan(machine, per_rank)
+    knobs = list(space)
+    out = {}
+    for index, (size, *values) in enumerate(itertools.product(micro_batches(per_rank), *space.values())):
+        candidate = Candidate(size)
+        for knob, value in zip(knobs, values, strict=True):
+            candidate = candidate.with_value(knob, value)
+        plan = trial_plan(candidate, base=base, per_rank_batch=per_rank, ranks=1)
+        result = run_trial(setup, plan, workdir / f"grid-{index}")
+        out[candidate.key()] = (result.samples_per_s or 0.0 if result.status == "ok" else 0.0, result.wall_s)
+        print(f"  grid {candidate.key():50} {out[candidate.key()][0]:10.1f} samples/s", file=sys.stderr)
+    return out
+
+
+def bench(name: str, workdir: Path) -> dict:
+    script, args = TARGETS[name]
+    setup = Setup(script=str(script), args=args, warmup_steps=1, steps=4, timeout_s=600)
+    machine = Machine.here(1)
+    space = restrict(default_space(machine), SPACE)
+    baseline = run_trial(setup, None, workdir / "baseline")
+    per_rank = baseline.samples_per_step
+    measured = grid(setup, machine, space, per_rank, workdir)
+    journal = Journal(workdir / "journal.jsonl", {"script": name})
+    outcome = Tuner(setup, machine, space, journal, workdir / "tune", budget=Budget()).tune()
+    best_key = max(measured, key=lambda key: measured[key][0])
+    pick = outcome.winner.key() if outcome.winner else None
+    tune_s = sum(t.result.wall_s for t in outcome.trials if not t.cached)
+    grid_s = sum(wall for _, wall in measured.values()) + baseline.wall_s
+    return {
+        "target": name,
+        "grid_trials": len(measured) + 1,
+        "tune_trials": sum(not t.cached for t in outcome.trials),
+        "grid_best": best_key,
+        "grid_best_samples_per_s": measured[best_key][0],
+        "tune_pick": pick,
+        "pick_over_best": measured[pick][0] / measured[best_key][0] if pick in measured else None,
+        "tune_time_over_grid": tune_s / grid_s,
+        "pick_over_no_plan": measured[pick][0] / baseline.samples_per_s if pick in measured else None,
+        "tune_reported_speedup": outcome.speedup,
+        "no_plan_samples_per_s": baseline.samples_per_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for name in args.targets.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"{name}:", file=sys.stderr)
+            rows.append(bench(name, Path(tmp)))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        print(
+            f"{r['target']:8} pick/best {r['pick_over_best']:.3f}  time tune/grid {r['tune_time_over_grid']:.3f}  "
+            f"pick/no-plan {r['pick_over_no_plan']:.2f}x  trials {r['tune_trials']} of {r['grid_trials']}  "
+            f"(pick {r['tune_pick']}; grid best {r['grid_best']})"
+        )
+
+
+if __name__ == "__main__":
+    main()
