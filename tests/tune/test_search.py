@@ -168,3 +168,16 @@ def test_a_candidates_plan_file_is_what_redline_run_reads(tmp_path: Path) -> Non
     }
     with pytest.raises(BadInput, match="--space cpu_threads takes whole numbers from 1; not '0'"):
         restrict({}, ["cpu_threads=0"])
+
+
+def test_the_base_plans_memory_prunes_before_any_trial_measures(tmp_path: Path) -> None:
+    """A plan that predicts 10 GiB at micro-batch 8, 4 GiB of it activations (0.5 GiB per sample), on a
+    device of 20 GiB: 32 (22 GiB) is pruned unrun (so 64 is never asked), 16 (14 GiB) runs and wins."""
+    base = default_plan(MACHINE, PER_RANK)
+    base["strategy"] |= {"micro_batch": 8, "accumulation": 8}
+    base["predicted"] = {"memory_bytes": {"allocated": 10 * GIB, "activations": 4 * GIB, "temporary": 0.0}}
+    device = FakeDevice(memory=1000 * GIB)  # nothing would run out: what is not run was pruned
+    outcome = tuner(tmp_path, device, space={}, base_plan=base, memory=20 * GIB).tune()
+    pruned = {t.candidate.micro_batch: t.result.why for t in outcome.trials if t.result.status == "pruned"}
+    assert set(pruned) == {32} and "predicted peak 22.00 GiB (from the plan's memory) over 19.00 GiB" in pruned[32]
+    assert micro_batches_run(device) == [8, 16, 16] and outcome.winner.micro_batch == 16

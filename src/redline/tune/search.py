@@ -145,8 +145,10 @@ class Tuner:
         return trial_plan(candidate, base=self.base, per_rank_batch=self.per_rank_batch, ranks=self.machine.ranks)
 
     def _pruned(self, candidate: Candidate) -> TrialResult | None:
-        """A result without running, for a micro-batch whose peak, extrapolated from the measured ones, would
-        not fit the device's memory (less ``MEMORY_MARGIN``)."""
+        """A result without running, for a micro-batch whose predicted peak would not fit the device's memory
+        (less ``MEMORY_MARGIN``). The prediction is a line in the micro-batch: through two measured peaks of
+        candidates alike but for it; else through one measured peak with the base plan's slope (its activations
+        and temporaries per sample); else the base plan's own figure, scaled to the micro-batch."""
         if self.device_memory is None:
             return None
         peaks = sorted(
@@ -159,19 +161,31 @@ class Tuner:
                 and t.candidate.knobs == candidate.knobs
             }.items()
         )
-        if len(peaks) < 2:
+        planned = self._planned_line() if not candidate.knobs else None
+        if len(peaks) >= 2:
+            (m1, p1), (m2, p2) = peaks[0], peaks[-1]
+            slope, (m, peak), basis = (p2 - p1) / (m2 - m1), (m2, p2), f"the measured micro-batches {m1} and {m2}"
+        elif planned is not None:
+            slope, (m, peak) = planned[0], peaks[-1] if peaks else planned[1]
+            basis = f"the plan's memory, measured at micro-batch {m}" if peaks else "the plan's memory"
+        else:
             return None
-        (m1, p1), (m2, p2) = peaks[0], peaks[-1]
-        per_sample = (p2 - p1) / (m2 - m1)
-        predicted = p2 + per_sample * (candidate.micro_batch - m2)
+        predicted = peak + slope * (candidate.micro_batch - m)
         room = self.device_memory * (1 - MEMORY_MARGIN)
         if predicted <= room:
             return None
-        return TrialResult(
-            "pruned",
-            why=f"predicted peak {predicted / 2**30:.2f} GiB (from the measured micro-batches {m1} and {m2}) "
-            f"over {room / 2**30:.2f} GiB",
-        )
+        why = f"predicted peak {predicted / 2**30:.2f} GiB (from {basis}) over {room / 2**30:.2f} GiB"
+        return TrialResult("pruned", why=why)
+
+    def _planned_line(self) -> tuple[float, tuple[int, float]] | None:
+        """The base plan's memory as a line in the micro-batch: (bytes per sample, (its micro-batch, its
+        allocated bytes)); None without a plan that predicted it."""
+        memory = ((self.base_plan or {}).get("predicted") or {}).get("memory_bytes") or {}
+        if "allocated" not in memory:
+            return None
+        micro_batch = int(self.base["strategy"]["micro_batch"])
+        per_sample = (memory.get("activations", 0.0) + memory.get("temporary", 0.0)) / micro_batch
+        return per_sample, (micro_batch, float(memory["allocated"]))
 
     # ------------------------------------------------------------------------------------------- search
 
