@@ -181,26 +181,16 @@ def _write_plan(path: Path, plan: dict[str, Any]) -> None:
     write_output(path, yaml.safe_dump(plan, sort_keys=False, width=120), marker=PLAN_MARKER)
 
 
-def _row(trial: Trial) -> list[str]:
-    result = trial.result
-    config = "baseline (redline run as it is)" if trial.candidate is None else trial.candidate.key()
-    speed = f"{result.samples_per_s:,.1f}" if result.samples_per_s else ""
-    step = f"{result.step_s * 1e3:,.1f}" if result.step_s else ""
-    startup = f"{result.startup_s:.1f}" if result.startup_s is not None else ""
-    memory = f"{result.peak_memory_bytes / 2**30:.2f}" if result.peak_memory_bytes else ""
-    status = result.status + (" (journal)" if trial.cached else "") + (f": {result.why}" if result.why else "")
-    return [trial.label, config, speed, step, startup, memory, status]
-
-
 def _print(outcome: Outcome, journal: Path, output: Path | None) -> None:
     from rich.table import Table
 
+    from redline.tune.report import COLUMNS, trial_cells
+
     table = Table(title="redline tune: trials")
-    figures = ("samples/s", "step ms", "startup s", "peak GiB")
-    for column in ("for", "config", *figures, "status"):
-        table.add_column(column, justify="right" if column in figures else "left")
+    for column in COLUMNS:
+        table.add_column(column, justify="right" if column in COLUMNS[2:6] else "left")
     for trial in outcome.trials:
-        table.add_row(*_row(trial))
+        table.add_row(*trial_cells(trial))
     ui.console.print(table)
     if outcome.winner is None:
         ui.console.print("no candidate trained as the baseline does: keep running as you do")
@@ -212,8 +202,10 @@ def _print(outcome: Outcome, journal: Path, output: Path | None) -> None:
     )
     if outcome.stopped:
         ui.console.print(f"stopped early: {outcome.stopped}")
-    where = f"written to {output}: run it with `redline run --plan {output}`" if output else "give -o to write it"
-    ui.console.print(f"the winner's plan is {where}; journal {journal}")
+    if output is not None:
+        ui.console.print(f"the winner's plan: {output} (`redline run --plan {output} ...`); journal {journal}")
+    else:
+        ui.console.print(f"give -o FILE to write the winner's plan; journal {journal}")
 
 
 def _to_json(outcome: Outcome, journal: Path) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def throughput_plot(outcome: Outcome) -> bytes:
 def html_report(outcome: Outcome, script: str) -> str:
     png = base64.b64encode(throughput_plot(outcome)).decode()
     rows = "".join(_row(index, trial) for index, trial in enumerate(outcome.trials))
+    header = "".join(f"<th>{escape(name)}</th>" for name in ("#", *COLUMNS))
     if outcome.winner is not None:
         verdict = (
             f"<p><b>winner</b>: {escape(outcome.winner.key())}: {outcome.winner_speed:,.1f} samples/s, "
@@ -72,24 +73,28 @@ def html_report(outcome: Outcome, script: str) -> str:
 <h1>redline tune: {escape(script)}</h1>
 {verdict}{spread}{stopped}
 <figure><img alt="samples per second per trial" src="data:image/png;base64,{png}"></figure>
-<table><thead><tr><th>#</th><th>for</th><th>config</th><th>samples/s</th><th>step ms</th><th>startup s</th>
-<th>peak GiB</th><th>status</th></tr></thead><tbody>{rows}</tbody></table>
+<table><thead><tr>{header}</tr></thead><tbody>{rows}</tbody></table>
 <footer>redline {escape(__version__)}</footer>
 </body></html>
 """
 
 
-def _row(index: int, trial: Trial) -> str:
+COLUMNS = ("for", "config", "samples/s", "step ms", "startup s", "peak GiB", "status")
+
+
+def trial_cells(trial: Trial) -> list[str]:
+    """A trial's row, as the terminal table and the page show it (``COLUMNS``)."""
     result = trial.result
-    config = "baseline" if trial.candidate is None else trial.candidate.key()
-    cells = [
-        str(index),
+    return [
         trial.label,
-        config,
+        "baseline (redline run as it is)" if trial.candidate is None else trial.candidate.key(),
         f"{result.samples_per_s:,.1f}" if result.samples_per_s else "",
         f"{result.step_s * 1e3:,.1f}" if result.step_s else "",
         f"{result.startup_s:.1f}" if result.startup_s is not None else "",
         f"{result.peak_memory_bytes / 2**30:.2f}" if result.peak_memory_bytes else "",
         result.status + (" (journal)" if trial.cached else "") + (f": {result.why}" if result.why else ""),
     ]
-    return "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in cells) + "</tr>"
+
+
+def _row(index: int, trial: Trial) -> str:
+    return "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in [str(index), *trial_cells(trial)]) + "</tr>"
