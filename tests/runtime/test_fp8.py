@@ -4,6 +4,8 @@ float8 conversion picks, and torchao's conversion of them. Training in fp8 needs
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from redline.plan.strategy import Strategy
 from redline.runtime import fp8
 from redline.runtime.config import RunConfig, check_runnable
 from redline.runtime.fp8 import fp8_filter, output_layers, unavailable
-from redline.runtime.prepare import prepare
+from redline.runtime.prepare import Run, prepare
 
 FP8 = Strategy(precision="fp8")
 
@@ -150,3 +152,45 @@ def test_fp8_beside_tensor_parallelism_is_refused(monkeypatch: pytest.MonkeyPatc
     fake_gpus(monkeypatch, (9, 0), (9, 0))
     with pytest.raises(BadInput, match="does not combine with tensor parallelism"):
         check_runnable(Strategy(precision="fp8", tensor=2))
+
+
+# ------------------------------------------------------------------------------ prepare()'s wiring, emulated
+
+
+def test_prepare_converts_the_model_and_trains_it_under_torchaos_cpu_emulation(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The product refuses fp8 here; with the check opened and torchao emulating the float8 GEMM on the CPU,
+    prepare() converts the picked layers before anything wraps them, trains them (the loss falls), and a
+    checkpoint of the float8 model resumes."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8 import Float8LinearConfig, float8_linear_utils
+    from torchao.float8.float8_linear import Float8Linear
+
+    monkeypatch.setattr(fp8, "unavailable", lambda strategy, device=None: None)
+    monkeypatch.setattr(float8_linear_utils, "Float8LinearConfig", lambda: Float8LinearConfig(emulate=True))
+    tokens = torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    plan = RunConfig(strategy=Strategy(precision="fp8", micro_batch=8, accumulation=2))
+
+    def start() -> Run:
+        torch.manual_seed(0)
+        model = TinyGpt()
+        run = prepare(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            torch.utils.data.DataLoader(data, batch_size=16),
+            plan=plan,
+            loss_fn=lambda logits, target: nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()),
+            checkpoint_dir=str(tmp_path),
+        )
+        assert sum(isinstance(m, Float8Linear) for m in run.model.modules()) == 8
+        return run
+
+    run, losses = start(), []
+    for x, y in run.micro_batches(epochs=3):
+        with run.accumulate():
+            losses.append(run.forward_backward(x, y).item())
+    assert all(map(math.isfinite, losses)) and sum(losses[-4:]) < sum(losses[:4])
+    resumed = start()
+    assert resumed.step == run.step == 12
