@@ -4,12 +4,15 @@ float8 conversion picks, and torchao's conversion of them. Training in fp8 needs
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from ranks import spawn_ranks
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime import fp8
@@ -194,3 +197,27 @@ def test_prepare_converts_the_model_and_trains_it_under_torchaos_cpu_emulation(
     assert all(map(math.isfinite, losses)) and sum(losses[-4:]) < sum(losses[:4])
     resumed = start()
     assert resumed.step == run.step == 12
+
+
+@pytest.mark.parametrize(
+    ("strategy", "float8"),
+    [
+        ({"data": 2, "micro_batch": 8, "sharding": "ddp"}, [8, 8]),
+        ({"data": 2, "micro_batch": 8, "sharding": "fsdp"}, [8, 8]),
+        ({"data": 1, "pipeline": 2, "micro_batch": 4, "accumulation": 4}, [4, 4]),  # a stage of one block each
+    ],
+    ids=["ddp", "fsdp", "pipeline"],
+)
+def test_the_float8_layers_train_through_ddp_fsdp2_and_a_pipeline(tmp_path, strategy: dict, float8: list) -> None:
+    """Two gloo ranks, torchao emulating on the CPU: each rank holds its float8 layers, every loss is finite and
+    falls (on a pipeline, where the last stage computes it)."""
+    pytest.importorskip("torchao.float8")
+    out = tmp_path / "out"
+    env = {"STRATEGY": json.dumps(strategy), "OUT": str(out)}
+    spawn_ranks(Path(__file__).parent / "fp8_worker.py", 2, store=tmp_path / "store", env=env)
+    results = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(2)]
+    assert [r["float8"] for r in results] == float8
+    computed = [r["losses"] for r in results if None not in r["losses"]]
+    assert computed and all(len(losses) == 16 for losses in computed)
+    for losses in computed:
+        assert all(map(math.isfinite, losses)) and sum(losses[-4:]) < sum(losses[:4]), losses
