@@ -139,6 +139,64 @@ for name, backend in (("fused attention", SDPBackend.FLASH_ATTENTION), ("unfused
 print("activation checkpointing peaks: " + (f"NOT none > selective > full for {', '.join(bad)}" if bad else "none > selective > full"))
 raise SystemExit(1 if bad else 0)
 PY
+# fp8 training (torchao's float8 linear layers, on compute capability 8.9+; needs `pip install 'redline[fp8]'`):
+# a GPT of 4 blocks x 2048 (16 float8 layers, the head in bf16), 16 x 1024 tokens a step, 40 steps from the
+# same seed in bf16 and in fp8, eager and under torch.compile (torchao fuses its scaling casts only when
+# compiled), through prepare() with an fp8 RunConfig. The losses first and last and the median step time side
+# by side; a loss that is not finite or does not fall fails the step
+step runtime-fp8 "$py" - <<'PY'
+import math, statistics, sys, time
+import torch
+sys.path.insert(0, "examples")
+from train_gpt import Gpt, loss_fn, synthetic_tokens
+import redline
+from redline.plan.strategy import Strategy
+from redline.runtime.config import NumericsConfig, RunConfig
+
+STEPS, WARMUP, BATCH, SEQ, VOCAB = 40, 10, 16, 1024, 8192
+
+def train(precision, compile):
+    torch._dynamo.reset()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = Gpt(vocab=VOCAB, width=2048, layers=4, heads=16, seq=SEQ)
+    loader = torch.utils.data.DataLoader(synthetic_tokens(BATCH * STEPS, SEQ, VOCAB), batch_size=BATCH)
+    plan = RunConfig(strategy=Strategy(precision=precision, micro_batch=BATCH), numerics=NumericsConfig(compile=compile))
+    run = redline.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True), loader, plan=plan,
+                          loss_fn=loss_fn)
+    float8 = sum(type(m).__name__ == "Float8Linear" for m in run.model.modules())
+    losses, times = [], []
+    for tokens, targets in run.micro_batches():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with run.accumulate():
+            loss = run.forward_backward(tokens, targets)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return float8, losses, statistics.median(times[WARMUP:]), torch.cuda.max_memory_allocated() / 2**30
+
+print(torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capability())
+bad, rows = [], {}
+for compile in (False, True):
+    for precision in ("bf16", "fp8"):
+        name = f"{precision}{' compiled' if compile else ''}"
+        float8, losses, step_s, peak = rows[name] = train(precision, compile)
+        first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+        print(f"{name:14} float8 layers {float8:2}  loss {losses[0]:.4f} -> {losses[-1]:.4f} (first/last 5: "
+              f"{first:.4f} -> {last:.4f})  step {step_s * 1e3:7.1f} ms  peak {peak:.1f} GiB")
+        if not all(map(math.isfinite, losses)):
+            bad.append(f"{name}: a loss is not finite")
+        elif not last < first:
+            bad.append(f"{name}: the loss did not fall ({first:.4f} -> {last:.4f})")
+        if (float8 > 0) != (precision == "fp8"):
+            bad.append(f"{name}: {float8} float8 layers")
+for suffix in ("", " compiled"):
+    bf16, fp8 = rows["bf16" + suffix], rows["fp8" + suffix]
+    print(f"fp8/bf16{suffix or ' eager'}: step time {fp8[2] / bf16[2]:.2f}x, last loss {fp8[1][-1] - bf16[1][-1]:+.4f}")
+print("\n".join(bad) or "fp8 trains: finite losses that fall, as bf16's")
+sys.exit(1 if bad else 0)
+PY
 step pytest-gpu "$py" -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider  # -s: the plan-memory ratios
 
 # the monitor against the real NVML: which fields this GPU and driver answer, then a record taken while the

@@ -513,7 +513,8 @@ def test_a_redline_error_in_two_ranks_is_a_line_per_rank_and_a_short_summary(tmp
 
 
 def test_a_plan_the_runtime_cannot_apply_is_refused_before_any_rank_starts(tmp_path: Path, plan2: Path) -> None:
-    """An fp8 plan, which needs a GPU with fp8 units, is refused once by the launcher rather than in every rank."""
+    """An fp8 plan, which needs a GPU with fp8 tensor cores, is refused once by the launcher rather than in every rank,
+    saying why (here: no GPU at all)."""
     import yaml
 
     plan = yaml.safe_load(plan2.read_text())
@@ -523,5 +524,6 @@ def test_a_plan_the_runtime_cannot_apply_is_refused_before_any_rank_starts(tmp_p
     marker = tmp_path / "ran"
     script = _script(tmp_path, "train.py", f"open({str(marker)!r}, 'w').close()\n")
     result = run_cli("run", "--plan", str(tp), "--nproc-per-node", "2", str(script))
-    assert result.returncode == 2 and "fp8" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "fp8 training needs an NVIDIA GPU of compute capability 8.9 or newer" in result.stderr
     assert not marker.exists()

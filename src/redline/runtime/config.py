@@ -20,10 +20,14 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from redline.capability import is_available
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
+
+if TYPE_CHECKING:
+    import torch
 
 COMM_HOOKS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
 # the settings `redline run` gives the script's prepare(), as JSON {keyword: value}, beside launch.PLAN_ENV
@@ -193,9 +197,6 @@ class RunConfig:
     plan: PlanFacts = field(default_factory=PlanFacts)
     """What the planner worked out; empty without a plan file."""
 
-    def __post_init__(self) -> None:
-        check_runnable(self.strategy)
-
     @property
     def per_rank_batch(self) -> int:
         """Samples each rank loads per optimizer step: micro-batch x accumulation."""
@@ -323,11 +324,20 @@ def check_settings(settings: dict[str, Any]) -> None:
         _replaced(owner(), {name: value}, where=known.flag or keyword)
 
 
-def check_runnable(strategy: Strategy, where: str = "the plan") -> None:
-    """What the runtime cannot apply yet, refused before training (and by ``redline run`` before any rank
-    starts)."""
-    if strategy.precision == "fp8":
-        raise BadInput(f"{where}: fp8 training is not supported by redline's runtime yet: plan with --precision bf16")
+def check_runnable(strategy: Strategy, where: str = "the plan", device: torch.device | None = None) -> None:
+    """What the runtime cannot apply here, refused in one line before training: by ``redline run`` before any
+    rank starts (``device`` None: every GPU the launcher sees), and by ``prepare()`` on the rank's own
+    ``device``. An fp8 plan needs a GPU with fp8 tensor cores and torchao, and no tensor parallelism
+    (``runtime/fp8.py``)."""
+    if strategy.precision != "fp8":
+        return
+    if not is_available("torch"):
+        raise BadInput(f"{where}: fp8 training needs PyTorch and torchao: pip install torch 'redline[fp8]'")
+    from redline.runtime.fp8 import unavailable
+
+    reason = unavailable(strategy, device)
+    if reason is not None:
+        raise BadInput(f"{where}: {reason}")
 
 
 def from_plan_file(path: str | Path) -> RunConfig:

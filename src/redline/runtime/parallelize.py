@@ -1,8 +1,8 @@
 """The steps ``prepare()`` applies to the model and its optimizer, one free function each, in the order it calls
-them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_sync_batchnorm``, ``apply_tp``
-(``tensor_parallel.py``), ``apply_activation_checkpointing``, ``apply_compile``, then ``apply_ddp`` or
-``apply_fsdp``, then ``build_optimizer`` (with ``apply_zero1`` for ZeRO-1). Each takes the model and the
-settings it needs, and none holds state: each can be called and tested on its own.
+them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_sync_batchnorm``, ``apply_fp8``
+(``fp8.py``), ``apply_tp`` (``tensor_parallel.py``), ``apply_activation_checkpointing``, ``apply_compile``,
+then ``apply_ddp`` or ``apply_fsdp``, then ``build_optimizer`` (with ``apply_zero1`` for ZeRO-1). Each takes the
+model and the settings it needs, and none holds state: each can be called and tested on its own.
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ from redline.workload.selective import selective_checkpoint_context
 log = logging.getLogger("redline.runtime")
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+# the 16-bit type a plan's precision computes in outside its matmuls (autocast, FSDP2's parameters); fp8 recipes
+# run everything but their float8 linear layers in bf16 (torchtitan's); fp32 has none
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype autocast and FSDP2's mixed precision use under ``precision``; None for fp32."""
+    return _COMPUTE_DTYPES.get(precision)
 
 
 def apply_numerics(config: NumericsConfig, device: torch.device) -> None:
@@ -161,7 +170,7 @@ def apply_fsdp(
     DTensor parameters), each rank holding its share of the parameters, gradients and optimizer states."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision)
+    dtype = autocast_dtype(strategy.precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     if mesh is None and strategy.sharding == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh

@@ -14,8 +14,10 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
 1. process group (``WORLD_SIZE`` > 1) and device (``cuda:LOCAL_RANK``, else the CPU); the plan's world size
    must match the ranks that exist; a tensor-parallel plan's device mesh (``mesh.py``);
 2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); BatchNorm synchronised over the
-   ranks (``apply_sync_batchnorm``); tensor parallelism over the mesh's ``tp`` group (``tensor`` > 1;
-   ``apply_tp`` of ``tensor_parallel.py``), before anything else wraps the layers;
+   ranks (``apply_sync_batchnorm``); under an fp8 plan the linear layers made torchao ``Float8Linear``s
+   (``apply_fp8`` of ``fp8.py``; the plan refused at the start where fp8 cannot run); tensor parallelism over
+   the mesh's ``tp`` group (``tensor`` > 1; ``apply_tp`` of ``tensor_parallel.py``), before anything else
+   wraps the layers;
 3. activation checkpointing of each block, or each k-th (``checkpointing: full`` or ``selective``,
    ``ac_every``; ``apply_activation_checkpointing``);
 4. ``torch.compile`` of each block (``compile``; ``apply_compile``);
@@ -25,7 +27,8 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
    fp32 reductions (``apply_fsdp``); beside tensor parallelism always FSDP2, over the mesh's ``dp`` group;
 6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave,
    or rebuilt from the ready optimizer's class and settings (``build_optimizer``);
-7. precision: autocast to bf16/fp16 around each micro-batch, a GradScaler for fp16;
+7. precision: autocast to bf16/fp16 around each micro-batch (bf16 under fp8, outside the float8 layers), a
+   GradScaler for fp16;
 8. data: the user's DataLoader with every setting kept, its sampler (any) or its IterableDataset shared out
    over the ranks (deterministic per epoch, also on one rank, so a resumed run sees the same order), the
    plan's per-rank batch (without a plan, the loader's batch is the global batch); each loaded batch, of any
@@ -56,9 +59,10 @@ from torch import nn
 
 from redline.errors import BadInput
 from redline.runtime.batch import to_device, tokens_per_sample
-from redline.runtime.config import RunConfig, default_config, from_plan_file, runtime_from_env
+from redline.runtime.config import RunConfig, check_runnable, default_config, from_plan_file, runtime_from_env
 from redline.runtime.distributed import agree, init_distributed
 from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
+from redline.runtime.fp8 import apply_fp8
 from redline.runtime.mesh import ParallelDims, RunMesh, build_mesh
 from redline.runtime.oom import (
     SimulatedOutOfMemory,
@@ -76,6 +80,7 @@ from redline.runtime.parallelize import (
     apply_fsdp,
     apply_numerics,
     apply_sync_batchnorm,
+    autocast_dtype,
     build_optimizer,
     unfused_adam,
 )
@@ -128,6 +133,7 @@ class Run:
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         self.config = self._resolve_config(plan, data, overrides)
         strategy = self.config.strategy
+        check_runnable(strategy, device=self.device)  # the launcher's check (fp8), on this rank's GPU
         self.mesh = self._lay_out_ranks()
         # the ranks that load different batches: all of them, except that a tensor-parallel group shares one
         self.dp_rank, self.dp_size = self.mesh.dp_rank_and_size() if self.mesh else (self.rank, self.world_size)
@@ -255,6 +261,8 @@ class Run:
             )
         blocks = [block for _, block in find_blocks(model)]
         strategy = self.config.strategy
+        if strategy.precision == "fp8":  # before any parallelism wraps the layers (torchtitan's order)
+            model = apply_fp8(model, rank=self.rank)
         if self.mesh is not None and self.mesh.tp is not None:
             apply_tp(model, self.mesh.tp, sequence_parallel=strategy.sequence_parallel)
         if self.mesh is not None and self.mesh.pp is not None:
@@ -432,7 +440,7 @@ class Run:
     def accumulate(self) -> Iterator[None]:
         """One micro-batch: autocast, no gradient sync before the last of the step, then the optimizer step."""
         boundary = self._last_micro
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        dtype = autocast_dtype(self.precision)
         failed = False
         with self.metrics.compute():
             try:
