@@ -125,7 +125,7 @@ def test_bad_input_is_one_line(tmp_path: Path, script: Path) -> None:
     for args, message in (
         (["tune", str(tmp_path / "nope.py")], "no such script"),
         (["tune", "--space", "colour=red", str(script)], "--space takes KNOB=V1,V2"),
-        (["tune", "--space", "precision=fp64", str(script)], "--space precision takes fp32, bf16, fp16"),
+        (["tune", "--space", "precision=fp64", str(script)], "--space precision takes fp32, bf16, fp16, fp8"),
         (["tune", "--budget", "soon", str(script)], "is not a duration"),
         (["tune", "-o", str(script), str(script)], "was not written by redline"),  # before any trial
     ):

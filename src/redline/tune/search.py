@@ -34,7 +34,7 @@ from redline.tune.trial import Setup, TrialResult, run_trial
 
 # the largest relative step-by-step loss difference a candidate may show against the baseline, by the
 # precision the candidate computes in: fp32 differs only by summation order (micro-batches, kernels)
-PARITY_RTOL = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
+PARITY_RTOL = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2, "fp8": 5e-2}
 MIN_GAIN = 0.03  # a change must be this much faster (or beyond twice the measured noise) to be kept
 MEMORY_MARGIN = 0.05  # of the device's memory, kept free when a predicted peak prunes a micro-batch
 

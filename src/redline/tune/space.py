@@ -32,18 +32,23 @@ class Machine:
     bf16: bool  # the GPU has bf16 (a CPU's autocast has it too)
     cpus_per_rank: int
     ranks: int
+    fp8: bool = False  # every GPU has fp8 units (compute capability 8.9 or later) and torchao is installed
 
     @classmethod
     def here(cls, ranks: int) -> Machine:
         import torch
 
+        from redline.capability import is_available
+
         cuda = torch.cuda.is_available()
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
         return cls(
             cuda=cuda,
             bf16=torch.cuda.is_bf16_supported() if cuda else True,
             cpus_per_rank=max(1, cpus // ranks),
             ranks=ranks,
+            fp8=bool(capabilities) and min(capabilities) >= (8, 9) and is_available("torchao"),
         )
 
 
@@ -90,12 +95,13 @@ def default_space(machine: Machine) -> dict[str, list[Any]]:
     """The values each knob takes on ``machine``, the runtime's own choice (``None``) first.
 
     On a CPU the precision is fp32 or bf16 autocast and the operators' threads matter; on a GPU bf16 or
-    fp16 (bf16 where the GPU has it) and activation checkpointing, which buys a larger micro-batch. DataLoader
+    fp16 (bf16 where the GPU has it), fp8 where every GPU has it and torchao is installed, and activation
+    checkpointing, which buys a larger micro-batch. DataLoader
     workers go up to the rank's CPUs less the one its loop runs on. DDP's buckets and compression only where
     there are ranks to all-reduce over."""
     space: dict[str, list[Any]] = {"compile": [None, True]}
     if machine.cuda:
-        space["precision"] = [None, "fp16"] if machine.bf16 else [None]
+        space["precision"] = ([None, "fp16"] if machine.bf16 else [None]) + (["fp8"] if machine.fp8 else [])
         space["checkpointing"] = [None, "selective", "full"]
     else:
         space["precision"] = [None, "bf16"]
@@ -138,7 +144,7 @@ def _parse(knob: str, value: str) -> Any:
             raise BadInput(f"--space {knob} takes whole numbers from {lowest}; not {value!r}")
         return int(value)
     choices = {
-        "precision": ("fp32", "bf16", "fp16"),
+        "precision": ("fp32", "bf16", "fp16", "fp8"),
         "checkpointing": ("none", "selective", "full"),
         "comm_hook": ("none", "fp16", "bf16", "powersgd"),
     }[knob]
