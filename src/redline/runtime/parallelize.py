@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.config import ActivationCheckpointConfig, DdpConfig, NumericsConfig
+from redline.runtime.tensor_parallel import average_gradients, fsdp_layout
 from redline.workload.selective import selective_checkpoint_context
 
 log = logging.getLogger("redline.runtime")
@@ -167,9 +168,15 @@ def apply_fsdp(
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         mesh = init_device_mesh(device.type, (world // per_node, per_node))
     reshard = strategy.sharding not in ("zero2", "ddp", "zero1")
+    place, ignored = None, set()
+    if mesh is not None and mesh.ndim == 1:  # beside tensor parallelism: packed projections' packed dimension
+        # is not cut again (fsdp_layout)
+        place, ignored = fsdp_layout(model, mesh)
+        average_gradients(ignored, mesh)
+    options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard, "shard_placement_fn": place}
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, **options, ignored_params=ignored)
+    fully_shard(model, **options, ignored_params=ignored)
     return model
 
 
