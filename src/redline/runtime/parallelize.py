@@ -157,7 +157,9 @@ def apply_fsdp(
     reductions; ZeRO-2 keeps the parameters gathered after the forward, FSDP reshards them; HSDP shards within
     a node and replicates across nodes. ``mesh``: the data-parallel ranks to shard over (beside tensor
     parallelism), instead of all of them; DDP and ZeRO-1 plans shard there as ZeRO-2 does (DDP takes no
-    DTensor parameters), each rank holding its share of the parameters, gradients and optimizer states."""
+    DTensor parameters), each rank holding its share of the parameters, gradients and optimizer states.
+    There a packed projection's packed dimension is not cut again (``fsdp_layout``): its weight is sharded
+    along its other dimension, a 1-D packed bias left out of FSDP2, its gradient averaged by a hook."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision)
