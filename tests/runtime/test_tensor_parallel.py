@@ -224,6 +224,48 @@ def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path:
         assert int((tmp_path / f"weights.pt.bytes.{rank}").read_text()) == planned
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("gpus", "degrees"), [(2, (1, 2)), (4, (2, 2))], ids=["tp2", "tp2xdp2"])
+def test_redline_run_resumes_a_tensor_parallel_gpt2_plan_bit_identically(
+    tmp_path: Path, gpus: int, degrees: tuple[int, int]
+) -> None:
+    """`redline plan --tp 2` for a tiny GPT-2's config.json, `redline run --plan` of a script training it,
+    stopped after 2 steps with a checkpoint and run again: the second run resumes where the first stopped
+    and ends with the weights (and step losses) of a run that did not stop, bit for bit."""
+    import yaml
+
+    from conftest import run_cli
+
+    tp_worker.make_model("gpt2").config.to_json_file(tmp_path / "config.json")
+    plan = tmp_path / "plan.yaml"
+    args = ("--seq-len", str(tp_worker.SEQ), "--hardware", f"{gpus}xh100-sxm", "--precision", "fp32")
+    result = run_cli(
+        "plan", "--model", str(tmp_path / "config.json"), "--tp", "2", *args, "--global-batch", "8", "-o", str(plan)
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    strategy = yaml.safe_load(plan.read_text())["strategy"]
+    assert (strategy["data"], strategy["tensor"]) == degrees
+    source = str(Path(redline.__file__).parents[1])  # the ranks run this redline, whatever the working directory
+
+    def launch(name: str, **env: str) -> tuple[dict, list[float]]:
+        (tmp_path / name).mkdir()
+        out = tmp_path / name / "weights.pt"
+        path = os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])
+        env = {"MODEL": "gpt2", "OUT": str(out), "MOMENTUM": "0.9", "PYTHONPATH": path} | env
+        argv = ("run", "--plan", str(plan), "--nproc-per-node", str(gpus), str(WORKER))
+        result = run_cli(*argv, env=env, cwd=tmp_path / name)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return torch.load(out), json.loads((tmp_path / name / "weights.pt.losses.json").read_text())
+
+    whole = launch("whole")
+    directory = str(tmp_path / "checkpoints")
+    launch("first", CHECKPOINT_DIR=directory, STEPS="2")
+    weights, losses = launch("second", CHECKPOINT_DIR=directory)
+    assert len(whole[1]) > 2 and losses == whole[1][2:]
+    for name, value in whole[0].items():
+        assert torch.equal(weights[name], value), name
+
+
 def test_a_model_without_a_plan_is_told_how_to_give_one() -> None:
     from redline.errors import BadInput
     from redline.runtime.tensor_parallel import find_plan
