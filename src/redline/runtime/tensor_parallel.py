@@ -451,13 +451,16 @@ def _shards(placement: Placement, dim: int) -> bool:
     return isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim
 
 
-def fsdp_layout(model: nn.Module, dp_mesh: DeviceMesh) -> tuple[Callable[[nn.Parameter], Shard | None], set]:
+def fsdp_layout(
+    model: nn.Module, dp_mesh: DeviceMesh
+) -> tuple[Callable[[nn.Parameter], Shard | None], set[nn.Parameter]]:
     """How FSDP2 shards ``model`` over the data ranks ``dp_mesh`` beside tensor parallelism: its
     ``shard_placement_fn``, and the parameters it must leave alone (``ignored_params``).
 
-    A packed parameter (``packed_dim``) is sharded along another dimension that divides evenly; one without
-    such a dimension (GPT-2's 1-D ``c_attn`` bias, 3 x hidden numbers) is left out of FSDP2, whole on each
-    data rank, its gradient averaged over them by ``average_gradients``. FSDP2's default would cut the
+    A packed parameter (``packed_dim``) is sharded along another dimension (FSDP2 takes dimension 0 cut
+    unevenly, any other only where it divides by the data ranks); one without such a dimension (GPT-2's
+    1-D ``c_attn`` bias, 3 x hidden numbers) is left out of FSDP2, whole on each data rank, its gradient
+    averaged over them by ``average_gradients``. FSDP2's default would cut the
     packed dimension again: each data rank a contiguous piece of the tensor-parallel rank's
     ``[q_r | k_r | v_r]``, pieces that straddle the projections. Training is right either way, but no
     DTensor placement describes those pieces: FSDP2 labels them ``_StridedShard`` over the data ranks,
@@ -468,7 +471,9 @@ def fsdp_layout(model: nn.Module, dp_mesh: DeviceMesh) -> tuple[Callable[[nn.Par
 
     def other_dim(param: nn.Parameter) -> int | None:
         found = packed_dim(param)
-        dims = [d for d in range(param.ndim) if found is not None and d != found[0] and param.shape[d] % size == 0]
+        if found is None:
+            return None
+        dims = [d for d in range(param.ndim) if d != found[0] and (d == 0 or param.shape[d] % size == 0)]
         return dims[0] if dims else None
 
     def place(param: nn.Parameter) -> Shard | None:
@@ -479,7 +484,7 @@ def fsdp_layout(model: nn.Module, dp_mesh: DeviceMesh) -> tuple[Callable[[nn.Par
     return place, ignored
 
 
-def average_gradients(params: set, dp_mesh: DeviceMesh) -> None:
+def average_gradients(params: set[nn.Parameter], dp_mesh: DeviceMesh) -> None:
     """Average each of ``params``' gradients over the data ranks ``dp_mesh`` as it is accumulated (what
     FSDP2 does for the parameters it holds; these are the ones ``fsdp_layout`` leaves out of it). At every
     backward, also those FSDP2 runs without reducing (accumulation): each rank's gradient is then the
