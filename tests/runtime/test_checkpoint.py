@@ -223,6 +223,23 @@ def test_no_checkpoint_that_loads_is_bad_input(tmp_path, loop):
     assert "\n" not in str(info.value)
 
 
+def test_a_checkpoint_of_a_newer_format_is_not_loaded_but_named(tmp_path, loop):
+    """A newer redline may lay the state out otherwise (format 3 split packed tensor-parallel parameters into
+    their projections): its checkpoint is skipped, with its format said, not misread."""
+    from redline.runtime.checkpoint import FORMAT, MARKER
+
+    model, optimizer, _ = loop["build"](0)
+    Checkpointer(tmp_path).save(1, model=model, optimizer=optimizer)
+    marker = tmp_path / "step-00000001" / MARKER
+    assert json.loads(marker.read_text())["format"] == FORMAT
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"format": FORMAT + 1}))
+    with (
+        pytest.warns(CheckpointWarning),
+        pytest.raises(BadInput, match=f"its format {FORMAT + 1} is not one this redline reads"),
+    ):
+        Checkpointer(tmp_path).load_latest(model=model, optimizer=optimizer)
+
+
 def test_empty_or_missing_directory_has_no_checkpoint(tmp_path, loop):
     model, optimizer, _ = loop["build"](0)
     for directory in (tmp_path / "missing", tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import tp_worker
+from torch.distributed.checkpoint import FileSystemReader
 
 import redline
 from ranks import spawn_ranks
@@ -108,6 +109,18 @@ def test_tensor_parallel_groups_beside_data_parallel_ranks_train_as_one_process(
     assert_same(got, one_process(tmp_path, "gpt", micro_batch=8))
 
 
+@pytest.mark.slow
+def test_gpt2_tensor_parallel_groups_beside_fsdp_train_to_one_process_whole_weights_packed_bias_too(
+    tmp_path: Path,
+) -> None:
+    """TP2 x DP2 of GPT-2: FSDP2 leaves the packed c_attn's packed dimension to tensor parallelism (the weight
+    sharded along its other dimension, the 1-D bias whole on each data rank), so every parameter gathered
+    whole (``full_tensor()``), c_attn's bias included, is one process's."""
+    got = ranks(tmp_path, "gpt2", 4, {"data": 2, "tensor": 2, "micro_batch": 4, "sharding": "fsdp"})
+    assert "transformer.h.0.attn.c_attn.bias" in got[0]
+    assert_same(got, one_process(tmp_path, "gpt2", micro_batch=8))
+
+
 def test_a_head_count_the_degree_does_not_divide_is_one_line_before_anything_is_sharded() -> None:
     from redline.errors import BadInput
     from redline.runtime.tensor_parallel import check_divisible, find_plan
@@ -149,6 +162,31 @@ def test_a_tensor_parallel_run_resumes_from_its_checkpoint_bit_identically(tmp_p
     directory = str(tmp_path / "checkpoints")
     ranks(tmp_path / "first", "gpt", 2, strategy, CHECKPOINT_DIR=directory, STEPS="2")
     weights, losses = ranks(tmp_path / "second", "gpt", 2, strategy, CHECKPOINT_DIR=directory)
+    assert losses == whole[1][2:]  # the resumed run's own steps
+    for name, value in whole[0].items():
+        assert torch.equal(weights[name], value), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "strategy"),
+    [(2, {"tensor": 2, "micro_batch": 8}), (4, {"data": 2, "tensor": 2, "micro_batch": 4, "sharding": "fsdp"})],
+    ids=["tp2", "tp2xdp2"],
+)
+def test_a_tensor_parallel_gpt2_resumes_from_its_checkpoint_bit_identically(
+    tmp_path: Path, world: int, strategy: dict
+) -> None:
+    """GPT-2's packed c_attn (a ``_StridedShard``, which DCP refuses) is saved as its q, k and v shares, with
+    its optimizer state (SGD's momentum buffers), and written back on load."""
+    whole = ranks(tmp_path / "whole", "gpt2", world, strategy, MOMENTUM="0.9")
+    directory = tmp_path / "checkpoints"
+    ranks(tmp_path / "first", "gpt2", world, strategy, MOMENTUM="0.9", CHECKPOINT_DIR=str(directory), STEPS="2")
+    saved = FileSystemReader(directory / "step-00000002").read_metadata().state_dict_metadata
+    packed = "transformer.h.1.attn.c_attn"
+    assert {f"model.{packed}.bias.packed2", f"optim.state.{packed}.weight.momentum_buffer.packed0"} <= saved.keys()
+    assert not {f"model.{packed}.weight", f"optim.state.{packed}.bias.momentum_buffer"} & saved.keys()
+    assert saved[f"model.{packed}.weight.packed1"].size == (32, 32)  # one projection of the Conv1D (32, 96)
+    weights, losses = ranks(tmp_path / "second", "gpt2", world, strategy, MOMENTUM="0.9", CHECKPOINT_DIR=str(directory))
     assert losses == whole[1][2:]  # the resumed run's own steps
     for name, value in whole[0].items():
         assert torch.equal(weights[name], value), name
@@ -197,6 +235,48 @@ def test_the_planner_is_told_which_parameters_the_plan_splits() -> None:
     block |= {f"transformer.h.0.{name}" for name in ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")}
     assert split == block | {"transformer.wte.weight", "lm_head.weight"}  # tied: one parameter, two names
     assert split_parameters(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("gpus", "degrees"), [(2, (1, 2)), (4, (2, 2))], ids=["tp2", "tp2xdp2"])
+def test_redline_run_resumes_a_tensor_parallel_gpt2_plan_bit_identically(
+    tmp_path: Path, gpus: int, degrees: tuple[int, int]
+) -> None:
+    """`redline plan --tp 2` for a tiny GPT-2's config.json, `redline run --plan` of a script training it,
+    stopped after 2 steps with a checkpoint and run again: the second run resumes where the first stopped
+    and ends with the weights (and step losses) of a run that did not stop, bit for bit."""
+    import yaml
+
+    from conftest import run_cli
+
+    tp_worker.make_model("gpt2").config.to_json_file(tmp_path / "config.json")
+    plan = tmp_path / "plan.yaml"
+    args = ("--seq-len", str(tp_worker.SEQ), "--hardware", f"{gpus}xh100-sxm", "--precision", "fp32")
+    result = run_cli(
+        "plan", "--model", str(tmp_path / "config.json"), "--tp", "2", *args, "--global-batch", "8", "-o", str(plan)
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    strategy = yaml.safe_load(plan.read_text())["strategy"]
+    assert (strategy["data"], strategy["tensor"]) == degrees
+    source = str(Path(redline.__file__).parents[1])  # the ranks run this redline, whatever the working directory
+
+    def launch(name: str, **env: str) -> tuple[dict, list[float]]:
+        (tmp_path / name).mkdir()
+        out = tmp_path / name / "weights.pt"
+        path = os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])
+        env = {"MODEL": "gpt2", "OUT": str(out), "MOMENTUM": "0.9", "PYTHONPATH": path} | env
+        argv = ("run", "--plan", str(plan), "--nproc-per-node", str(gpus), str(WORKER))
+        result = run_cli(*argv, env=env, cwd=tmp_path / name)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return torch.load(out), json.loads((tmp_path / name / "weights.pt.losses.json").read_text())
+
+    whole = launch("whole")
+    directory = str(tmp_path / "checkpoints")
+    launch("first", CHECKPOINT_DIR=directory, STEPS="2")
+    weights, losses = launch("second", CHECKPOINT_DIR=directory)
+    assert len(whole[1]) > 2 and losses == whole[1][2:]
+    for name, value in whole[0].items():
+        assert torch.equal(weights[name], value), name
 
 
 def test_a_model_without_a_plan_is_told_how_to_give_one() -> None:

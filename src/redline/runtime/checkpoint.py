@@ -24,6 +24,10 @@ saved sharded, each rank writing its shards. Loading with another world size:
   8 ranks can resume what 4 wrote (or a single unsharded process can read it).
 - ZeRO-1 (``ZeroRedundancyOptimizer``, whose state DCP's state_dict API cannot read): the model goes
   through DCP, each rank's optimizer shard into its own file; it loads with the same world size only.
+- tensor parallelism: parameters are DTensors, saved sharded as FSDP2's are. A projection packing q, k
+  and v (GPT-2's ``c_attn``, whose ``_StridedShard`` DCP refuses) is saved as its three projections under
+  ``<name>.packed0`` ... (each rank its shares of each, no gather), so another tensor-parallel degree can
+  load it; a run without tensor parallelism names it whole and cannot load those (nor the other way).
 - per-rank state: with the same world size each rank gets its own RNG states and ``extra`` back; with
   another one every rank reads rank 0's file (scaler, scheduler, ``extra``) and the RNG states are left as
   the caller seeded them (with a warning), since the ranks' random streams no longer correspond.
@@ -63,6 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from redline import __version__
 from redline.errors import BadInput, RedlineError
+from redline.runtime.tensor_parallel import join_packed, packed_dim, split_packed
 
 # the optimizer's state dict keyed by parameter name throughout ("param_groups.<name>.lr"): torchtitan's choice,
 # and what pipeline stages need (a nested "param_groups" list is one object DCP writes from one rank only)
@@ -71,9 +76,13 @@ MARKER = "COMPLETE"
 # the micro-batch a restart must use after an out-of-memory inside a gradient collective (see record_micro_batch)
 MICRO_BATCH_FILE = ".micro-batch.json"
 ATTEMPTS_FILE = ".attempts"  # how many times a run started on this directory (hidden, like the record)
-# of the COMPLETE marker, the per-rank files and the optimizer's layout (2: flattened, each parameter's group
-# settings under its own name, so pipeline ranks holding different parameters do not overwrite each other's)
-FORMAT = 2
+# of the COMPLETE marker, the per-rank files and the state's layout (2: the optimizer's flattened, each
+# parameter's group settings under its own name, so pipeline ranks holding different parameters do not
+# overwrite each other's; 3: a packed tensor-parallel parameter and its optimizer states saved as their
+# projections, "<name>.packed<i>", see _unpack). A format-2 checkpoint loads as before: it holds no packed
+# parameter, which format 2 could not save.
+FORMAT = 3
+PACKED = ".packed"
 # A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
 # test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
 SLOW_SAVE_ENV = "REDLINE_TEST_SLOW_SAVE_S"
@@ -342,9 +351,11 @@ class Checkpointer:
                 # optimizer's, those saved, the group settings alone where it had no state yet
                 model_state, template = get_state_dict(model, optimizer, options=FLAT)
                 saved = template if per_rank["optimizer_state_saved"] else _groups_only(template)
-                state = {"model": model_state, "optim": saved}
+                state = {"model": _unpack(model_state), "optim": _unpack(saved)}
             with _single_process_quiet():
                 dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+            if not zero:
+                state = {"model": _repack(model_state, state["model"]), "optim": _repack(saved, state["optim"])}
         except (Exception, CheckpointException) as exc:
             error = _one_line(exc)
         error = _first_error_of_all_ranks(error)
@@ -382,6 +393,8 @@ class Checkpointer:
         marker = _read_marker(path, step)
         if marker is None:
             return None, None, f"no valid {MARKER} marker"
+        if not isinstance(marker.get("format"), int) or marker["format"] > FORMAT:
+            return marker, None, f"its format {marker.get('format')!r} is not one this redline reads (up to {FORMAT})"
         same_world = marker["world_size"] == self.world_size
         name = _rank_file(self.rank if same_world else 0)
         try:
@@ -455,7 +468,36 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
         # becomes 1); a save must not change the run, so the state goes back to empty, saved so
         optimizer.state = defaultdict(dict)
         optim_state = _groups_only(optim_state)
-    return {"model": model_state, "optim": optim_state}, None
+    return {"model": _unpack(model_state), "optim": _unpack(optim_state)}, None
+
+
+def _unpack(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each packed tensor-parallel DTensor (``packed_dim``: GPT-2's ``c_attn`` weight and bias,
+    their optimizer states) replaced by its projections under ``<name>.packed<i>``, plain-sharded DTensors
+    whose local tensors are views of this rank's share: DCP saves those (it refuses ``_StridedShard``), and
+    loads into them in place. Every other entry as it is."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if packed_dim(value) is None:
+            out[key] = value
+            continue
+        for i, part in enumerate(split_packed(value)):
+            out[f"{key}{PACKED}{i}"] = part
+    return out
+
+
+def _repack(template: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+    """``template``'s keys with what DCP loaded into ``_unpack(template)``: the projections written back into
+    their packed tensors, every other entry as loaded (DCP loads tensors in place, replaces other values)."""
+    out = {}
+    for key, value in template.items():
+        found = packed_dim(value)
+        if found is None:
+            out[key] = loaded[key]
+        else:
+            join_packed(value, [loaded[f"{key}{PACKED}{i}"] for i in range(found[1])])
+            out[key] = value
+    return out
 
 
 def _groups_only(optim_state: dict[str, Any]) -> dict[str, Any]:

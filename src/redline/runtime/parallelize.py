@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.config import ActivationCheckpointConfig, DdpConfig, NumericsConfig
+from redline.runtime.tensor_parallel import average_gradients, fsdp_layout
 from redline.workload.selective import selective_checkpoint_context
 
 log = logging.getLogger("redline.runtime")
@@ -167,7 +168,9 @@ def apply_fsdp(
     reductions; ZeRO-2 keeps the parameters gathered after the forward, FSDP reshards them; HSDP shards within
     a node and replicates across nodes. ``mesh``: the data-parallel ranks to shard over (beside tensor
     parallelism), instead of all of them; DDP and ZeRO-1 plans shard there as ZeRO-2 does (DDP takes no
-    DTensor parameters), each rank holding its share of the parameters, gradients and optimizer states."""
+    DTensor parameters), each rank holding its share of the parameters, gradients and optimizer states.
+    There a packed projection's packed dimension is not cut again (``fsdp_layout``): its weight is sharded
+    along its other dimension, a 1-D packed bias left out of FSDP2, its gradient averaged by a hook."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = autocast_dtype(strategy.precision)
@@ -178,9 +181,15 @@ def apply_fsdp(
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         mesh = init_device_mesh(device.type, (world // per_node, per_node))
     reshard = strategy.sharding not in ("zero2", "ddp", "zero1")
+    place, ignored = None, set()
+    if mesh is not None and mesh.ndim == 1:  # beside tensor parallelism: packed projections' packed dimension
+        # is not cut again (fsdp_layout)
+        place, ignored = fsdp_layout(model, mesh)
+        average_gradients(ignored, mesh)
+    options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard, "shard_placement_fn": place}
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, **options, ignored_params=ignored)
+    fully_shard(model, **options, ignored_params=ignored)
     return model
 
 

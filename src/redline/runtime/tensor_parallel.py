@@ -14,13 +14,14 @@ Where the plan comes from, first match wins:
    (``BertModel``'s) and GPT-2 (``GPT2Model``'s), with or without a head around them.
 
 A projection that packs several side by side (GPT-2's ``c_attn``, ``[q | k | v]``) is split per projection
-(``PackedColwiseParallel``): each rank computes its heads of each, and the gathered weight
-(``full_tensor()``) is laid out as the model's. DCP cannot save such a weight yet (torch 2.13 rejects a
-rank's share in pieces as "overlapping chunks"): a tensor-parallel GPT-2 trains, but its checkpoints fail,
-one line. Beside FSDP over data ranks, where FSDP2 shards the packed dimension again (GPT-2's ``c_attn``
-bias, an ``nn.Linear``'s weight), it trains as one process does but ``full_tensor()`` of that parameter
-comes back in the wrong order (seen on TP2 x DP2). GPT-2's ``Conv1D`` stores its weight transposed: its own
-styles shard the other dimension.
+(``PackedColwiseParallel``, a ``_StridedShard``): each rank computes its heads of each, and the gathered
+weight (``full_tensor()``) is laid out as the model's. Beside FSDP over data ranks, FSDP2 must not cut the
+packed dimension again: it would cut a rank's ``[q_r | k_r | v_r]`` in contiguous pieces across the
+projections, a layout no DTensor placement describes (``full_tensor()`` came back out of order), so
+``fsdp_layout`` shards such a parameter along another dimension, or, a 1-D bias, leaves it whole on each
+data rank (``average_gradients``). DCP refuses ``_StridedShard`` placements; the checkpoint saves each
+packed parameter as its projections, plain shards (``checkpoint.py``). GPT-2's ``Conv1D`` stores its weight
+transposed: its own styles shard the other dimension.
 
 Attention heads, key/value heads and the vocabulary must divide by the degree: checked, one line, before
 anything is sharded. The logits come back whole on every rank (the head's output all-gathered), so the
@@ -47,6 +48,7 @@ from fnmatch import fnmatch
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
@@ -443,6 +445,107 @@ def _tie_again(group: list[tuple[nn.Module, str]]) -> None:
     kept = next((p for p in params if isinstance(p, DTensor)), params[0])
     for module, name in group:
         setattr(module, name, kept)
+
+
+def packed_dim(tensor: Any) -> tuple[int, int] | None:
+    """``(dim, packed)`` of a DTensor sharded per packed projection (``PackedColwiseParallel``: a
+    ``_StridedShard`` of ``packed`` projections along ``dim``); None for any other tensor.
+
+    FSDP2 writes ``_StridedShard`` too, on the data ranks' mesh dimension, where a later (tensor-parallel)
+    mesh dimension shards the same tensor dimension after it; a packing is the last to shard its dimension."""
+    found = _packing(tensor)
+    return None if found is None else (found[1].dim, found[1].split_factor)
+
+
+def _packing(tensor: Any) -> tuple[int, _StridedShard] | None:
+    """The mesh dimension and placement of a packed DTensor's packing (``packed_dim``)."""
+    placements = tuple(getattr(tensor, "placements", ()))
+    for index, placement in enumerate(placements):
+        later = placements[index + 1 :]
+        if isinstance(placement, _StridedShard) and not any(_shards(p, placement.dim) for p in later):
+            return index, placement
+    return None
+
+
+def _shards(placement: Placement, dim: int) -> bool:
+    return isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim
+
+
+def fsdp_layout(
+    model: nn.Module, dp_mesh: DeviceMesh
+) -> tuple[Callable[[nn.Parameter], Shard | None], set[nn.Parameter]]:
+    """How FSDP2 shards ``model`` over the data ranks ``dp_mesh`` beside tensor parallelism: its
+    ``shard_placement_fn``, and the parameters it must leave alone (``ignored_params``).
+
+    A packed parameter (``packed_dim``) is sharded along another dimension (FSDP2 takes dimension 0 cut
+    unevenly, any other only where it divides by the data ranks); one without such a dimension (GPT-2's
+    1-D ``c_attn`` bias, 3 x hidden numbers) is left out of FSDP2, whole on each data rank, its gradient
+    averaged over them by ``average_gradients``. FSDP2's default would cut the
+    packed dimension again: each data rank a contiguous piece of the tensor-parallel rank's
+    ``[q_r | k_r | v_r]``, pieces that straddle the projections. Training is right either way, but no
+    DTensor placement describes those pieces: FSDP2 labels them ``_StridedShard`` over the data ranks,
+    ``full_tensor()`` gathers them out of order, and the checkpoint cannot split them into projections.
+    FSDP2 (torch 2.13) cannot replicate one parameter over its mesh while it shards the others.
+    Every other parameter is sharded as FSDP2 does (dimension 0)."""
+    size = dp_mesh.size()
+
+    def other_dim(param: nn.Parameter) -> int | None:
+        found = packed_dim(param)
+        if found is None:
+            return None
+        dims = [d for d in range(param.ndim) if d != found[0] and (d == 0 or param.shape[d] % size == 0)]
+        return dims[0] if dims else None
+
+    def place(param: nn.Parameter) -> Shard | None:
+        dim = other_dim(param)
+        return None if dim is None else Shard(dim)
+
+    ignored = {p for p in model.parameters() if packed_dim(p) is not None and other_dim(p) is None}
+    return place, ignored
+
+
+def average_gradients(params: set[nn.Parameter], dp_mesh: DeviceMesh) -> None:
+    """Average each of ``params``' gradients over the data ranks ``dp_mesh`` as it is accumulated (what
+    FSDP2 does for the parameters it holds; these are the ones ``fsdp_layout`` leaves out of it). At every
+    backward, also those FSDP2 runs without reducing (accumulation): each rank's gradient is then the
+    average of the reduced earlier ones, alike on every rank, plus its own, so the mean is right."""
+    group = dp_mesh.get_group()
+
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        torch.distributed.all_reduce(grad, group=group)
+        grad.div_(dp_mesh.size())
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(hook)
+
+
+def split_packed(tensor: DTensor) -> list[DTensor]:
+    """A packed parameter (or optimizer state, ``packed_dim``) as its projections, each a DTensor of plain
+    ``Shard`` placements on the same mesh whose local tensor is a view of this rank's share of that projection:
+    what DCP can save (it refuses ``_StridedShard``) and reshard, with no gather. Undone by ``join_packed``.
+    The packed dimension must be sharded by nothing else (``fsdp_layout`` sees to that beside FSDP2)."""
+    found = _packing(tensor)
+    if found is None:
+        raise ValueError(f"not a packed DTensor: {getattr(tensor, 'placements', type(tensor).__name__)}")
+    index, packing = found
+    dim, packed = packing.dim, packing.split_factor
+    placements = list(tensor.placements)
+    if any(_shards(p, dim) for i, p in enumerate(placements) if i != index):
+        raise ValueError(f"the packed dimension {dim} is sharded twice ({tensor.placements}): cannot split it")
+    placements[index] = Shard(dim)
+    shape = list(tensor.shape)
+    shape[dim] //= packed
+    parts = tensor.to_local().chunk(packed, dim=dim)
+    size, stride = torch.Size(shape), torch.empty(shape, device="meta").stride()
+    mesh = tensor.device_mesh
+    return [DTensor.from_local(p, mesh, placements, run_check=False, shape=size, stride=stride) for p in parts]
+
+
+def join_packed(tensor: DTensor, parts: list[DTensor]) -> None:
+    """Write ``parts`` (``split_packed``'s, as loaded) back into the packed ``tensor``'s local share."""
+    dim, _ = packed_dim(tensor)
+    tensor.to_local().copy_(torch.cat([part.to_local() for part in parts], dim=dim))
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
