@@ -115,10 +115,13 @@ def test_gpt2_tensor_parallel_groups_beside_fsdp_train_to_one_process_whole_weig
 ) -> None:
     """TP2 x DP2 of GPT-2: FSDP2 leaves the packed c_attn's packed dimension to tensor parallelism (the weight
     sharded along its other dimension, the 1-D bias whole on each data rank), so every parameter gathered
-    whole (``full_tensor()``), c_attn's bias included, is one process's."""
-    got = ranks(tmp_path, "gpt2", 4, {"data": 2, "tensor": 2, "micro_batch": 4, "sharding": "fsdp"})
+    whole (``full_tensor()``), c_attn's bias included, is one process's. With the gradients clipped: they sit on
+    three meshes (data x tensor, the data ranks for a parameter the tensor plan leaves whole, the tensor ranks
+    for the packed bias), and the norm counts each once."""
+    strategy = {"data": 2, "tensor": 2, "micro_batch": 4, "sharding": "fsdp"}
+    got = ranks(tmp_path, "gpt2", 4, strategy, GRAD_CLIP="0.5")
     assert "transformer.h.0.attn.c_attn.bias" in got[0]
-    assert_same(got, one_process(tmp_path, "gpt2", micro_batch=8))
+    assert_same(got, ranks(tmp_path / "one-process", "gpt2", 1, {"micro_batch": 8}, GRAD_CLIP="0.5"))
 
 
 def test_a_head_count_the_degree_does_not_divide_is_one_line_before_anything_is_sharded() -> None:

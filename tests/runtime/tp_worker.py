@@ -4,8 +4,8 @@ run as one process by the tests, and as ranks by ``spawn_ranks`` (tensor paralle
 Environment: MODEL (gpt, llama, bert, gpt2, reference_gpt), STRATEGY (JSON of Strategy fields) or
 REDLINE_PLAN (a plan file, as `redline run --plan` sets it), OUT (the weights file; the losses go to
 OUT.losses.json, each rank's parameter bytes to OUT.bytes.RANK), and optionally CHECKPOINT_DIR, STEPS (stop
-after this many optimizer steps), MOMENTUM (SGD's; 0 unless given), NORM (a norm's module path: the
-sequence rows each of its forwards computed on go to OUT.rows.RANK).
+after this many optimizer steps), MOMENTUM (SGD's; 0 unless given), GRAD_CLIP (clip the gradients' norm to
+this), NORM (a norm's module path: the sequence rows each of its forwards computed on go to OUT.rows.RANK).
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def train(kind: str, plan, *, checkpoint_dir: str | None = None, steps: int | No
         loader,
         plan=plan,
         checkpoint_dir=checkpoint_dir,
+        grad_clip_norm=float(os.environ["GRAD_CLIP"]) if os.environ.get("GRAD_CLIP") else None,
     )
     if os.environ.get("NORM"):
         run.model.get_submodule(os.environ["NORM"]).register_forward_hook(

@@ -65,3 +65,36 @@ def agree(flag: bool, op: dist.ReduceOp, *, world: int, device: torch.device) ->
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=op)
     return bool(value.item())
+
+
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float, *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Scale the gradients of ``params`` so that their global 2-norm is at most ``max_norm``; the norm before.
+
+    Under tensor parallelism the gradients are DTensors on more than one mesh (beside FSDP2: the data x tensor
+    mesh for most, the data ranks alone for a parameter the tensor plan leaves whole, the tensor ranks for a
+    packed bias FSDP2 leaves out), whose norms ``torch.nn.utils.clip_grad_norm_`` cannot stack. Here each
+    mesh and layout gets one norm (one collective), made whole, and their squares are summed; with ``group``
+    (the pipeline's ranks, each holding other layers) summed over it too."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    by_layout: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        by_layout.setdefault(key, []).append(grad)
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device if grads else None
+    squares = torch.zeros((), device=device)
+    for same in by_layout.values():
+        norm = torch.nn.utils.get_total_norm(same)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += norm.float() ** 2
+    if group is not None:
+        dist.all_reduce(squares, group=group)
+    total = squares.sqrt()
+    scale = min(1.0, max_norm / (total.item() + 1e-6))
+    if scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return total

@@ -384,21 +384,20 @@ class Pipeline:
             dist.all_reduce(_local(param.grad), group=self._tied_group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """``clip_grad_norm_`` over the whole model: the squared norms of this rank's gradients (gathered over
-        the data and tensor ranks where they are sharded) summed over the pipeline ranks, a tied weight counted
+        """``clip_grad_norm_`` over the whole model: the norms of this rank's gradients (made whole over the
+        data and tensor ranks where they are sharded) summed over the pipeline ranks, a tied weight counted
         once, as one process counts it."""
+        from redline.runtime.distributed import clip_grad_norm
+
         counted_elsewhere = {id(p) for p in self._tied_params(on="last")}
         params = list({id(p): p for stage in self.stages for p in stage.parameters() if p.grad is not None}.values())
-        squares = torch.zeros((), device=self._device)
-        for param in params:
-            if id(param) not in counted_elsewhere:
-                norm = param.grad.norm()
-                squares += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
-        dist.all_reduce(squares, group=self.group)
-        total = squares.sqrt()
+        counted = [p for p in params if id(p) not in counted_elsewhere]
+        total = clip_grad_norm(counted, max_norm, group=self.group)
         scale = min(1.0, max_norm / (total.item() + 1e-6))
-        for param in params:
-            param.grad.mul_(scale)
+        if scale < 1.0:  # the tied copy on the last stage, which the norm counted on the first
+            for param in params:
+                if id(param) in counted_elsewhere:
+                    param.grad.mul_(scale)
         return total
 
 

@@ -60,7 +60,7 @@ from torch import nn
 from redline.errors import BadInput
 from redline.runtime.batch import to_device, tokens_per_sample
 from redline.runtime.config import RunConfig, check_runnable, default_config, from_plan_file, runtime_from_env
-from redline.runtime.distributed import agree, init_distributed
+from redline.runtime.distributed import agree, clip_grad_norm, init_distributed
 from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
 from redline.runtime.fp8 import apply_fp8
 from redline.runtime.mesh import ParallelDims, RunMesh, build_mesh
@@ -524,6 +524,8 @@ class Run:
                 self.scaler.unscale_(self.optimizer)
                 if self.pipeline is not None:  # the norm over every stage's gradients
                     self.pipeline.clip_grad_norm_(self.config.numerics.grad_clip_norm)
+                elif self.mesh is not None:  # gradients on several meshes (tensor parallelism beside FSDP2)
+                    clip_grad_norm(list(self.model.parameters()), self.config.numerics.grad_clip_norm)
                 else:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.numerics.grad_clip_norm)
             scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
