@@ -154,7 +154,16 @@ def test_activations_grow_with_micro_batch_and_pipeline_in_flight() -> None:
 def test_tensor_parallel_with_sequence_parallel_divides_activations() -> None:
     one = memory_per_gpu(LLAMA7, strategy(data=1), gpus_per_node=8)
     tp8 = memory_per_gpu(LLAMA7, strategy(data=1, tensor=8, sequence_parallel=True), gpus_per_node=8)
-    assert tp8.activations == pytest.approx(one.activations / 8)
+    # the blocks and the embedding's output split 8 ways; the head's not: the runtime gathers the logits whole on
+    # every rank (and its input for the head's matmul)
+    micro_batch = strategy(data=1).micro_batch
+    head = sum(
+        layer.activation_bytes_per_sample["16bit"] * micro_batch
+        for layer in LLAMA7.layers
+        if not layer.is_block and not layer.table_params
+    )
+    assert head > 0
+    assert tp8.activations == pytest.approx((one.activations - head) / 8 + head)
     assert tp8.weights == pytest.approx(one.weights / 8)
 
 
