@@ -97,8 +97,8 @@ def test_one_process(tmp_path: Path, model: str, strategy: dict) -> None:
 
 
 TP_BLOCKS = "the traced block scaled by Korthikanti's TP/SP split"
-# the runtime's own stage code (positions, rotary tables, masks) and the stage outputs the schedule holds
-PIPELINE = "per-micro-batch tensors of the runtime's stage code and the schedule"
+# the runtime's own stage code (positions, rotary tables) and the last stage's tensors around the loss
+PIPELINE = "per-micro-batch tensors of the runtime's stage code and the last stage's loss"
 RANKS = [
     pytest.param("llama", {"tensor": 2, "micro_batch": 8}, marks=known_gap("1.010: " + TP_BLOCKS)),
     pytest.param(
@@ -110,16 +110,16 @@ RANKS = [
     # a traced factory has no transformer shape: the plan keeps its blocks' activations whole on a TP rank
     pytest.param("gpt", {"tensor": 2, "micro_batch": 8}, marks=known_gap("0.69: no TP split without a shape")),
     pytest.param(
-        "llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}, marks=known_gap("0.991, 1.035: " + PIPELINE)
+        "llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}, marks=known_gap("0.965, 1.035: " + PIPELINE)
     ),
-    ("llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "gpipe"}),  # 0.976, 0.961
+    ("llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "gpipe"}),  # 0.950, 0.961
     pytest.param(
         "gpt",
         {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "interleaved", "virtual_stages": 2},
-        marks=known_gap("1.125, 1.108: " + PIPELINE),
+        marks=known_gap("1.060, 1.080: " + PIPELINE),
     ),
     pytest.param(
-        "gpt2", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}, marks=known_gap("1.026, 1.052: " + PIPELINE)
+        "gpt2", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}, marks=known_gap("1.008, 1.052: " + PIPELINE)
     ),
     ("llama", {"data": 2, "sharding": "fsdp", "micro_batch": 4}),  # 0.950
     ("gpt2", {"data": 2, "micro_batch": 4}),  # 1.000 (364 bytes under)
