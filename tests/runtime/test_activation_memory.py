@@ -1,0 +1,132 @@
+"""The plan's activation bytes per rank against what each rank of a real CPU step saves (PyTorch's MemTracker,
+its "Activation" category as each backward begins: what the forward passes in flight saved), under the runtime's
+tensor, pipeline and data parallelism and in one process, for tiny Llama, GPT-2 (from their configs) and the
+repo's GPT, fp32.
+
+The plan must not be under what a rank holds, nor far over it: 0.8 <= measured / planned <= 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import activation_worker
+import pytest
+import tp_worker
+
+from ranks import spawn_ranks
+from redline.plan.memory import stage_memory, stages
+from redline.plan.strategy import Strategy
+from redline.workload.load import load_workload
+from redline.workload.profile import WorkloadProfile
+
+WORKER = Path(activation_worker.__file__)
+LAYERS = 4
+LOWEST = 0.8  # measured / planned: below this the plan is far over what a rank holds
+
+
+def profile_of(model: str, tmp_path: Path) -> WorkloadProfile:
+    """The planner's profile of the model, as ``redline plan --model`` makes it: a config.json for the Hugging Face
+    models, the worker's factory for the repo's GPT."""
+    if model == "gpt":
+        os.environ["LAYERS"] = str(LAYERS)
+        return load_workload("activation_worker:gpt", seq_len=tp_worker.SEQ)
+    tp_worker.make_model(model, layers=LAYERS).config.to_json_file(tmp_path / "config.json")
+    return load_workload(str(tmp_path / "config.json"), seq_len=tp_worker.SEQ)
+
+
+def planned_per_rank(profile: WorkloadProfile, strategy: Strategy) -> list[float]:
+    """The plan's activation bytes of each pipeline stage, first to last (one figure without a pipeline)."""
+    return [
+        stage_memory(profile, strategy, stage, gpus_per_node=strategy.gpus).activations
+        for stage in stages(profile, strategy.pipeline)
+    ]
+
+
+def measured_per_rank(tmp_path: Path, model: str, strategy: dict) -> list[dict[str, int]]:
+    """Each rank's activation peaks ({"saved": ..., "forward": ..., "step": ...}), rank 0 first."""
+    world = Strategy(**strategy).gpus
+    out = tmp_path / "peaks"
+    env = {"MODEL": model, "LAYERS": str(LAYERS), "STRATEGY": json.dumps(strategy), "OUT": str(out)}
+    spawn_ranks(WORKER, world, store=tmp_path / "store", env=env)
+    return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(world)]
+
+
+def pipeline_rank(strategy: Strategy, rank: int) -> int:
+    """The pipeline stage of a rank: the runtime's mesh puts the pipeline outermost."""
+    return rank // (strategy.gpus // strategy.pipeline)
+
+
+def check(tmp_path: Path, model: str, strategy: dict) -> list[float]:
+    strategy = {"precision": "fp32"} | strategy
+    planned = planned_per_rank(profile_of(model, tmp_path), Strategy(**strategy))
+    measured = measured_per_rank(tmp_path, model, strategy)
+    ratios = []
+    for rank, peaks in enumerate(measured):
+        ratio = peaks["saved"] / planned[pipeline_rank(Strategy(**strategy), rank)]
+        ratios.append(ratio)
+    print(f"{model} {strategy}: measured/planned per rank {[round(r, 3) for r in ratios]} {measured} {planned}")  # -s
+    for rank, ratio in enumerate(ratios):
+        assert LOWEST <= ratio <= 1.0, f"{model} rank {rank}: measured/planned activations = {ratio:.3f}"
+    return ratios
+
+
+def known_gap(reason: str) -> pytest.MarkDecorator:
+    """A case the planner is known to miss, with what was measured: strict, so that fixing it fails the test
+    until the mark goes."""
+    return pytest.mark.xfail(reason=reason, strict=True)
+
+
+# per-step tensors the tracer fits away (it measures activations per sample): the position ids and the loss's
+# scalars (148 bytes), under checkpointing Llama's rotary cos/sin kept once for every block (1 KiB)
+CONSTANTS = "per-step tensors the per-sample tracer fits away (148 B; 1 KiB of rotary tables when checkpointed)"
+ONE_PROCESS = [
+    ("llama", {"micro_batch": 8}),  # 0.949
+    ("gpt2", {"micro_batch": 8}),  # 1.000 (876 bytes under)
+    pytest.param("gpt", {"micro_batch": 8}, marks=known_gap("1.0001: " + CONSTANTS)),
+    pytest.param("llama", {"micro_batch": 8, "checkpointing": "full"}, marks=known_gap("1.006: " + CONSTANTS)),
+    pytest.param("llama", {"micro_batch": 8, "checkpointing": "selective"}, marks=known_gap("1.002: " + CONSTANTS)),
+]
+
+
+@pytest.mark.parametrize(("model", "strategy"), ONE_PROCESS)
+def test_one_process(tmp_path: Path, model: str, strategy: dict) -> None:
+    check(tmp_path, model, strategy)
+
+
+TP_BLOCKS = "the traced block scaled by Korthikanti's TP/SP split"
+# the runtime's own stage code (positions, rotary tables) and the last stage's tensors around the loss
+PIPELINE = "per-micro-batch tensors of the runtime's stage code and the last stage's loss"
+RANKS = [
+    pytest.param("llama", {"tensor": 2, "micro_batch": 8}, marks=known_gap("1.010: " + TP_BLOCKS)),
+    pytest.param(
+        "llama", {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}, marks=known_gap("1.025: " + TP_BLOCKS)
+    ),
+    pytest.param(
+        "gpt2", {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}, marks=known_gap("1.056: " + TP_BLOCKS)
+    ),
+    # a traced factory has no transformer shape: the plan keeps its blocks' activations whole on a TP rank
+    pytest.param("gpt", {"tensor": 2, "micro_batch": 8}, marks=known_gap("0.69: no TP split without a shape")),
+    pytest.param(
+        "llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}, marks=known_gap("0.965, 1.035: " + PIPELINE)
+    ),
+    ("llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "gpipe"}),  # 0.950, 0.961
+    pytest.param(
+        "gpt",
+        {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "interleaved", "virtual_stages": 2},
+        marks=known_gap("1.060, 1.080: " + PIPELINE),
+    ),
+    pytest.param(
+        "gpt2", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}, marks=known_gap("1.008, 1.052: " + PIPELINE)
+    ),
+    ("llama", {"data": 2, "sharding": "fsdp", "micro_batch": 4}),  # 0.950
+    ("gpt2", {"data": 2, "micro_batch": 4}),  # 1.000 (364 bytes under)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "strategy"), RANKS)
+def test_ranks(tmp_path: Path, model: str, strategy: dict) -> None:
+    check(tmp_path, model, strategy)
