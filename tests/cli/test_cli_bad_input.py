@@ -198,6 +198,7 @@ BASES: dict[tuple[str, ...], dict[str, list[str]]] = {
         "--deadline": ["-m", "gpt2", "--cloud", "--tokens", "1B"],
     },
     ("run",): {"*": ["--dry-run", "train.py"], "script": ["--dry-run"]},
+    ("tune",): {"*": ["--dry-run", "train.py"], "script": ["--dry-run"]},
     ("monitor",): {"*": ["--once", "--interval", "0.1"], "--interval": ["--once"], "--listen": ["--once", "--port"]},
     ("report",): {"*": ["run.rlm"], "record": []},
     ("catalog", "gpus"): {"*": []},

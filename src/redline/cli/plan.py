@@ -9,7 +9,7 @@ runtime reads. `--cloud` ranks cloud instances and node counts by cost and by ti
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -19,6 +19,9 @@ from redline.cli import params, ui
 from redline.errors import BadInput
 from redline.report.output import write_output
 from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count, parse_duration
+
+if TYPE_CHECKING:
+    from redline.workload.profile import WorkloadProfile
 
 # the options, one line each in plan()'s signature
 Model = Annotated[
@@ -158,7 +161,6 @@ def plan(
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
     from redline.plan.estimate import Goal
-    from redline.workload.load import load_workload
     from redline.workload.presets import PRESET_NAMES
 
     if list_models:
@@ -171,14 +173,7 @@ def plan(
         precision, optimizer, sharding, tensor, pipeline, micro_batch, accumulation, checkpointing
     )
     constraints = _layout(constraints, sequence_parallel, flash_attention, schedule, virtual_stages, memory_margin)
-    profile = load_workload(
-        model,
-        params=_count("--params", params),
-        seq_len=seq_len,
-        input_shape=_shape(input_shape),
-        analytic=analytic,
-        tensor_split=_tensor_split,
-    )
+    profile = _profile(model, params, seq_len, input_shape, analytic)
     tokens_total, samples = _amount(profile, tokens, epochs, dataset_size, seq_len)
     if global_batch is not None and global_batch < 1:
         raise BadInput(f"--global-batch must be at least 1, not {global_batch}")
@@ -203,6 +198,23 @@ def plan(
             f"global batch {batch} is a default (about 0.5M tokens or 256 images per step); set --global-batch"
         )
     _write(profile, cluster, goal, result, notes, _runtime_section(runtime), output, json_output, top)
+
+
+def _profile(
+    model: str | None, params: str | None, seq_len: int | None, input_shape: str | None, analytic: bool
+) -> WorkloadProfile:
+    """The model's workload profile; a traced one counts, per layer, what the runtime's tensor-parallel plan
+    splits (``_tensor_split``)."""
+    from redline.workload.load import load_workload
+
+    return load_workload(
+        model,
+        params=_count("--params", params),
+        seq_len=seq_len,
+        input_shape=_shape(input_shape),
+        analytic=analytic,
+        tensor_split=_tensor_split,
+    )
 
 
 def _tensor_split(module: Any) -> set[str] | None:

@@ -40,34 +40,13 @@ def tune(
 ) -> None:
     """Find the fastest way to run a training script on this machine, by running it."""
     from redline.capability import require_torch
-    from redline.errors import BadInput
-    from redline.units import parse_duration
 
     require_torch("redline tune runs the script")
-    from redline.tune.journal import Journal
-    from redline.tune.search import Budget, Tuner
     from redline.tune.space import Machine, default_space, restrict
     from redline.tune.trial import Setup
 
-    if not Path(script).is_file():
-        raise BadInput(f"{script}: no such script")
-    for name, value, lowest in (("--nproc-per-node", nproc_per_node, 1), ("--trial-steps", trial_steps, 1)):
-        if value < lowest:
-            raise BadInput(f"{name} must be at least {lowest}, not {value}")
-    if warmup < 0 or (max_trials is not None and max_trials < 1) or (steps is not None and steps < 1):
-        raise BadInput("--warmup must be 0 or more, --max-trials and --steps 1 or more")
-    try:
-        seconds = parse_duration(budget) if budget is not None else None
-        timeout_s = parse_duration(trial_timeout)
-    except ValueError as exc:
-        raise BadInput(f"--budget/--trial-timeout: {exc}") from None
-    from redline.plan.planfile import PLAN_MARKER
-    from redline.report.output import check_target
-    from redline.tune.report import GENERATOR
-
-    for target, marker in ((output, PLAN_MARKER), (html, GENERATOR)):  # refused now, not after the trials
-        if target is not None:
-            check_target(target, marker=marker)
+    seconds, timeout_s = _checked(script, nproc_per_node, trial_steps, warmup, max_trials, steps, budget, trial_timeout)
+    _check_targets(output, html)
     base = _base_plan(plan, nproc_per_node)
     machine = Machine.here(nproc_per_node)
     knobs = restrict(default_space(machine), space)
@@ -83,11 +62,77 @@ def tune(
     if dry_run:
         _dry_run(knobs, base, setup, json_output)
         return
+    outcome, journal = _search(setup, machine, knobs, base, cache_dir, seconds, max_trials, json_output)
+    if output is not None and outcome.plan is not None:
+        _write_plan(output, outcome.plan)
+    if html is not None:
+        from redline.report.output import write_output
+        from redline.tune.report import GENERATOR, html_report
+
+        write_output(html, html_report(outcome, Path(script).name), marker=GENERATOR)
+    if json_output:
+        ui.print_json(_to_json(outcome, journal))
+        return
+    _print(outcome, journal, output)
+
+
+def _checked(
+    script: str,
+    nproc_per_node: int,
+    trial_steps: int,
+    warmup: int,
+    max_trials: int | None,
+    steps: int | None,
+    budget: str | None,
+    trial_timeout: str,
+) -> tuple[float | None, float]:
+    """The options checked, each bad one a line: the budget's and a trial's limit in seconds."""
+    from redline.errors import BadInput
+    from redline.units import parse_duration
+
+    if not Path(script).is_file():
+        raise BadInput(f"{script}: no such script")
+    for name, value, lowest in (("--nproc-per-node", nproc_per_node, 1), ("--trial-steps", trial_steps, 1)):
+        if value < lowest:
+            raise BadInput(f"{name} must be at least {lowest}, not {value}")
+    if warmup < 0 or (max_trials is not None and max_trials < 1) or (steps is not None and steps < 1):
+        raise BadInput("--warmup must be 0 or more, --max-trials and --steps 1 or more")
+    try:
+        return (parse_duration(budget) if budget is not None else None), parse_duration(trial_timeout)
+    except ValueError as exc:
+        raise BadInput(f"--budget/--trial-timeout: {exc}") from None
+
+
+def _check_targets(output: Path | None, html: Path | None) -> None:
+    """The files the tune will write, refused now rather than after the trials."""
+    from redline.plan.planfile import PLAN_MARKER
+    from redline.report.output import check_target
+    from redline.tune.report import GENERATOR
+
+    for target, marker in ((output, PLAN_MARKER), (html, GENERATOR)):
+        if target is not None:
+            check_target(target, marker=marker)
+
+
+def _search(
+    setup: Any,
+    machine: Any,
+    knobs: dict[str, list[Any]],
+    base: dict[str, Any] | None,
+    cache_dir: Path | None,
+    seconds: float | None,
+    max_trials: int | None,
+    quiet: bool,
+) -> tuple[Outcome, Path]:
+    """The tune itself, its journal opened (and said when it goes on from an earlier one), a progress bar
+    counting the trials: the outcome and the journal's path."""
+    from redline.tune.journal import Journal
+    from redline.tune.search import Budget, Tuner
+
     journal = Journal.open(setup, base, cache_dir)
-    workdir = journal.path.with_suffix("")
-    if journal.resumed and not json_output:
+    if journal.resumed and not quiet:
         ui.warn(f"going on from {journal.path}: {len(journal.results)} trial(s) there are not run again")
-    with ui.progress_bar(enabled=not json_output) as progress:
+    with ui.progress_bar(enabled=not quiet) as progress:
         done: list[Trial] = []
 
         def advance(trial: Trial) -> None:
@@ -99,24 +144,13 @@ def tune(
             machine,
             knobs,
             journal,
-            workdir,
+            journal.path.with_suffix(""),
             base_plan=base,
             budget=Budget(seconds=seconds, trials=max_trials),
             device_memory=_device_memory(),
             progress=advance,
         )
-        outcome = tuner.tune()
-    if output is not None and outcome.plan is not None:
-        _write_plan(output, outcome.plan)
-    if html is not None:
-        from redline.report.output import write_output
-        from redline.tune.report import html_report
-
-        write_output(html, html_report(outcome, Path(script).name), marker=GENERATOR)
-    if json_output:
-        ui.print_json(_to_json(outcome, journal.path))
-        return
-    _print(outcome, journal.path, output)
+        return tuner.tune(), journal.path
 
 
 def _base_plan(plan: Path | None, ranks: int) -> dict[str, Any] | None:
