@@ -224,7 +224,6 @@ class Tuner:
                     break
                 if self._speed(result) > best * (1 + self.gain):
                     leader, best = candidate, self._speed(result)
-        outcome.trials = self.trials
         self._choose(outcome, baseline, start)
         return outcome
 
