@@ -57,6 +57,7 @@ def gpt(hidden: int, layers: int, heads: int, seq_len: int = 2048) -> Transforme
         seq_len=seq_len,
         position_embeddings=seq_len,
         dropout=True,
+        residual_bytes=2,  # Megatron-LM's bf16 residual stream
     )
 
 
@@ -180,6 +181,9 @@ CASES = [
             norm="rmsnorm",
             bias=False,
             dropout=False,
+            # Meta's stack is not public; modelled as Megatron's: bf16 residual stream, fused SwiGLU
+            residual_bytes=2,
+            fused_gated_activation=True,
         ),
         "h100-sxm",
         8192,

@@ -24,6 +24,7 @@ from redline.workload.transformer import (
     logits_activation_bytes,
     logits_forward_flops,
     narayanan_step_flops,
+    transformer_profile,
 )
 
 EXACT = 1e-9
@@ -412,6 +413,33 @@ def test_megatron_generalised_selective_sp_term(ffn_ratio: int, t: int) -> None:
         shape, s, tensor_parallel=t, sequence_parallel=True, flash_attention=False, selective_recompute=True
     )
     assert got == pytest.approx(s * h * (18 + 4 * ffn_ratio) / t, rel=EXACT)
+
+
+def test_a_fused_swiglu_keeps_one_f_wide_tensor_fewer() -> None:
+    # Megatron's fused SwiGLU saves its input (gate and up) and recomputes act(gate); the down projection still
+    # saves the product: 3 f-wide tensors where eager PyTorch keeps 4 (gate, up, act(gate), product)
+    s, t = 2048, 8
+    llama = TransformerShape(layers=1, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000, seq_len=s, gated_mlp=True)
+    eager = block_activation_bytes(llama, s, tensor_parallel=t, sequence_parallel=True)
+    fused = block_activation_bytes(
+        llama.replace(fused_gated_activation=True), s, tensor_parallel=t, sequence_parallel=True
+    )
+    assert eager - fused == 2 * s * 11008 / t
+
+
+def test_a_bf16_residual_stream_halves_what_full_checkpointing_keeps() -> None:
+    shape = gpt(1024, 2, 16, seq_len=512)
+    autocast = transformer_profile(shape, name="a", source="test").blocks[0]
+    megatron = transformer_profile(shape.replace(residual_bytes=2), name="m", source="test").blocks[0]
+    assert autocast.input_bytes_per_sample["16bit"] == 4 * 512 * 1024
+    assert megatron.input_bytes_per_sample["16bit"] == 2 * 512 * 1024
+    assert megatron.input_bytes_per_sample["fp32"] == 4 * 512 * 1024  # an fp32 step's residual stays fp32
+    # each block's two norms save the residual stream: 2 x s x h x 2 bytes fewer
+    assert (
+        autocast.activation_bytes_per_sample["16bit"] - megatron.activation_bytes_per_sample["16bit"] == 4 * 512 * 1024
+    )
+    with pytest.raises(ValueError, match="residual_bytes"):
+        shape.replace(residual_bytes=3)
 
 
 @pytest.mark.parametrize("t", [1, 8])

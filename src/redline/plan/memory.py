@@ -37,8 +37,6 @@ from redline.units import MiB
 from redline.workload.profile import LayerProfile, WorkloadProfile
 from redline.workload.transformer import block_activation_bytes
 
-# PyTorch autocast keeps fp32 parameters and so an fp32 residual stream: each norm saves a 4-byte input
-AUTOCAST_NORM_INPUT_BYTES = 4
 DDP_BUCKET_BYTES = 25 * MiB  # DistributedDataParallel(bucket_cap_mb=25); two buckets in flight
 FRAGMENTATION = 0.05  # the caching allocator's reserved-over-allocated margin for a steady training loop
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context and kernels with lazy loading (CUDA_MODULE_LOADING=LAZY)
@@ -154,7 +152,7 @@ def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: St
             shape,
             profile.tokens_per_sample,
             bytes_per_value=value,
-            norm_input_bytes=AUTOCAST_NORM_INPUT_BYTES,
+            norm_input_bytes=max(value, shape.residual_bytes),  # each norm saves the residual stream
             tensor_parallel=t,
             sequence_parallel=sp,
             flash_attention=strategy.flash_attention,

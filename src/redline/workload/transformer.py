@@ -140,7 +140,8 @@ def block_activation_bytes(
     - replicated under TP without SP: two norm inputs, the attention and MLP inputs (4 values), plus the
       two 1-byte dropout masks;
     - split by t: Q, K, V, the attention output (projection input), the MLP's inner activations (2 per
-      f-wide tensor, 4 when gated: gate, up, act(gate) and their product);
+      f-wide tensor, 4 when gated: gate, up, act(gate) and their product; 3 when one fused kernel computes
+      act(gate) * up, as Megatron's SwiGLU does: it keeps its input, gate and up, and the product);
     - the s x s attention core, 5as^2 bytes at 16 bits (softmax output, its dropout mask and output),
       which flash attention replaces by a log-sum-exp of a*s fp32 values and selective recompute drops.
 
@@ -157,7 +158,7 @@ def block_activation_bytes(
     norm = norm_input_bytes or value
     replicated = (2 * norm + 2 * value) * s * h + mask * 2 * s * h  # 2 norm inputs, attention and MLP inputs, masks
     split = value * s * (q + 2 * kv + q)  # Q, K, V, attention output
-    split += value * s * f * (4 if shape.gated_mlp else 2)
+    split += value * s * f * _mlp_inner_tensors(shape)
     if flash_attention:
         core = 4 * a * s  # fp32 log-sum-exp per head and position
     elif selective_recompute:
@@ -171,6 +172,14 @@ def block_activation_bytes(
     if sequence_parallel:
         return (replicated + split) / t
     return replicated + split / t
+
+
+def _mlp_inner_tensors(shape: TransformerShape) -> int:
+    """How many f-wide tensors the MLP saves: its activation's input and output (2), or, gated, the gate, the up
+    projection, act(gate) and the product (4), of which a fused act(gate) * up kernel recomputes act(gate) (3)."""
+    if not shape.gated_mlp:
+        return 2
+    return 3 if shape.fused_gated_activation else 4
 
 
 def logits_activation_bytes(
@@ -231,12 +240,15 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
                 params=block_params(shape, decoder=decoder),
                 forward_flops_per_sample=block_forward_flops(shape, s, decoder=decoder),
                 activation_bytes_per_sample={
-                    # as PyTorch runs it under autocast: fp32 residual stream, so 4-byte norm inputs
-                    "16bit": block_activation_bytes(shape, s, norm_input_bytes=4, decoder=decoder),
+                    # PyTorch's autocast keeps an fp32 residual stream, so 4-byte norm inputs; Megatron a bf16 one
+                    "16bit": block_activation_bytes(shape, s, norm_input_bytes=shape.residual_bytes, decoder=decoder),
                     "fp32": block_activation_bytes(shape, s, bytes_per_value=4, decoder=decoder),
                 },
-                # the residual stream, fp32 under autocast too
-                input_bytes_per_sample=dict.fromkeys(("16bit", "fp32"), block_input_bytes(shape, s, bytes_per_value=4)),
+                # the residual stream: fp32 under autocast too, bf16 in Megatron's 16-bit steps
+                input_bytes_per_sample={
+                    "16bit": block_input_bytes(shape, s, bytes_per_value=shape.residual_bytes),
+                    "fp32": block_input_bytes(shape, s, bytes_per_value=4),
+                },
             )
         )
     # as PyTorch computes the loss: F.cross_entropy on fp32-upcast logits
