@@ -259,9 +259,14 @@ SCRIPT = textwrap.dedent(
     loader = torch.utils.data.DataLoader(dataset(), batch_size=4)
     optimizer = OPTIMIZERS[os.environ["OPTIMIZER"]]
     run = prepare(model, optimizer, loader, plan=RunConfig(strategy=strategy))
+    held = None  # after the first micro-batch's backward (no step yet): gradient elements this rank holds
     for x, y in run.micro_batches():
         with run.accumulate():
             run.backward(nn.functional.mse_loss(run.model(x), y))
+        if held is None:
+            grads = [p.grad for p in run.model.parameters()]
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+            held = {{"missing": grads.count(None), "local": sum(g.numel() for g in local)}}
     full = {{
         name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()  # FSDP2 parameters are DTensors
         for name, p in run.model.named_parameters()
@@ -270,6 +275,8 @@ SCRIPT = textwrap.dedent(
         torch.save(full, os.environ["OUT"])
         with open(os.environ["OUT"] + ".comm.json", "w") as f:
             json.dump([record.comm_s for record in run.metrics.records], f)
+        with open(os.environ["OUT"] + ".held.json", "w") as f:
+            json.dump(held, f)
         inner = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO-1's shard optimizer
         with open(os.environ["OUT"] + ".fused.json", "w") as f:
             json.dump(inner.param_groups[0].get("fused"), f)
@@ -291,7 +298,7 @@ def two_ranks(tmp_path: Path, strategy: dict, optimizer: str = "sgd") -> dict[st
     return torch.load(out)
 
 
-@pytest.mark.parametrize("sharding", ["ddp", "zero1", "fsdp", "zero2"])
+@pytest.mark.parametrize("sharding", ["ddp", "zero1", "fsdp", "zero2", "hsdp"])
 def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path: Path, sharding: str) -> None:
     # two ranks x micro-batch 4 x accumulation 2 = one process x 16 samples per step
     ranks = two_ranks(
@@ -301,6 +308,16 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path: Path, sh
     ranks = {name.removeprefix("module."): value for name, value in ranks.items()}  # DDP's wrapper prefix
     for name, param in single.named_parameters():
         torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)
+    held = json.loads((tmp_path / "weights.pt.held.json").read_text())
+    whole = sum(param.numel() for param in single.parameters())
+    if sharding == "hsdp":  # its reduce-scattered shard waits outside .grad for the boundary's all-reduce
+        assert held == {"missing": len(list(single.parameters())), "local": 0}
+    elif sharding in ("fsdp", "zero2"):
+        # between micro-batches a rank holds its shard of the gradients, reduce-scattered each micro-batch, as
+        # the plan counts them: not the whole gradient FSDP2 keeps when told not to sync until the boundary
+        assert held["missing"] == 0 and held["local"] < 0.75 * whole, held
+    else:
+        assert held == {"missing": 0, "local": whole}
     comm = json.loads((tmp_path / "weights.pt.comm.json").read_text())
     if sharding in ("ddp", "zero1"):  # DDP's comm hook times what the synchronising backward waited
         assert len(comm) == SAMPLES // 16 and all(c is not None and c >= 0 for c in comm)

@@ -179,7 +179,7 @@ def apply_fsdp(
         from torch.distributed.device_mesh import init_device_mesh
 
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        mesh = init_device_mesh(device.type, (world // per_node, per_node))
+        mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     reshard = strategy.sharding not in ("zero2", "ddp", "zero1")
     place, ignored = None, set()
     if mesh is not None and mesh.ndim == 1:  # beside tensor parallelism: packed projections' packed dimension

@@ -511,8 +511,11 @@ class Run:
             return contextlib.nullcontext()
         if hasattr(self.model, "no_sync"):  # DDP: skip the all-reduce until the last micro-batch
             return self.model.no_sync() if not boundary else contextlib.nullcontext()
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-            self.model.set_requires_gradient_sync(boundary)
+        if hasattr(self.model, "set_requires_all_reduce"):  # FSDP2
+            # reduce-scatter every micro-batch, so that a rank holds only its shard of the gradients, as the plan
+            # counts them (skipping it would hold the whole fp32 gradient until the boundary); HSDP's all-reduce
+            # across replicas waits for the boundary
+            self.model.set_requires_all_reduce(boundary)
         return contextlib.nullcontext()
 
     def _optimizer_step(self) -> None:
