@@ -12,6 +12,7 @@ import pytest
 
 from redline.errors import BadInput
 from redline.tune.journal import Journal
+from redline.tune.report import html_report
 from redline.tune.search import Budget, Tuner
 from redline.tune.space import Machine, default_plan
 from redline.tune.trial import Setup, TrialResult
@@ -246,6 +247,8 @@ def test_a_config_only_noise_faster_than_the_default_does_not_displace_it(tmp_pa
     assert outcome.winner.key() == DEFAULT and outcome.speedup == pytest.approx(1.0)
     assert outcome.scores["mb=64 checkpointing=selective"] == pytest.approx((120.0, 100.0))
     assert outcome.plan["strategy"]["micro_batch"] == PER_RANK and outcome.plan["strategy"]["checkpointing"] == "none"
+    page = html_report(outcome, "train.py")  # each config run more than once: its median and spread
+    assert "<td>110.0 (spread 18.2% over 2 runs)</td>" in page and "differed by up to 18.2%" in page
 
 
 def test_under_pure_noise_the_default_seldom_loses(tmp_path: Path) -> None:

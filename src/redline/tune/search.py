@@ -213,7 +213,7 @@ class Tuner:
     def noise(self) -> float | None:
         """The largest relative spread, (fastest - slowest) / median, of the runs of any config run more than
         once in this search; None before any was."""
-        spreads = [_spread(speeds) for c in self._candidates() if len(speeds := self.runs(c)) > 1]
+        spreads = [spread(speeds) for c in self._candidates() if len(speeds := self.runs(c)) > 1]
         return max(spreads) if spreads else None
 
     def _beats(self, candidate: Candidate, incumbent: Candidate) -> bool:
@@ -354,7 +354,7 @@ class Tuner:
         outcome.spread = self.noise()
         outcome.stopped = self.stopped
         outcome.trials = self.trials
-        outcome.scores = {c.key(): tuple(self.runs(c)) for c in self._candidates()}
+        outcome.scores = {c.key(): tuple(self.runs(c)) for c in dict.fromkeys([start, *self._candidates()])}
 
     def _parity(self, candidate: Candidate, result: TrialResult, baseline: TrialResult) -> str | None:
         """``candidate``'s losses against the baseline's, step by step: "within ..." or "FAILED: ...". None when
@@ -384,7 +384,7 @@ class Tuner:
         return result.samples_per_step * steps / ((result.startup_s or 0.0) + result.step_s * steps)
 
 
-def _spread(speeds: list[float]) -> float:
+def spread(speeds: list[float] | tuple[float, ...]) -> float:
     """(fastest - slowest) / median of a config's runs."""
     middle = statistics.median(speeds)
     return (max(speeds) - min(speeds)) / middle if middle > 0 else 0.0
