@@ -259,3 +259,20 @@ def test_under_pure_noise_the_default_seldom_loses(tmp_path: Path) -> None:
         outcome = tuner(tmp_path / str(seed), NoisyDevice({}, noise=0.05, seed=seed), space=NOISY_SPACE).tune()
         lost += outcome.winner.key() != DEFAULT
     assert lost <= 4
+
+
+def test_a_config_that_fails_a_repeat_neither_wins_nor_counts_as_noise(tmp_path: Path) -> None:
+    """fp16 is 1.5x as fast but its second run fails: its median counts the failed run as 0, so it does not
+    replace the default; and the failure is the config's, not the measurement's: the noise stays 0."""
+
+    class Flaky(FakeDevice):
+        def __call__(self, setup, plan, workdir):
+            result = super().__call__(setup, plan, workdir)
+            fp16_runs = [p for p in self.runs if p and p["strategy"].get("precision") == "fp16"]
+            if len(fp16_runs) == 2 and plan is fp16_runs[-1]:
+                return TrialResult("failed", why="exit 1: a flaky kernel")
+            return result
+
+    outcome = tuner(tmp_path, Flaky(memory=1000 * GIB)).tune()
+    assert outcome.winner.key() == DEFAULT and outcome.spread == 0.0
+    assert outcome.scores["mb=64 precision=fp16"] == pytest.approx((246.0, 0.0))

@@ -118,7 +118,7 @@ class Tuner:
         self.per_rank_batch = 0
         self.base: dict[str, Any] = {}
         self.stopped = ""  # why the search ended before it was through
-        self.repeated: tuple[TrialResult | None, TrialResult] | None = None  # two runs of one candidate
+        self.repeated: tuple[TrialResult | None, TrialResult | None] | None = None  # two runs of the default
 
     # ------------------------------------------------------------------------------------------- trials
 
@@ -211,9 +211,11 @@ class Tuner:
         return statistics.median(speeds) if speeds else 0.0
 
     def noise(self) -> float | None:
-        """The largest relative spread, (fastest - slowest) / median, of the runs of any config run more than
-        once in this search; None before any was."""
-        spreads = [spread(speeds) for c in self._candidates() if len(speeds := self.runs(c)) > 1]
+        """The largest relative spread, (fastest - slowest) / median, of the runs of any config that ran to the
+        end more than once in this search (a failed run is the config's fault, not the measurement's); None
+        before any did."""
+        ok = [[speed for speed in self.runs(c) if speed > 0] for c in self._candidates()]
+        spreads = [spread(speeds) for speeds in ok if len(speeds) > 1]
         return max(spreads) if spreads else None
 
     def _beats(self, candidate: Candidate, incumbent: Candidate) -> bool:
