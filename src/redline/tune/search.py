@@ -15,7 +15,9 @@
    default's by more than the noise (the default wins ties), the fastest whose loss matches the baseline's,
    step by step on the same data (loss parity), within a tolerance by precision; one that fails is excluded
    and the next is checked. A script whose losses differ between two runs of the default (it does not seed
-   its model) cannot be checked: said.
+   its model) cannot be checked: said. The pick and the default then run once more each, side by side
+   (``FINAL_RUNS``), and the pick replaces the default only if its median of three still beats the
+   default's by more than the noise: its first run, the one that made it a leader, was the luckiest.
 
 Every trial goes through the journal: a result already there is not run again.
 """
