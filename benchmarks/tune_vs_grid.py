@@ -2,14 +2,19 @@
 
 For each target script, every candidate of the space is run once, as the tune runs a trial (``run_trial``:
 `redline run` with the candidate's plan file, warm-up plus measured steps), and so is the script with no plan;
-then a tune over the same space with a fresh journal. Reported per target:
+then a tune over the same space with a fresh journal. The grid scores each config on that one run: its best is
+the fastest of many noisy measurements, which flatters it. So the tune's pick, the grid's best and the script
+with no plan then run again, side by side, ``ROUNDS`` rounds each, in turn (a slow spell of the machine falls
+on all three), and the ratios are of those medians. Reported per target:
 
-- pick/best: the grid's samples/s of the candidate the tune picked over the grid's best (the grid measures both
-  the same way, so the tune's own measurement noise does not flatter it), the issue's target >= 0.95;
-- time: the tune's trial time over the grid's (launch to exit of every trial), target <= 0.25;
-- speedup: the tune's pick, as the grid measured it, over `redline run` with no plan, target >= 1.5 where the
+- pick/best: the side-by-side median of the tune's pick over the grid's best's, the issue's target >= 0.95
+  (and the same ratio on the grid's single runs, for reference);
+- time: the tune's trial time over the grid's (launch to exit of every trial; the side-by-side runs are in
+  neither), target <= 0.25;
+- speedup: the tune's pick over `redline run` with no plan, both side-by-side medians, target >= 1.5 where the
   defaults leave gains;
-- the trial counts.
+- the trial counts, and the spread of the side-by-side runs ((fastest - slowest) / median, the largest of the
+  three): a ratio within it is a tie.
 
     python benchmarks/tune_vs_grid.py [--targets cnn,gpt,hf-gpt2] [--json]
 
@@ -23,12 +28,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from redline.tune.journal import Journal
-from redline.tune.search import Budget, Tuner
+from redline.tune.search import Budget, Tuner, spread
 from redline.tune.space import Candidate, Machine, default_plan, default_space, micro_batches, restrict, trial_plan
 from redline.tune.trial import Setup, run_trial
 
@@ -42,8 +48,11 @@ TARGETS = {
 }
 
 
-def grid(setup: Setup, machine: Machine, space: dict, per_rank: int, workdir: Path) -> dict[str, tuple[float, float]]:
-    """Every candidate of the space, run once: {key: (samples/s, wall seconds)}."""
+ROUNDS = 3  # side-by-side runs of the tune's pick, the grid's best and the script with no plan
+
+
+def grid(setup: Setup, machine: Machine, space: dict, per_rank: int, workdir: Path) -> dict[str, tuple]:
+    """Every candidate of the space, run once: {key: (samples/s, wall seconds, plan)}."""
     base = default_plan(machine, per_rank)
     knobs = list(space)
     out = {}
@@ -53,9 +62,20 @@ def grid(setup: Setup, machine: Machine, space: dict, per_rank: int, workdir: Pa
             candidate = candidate.with_value(knob, value)
         plan = trial_plan(candidate, base=base, per_rank_batch=per_rank, ranks=1)
         result = run_trial(setup, plan, workdir / f"grid-{index}")
-        out[candidate.key()] = (result.samples_per_s or 0.0 if result.status == "ok" else 0.0, result.wall_s)
+        out[candidate.key()] = (result.samples_per_s or 0.0 if result.status == "ok" else 0.0, result.wall_s, plan)
         print(f"  grid {candidate.key():50} {out[candidate.key()][0]:10.1f} samples/s", file=sys.stderr)
     return out
+
+
+def side_by_side(setup: Setup, plans: dict[str, dict | None], workdir: Path) -> dict[str, list[float]]:
+    """Each plan run ``ROUNDS`` times, in turn: {name: samples/s of each run}."""
+    speeds: dict[str, list[float]] = {name: [] for name in plans}
+    for index in range(ROUNDS):
+        for name, plan in plans.items():
+            result = run_trial(setup, plan, workdir / f"again-{name}-{index}")
+            speeds[name].append(result.samples_per_s or 0.0 if result.status == "ok" else 0.0)
+            print(f"  again {name:10} {speeds[name][-1]:10.1f} samples/s", file=sys.stderr)
+    return speeds
 
 
 def bench(name: str, workdir: Path) -> dict:
@@ -70,20 +90,29 @@ def bench(name: str, workdir: Path) -> dict:
     outcome = Tuner(setup, machine, space, journal, workdir / "tune", budget=Budget()).tune()
     best_key = max(measured, key=lambda key: measured[key][0])
     pick = outcome.winner.key() if outcome.winner else None
+    plans = {"no-plan": None, "grid-best": measured[best_key][2]}
+    if pick != best_key:
+        plans["tune-pick"] = outcome.plan
+    again = side_by_side(setup, plans, workdir)
+    median = {key: statistics.median(speeds) for key, speeds in again.items()}
+    median.setdefault("tune-pick", median["grid-best"])
     tune_s = sum(t.result.wall_s for t in outcome.trials if not t.cached)
-    grid_s = sum(wall for _, wall in measured.values()) + baseline.wall_s
+    grid_s = sum(wall for _, wall, _ in measured.values()) + baseline.wall_s
     return {
         "target": name,
         "grid_trials": len(measured) + 1,
         "tune_trials": sum(not t.cached for t in outcome.trials),
         "grid_best": best_key,
-        "grid_best_samples_per_s": measured[best_key][0],
         "tune_pick": pick,
-        "pick_over_best": measured[pick][0] / measured[best_key][0] if pick in measured else None,
+        "pick_over_best": median["tune-pick"] / median["grid-best"],
         "tune_time_over_grid": tune_s / grid_s,
-        "pick_over_no_plan": measured[pick][0] / baseline.samples_per_s if pick in measured else None,
+        "pick_over_no_plan": median["tune-pick"] / median["no-plan"],
+        "side_by_side_spread": max(spread(speeds) for speeds in again.values()),
+        "side_by_side_samples_per_s": again,
+        "grid_pick_over_best": measured[pick][0] / measured[best_key][0] if pick in measured else None,
+        "grid_best_samples_per_s": measured[best_key][0],
         "tune_reported_speedup": outcome.speedup,
-        "no_plan_samples_per_s": baseline.samples_per_s,
+        "tune_noise": outcome.spread,
     }
 
 
@@ -104,6 +133,7 @@ def main() -> None:
         print(
             f"{r['target']:8} pick/best {r['pick_over_best']:.3f}  time tune/grid {r['tune_time_over_grid']:.3f}  "
             f"pick/no-plan {r['pick_over_no_plan']:.2f}x  trials {r['tune_trials']} of {r['grid_trials']}  "
+            f"spread {r['side_by_side_spread']:.1%}  "
             f"(pick {r['tune_pick']}; grid best {r['grid_best']})"
         )
 

@@ -5,12 +5,14 @@ the measured peaks, loss parity, the journal's resume and cache."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from redline.errors import BadInput
 from redline.tune.journal import Journal
+from redline.tune.report import html_report
 from redline.tune.search import Budget, Tuner
 from redline.tune.space import Machine, default_plan
 from redline.tune.trial import Setup, TrialResult
@@ -80,9 +82,11 @@ def test_the_largest_micro_batch_that_fits_is_found_by_binary_search(tmp_path: P
     base["strategy"] |= {"micro_batch": 8, "accumulation": 8}
     device = FakeDevice(memory=20 * GIB)
     outcome = tuner(tmp_path, device, space={}, base_plan=base).tune()
-    assert micro_batches_run(device) == [8, 32, 64, 16, 32]  # the baseline, the search, the repeat of 32
+    # the baseline and the default again, the search, the repeat of 32, which beat the default, then the two
+    # side by side once more before 32 replaces the default
+    assert micro_batches_run(device) == [8, 8, 32, 64, 16, 32, 8, 32]
     statuses = {t.candidate.micro_batch: t.result.status for t in outcome.trials if t.candidate is not None}
-    assert statuses == {32: "ok", 64: "oom", 16: "ok"}
+    assert statuses == {8: "ok", 32: "ok", 64: "oom", 16: "ok"}
     assert outcome.winner.micro_batch == 32
     assert (outcome.plan["strategy"]["micro_batch"], outcome.plan["strategy"]["accumulation"]) == (32, 2)
 
@@ -95,8 +99,10 @@ def test_a_baseline_that_does_not_run_is_said(tmp_path: Path) -> None:
 def test_a_micro_batch_predicted_over_the_memory_is_pruned_unrun(tmp_path: Path) -> None:
     """After two micro-batches measured (peaks on a line), one whose extrapolated peak is over the device's
     memory less its margin is pruned without running."""
+    base = default_plan(MACHINE, PER_RANK)
+    base["strategy"] |= {"micro_batch": 8, "accumulation": 8}
     device = FakeDevice(memory=1000 * GIB)
-    t = tuner(tmp_path, device, space={}, memory=18 * GIB)
+    t = tuner(tmp_path, device, space={}, memory=18 * GIB, base_plan=base)
     outcome = t.tune()
     pruned = [tr for tr in outcome.trials if tr.result.status == "pruned"]
     assert pruned and all(tr.candidate.micro_batch * GIB / 2 + GIB > 18 * GIB * 0.95 for tr in pruned)
@@ -170,14 +176,103 @@ def test_a_candidates_plan_file_is_what_redline_run_reads(tmp_path: Path) -> Non
         restrict({}, ["cpu_threads=0"])
 
 
-def test_the_base_plans_memory_prunes_before_any_trial_measures(tmp_path: Path) -> None:
-    """A plan that predicts 10 GiB at micro-batch 8, 4 GiB of it activations (0.5 GiB per sample), on a
-    device of 20 GiB: 32 (22 GiB) is pruned unrun (so 64 is never asked), 16 (14 GiB) runs and wins."""
+def test_the_base_plans_memory_slope_prunes_before_a_second_micro_batch_is_measured(tmp_path: Path) -> None:
+    """A plan at micro-batch 8 whose activations are 0.5 GiB per sample, measured at 5 GiB there (the default's
+    repeat), on a device of 14 GiB: 32 (17 GiB on the plan's slope) is pruned unrun (so 64 is never asked),
+    16 (9 GiB) runs and wins."""
     base = default_plan(MACHINE, PER_RANK)
     base["strategy"] |= {"micro_batch": 8, "accumulation": 8}
-    base["predicted"] = {"memory_bytes": {"allocated": 10 * GIB, "activations": 4 * GIB, "temporary": 0.0}}
+    base["predicted"] = {"memory_bytes": {"allocated": 5 * GIB, "activations": 4 * GIB, "temporary": 0.0}}
     device = FakeDevice(memory=1000 * GIB)  # nothing would run out: what is not run was pruned
-    outcome = tuner(tmp_path, device, space={}, base_plan=base, memory=20 * GIB).tune()
+    outcome = tuner(tmp_path, device, space={}, base_plan=base, memory=14 * GIB).tune()
     pruned = {t.candidate.micro_batch: t.result.why for t in outcome.trials if t.result.status == "pruned"}
-    assert set(pruned) == {32} and "predicted peak 22.00 GiB (from the plan's memory) over 19.00 GiB" in pruned[32]
-    assert micro_batches_run(device) == [8, 16, 16] and outcome.winner.micro_batch == 16
+    why = "predicted peak 17.00 GiB (from the plan's memory, measured at micro-batch 8) over 13.30 GiB"
+    assert set(pruned) == {32} and why in pruned[32]
+    assert micro_batches_run(device) == [8, 8, 16, 16, 8, 16] and outcome.winner.micro_batch == 16
+
+
+class NoisyDevice:
+    """A device on which every config runs at 100 samples/s, but for those in ``gains`` (a strategy field and
+    its value: that many times as fast), each run off by a random factor within +-``noise``; a config in
+    ``lucky`` has its first run that many times as fast again (a run that met a quiet machine)."""
+
+    def __init__(self, gains: dict, noise: float, seed: int, lucky: dict | None = None) -> None:
+        self.gains = gains
+        self.noise = noise
+        self.lucky = lucky or {}
+        self.random = random.Random(seed)
+        self.seen: set[tuple] = set()
+        self.runs: list[dict | None] = []
+
+    def __call__(self, setup: Setup, plan: dict | None, workdir: Path) -> TrialResult:
+        self.runs.append(plan)
+        strategy = (plan or {}).get("strategy", {})
+        config = (strategy.get("micro_batch", PER_RANK), strategy.get("precision"), strategy.get("checkpointing"))
+        speed = 100.0
+        for (name, value), factor in self.gains.items():
+            speed *= factor if strategy.get(name) == value else 1.0
+        for (name, value), factor in self.lucky.items():
+            speed *= factor if strategy.get(name) == value and config not in self.seen else 1.0
+        self.seen.add(config)
+        speed *= 1 + self.random.uniform(-self.noise, self.noise)
+        losses = tuple(2.0 / (step + 1) for step in range(6))
+        return TrialResult("ok", samples_per_s=speed, step_s=PER_RANK / speed, samples_per_step=PER_RANK, losses=losses)
+
+
+NOISY_SPACE = {"precision": [None, "fp16"], "checkpointing": [None, "selective", "full"]}
+DEFAULT = "mb=64"  # the default's key: the runtime's defaults at the per-rank batch, no knob changed
+
+
+def test_under_noise_the_truly_faster_config_is_chosen(tmp_path: Path) -> None:
+    """Every run off by up to 5%, fp16 truly 25% faster, every other config (micro-batches, checkpointing) the
+    same as the default: in each of ten seeded tunes the winner computes in fp16, and the speedup it reports,
+    a ratio of medians, is near the truth."""
+    for seed in range(10):
+        device = NoisyDevice({("precision", "fp16"): 1.25}, noise=0.05, seed=seed)
+        outcome = tuner(tmp_path / str(seed), device, space=NOISY_SPACE).tune()
+        assert outcome.winner.get("precision") == "fp16", (seed, outcome.winner)
+        assert 1.12 < outcome.speedup < 1.4, (seed, outcome.speedup)
+        assert 0 < outcome.spread <= 0.11  # the noise measured: two runs within +-5% differ by at most ~10%
+        assert len(outcome.scores[outcome.winner.key()]) >= 3 and len(outcome.scores[DEFAULT]) >= 3
+
+
+def test_a_config_only_noise_faster_than_the_default_does_not_displace_it(tmp_path: Path) -> None:
+    """Checkpointing "selective" has one lucky first run, 20% fast, and is the default's speed after; "full" is
+    truly 2% faster, under ``MIN_GAIN``: the default wins both (it wins ties), and the lucky one was run again
+    before it could lead."""
+    device = NoisyDevice(
+        {("checkpointing", "full"): 1.02}, noise=0.0, seed=0, lucky={("checkpointing", "selective"): 1.2}
+    )
+    outcome = tuner(tmp_path, device, space=NOISY_SPACE).tune()
+    assert outcome.winner.key() == DEFAULT and outcome.speedup == pytest.approx(1.0)
+    assert outcome.scores["mb=64 checkpointing=selective"] == pytest.approx((120.0, 100.0))
+    assert outcome.plan["strategy"]["micro_batch"] == PER_RANK and outcome.plan["strategy"]["checkpointing"] == "none"
+    page = html_report(outcome, "train.py")  # each config run more than once: its median and spread
+    assert "<td>110.0 (spread 18.2% over 2 runs)</td>" in page and "differed by up to 18.2%" in page
+
+
+def test_under_pure_noise_the_default_seldom_loses(tmp_path: Path) -> None:
+    """Every config the same speed, every run off by up to 5%: in at most 4 of 40 seeded tunes a config other
+    than the default wins (on one measurement each, the fastest of 8 equal configs would win nearly always)."""
+    lost = 0
+    for seed in range(40):
+        outcome = tuner(tmp_path / str(seed), NoisyDevice({}, noise=0.05, seed=seed), space=NOISY_SPACE).tune()
+        lost += outcome.winner.key() != DEFAULT
+    assert lost <= 4
+
+
+def test_a_config_that_fails_a_repeat_neither_wins_nor_counts_as_noise(tmp_path: Path) -> None:
+    """fp16 is 1.5x as fast but its second run fails: its median counts the failed run as 0, so it does not
+    replace the default; and the failure is the config's, not the measurement's: the noise stays 0."""
+
+    class Flaky(FakeDevice):
+        def __call__(self, setup, plan, workdir):
+            result = super().__call__(setup, plan, workdir)
+            fp16_runs = [p for p in self.runs if p and p["strategy"].get("precision") == "fp16"]
+            if len(fp16_runs) == 2 and plan is fp16_runs[-1]:
+                return TrialResult("failed", why="exit 1: a flaky kernel")
+            return result
+
+    outcome = tuner(tmp_path, Flaky(memory=1000 * GIB)).tune()
+    assert outcome.winner.key() == DEFAULT and outcome.spread == 0.0
+    assert outcome.scores["mb=64 precision=fp16"] == pytest.approx((246.0, 0.0))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from redline.tune.space import Machine, default_plan
+from redline.tune.space import Candidate, Machine, default_plan
 from redline.tune.trial import Setup, run_trial
 
 SCRIPT = """
@@ -60,6 +60,10 @@ def test_tune_writes_a_plan_redline_run_runs_and_a_second_tune_is_a_cache_hit(tm
     assert report["baseline"]["status"] == "ok" and len(ran) >= 5
     assert report["winner"] is not None and report["speedup"] > 0  # its size is this machine's: not asserted
     assert report["parity"].startswith("loss within"), report["parity"]  # the script seeds its model
+    configs = {c["config"]: c for c in report["configs"]}  # each config's runs, their median and spread
+    winner = configs[Candidate.from_dict(report["winner"]).key()]
+    assert len(winner["runs"]) >= 2 and winner["median"] == pytest.approx(report["winner_samples_per_s"])
+    assert report["spread"] == pytest.approx(max(c["spread"] for c in configs.values() if len(c["runs"]) > 1))
     for trial in ran:  # every trial that ran measured the steps asked, through the runtime's metrics
         assert trial["status"] == "ok", trial
         assert len(trial["losses"]) == 4 and trial["samples_per_step"] == 64

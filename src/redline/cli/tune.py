@@ -179,8 +179,9 @@ def _device_memory() -> int | None:
 
 
 def _expected(knobs: dict[str, list[Any]]) -> int:
-    """About how many trials the search runs: each knob's other values, a few micro-batches, the repeats."""
-    return sum(len(values) - 1 for values in knobs.values()) + 6
+    """About how many trials the search runs: each knob's other values, a few micro-batches, the repeats (of the
+    default, of a change before it is kept, of the leaders, and the pick's and the default's side by side)."""
+    return sum(len(values) - 1 for values in knobs.values()) + 10
 
 
 def _dry_run(knobs: dict[str, list[Any]], base: dict[str, Any] | None, setup: Any, json_output: bool) -> None:
@@ -218,22 +219,23 @@ def _write_plan(path: Path, plan: dict[str, Any]) -> None:
 def _print(outcome: Outcome, journal: Path, output: Path | None) -> None:
     from rich.table import Table
 
-    from redline.tune.report import COLUMNS, trial_cells
+    from redline.tune.report import COLUMNS, noise_line, trial_cells
 
     table = Table(title="redline tune: trials")
     for column in COLUMNS:
-        table.add_column(column, justify="right" if column in COLUMNS[2:6] else "left")
+        table.add_column(column, justify="right" if column in COLUMNS[2:7] else "left")
     for trial in outcome.trials:
-        table.add_row(*trial_cells(trial))
+        table.add_row(*trial_cells(trial, outcome))
     ui.console.print(table)
     if outcome.winner is None:
         ui.console.print("no candidate trained as the baseline does: keep running as you do")
         return
-    spread = f", runs of one config within {outcome.spread:.1%}" if outcome.spread is not None else ""
     ui.console.print(
-        f"winner: {outcome.winner.key()}: {outcome.winner_speed:,.1f} samples/s, "
-        f"{outcome.speedup:.2f}x the baseline{spread}; parity: {outcome.parity}"
+        f"winner: {outcome.winner.key()}: {outcome.winner_speed:,.1f} samples/s (median of its runs), "
+        f"{outcome.speedup:.2f}x the baseline's median; parity: {outcome.parity}"
     )
+    if outcome.spread is not None:
+        ui.console.print(noise_line(outcome))
     if outcome.stopped:
         ui.console.print(f"stopped early: {outcome.stopped}")
     if output is not None:
@@ -243,6 +245,11 @@ def _print(outcome: Outcome, journal: Path, output: Path | None) -> None:
 
 
 def _to_json(outcome: Outcome, journal: Path) -> dict[str, Any]:
+    """The trials, each config's runs (their median and spread: what the search compared) and the winner."""
+    import statistics
+
+    from redline.tune.search import spread
+
     return {
         "baseline": outcome.baseline.to_dict(),
         "trials": [
@@ -258,6 +265,11 @@ def _to_json(outcome: Outcome, journal: Path) -> dict[str, Any]:
         "winner_samples_per_s": outcome.winner_speed,
         "speedup": outcome.speedup,
         "spread": outcome.spread,
+        "configs": [
+            {"config": key, "runs": list(runs), "median": statistics.median(runs), "spread": spread(runs)}
+            for key, runs in outcome.scores.items()
+            if runs
+        ],
         "parity": outcome.parity,
         "stopped": outcome.stopped,
         "plan": outcome.plan,

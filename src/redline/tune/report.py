@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import statistics
 from html import escape
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -17,7 +18,7 @@ from matplotlib.figure import Figure
 
 from redline import __version__
 from redline.report.html import CSS
-from redline.tune.search import Outcome, Trial
+from redline.tune.search import Outcome, Trial, spread
 
 GENERATOR = "redline tune report"
 STATUS_COLOURS = {"ok": "#3b6fb6", "oom": "#c0392b", "pruned": "#b0b7c3", "failed": "#8e44ad", "hang": "#8e44ad"}
@@ -55,7 +56,7 @@ def throughput_plot(outcome: Outcome) -> bytes:
 
 def html_report(outcome: Outcome, script: str) -> str:
     png = base64.b64encode(throughput_plot(outcome)).decode()
-    rows = "".join(_row(index, trial) for index, trial in enumerate(outcome.trials))
+    rows = "".join(_row(index, trial, outcome) for index, trial in enumerate(outcome.trials))
     header = "".join(f"<th>{escape(name)}</th>" for name in ("#", *COLUMNS))
     if outcome.winner is not None:
         verdict = (
@@ -64,7 +65,7 @@ def html_report(outcome: Outcome, script: str) -> str:
         )
     else:
         verdict = "<p>No candidate trained as the baseline does.</p>"
-    spread = f"<p>Two runs of one config differed by {outcome.spread:.1%}.</p>" if outcome.spread is not None else ""
+    spread = f"<p>{escape(noise_line(outcome))}</p>" if outcome.spread is not None else ""
     stopped = f"<p>Stopped early: {escape(outcome.stopped)}.</p>" if outcome.stopped else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{GENERATOR}">
@@ -79,16 +80,36 @@ def html_report(outcome: Outcome, script: str) -> str:
 """
 
 
-COLUMNS = ("for", "config", "samples/s", "step ms", "startup s", "peak GiB", "status")
+COLUMNS = ("for", "config", "samples/s", "median of runs", "step ms", "startup s", "peak GiB", "status")
 
 
-def trial_cells(trial: Trial) -> list[str]:
-    """A trial's row, as the terminal table and the page show it (``COLUMNS``)."""
+def noise_line(outcome: Outcome) -> str:
+    """What the repeats measured, as a sentence."""
+    return (
+        f"Runs of one config differed by up to {outcome.spread:.1%} of their median: a change had to gain more "
+        "(its median over repeats against the leader's) to count."
+    )
+
+
+def median_cell(runs: tuple[float, ...]) -> str:
+    """A config's median and spread over its runs, where it ran more than once: what the search compared (the
+    speed it ranks by, ``Tuner._speed``)."""
+    if len(runs) < 2:
+        return ""
+    return f"{statistics.median(runs):,.1f} (spread {spread(runs):.1%} over {len(runs)} runs)"
+
+
+def trial_cells(trial: Trial, outcome: Outcome) -> list[str]:
+    """A trial's row, as the terminal table and the page show it (``COLUMNS``): its config's median over its
+    runs on the config's first trial."""
     result = trial.result
+    key = None if trial.candidate is None else trial.candidate.key()
+    first = key is not None and next(t for t in outcome.trials if t.candidate == trial.candidate) is trial
     return [
         trial.label,
-        "baseline (redline run as it is)" if trial.candidate is None else trial.candidate.key(),
+        "baseline (redline run as it is)" if key is None else key,
         f"{result.samples_per_s:,.1f}" if result.samples_per_s else "",
+        median_cell(outcome.scores.get(key, ())) if first else "",
         f"{result.step_s * 1e3:,.1f}" if result.step_s else "",
         f"{result.startup_s:.1f}" if result.startup_s is not None else "",
         f"{result.peak_memory_bytes / 2**30:.2f}" if result.peak_memory_bytes else "",
@@ -96,5 +117,6 @@ def trial_cells(trial: Trial) -> list[str]:
     ]
 
 
-def _row(index: int, trial: Trial) -> str:
-    return "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in [str(index), *trial_cells(trial)]) + "</tr>"
+def _row(index: int, trial: Trial, outcome: Outcome) -> str:
+    cells = [str(index), *trial_cells(trial, outcome)]
+    return "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in cells) + "</tr>"

@@ -1,19 +1,23 @@
 """The search: which candidates to run, in which order, and which one wins.
 
 1. The baseline: the script as ``redline run`` runs it (with the base plan if one was given). It fixes the
-   global batch, which every candidate keeps.
+   global batch, which every candidate keeps. The default (the base plan, or the runtime's defaults, as they
+   are) runs again: two runs of one config are the first measure of the noise.
 2. Where a journal of the same script on another machine found a winner, that candidate next.
 3. The micro-batch: the largest that fits, by binary search over the divisors of the per-rank batch (a trial
    that runs out of memory does not fit; one whose predicted peak, from the measured peaks, is over the
-   device's memory is pruned without running), then the next smaller one, in case it is faster.
-4. The leader again: the spread of two runs of one candidate is the noise; a change must gain more than
-   ``max(min_gain, 2 x spread)`` to be kept.
-5. Coordinate descent over the other knobs in ``space.ORDER``: each value of a knob against the leader; the
-   fastest beyond the noise becomes the leader.
-6. The winner again (its score is the mean of its runs), and its loss against the baseline's, step by step, on
-   the same data (loss parity), within a tolerance by precision; a winner that fails is excluded and the next
-   fastest is checked. A script whose losses differ between two runs of the same candidate (it does not seed
-   its model) cannot be checked: said.
+   device's memory is pruned without running; on a CPU the largest is tried first), then the next smaller one.
+4. Coordinate descent over the other knobs in ``space.ORDER``: each value of a knob against the leader.
+5. A config's score is the median of its runs; the noise is the largest relative spread of any config's runs.
+   A challenger whose first run beats the leader's median by more than the noise (and ``MIN_GAIN``) runs
+   again, and replaces the leader only when its median still does: one lucky run does not move the search.
+6. The choice: the ``LEADERS`` fastest configs each run ``REPEATS`` times; of those whose median beats the
+   default's by more than the noise (the default wins ties), the fastest whose loss matches the baseline's,
+   step by step on the same data (loss parity), within a tolerance by precision; one that fails is excluded
+   and the next is checked. A script whose losses differ between two runs of the default (it does not seed
+   its model) cannot be checked: said. The pick and the default then run once more each, side by side
+   (``FINAL_RUNS``), and the pick replaces the default only if its median of three still beats the
+   default's by more than the noise: its first run, the one that made it a leader, was the luckiest.
 
 Every trial goes through the journal: a result already there is not run again.
 """
@@ -21,6 +25,7 @@ Every trial goes through the journal: a result already there is not run again.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +40,10 @@ from redline.tune.trial import Setup, TrialResult, run_trial
 # the largest relative step-by-step loss difference a candidate may show against the baseline, by the
 # precision the candidate computes in: fp32 differs only by summation order (micro-batches, kernels)
 PARITY_RTOL = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2, "fp8": 5e-2}
-MIN_GAIN = 0.03  # a change must be this much faster (or beyond twice the measured noise) to be kept
+MIN_GAIN = 0.03  # a change must be this much faster (or beyond the measured noise, if more) to be kept
+REPEATS = 2  # runs of a config before it may lead or win: its score is their median
+LEADERS = 3  # the fastest configs, each run REPEATS times before the choice
+FINAL_RUNS = 3  # runs of the chosen config and of the default, before the one replaces the other
 MEMORY_MARGIN = 0.05  # of the device's memory, kept free when a predicted peak prunes a micro-batch
 
 Runner = Callable[[Setup, "dict[str, Any] | None", Path], TrialResult]
@@ -65,11 +73,12 @@ class Trial:
 @dataclass
 class Outcome:
     baseline: TrialResult
-    baseline_speed: float = 0.0  # as the search ranks (``Tuner._speed``)
+    baseline_speed: float = 0.0  # the default's median, as the search ranks (``Tuner.score``)
     trials: list[Trial] = field(default_factory=list)
     winner: Candidate | None = None
-    winner_speed: float | None = None
-    spread: float | None = None  # relative difference of two runs of one candidate
+    winner_speed: float | None = None  # the winner's median
+    spread: float | None = None  # the noise: the largest relative spread of the runs of one config
+    scores: dict[str, tuple[float, ...]] = field(default_factory=dict)  # each config's runs' speeds, by key
     parity: str = ""
     plan: dict[str, Any] | None = None  # the winner's plan file
     stopped: str = ""  # why the search ended before it was through: the budget
@@ -110,8 +119,8 @@ class Tuner:
         self.asked: set[str] = set()  # the journal keys this search has asked for
         self.per_rank_batch = 0
         self.base: dict[str, Any] = {}
-        self.gain = MIN_GAIN
-        self.repeated: tuple[TrialResult | None, TrialResult] | None = None  # two runs of one candidate
+        self.stopped = ""  # why the search ended before it was through
+        self.repeated: tuple[TrialResult | None, TrialResult | None] | None = None  # two runs of the default
 
     # ------------------------------------------------------------------------------------------- trials
 
@@ -187,6 +196,45 @@ class Tuner:
         per_sample = (memory.get("activations", 0.0) + memory.get("temporary", 0.0)) / micro_batch
         return per_sample, (micro_batch, float(memory["allocated"]))
 
+    # ------------------------------------------------------------------------------------------- scores
+
+    def runs(self, candidate: Candidate) -> list[float]:
+        """The speeds of every run of ``candidate`` in the journal (its key, then ``#2``, ``#3``...); a run that
+        did not end ``ok`` counts as 0, so a config that fails now and then does not win on its good runs."""
+        speeds, repeat = [], 1
+        while (result := self.journal.get(candidate.key() + (f" #{repeat}" if repeat > 1 else ""))) is not None:
+            speeds.append(self._speed(result))
+            repeat += 1
+        return speeds
+
+    def score(self, candidate: Candidate) -> float:
+        """The median of the candidate's runs (0 before any): what it is ranked and compared by."""
+        speeds = self.runs(candidate)
+        return statistics.median(speeds) if speeds else 0.0
+
+    def noise(self) -> float | None:
+        """The largest relative spread, (fastest - slowest) / median, of the runs of any config that ran to the
+        end more than once in this search (a failed run is the config's fault, not the measurement's); None
+        before any did."""
+        ok = [[speed for speed in self.runs(c) if speed > 0] for c in self._candidates()]
+        spreads = [spread(speeds) for speeds in ok if len(speeds) > 1]
+        return max(spreads) if spreads else None
+
+    def _beats(self, candidate: Candidate, incumbent: Candidate) -> bool:
+        """``candidate``'s median is faster than ``incumbent``'s by more than the noise (and ``MIN_GAIN``)."""
+        gain = max(MIN_GAIN, self.noise() or 0.0)
+        return self.score(candidate) > self.score(incumbent) * (1 + gain)
+
+    def _repeat(self, label: str, candidate: Candidate, runs: int = REPEATS) -> None:
+        """Run ``candidate`` again until it has ``runs`` runs (or the budget is spent)."""
+        for repeat in range(len(self.runs(candidate)) + 1, runs + 1):
+            if self._run(label, candidate, repeat=repeat) is None:
+                return
+
+    def _candidates(self) -> list[Candidate]:
+        """Every config this search has a trial of, in the order first tried."""
+        return list(dict.fromkeys(t.candidate for t in self.trials if t.candidate is not None))
+
     # ------------------------------------------------------------------------------------------- search
 
     def tune(self) -> Outcome:
@@ -196,36 +244,37 @@ class Tuner:
             raise BadInput(f"the script does not run as it is ({why}): make `redline run` run it first")
         self.per_rank_batch = self._per_rank_batch(baseline)
         self.base = self.base_plan or default_plan(self.machine, self.per_rank_batch)
-        outcome = Outcome(baseline, self._speed(baseline))
         start = Candidate(int(self.base["strategy"]["micro_batch"]))
         if self.journal.get(start.key()) is None:  # the base plan (or the defaults) as they are: the baseline
             self.journal.record(start.key(), start, baseline)
         self.asked.add(start.key())
-        leader, best = start, self._speed(baseline)
+        # the default again: the first measure of the noise, and a median for the default, which wins ties
+        self._repeat("repeat", start)
+        self.repeated = (baseline, self.journal.get(start.key() + " #2"))
+        leader = start
         elsewhere = self.journal.best_elsewhere()
         if elsewhere is not None and elsewhere.micro_batch in micro_batches(self.per_rank_batch):
-            speed = self._speed(self._run("another machine's best", elsewhere))
-            if speed > best:
-                leader, best = elsewhere, speed
-        leader, best = self._search_micro_batch(leader, best)
-        first, repeat = self.journal.get(leader.key()), self._run("repeat", leader, repeat=2)
-        if repeat is not None and repeat.status == "ok" and best > 0:
-            outcome.spread = abs(self._speed(repeat) - best) / best
-            self.gain = max(MIN_GAIN, 2 * outcome.spread)
-            self.repeated = (first, repeat)
+            leader = self._challenge("another machine's best", leader, elsewhere)
+        leader = self._search_micro_batch(leader)
         for knob, values in self.space.items():
             for value in values:
-                if value == leader.get(knob):
-                    continue
-                candidate = leader.with_value(knob, value)
-                result = self._run(knob, candidate)
-                if result is None:
-                    outcome.stopped = "the budget ran out"
-                    break
-                if self._speed(result) > best * (1 + self.gain):
-                    leader, best = candidate, self._speed(result)
+                if value != leader.get(knob) and not self.stopped:
+                    leader = self._challenge(knob, leader, leader.with_value(knob, value))
+        outcome = Outcome(baseline)
         self._choose(outcome, baseline, start)
         return outcome
+
+    def _challenge(self, label: str, leader: Candidate, candidate: Candidate) -> Candidate:
+        """``candidate`` in place of ``leader`` when its median over ``REPEATS`` runs beats the leader's by
+        more than the noise. A first run that does not beat it is not repeated: the repeats go to the
+        candidates that may win."""
+        if self._run(label, candidate) is None:
+            self.stopped = "the budget ran out"
+            return leader
+        if not self._beats(candidate, leader):
+            return leader
+        self._repeat("confirm", candidate)
+        return candidate if self._beats(candidate, leader) else leader
 
     def _per_rank_batch(self, baseline: TrialResult) -> int:
         if self.base_plan is not None:
@@ -234,9 +283,11 @@ class Tuner:
         assert baseline.samples_per_step is not None
         return baseline.samples_per_step // self.machine.ranks
 
-    def _search_micro_batch(self, leader: Candidate, best: float) -> tuple[Candidate, float]:
+    def _search_micro_batch(self, leader: Candidate) -> Candidate:
         """The largest micro-batch that fits (binary search over the per-rank batch's divisors, largest first:
-        a micro-batch that fits means every smaller one does), then the next smaller one."""
+        a micro-batch that fits means every smaller one does), then the next smaller one; each that ran
+        challenges the leader, the fastest first. On a CPU, whose memory seldom limits, the largest is tried
+        first: when it fits, the search is over at once."""
         sizes = micro_batches(self.per_rank_batch)
         speeds: dict[int, float] = {}
 
@@ -246,6 +297,8 @@ class Tuner:
             return result is not None and result.status == "ok"
 
         low, high = 0, len(sizes) - 1
+        if not self.machine.cuda and fits(sizes[0]):
+            high = 0
         while low < high:
             middle = (low + high) // 2
             if fits(sizes[middle]):
@@ -256,32 +309,56 @@ class Tuner:
             fits(sizes[low])
         if low + 1 < len(sizes):
             fits(sizes[low + 1])
-        for size, speed in speeds.items():
-            if speed > best:
-                leader, best = leader.with_micro_batch(size), speed
-        return leader, best
+        incumbent = leader
+        for size in sorted(speeds, key=lambda size: -speeds[size]):
+            if speeds[size] > 0 and size != incumbent.micro_batch and not self.stopped:
+                leader = self._challenge("micro-batch", leader, incumbent.with_micro_batch(size))
+        return leader
+
+    def _leaders(self, start: Candidate) -> list[Candidate]:
+        """The configs that may win, fastest median first: the ``LEADERS`` fastest each run ``REPEATS`` times
+        (a leader whose repeat falls back lets the next in; one already slower than the fastest beyond the
+        noise is not repeated), then those whose median beats the default's by more than the noise, and the
+        default itself, which wins ties."""
+        ok = [c for c in dict.fromkeys([start, *self._candidates()]) if any(s > 0 for s in self.runs(c))]
+        for _ in range(LEADERS * REPEATS):
+            ranked = sorted(ok, key=self.score, reverse=True)
+            # those not already slower than the fastest beyond the noise
+            short = [c for c in ranked[:LEADERS] if len(self.runs(c)) < REPEATS and not self._beats(ranked[0], c)]
+            if not short or not self.budget.allows():
+                break
+            self._repeat("repeat", short[0])
+        ranked = sorted(ok, key=self.score, reverse=True)
+        return [c for c in ranked if c == start or (len(self.runs(c)) >= REPEATS and self._beats(c, start))]
 
     def _choose(self, outcome: Outcome, baseline: TrialResult, start: Candidate) -> None:
-        """The fastest candidate that trains as the baseline does, confirmed by a second run."""
-        ranked = sorted(
-            {t.candidate.key(): t for t in self.trials if t.candidate is not None and t.result.status == "ok"}.values(),
-            key=lambda t: -self._speed(t.result),
-        )
-        for trial in ranked[:3]:
-            candidate = trial.candidate
-            assert candidate is not None
-            verdict = self._parity(candidate, trial.result, baseline)
-            if verdict is not None and verdict.startswith("FAILED"):
-                self.trials.append(Trial("parity", candidate, TrialResult("parity", why=verdict[8:]), False))
+        """The fastest leader that trains as the baseline does and, run once more side by side with the default
+        (``FINAL_RUNS`` each: a median of three is not carried by the one lucky run that made it a leader),
+        still beats the default beyond the noise; else the default."""
+        winner, verdict = start, self._parity(start, baseline, baseline)
+        for candidate in self._leaders(start)[:LEADERS]:
+            if candidate == start:
+                break
+            result = self.journal.get(candidate.key())
+            assert result is not None
+            checked = self._parity(candidate, result, baseline)
+            if checked is not None and checked.startswith("FAILED"):
+                self.trials.append(Trial("parity", candidate, TrialResult("parity", why=checked[8:]), False))
                 continue
-            again = self._run("confirm", candidate, repeat=2) if candidate != start else None
-            runs = [trial.result] + ([again] if again is not None and again.status == "ok" else [])
-            outcome.winner = candidate
-            outcome.winner_speed = sum(self._speed(r) for r in runs) / len(runs)
-            outcome.parity = verdict or "not checked"
-            outcome.plan = self.plan_for(candidate)
+            self._repeat("against the default", start, FINAL_RUNS)
+            self._repeat("against the default", candidate, FINAL_RUNS)
+            if self._beats(candidate, start):
+                winner, verdict = candidate, checked
             break
+        outcome.winner = winner
+        outcome.winner_speed = self.score(winner)
+        outcome.parity = verdict or "not checked"
+        outcome.plan = self.plan_for(winner)
+        outcome.baseline_speed = self.score(start)
+        outcome.spread = self.noise()
+        outcome.stopped = self.stopped
         outcome.trials = self.trials
+        outcome.scores = {c.key(): tuple(self.runs(c)) for c in dict.fromkeys([start, *self._candidates()])}
 
     def _parity(self, candidate: Candidate, result: TrialResult, baseline: TrialResult) -> str | None:
         """``candidate``'s losses against the baseline's, step by step: "within ..." or "FAILED: ...". None when
@@ -309,6 +386,12 @@ class Tuner:
         if steps is None or result.step_s is None or result.samples_per_step is None:
             return result.samples_per_s
         return result.samples_per_step * steps / ((result.startup_s or 0.0) + result.step_s * steps)
+
+
+def spread(speeds: list[float] | tuple[float, ...]) -> float:
+    """(fastest - slowest) / median of a config's runs."""
+    middle = statistics.median(speeds)
+    return (max(speeds) - min(speeds)) / middle if middle > 0 else 0.0
 
 
 def _worst(mine: tuple[float, ...], theirs: tuple[float, ...]) -> float:
