@@ -104,7 +104,7 @@ step runtime-ac-peaks "$py" - <<'PY'
 import torch, torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from redline.runtime.config import ActivationCheckpointConfig
+from redline.plan.strategy import Strategy
 from redline.runtime.parallelize import apply_activation_checkpointing
 
 class Block(nn.Module):
@@ -121,7 +121,7 @@ class Block(nn.Module):
 def peak_gib(mode, backend):
     torch.manual_seed(0)
     blocks = nn.Sequential(*(Block() for _ in range(8))).cuda()
-    apply_activation_checkpointing(list(blocks), mode, ActivationCheckpointConfig())
+    apply_activation_checkpointing(list(blocks), Strategy(checkpointing=mode))
     x = torch.randn(8, 2048, 1024, device="cuda", requires_grad=True)
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from redline.errors import BadInput
 from redline.plan.planfile import dump_plan, load_plan
 from redline.plan.strategy import Strategy
-from redline.runtime.config import ActivationCheckpointConfig, RunConfig, check_settings, from_plan_file
+from redline.runtime.config import RunConfig, check_settings, from_plan_file
 from redline.runtime.parallelize import apply_activation_checkpointing
 from redline.runtime.prepare import prepare
 from redline.workload.profile import TransformerShape
@@ -80,7 +80,7 @@ def built(make: Callable[[], nn.Module], mode: str, every: int = 1) -> nn.Module
     model = make()
     blocks = [block for _, block in find_blocks(model)]
     assert len(blocks) == LAYERS
-    apply_activation_checkpointing(blocks, mode, ActivationCheckpointConfig(every=every))
+    apply_activation_checkpointing(blocks, Strategy(checkpointing=mode, checkpoint_every=every))
     return model
 
 
@@ -236,30 +236,33 @@ def test_selective_keeps_less_than_none_and_more_than_full(make: Callable[[], nn
 
 def test_every_k_checkpoints_the_kth_block_and_each_kth_after() -> None:
     blocks = [nn.Linear(2, 2) for _ in range(5)]
-    apply_activation_checkpointing(blocks, "selective", ActivationCheckpointConfig(every=2))
+    apply_activation_checkpointing(blocks, Strategy(checkpointing="selective", checkpoint_every=2))
     assert ["forward" in vars(block) for block in blocks] == [False, True, False, True, False]
 
 
 def test_checkpointing_that_would_cover_no_block_is_refused() -> None:
     with pytest.raises(BadInput, match="no repeated blocks"):
-        apply_activation_checkpointing([], "selective", ActivationCheckpointConfig())
+        apply_activation_checkpointing([], Strategy(checkpointing="selective"))
     with pytest.raises(BadInput, match="ac_every 3 is more than the model's 2 repeated blocks"):
-        apply_activation_checkpointing([nn.Linear(2, 2), nn.Linear(2, 2)], "full", ActivationCheckpointConfig(every=3))
-    apply_activation_checkpointing([], "none", ActivationCheckpointConfig(every=3))  # nothing asked, nothing to do
+        apply_activation_checkpointing(
+            [nn.Linear(2, 2), nn.Linear(2, 2)], Strategy(checkpointing="full", checkpoint_every=3)
+        )
+    apply_activation_checkpointing([], Strategy(checkpoint_every=3))  # nothing asked, nothing to do
 
 
-def test_ac_every_is_a_runtime_setting() -> None:
-    with pytest.raises(BadInput, match="ac_every must be 1"):
-        ActivationCheckpointConfig(every=0)
-    with pytest.raises(BadInput, match="ac_every must be 1"):
+def test_ac_every_is_the_strategys_checkpoint_every() -> None:
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive integer"):
+        Strategy(checkpoint_every=0)
+    with pytest.raises(BadInput, match="checkpoint_every must be a positive integer"):
         check_settings({"ac_every": 0})  # `redline run --ac-every 0`, before any rank starts
-    config = RunConfig().with_settings({"ac_every": 3})
-    assert config.activation_checkpoint.every == 3
-    assert config.runtime_section() == {"activation_checkpoint": {"every": 3}}
+    config = RunConfig(strategy=Strategy(checkpointing="full")).with_settings({"ac_every": 3})
+    assert config.strategy.checkpoint_every == 3
+    assert config.strategy.label().endswith("ckpt=full/3")
 
 
-def selective_plan(tmp_path: Path, runtime: dict) -> Path:
-    """A plan file whose strategy checkpoints selectively, as ``redline plan -o`` writes one."""
+def selective_plan(tmp_path: Path, checkpoint_every: int) -> Path:
+    """A plan file whose strategy checkpoints selectively every ``checkpoint_every``-th block, as ``redline plan
+    -o`` writes one."""
     from redline.plan.estimate import Goal
     from redline.plan.hardware import parse_hardware
     from redline.plan.planfile import make_plan
@@ -267,8 +270,15 @@ def selective_plan(tmp_path: Path, runtime: dict) -> Path:
     from redline.workload.presets import preset_profile
 
     profile, cluster, goal = preset_profile("gpt2"), parse_hardware("1xh100-sxm"), Goal(global_batch=8, tokens=1e9)
-    plan = make_plan(profile, cluster, goal, search(profile, cluster, goal).ranked[0], runtime=runtime)
-    strategy = Strategy(data=1, micro_batch=4, accumulation=2, precision="fp32", checkpointing="selective")
+    plan = make_plan(profile, cluster, goal, search(profile, cluster, goal).ranked[0])
+    strategy = Strategy(
+        data=1,
+        micro_batch=4,
+        accumulation=2,
+        precision="fp32",
+        checkpointing="selective",
+        checkpoint_every=checkpoint_every,
+    )
     path = tmp_path / "plan.yaml"
     path.write_text(dump_plan(dataclasses.replace(plan, strategy=strategy)))
     assert load_plan(path).strategy.checkpointing == "selective"
@@ -290,10 +300,10 @@ def train_prepared(plan: Path | RunConfig, **overrides) -> tuple[nn.Module, list
 
 
 def test_prepare_runs_a_plan_that_checkpoints_selectively(tmp_path: Path, monkeypatch) -> None:
-    """The plan file's ``checkpointing: selective``, on every second block from its ``runtime:`` section and
+    """The plan file's ``checkpointing: selective``, on every second block from its strategy and
     every third from ``redline run --ac-every 3`` ($REDLINE_RUNTIME): trained as without checkpointing."""
-    path = selective_plan(tmp_path, runtime={"activation_checkpoint": {"every": 2}})
-    assert from_plan_file(path).activation_checkpoint.every == 2
+    path = selective_plan(tmp_path, checkpoint_every=2)
+    assert from_plan_file(path).strategy.checkpoint_every == 2
     plain, _ = train_prepared(RunConfig(strategy=dataclasses.replace(load_plan(path).strategy, checkpointing="none")))
 
     selective, blocks = train_prepared(path)

@@ -172,6 +172,7 @@ def plan(
     constraints = _constraints(
         precision, optimizer, sharding, tensor, pipeline, micro_batch, accumulation, checkpointing
     )
+    constraints = _checkpoint_every(constraints, runtime.pop("ac_every", None))
     constraints = _layout(constraints, sequence_parallel, flash_attention, schedule, virtual_stages, memory_margin)
     profile = _profile(model, params, seq_len, input_shape, analytic)
     tokens_total, samples = _amount(profile, tokens, epochs, dataset_size, seq_len)
@@ -395,6 +396,19 @@ def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, 
         accumulation=accumulation,
         checkpointing=checkpointing,
     )
+
+
+def _checkpoint_every(constraints, every: int | None):
+    """``--ac-every K``: the plans checkpoint every K-th block (the search tries 1, 2 and 4 otherwise)."""
+    import dataclasses
+
+    if every is None:
+        return constraints
+    if every < 1:
+        raise BadInput(f"--ac-every must be at least 1, not {every}")
+    if every > 1 and constraints.checkpointing == "none":
+        raise BadInput("--ac-every checkpoints some blocks: it goes with --checkpointing selective or full")
+    return dataclasses.replace(constraints, checkpoint_every=every)
 
 
 def _layout(constraints, sequence_parallel: bool, flash_attention: bool, schedule, virtual_stages, memory_margin):

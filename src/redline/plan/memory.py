@@ -216,19 +216,39 @@ def recomputes_block(layer: LayerProfile, strategy: Strategy) -> bool:
     return strategy.checkpointing == "selective" and activation_key(strategy) in layer.selective_bytes_per_sample
 
 
+def covered_blocks(strategy: Strategy, stage: Stage) -> frozenset[str]:
+    """The blocks of the stage that activation checkpointing covers: every ``checkpoint_every``-th block the rank
+    holds (the k-th, the 2k-th..., as ``apply_activation_checkpointing`` picks them); none without it."""
+    if strategy.checkpointing == "none":
+        return frozenset()
+    k = strategy.checkpoint_every
+    return frozenset(block.name for block in stage.blocks[k - 1 :: k])
+
+
+def checkpointed_blocks(strategy: Strategy, stage: Stage) -> frozenset[str]:
+    """Of the covered blocks, those whose backward reruns their forward (``recomputes_block``)."""
+    covered = covered_blocks(strategy, stage)
+    return frozenset(
+        block.name for block in stage.blocks if block.name in covered and recomputes_block(block, strategy)
+    )
+
+
 def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> dict[str, float]:
-    """Each block of the stage: bytes saved for backward per micro-batch without checkpointing. Identical
-    blocks (all of an analytic transformer's) are computed once."""
+    """Each block of the stage: bytes saved for backward per micro-batch without checkpointing (but Korthikanti's
+    analytic selective recomputation, in the blocks it covers). Identical blocks (all of an analytic
+    transformer's) are computed once."""
+    covered = covered_blocks(strategy, stage)
+    plain = replace(strategy, checkpointing="none", checkpoint_every=1)
     key = activation_key(strategy)
     decoder_from = len(profile.blocks) - (profile.transformer.decoder_layers if profile.transformer else 0)
     decoder_names = {b.name for b in profile.blocks[decoder_from:]}
     out: dict[str, float] = {}
     same: dict[tuple[bool, float], float] = {}
     for block in stage.blocks:
-        decoder = block.name in decoder_names
-        signature = (decoder, block.activation_bytes_per_sample[key])
+        decoder, policy = block.name in decoder_names, strategy if block.name in covered else plain
+        signature = (decoder, block.name in covered, block.activation_bytes_per_sample[key])
         if signature not in same:
-            same[signature] = block_activation(profile, block, strategy, decoder=decoder)
+            same[signature] = block_activation(profile, block, policy, decoder=decoder)
         out[block.name] = same[signature]
     return out
 
@@ -261,7 +281,10 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     # arrive as its backward ends
     coexist = strategy.accumulation > 1 or (strategy.data > 1 and states.zero_stage < 2) or strategy.pipeline > 1
     grad_share = 0.0 if coexist else states.grads / max(1, stage.params)
-    layers = _layers_in_model_order(profile, strategy, kept, autocast_copies, rise, working | tables, grad_share)
+    checkpointed = checkpointed_blocks(strategy, stage)
+    layers = _layers_in_model_order(
+        profile, strategy, kept, autocast_copies, rise, working | tables, grad_share, checkpointed
+    )
     grads_before = states.grads if coexist else 0.0
     # FSDP's and ZeRO-2's unsharded units are there through the step; autocast's copies come and go by layer
     units = 0.0 if copy_share else weight_copies
@@ -327,7 +350,9 @@ def _tensor_parallel_share(layer: LayerProfile, tensor: int) -> float:
 def _model_states(profile: WorkloadProfile, strategy: Strategy, stage: Stage, gpus_per_node: int) -> _ModelStates:
     """PyTorch keeps fp32 weights and gradients (autocast adds no master copy). ZeRO-1 (ZeroRedundancyOptimizer)
     shards the optimizer states; ZeRO-2 as FSDP runs it (reshard_after_forward=False) also the gradients and the
-    fp32 weights, keeping the 16-bit copies whole between forward and backward; FSDP/ZeRO-3 shards everything."""
+    fp32 weights, keeping the 16-bit copies whole between forward and backward; FSDP/ZeRO-3 shards everything.
+    Under a pipeline, ``torch.distributed.pipelining`` accumulates FSDP's gradients whole until the last
+    micro-batch (it turns the per-micro-batch reduce-scatter off), so they are not sharded there."""
     params = sum(_tensor_parallel_share(layer, strategy.tensor) for layer in (*stage.blocks, *stage.fixed))
     if stage.index == strategy.pipeline - 1 and strategy.pipeline > 1:
         # the last stage keeps its own copy of a tied embedding table (vocabulary-split under TP)
@@ -344,9 +369,16 @@ def _model_states(profile: WorkloadProfile, strategy: Strategy, stage: Stage, gp
         zero_stage=zero_stage,
         grad_bytes_per_param=states.grads,
         weights=sharded(states.weights, 2),
-        grads=sharded(states.grads, 2),
+        grads=params * states.grads if _pipeline_holds_fsdp_units(strategy) else sharded(states.grads, 2),
         optimizer=sharded(states.optimizer + states.master, 1),
     )
+
+
+def _pipeline_holds_fsdp_units(strategy: Strategy) -> bool:
+    """Whether a pipeline stage keeps FSDP's gathered weights and its whole gradients through the step:
+    ``torch.distributed.pipelining`` turns resharding after backward and the gradients' reduce-scatter off for
+    every micro-batch but the last (``backward_maybe_with_nosync``) and reduce-scatters once at the end."""
+    return strategy.pipeline > 1 and ZERO_STAGE[strategy.sharding] >= 2
 
 
 def _cast_params(
@@ -373,7 +405,11 @@ def _weight_copies_and_comm_buffers(
     copy_bytes = COMPUTE_COPY_BYTES[strategy.precision]
     largest_block = max((b.params for b in stage.blocks), default=0) / strategy.tensor
     fixed_params = sum(layer.params for layer in stage.fixed) / strategy.tensor
-    if states.zero_stage >= 3:
+    if _pipeline_holds_fsdp_units(strategy):
+        # the stage's units stay gathered through the step; its gradients are whole until the one reduce-scatter
+        weight_copies = (copy_bytes or 4) * states.params
+        comm_buffers = (4 + copy_bytes) * max(largest_block, fixed_params)
+    elif states.zero_stage >= 3:
         # FSDP: the root unit (embedding, head) and two block units unsharded at once (prefetch), in the
         # compute precision (fp32 units when there is no mixed precision)
         unit_bytes = copy_bytes or 4
@@ -406,12 +442,13 @@ def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, f
     key = activation_key(strategy)
     t = strategy.tensor
     sp_divisor = t if strategy.sequence_parallel else 1
+    checkpointed = checkpointed_blocks(strategy, stage)
     kept: dict[str, float] = {}
     for layer in (*stage.blocks, *stage.fixed):
         if not layer.is_block:
             per_sample = layer.activation_bytes_per_sample[key]
             kept[layer.name] = per_sample * strategy.micro_batch / (sp_divisor if layer.table_params else 1)
-        elif recomputes_block(layer, strategy):
+        elif layer.name in checkpointed:
             per_sample = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor
             if strategy.checkpointing == "selective":
                 per_sample += layer.selective_bytes_per_sample[key] / t
@@ -459,12 +496,13 @@ def _backward_working_sets(
     selective checkpointing this counts the saved matmul outputs twice, on the safe side);
     and the loss's for an LM's head. Copies per parameter: autocast's, not FSDP's whole units."""
     working = {}
+    checkpointed = checkpointed_blocks(strategy, stage)
     for block in stage.blocks:
         saved = full_blocks[block.name]
         backward = measured_bytes(block.backward_working, block, strategy, saved)
         if backward is None:  # not measured: all it saved, at most
             backward = saved
-        if recomputes_block(block, strategy):
+        if block.name in checkpointed:
             # the recomputation's forward (its rise counts the block's input, which is already held, where the
             # gradient of its output now waits), then the backward on what it saved and the weight copies it cast
             backward = max(rise[block.name], saved + backward + autocast_copies[block.name])
@@ -524,8 +562,9 @@ def _layers_in_model_order(
     rise: dict[str, float],
     working: dict[str, float],
     grad_share: float,
+    checkpointed: frozenset[str],
 ) -> list[_LayerMemory]:
-    """The stage's layers as the forward meets them."""
+    """The stage's layers as the forward meets them (``checkpointed``: the blocks that rerun their forward)."""
     key = activation_key(strategy)
     return [
         _LayerMemory(
@@ -536,7 +575,7 @@ def _layers_in_model_order(
             ),
             # a checkpointed block saves no weight copies (autocast without its weight cache, as the runtime runs
             # it: a loop with the cache on holds them to the end of the forward)
-            copies=0.0 if layer.is_block and recomputes_block(layer, strategy) else autocast_copies[layer.name],
+            copies=0.0 if layer.name in checkpointed else autocast_copies[layer.name],
             rise=rise[layer.name],
             working=working.get(layer.name, 0.0),
             grads=layer.params * grad_share,

@@ -37,6 +37,9 @@ TIME_TOLERANCE = 0.01
 # a plan that leaves less than a tenth of the GPU's memory free runs at the edge: the allocator's reserve in the
 # prediction (5%) is a typical figure, and a long run's fragmentation or an unusual batch can exceed it
 TIGHT_HEADROOM = 0.10
+# activation checkpointing of every k-th block (torchtitan's selective AC "k"): half or a quarter of the
+# recomputation where checkpointing every block would leave memory unused
+CHECKPOINT_EVERY = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Constraints:
     micro_batch: int | None = None
     accumulation: int | None = None
     checkpointing: str | None = None
+    checkpoint_every: int | None = None  # checkpoint every k-th block; None: the search tries CHECKPOINT_EVERY
     sequence_parallel: bool = True  # wherever tensor parallelism is
     flash_attention: bool = True
     schedule: str | None = None  # of a pipeline; None: 1F1B
@@ -211,20 +215,38 @@ def _strategies(
                 # torch.distributed.pipelining's 1F1B refuses it (and its bubble would be most of the step)
                 excluded["1F1B: fewer micro-batches per step than pipeline stages"] += 1
                 continue
-            for ckpt in CHECKPOINTING if blocks else ("none",):
-                if constraints.checkpointing is not None and ckpt != constraints.checkpointing:
-                    continue
+            for ckpt, every in _checkpointing(constraints, blocks // (p * virtual)):
                 yield replace(
                     layout,
                     sharding=sharding,
                     micro_batch=b,
                     accumulation=per_rank // b,
                     checkpointing=ckpt,
+                    checkpoint_every=every,
                     sequence_parallel=t > 1 and constraints.sequence_parallel,
                     flash_attention=constraints.flash_attention,
                     schedule=schedule,
                     virtual_stages=virtual,
                 )
+
+
+def _checkpointing(constraints: Constraints, blocks_per_chunk: int) -> Iterator[tuple[str, int]]:
+    """Each activation checkpointing and how many of the blocks it covers: none; selective and full over every
+    block, or every k-th (CHECKPOINT_EVERY, fewer than a pipeline chunk's blocks, so that each covers some),
+    between which a plan that nearly fits recomputes less. The user's choices fix either."""
+    if blocks_per_chunk == 0:
+        yield "none", 1
+        return
+    for ckpt in CHECKPOINTING:
+        if constraints.checkpointing not in (None, ckpt):
+            continue
+        if ckpt == "none":
+            if constraints.checkpoint_every in (None, 1):
+                yield ckpt, 1
+            continue
+        for every in (constraints.checkpoint_every,) if constraints.checkpoint_every else CHECKPOINT_EVERY:
+            if every == 1 or every < blocks_per_chunk:
+                yield ckpt, every
 
 
 def _schedule(constraints: Constraints, pipeline: int) -> tuple[str, int]:

@@ -21,13 +21,14 @@ from redline.plan.memory import (
     activation_key,
     activation_value_bytes,
     block_activations,
+    covered_blocks,
     optimizer_bytes,
     shard_degree,
     stages,
 )
 from redline.plan.model_states import ZERO_STAGE
 from redline.plan.strategy import Strategy
-from redline.workload.profile import WorkloadProfile
+from redline.workload.profile import LayerProfile, WorkloadProfile
 from redline.workload.transformer import attention_core_flops
 
 # A training step's GEMMs (split by tensor parallelism, of many shapes) sustain less than one large GEMM.
@@ -103,8 +104,9 @@ def _micro_batch_compute_s(
     rate = cluster.matmul[strategy.precision].value * SUSTAINED_MATMUL_FRACTION
     bandwidth = cluster.memory_bandwidth.value
     # what the forward writes and the backward reads, kept or recomputed
-    blocks = block_activations(profile, replace(strategy, checkpointing="none"), stage)
+    blocks = block_activations(profile, replace(strategy, checkpointing="none", checkpoint_every=1), stage)
     core_flops = recomputed_core_flops_per_sample(profile, strategy)
+    rerun = covered_blocks(strategy, stage)
     forward = backward = 0.0
     for layer in (*stage.blocks, *stage.fixed):
         flops = layer.forward_flops_per_sample * b / t
@@ -118,15 +120,16 @@ def _micro_batch_compute_s(
         layer_forward = max(flops / rate + memory_s / 2, launches)
         forward += layer_forward
         backward += max(2 * flops / rate + memory_s / 2, 2 * launches)
-        if layer.is_block and strategy.checkpointing == "full":
+        if layer.name in rerun and strategy.checkpointing == "full":
             backward += layer_forward
-        elif layer.is_block and strategy.checkpointing == "selective":
+        elif layer.name in rerun:  # selective
             backward += core_flops * b / t / rate + memory_s / 2
     if profile.calibration is not None and forward + backward > 0:  # measured here: correct the total, keep the split
         # the floor was measured on the whole model: this stage launches its layers' share, and a recomputed
         # forward adds about a third
         share = len(stage.blocks) + len(stage.fixed)
-        floor_share = share / max(1, len(profile.layers)) * (4 / 3 if strategy.checkpointing == "full" else 1)
+        rerun_share = len(rerun) / share if strategy.checkpointing == "full" else 0.0
+        floor_share = share / max(1, len(profile.layers)) * (1 + rerun_share / 3)
         factor = profile.calibration.corrected_compute_s(forward + backward, floor_share) / (forward + backward)
         forward, backward = forward * factor, backward * factor
     return forward, backward
@@ -146,13 +149,15 @@ def recomputed_core_flops_per_sample(profile: WorkloadProfile, strategy: Strateg
 
 
 def recomputed_flops_per_sample(profile: WorkloadProfile, strategy: Strategy) -> float:
-    """Forward FLOPs a step recomputes per sample: every block's under full checkpointing, every unfused
-    attention core under selective (hardware FLOPs, HFU)."""
+    """Forward FLOPs a step recomputes per sample: every checkpointed block's under full checkpointing, its
+    unfused attention core under selective (hardware FLOPs, HFU)."""
+    rerun: list[LayerProfile] = []
+    for stage in stages(profile, strategy.pipeline):
+        names = covered_blocks(strategy, stage)
+        rerun += [block for block in stage.blocks if block.name in names]
     if strategy.checkpointing == "full":
-        return sum(b.forward_flops_per_sample for b in profile.blocks)
-    if strategy.checkpointing == "selective":
-        return len(profile.blocks) * recomputed_core_flops_per_sample(profile, strategy)
-    return 0.0
+        return sum(b.forward_flops_per_sample for b in rerun)
+    return len(rerun) * recomputed_core_flops_per_sample(profile, strategy)
 
 
 def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) -> StepTime:
@@ -177,8 +182,11 @@ def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) ->
     tp_micro_s = 0.0
     if t > 1 and shape is not None:
         size = strategy.micro_batch * profile.tokens_per_sample * shape.hidden * value
-        per_block = (6 if strategy.checkpointing == "full" else 4) * ring_s("all_reduce", size, t, cluster.intra)
-        tp_micro_s = len(stage.blocks) * per_block
+        # a block whose forward is rerun in full all-reduces its forward's twice again
+        all_reduces = 4 * len(stage.blocks) + (
+            2 * len(covered_blocks(strategy, stage)) if strategy.checkpointing == "full" else 0
+        )
+        tp_micro_s = all_reduces * ring_s("all_reduce", size, t, cluster.intra)
 
     # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients): a
     # block's input (a transformer's b*s*h residual stream, fp32 under autocast too), split t ways (Megatron's
@@ -225,7 +233,9 @@ def _data_parallel_exposed_s(
     gathers the parameters before each micro-batch's forward (prefetched one unit ahead) and reduce-scatters
     its gradients behind its backward. FSDP (ZeRO-3) gathers each unit before its forward and again before
     its backward and reduce-scatters its gradients, every micro-batch. HSDP does FSDP inside a node and
-    all-reduces the sharded gradients across nodes once per step.
+    all-reduces the sharded gradients across nodes once per step. Under a pipeline, ``torch.distributed.
+    pipelining`` keeps FSDP's units gathered and its gradients whole through the step: one gather, hidden by
+    the first forward, and one reduce-scatter after the last backward, which nothing hides.
     """
     n = strategy.data
     if n <= 1:
@@ -253,10 +263,6 @@ def _data_parallel_exposed_s(
         if strategy.sharding == "zero1":
             exposed += dp("all_gather", params * 4)
         return exposed
-    if strategy.sharding == "zero2":
-        gather, scatter = dp("all_gather", gathered), dp("reduce_scatter", grads)
-        per_micro = max(gather - forward, 0.0) + gather / units + max(scatter - backward, scatter / units)
-        return m * per_micro
     if strategy.sharding == "hsdp":
         shard = shard_degree(strategy, cluster.gpus_per_node)
         within = {"per_node": shard, "nodes": 1}
@@ -270,9 +276,13 @@ def _data_parallel_exposed_s(
             inter=cluster.inter,
             gpus_per_node=cluster.gpus_per_node,
         )
-    else:  # fsdp
+    else:  # zero2, fsdp
         gather, scatter = dp("all_gather", gathered), dp("reduce_scatter", grads)
         across = 0.0
+    if strategy.pipeline > 1:  # gathered once, reduce-scattered once after the last backward
+        return max(gather - forward, 0.0) + gather / units + scatter + across
+    if strategy.sharding == "zero2":
+        return m * (max(gather - forward, 0.0) + gather / units + max(scatter - backward, scatter / units))
     # forward hides the gathers, backward the second gathers and the reduce-scatters; the first unit's
     # gather has nothing to hide behind
     per_micro = max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0) + gather / units

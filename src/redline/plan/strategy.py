@@ -36,6 +36,7 @@ class Strategy:
     micro_batch: int = 1  # samples per GPU per forward/backward
     accumulation: int = 1  # micro-batches per optimizer step (gradient accumulation; 1F1B micro-batches)
     checkpointing: str = "none"  # none | selective (attention core) | full (each block keeps its input)
+    checkpoint_every: int = 1  # checkpoint every k-th repeated block a rank holds (k-th, 2k-th...); 1: each
     sequence_parallel: bool = False  # shard norms and dropout along the sequence in tensor-parallel groups
     optimizer: str = "adamw"
     flash_attention: bool = True  # attention through SDPA/FlashAttention: no s x s matrices kept
@@ -43,7 +44,7 @@ class Strategy:
     virtual_stages: int = 1  # interleaved 1F1B: chunks of layers per pipeline rank (v; 1 otherwise)
 
     def __post_init__(self) -> None:
-        for name in ("data", "tensor", "pipeline", "micro_batch", "accumulation", "virtual_stages"):
+        for name in ("data", "tensor", "pipeline", "micro_batch", "accumulation", "virtual_stages", "checkpoint_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Strategy.{name} must be a positive integer, not {value!r}")
@@ -75,7 +76,7 @@ class Strategy:
 
     def label(self) -> str:
         """Short human form: 'fsdp dp8 tp2 pp4:interleavedx2 mb4x8 bf16 ckpt=full' (the schedule and its virtual
-        stages with a pipeline; '-sp' and '-flash' where those are switched off)."""
+        stages with a pipeline; 'ckpt=full/2' checkpoints every second block; '-flash' where it is off)."""
         parts = [self.sharding, f"dp{self.data}"]
         if self.tensor > 1:
             parts.append(f"tp{self.tensor}" + ("+sp" if self.sequence_parallel else ""))
@@ -84,7 +85,9 @@ class Strategy:
             parts.append(f"pp{self.pipeline}:{self.schedule}{virtual}")
         parts += [f"mb{self.micro_batch}x{self.accumulation}", self.precision]
         if self.checkpointing != "none":
-            parts.append(f"ckpt={self.checkpointing}")
+            parts.append(
+                f"ckpt={self.checkpointing}" + (f"/{self.checkpoint_every}" if self.checkpoint_every > 1 else "")
+            )
         if not self.flash_attention:
             parts.append("-flash")
         return " ".join(parts)

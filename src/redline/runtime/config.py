@@ -1,11 +1,11 @@
 """What the runtime applies: the plan's strategy plus the settings only a running job needs, one tree.
 
 ``RunConfig`` holds one section per component, each a frozen dataclass with a docstring per field and its
-checks in ``__post_init__`` (torchtitan's per-component configs): ``numerics``, ``activation_checkpoint``,
-``ddp``, ``data``, ``checkpoint``, ``metrics``, ``loop``, beside the plan file's ``strategy`` (the same ``Strategy``
-the planner ranks) and ``plan``, the facts the planner worked out. The settings come from, each over the one
-before: the defaults below, the plan file's ``runtime:`` section, ``prepare()``'s keywords, and ``redline
-run``'s options (``$REDLINE_RUNTIME``: the command line has the last word).
+checks in ``__post_init__`` (torchtitan's per-component configs): ``numerics``, ``ddp``, ``data``,
+``checkpoint``, ``metrics``, ``loop``, beside the plan file's ``strategy`` (the same ``Strategy`` the planner
+ranks) and ``plan``, the facts the planner worked out. The settings come from, each over the one before: the
+defaults below, the plan file's ``runtime:`` section, ``prepare()``'s keywords, and ``redline run``'s options
+(``$REDLINE_RUNTIME``: the command line has the last word).
 
 ``SETTINGS`` is the one table of the settings a user sets by name: a setting's place in the tree, its keyword
 (``prepare(checkpoint_dir=...)`` and ``$REDLINE_RUNTIME``'s keys), and its option on the command line where it
@@ -64,18 +64,6 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
             raise BadInput(f"max_steps must be 1 or more, not {self.max_steps}")
-
-
-@dataclass(frozen=True)
-class ActivationCheckpointConfig:
-    every: int = 1
-    """Checkpoint the activations of every k-th repeated block only, the way the plan's ``checkpointing`` says
-    (full or selective): the blocks between keep theirs, less recomputation for more memory. 1: every block, as
-    the planner counts it. Nothing to do when the plan checkpoints none."""
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise BadInput(f"ac_every must be 1 (every block) or more, not {self.every}")
 
 
 @dataclass(frozen=True)
@@ -182,8 +170,6 @@ class RunConfig:
     """How the step is laid out: the plan file's ``strategy`` section."""
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     """TF32, cudnn, compile, clipping (``apply_numerics``, ``apply_compile``, the optimizer step)."""
-    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
-    """Which blocks the plan's activation checkpointing covers (``apply_activation_checkpointing``)."""
     ddp: DdpConfig = field(default_factory=DdpConfig)
     """DistributedDataParallel and BatchNorm over the ranks (``apply_ddp``, ``apply_sync_batchnorm``)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -234,7 +220,6 @@ class RunConfig:
 # the sections a plan file's `runtime:` holds (the strategy has its own section, the plan facts are its others)
 SECTIONS: dict[str, type] = {
     "numerics": NumericsConfig,
-    "activation_checkpoint": ActivationCheckpointConfig,
     "ddp": DdpConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
@@ -268,7 +253,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("numerics.grad_clip_norm", "grad_clip_norm"),
     Setting("numerics.cpu_threads", "cpu_threads", "--cpu-threads", "Threads of each rank's CPU operators."),
     Setting(
-        "activation_checkpoint.every",
+        "strategy.checkpoint_every",
         "ac_every",
         "--ac-every",
         "Checkpoint activations in every K-th block only, as the plan says (full or selective; 1: each block).",

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
-from redline.runtime.config import ActivationCheckpointConfig, DdpConfig, NumericsConfig
+from redline.runtime.config import DdpConfig, NumericsConfig
 from redline.runtime.tensor_parallel import average_gradients, fsdp_layout
 from redline.workload.selective import selective_checkpoint_context
 
@@ -80,19 +80,19 @@ def sync_batchnorm(model: nn.Module) -> None:
         raise BadInput("the model is a single BatchNorm layer: wrap it in a module")
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, config: ActivationCheckpointConfig) -> None:
-    """The plan's activation checkpointing (``none``, ``selective``, ``full``) over every ``config.every``-th
-    of the model's repeated blocks (the k-th, the 2k-th...)."""
-    if mode == "none":
+def apply_activation_checkpointing(blocks: list[nn.Module], strategy: Strategy) -> None:
+    """The plan's activation checkpointing (``none``, ``selective``, ``full``) over every
+    ``checkpoint_every``-th of the model's repeated blocks (the k-th, the 2k-th...), as the planner counts it."""
+    if strategy.checkpointing == "none":
         return
     if not blocks:
         raise BadInput("the plan checkpoints activations per block, but this model has no repeated blocks")
-    if config.every > len(blocks):
+    every = strategy.checkpoint_every
+    if every > len(blocks):
         raise BadInput(
-            f"ac_every {config.every} is more than the model's {len(blocks)} repeated blocks: none would be "
-            "checkpointed"
+            f"ac_every {every} is more than the model's {len(blocks)} repeated blocks: none would be checkpointed"
         )
-    checkpoint_blocks(blocks[config.every - 1 :: config.every], selective=mode == "selective")
+    checkpoint_blocks(blocks[every - 1 :: every], selective=strategy.checkpointing == "selective")
 
 
 def checkpoint_blocks(blocks: list[nn.Module], *, selective: bool = False) -> None:

@@ -19,7 +19,7 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
    the mesh's ``tp`` group (``tensor`` > 1; ``apply_tp`` of ``tensor_parallel.py``), before anything else
    wraps the layers;
 3. activation checkpointing of each block, or each k-th (``checkpointing: full`` or ``selective``,
-   ``ac_every``; ``apply_activation_checkpointing``);
+   ``checkpoint_every``, ``--ac-every``; ``apply_activation_checkpointing``);
 4. ``torch.compile`` of each block (``compile``; ``apply_compile``);
 5. data parallelism: DDP (bucket size, static graph, gradients as bucket views, a compression hook;
    ``apply_ddp``), ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``, ``apply_zero1``), or FSDP2 ``fully_shard`` per
@@ -267,7 +267,7 @@ class Run:
             apply_tp(model, self.mesh.tp, sequence_parallel=strategy.sequence_parallel)
         if self.mesh is not None and self.mesh.pp is not None:
             return self._wrap_pipeline(model)
-        apply_activation_checkpointing(blocks, strategy.checkpointing, self.config.activation_checkpoint)
+        apply_activation_checkpointing(blocks, strategy)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
         if self.world_size == 1:
@@ -308,7 +308,7 @@ class Run:
             rank_blocks=self.config.plan.stage_blocks,
         )
         blocks = [block for stage in stages for block in stage.held_blocks]
-        apply_activation_checkpointing(blocks, strategy.checkpointing, self.config.activation_checkpoint)
+        apply_activation_checkpointing(blocks, strategy)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
         for stage in stages if mesh.dp is not None else ():
