@@ -196,6 +196,50 @@ def test_a_tensor_parallel_gpt2_resumes_from_its_checkpoint_bit_identically(
 
 
 @pytest.mark.slow
+def test_a_tensor_parallel_gpt2_checkpoint_resumes_at_another_tensor_parallel_degree(tmp_path: Path) -> None:
+    """Saved at TP2, resumed at TP4 with the same batch: each rank reads its heads of q, of k and of v from
+    the saved projections (``<name>.packed0..2``), so the run goes on as one that did not stop (a q, k or v
+    read from the wrong part of the packed c_attn would not)."""
+    strategy = {"tensor": 2, "micro_batch": 8}
+    whole = ranks(tmp_path / "whole", "gpt2", 2, strategy, MOMENTUM="0.9")
+    directory = str(tmp_path / "checkpoints")
+    ranks(tmp_path / "first", "gpt2", 2, strategy, MOMENTUM="0.9", CHECKPOINT_DIR=directory, STEPS="2")
+    got = ranks(tmp_path / "second", "gpt2", 4, strategy | {"tensor": 4}, MOMENTUM="0.9", CHECKPOINT_DIR=directory)
+    weights, losses = got
+    assert len(losses) == len(whole[1]) - 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(whole[1][2:]), **TOLERANCE)
+    for name, value in whole[0].items():
+        torch.testing.assert_close(weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+    # without tensor parallelism the model holds c_attn whole: the checkpoint does not load, and says why
+    from redline.errors import BadInput
+    from redline.runtime.checkpoint import Checkpointer, CheckpointWarning
+
+    model = tp_worker.make_model("gpt2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    with pytest.warns(CheckpointWarning), pytest.raises(BadInput) as error:
+        Checkpointer(directory).load_latest(model=model, optimizer=optimizer)
+    assert "transformer.h.0.attn.c_attn.weight as its packed projections (saved under tensor parallelism)" in str(
+        error.value
+    )
+    assert "resume it with tensor parallelism" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_without_tensor_parallelism_refuses_a_tensor_parallel_gpt2_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """One process saves GPT-2's c_attn whole; two tensor-parallel ranks, which save and load it as its
+    projections, do not load it, and say why rather than which key DCP missed."""
+    directory = str(tmp_path / "checkpoints")
+    ranks(tmp_path / "first", "gpt2", 1, {"micro_batch": 8}, CHECKPOINT_DIR=directory, STEPS="2")
+    with pytest.raises(AssertionError) as error:
+        ranks(tmp_path / "second", "gpt2", 2, {"tensor": 2, "micro_batch": 8}, CHECKPOINT_DIR=directory)
+    why = "it holds transformer.h.0.attn.c_attn.weight whole (saved without tensor parallelism), which this run"
+    assert f"BadInput: no checkpoint in {directory} loads (step-00000002: rank 0: {why}" in str(error.value)
+    assert "Missing key" not in str(error.value)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "gpus", "sharding"), [("llama", 2, ()), ("gpt2", 2, ()), ("gpt2", 4, ("--sharding", "fsdp"))]
 )
