@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from redline.hw.host import parse_cpulist, probe_host
+from redline.hw.host import parse_cpulist, probe_host, usable_cpus
 from redline.hw.sysfs import SysFs
 from sysroot import SysRoot, fake_statvfs, statvfs_result
 
@@ -232,3 +232,18 @@ def test_this_machine() -> None:
     assert host.memlock_limit_bytes is not None and (host.memlock_limit_bytes == -1 or host.memlock_limit_bytes >= 0)
     assert host.swap_used_bytes is None or host.swap_used_bytes >= 0
     assert fs.errors == []
+
+
+def test_usable_cpus_follow_the_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A taskset narrows the CPUs to two of the machine's 64: the runtime, tune and the journal count two."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5}, raising=False)
+    assert usable_cpus() == 2
+
+
+@pytest.mark.parametrize("cpu_count, cpus", [(64, 64), (None, 1)])
+def test_usable_cpus_without_affinity(monkeypatch: pytest.MonkeyPatch, cpu_count: int | None, cpus: int) -> None:
+    """Where the platform has no affinity (macOS) every CPU counts, and at least one where even that is unknown."""
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpu_count)
+    assert usable_cpus() == cpus

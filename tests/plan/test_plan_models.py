@@ -169,6 +169,26 @@ def test_tensor_parallel_with_sequence_parallel_divides_activations() -> None:
     assert tp8.weights == pytest.approx(one.weights / 8)
 
 
+def test_a_packed_bias_fsdp_keeps_whole_beside_tensor_parallelism_is_not_sharded_over_the_data_ranks() -> None:
+    """Beside tensor parallelism the runtime's FSDP2 keeps GPT-2's packed c_attn bias whole on each data rank:
+    its tensor-parallel share of the weights, gradients and Adam's states is not divided by the data degree."""
+    bias = 3 * GPT2.transformer.hidden
+    layers = [dataclasses.replace(b, replicated_beside_fsdp_params=bias) if b.is_block else b for b in GPT2.layers]
+    packed = dataclasses.replace(GPT2, layers=tuple(layers))
+    tp = strategy(data=4, tensor=2, sharding="fsdp")
+    plain, kept = memory_per_gpu(GPT2, tp, gpus_per_node=8), memory_per_gpu(packed, tp, gpus_per_node=8)
+    unsharded = len(GPT2.blocks) * bias / 2 * (1 - 1 / 4)  # each rank's half, whole instead of a quarter of it
+    for part, bytes_per_param in (("weights", 4), ("grads", 4), ("optimizer", 8)):
+        assert getattr(kept, part) - getattr(plain, part) == pytest.approx(bytes_per_param * unsharded), part
+    # ZeRO-1 shards only the optimizer states; without tensor parallelism nothing is packed
+    zero1 = strategy(data=4, tensor=2, sharding="zero1")
+    assert (
+        memory_per_gpu(packed, zero1, gpus_per_node=8).weights == memory_per_gpu(GPT2, zero1, gpus_per_node=8).weights
+    )
+    fsdp = strategy(data=4, sharding="fsdp")
+    assert memory_per_gpu(packed, fsdp, gpus_per_node=8) == memory_per_gpu(GPT2, fsdp, gpus_per_node=8)
+
+
 # --------------------------------------------------------------------------------------- step time
 
 

@@ -196,35 +196,87 @@ def test_a_tensor_parallel_gpt2_resumes_from_its_checkpoint_bit_identically(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
-def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(tmp_path: Path, model: str) -> None:
+def test_a_tensor_parallel_gpt2_checkpoint_resumes_at_another_tensor_parallel_degree(tmp_path: Path) -> None:
+    """Saved at TP2, resumed at TP4 with the same batch: each rank reads its heads of q, of k and of v from
+    the saved projections (``<name>.packed0..2``), so the run goes on as one that did not stop (a q, k or v
+    read from the wrong part of the packed c_attn would not)."""
+    strategy = {"tensor": 2, "micro_batch": 8}
+    whole = ranks(tmp_path / "whole", "gpt2", 2, strategy, MOMENTUM="0.9")
+    directory = str(tmp_path / "checkpoints")
+    ranks(tmp_path / "first", "gpt2", 2, strategy, MOMENTUM="0.9", CHECKPOINT_DIR=directory, STEPS="2")
+    got = ranks(tmp_path / "second", "gpt2", 4, strategy | {"tensor": 4}, MOMENTUM="0.9", CHECKPOINT_DIR=directory)
+    weights, losses = got
+    assert len(losses) == len(whole[1]) - 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(whole[1][2:]), **TOLERANCE)
+    for name, value in whole[0].items():
+        torch.testing.assert_close(weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+    # without tensor parallelism the model holds c_attn whole: the checkpoint does not load, and says why
+    from redline.errors import BadInput
+    from redline.runtime.checkpoint import Checkpointer, CheckpointWarning
+
+    model = tp_worker.make_model("gpt2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    with pytest.warns(CheckpointWarning), pytest.raises(BadInput) as error:
+        Checkpointer(directory).load_latest(model=model, optimizer=optimizer)
+    assert "transformer.h.0.attn.c_attn.weight as its packed projections (saved under tensor parallelism)" in str(
+        error.value
+    )
+    assert "resume it with tensor parallelism" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_without_tensor_parallelism_refuses_a_tensor_parallel_gpt2_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """One process saves GPT-2's c_attn whole; two tensor-parallel ranks, which save and load it as its
+    projections, do not load it, and say why rather than which key DCP missed."""
+    directory = str(tmp_path / "checkpoints")
+    ranks(tmp_path / "first", "gpt2", 1, {"micro_batch": 8}, CHECKPOINT_DIR=directory, STEPS="2")
+    with pytest.raises(AssertionError) as error:
+        ranks(tmp_path / "second", "gpt2", 2, {"tensor": 2, "micro_batch": 8}, CHECKPOINT_DIR=directory)
+    why = "it holds transformer.h.0.attn.c_attn.weight whole (saved without tensor parallelism), which this run"
+    assert f"BadInput: no checkpoint in {directory} loads (step-00000002: rank 0: {why}" in str(error.value)
+    assert "Missing key" not in str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "gpus", "sharding"), [("llama", 2, ()), ("gpt2", 2, ()), ("gpt2", 4, ("--sharding", "fsdp"))]
+)
+def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(
+    tmp_path: Path, model: str, gpus: int, sharding: tuple[str, ...]
+) -> None:
     """`redline plan --tp 2` for a tiny Llama's or GPT-2's config.json, then `redline run --plan` of a script
-    training it: two ranks in one tensor-parallel group, as one process trains it with the plan's batch, each
-    rank holding exactly the parameter bytes the plan counts."""
+    training it: one tensor-parallel group (or two beside FSDP), as one process trains it with the plan's batch,
+    each rank holding exactly the parameter bytes the plan counts."""
     import yaml
 
     from conftest import run_cli
 
     tp_worker.make_model(model).config.to_json_file(tmp_path / "config.json")
     plan = tmp_path / "plan.yaml"
-    args = ("--seq-len", str(tp_worker.SEQ), "--hardware", "2xh100-sxm", "--precision", "fp32", "--global-batch", "8")
+    args = ("--seq-len", str(tp_worker.SEQ), "--hardware", f"{gpus}xh100-sxm", "--precision", "fp32")
+    args += ("--global-batch", "8", *sharding)
     result = run_cli("plan", "--model", str(tmp_path / "config.json"), "--tp", "2", *args, "-o", str(plan))
     assert result.returncode == 0, result.stderr[-2000:]
     strategy = yaml.safe_load(plan.read_text())["strategy"]
-    assert (strategy["data"], strategy["tensor"], strategy["micro_batch"]) == (1, 2, 8)
+    assert (strategy["data"], strategy["tensor"]) == (gpus // 2, 2)
+    assert strategy["data"] * strategy["micro_batch"] * strategy["accumulation"] == 8
     out = tmp_path / "weights.pt"
     source = str(Path(redline.__file__).parents[1])  # the ranks run this redline, whatever the working directory
     env = {"MODEL": model, "OUT": str(out), "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
-    result = run_cli("run", "--plan", str(plan), "--nproc-per-node", "2", str(WORKER), env=env, cwd=tmp_path)
+    result = run_cli("run", "--plan", str(plan), "--nproc-per-node", str(gpus), str(WORKER), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert strategy["sequence_parallel"]  # the plan asked for it, and the family's plan applies it: no warning
     assert "sequence parallelism, which the runtime does not apply yet" not in result.stderr
     got = torch.load(out), json.loads((tmp_path / "weights.pt.losses.json").read_text())
-    assert_same(got, one_process(tmp_path, model, micro_batch=8, accumulation=strategy["accumulation"]))
+    batch = strategy["data"] * strategy["micro_batch"]
+    assert_same(got, one_process(tmp_path, model, micro_batch=batch, accumulation=strategy["accumulation"]))
     # each rank holds half of every projection and of the token embedding and head; the norms, a row-wise
-    # layer's bias and GPT-2's position embedding whole: the plan counts them the same way
+    # layer's bias and GPT-2's position embedding whole; beside FSDP its share of each of those over the data
+    # ranks, but GPT-2's packed c_attn bias whole: the plan counts them the same way
     planned = yaml.safe_load(plan.read_text())["predicted"]["memory_bytes"]["weights"]
-    for rank in (0, 1):
+    for rank in range(gpus):
         assert int((tmp_path / f"weights.pt.bytes.{rank}").read_text()) == planned
 
 
@@ -236,7 +288,10 @@ def test_the_planner_is_told_which_parameters_the_plan_splits() -> None:
     split = split_parameters(tp_worker.make_model("gpt2", layers=1))
     block = {f"transformer.h.0.{name}" for name in ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight")}
     block |= {f"transformer.h.0.{name}" for name in ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")}
-    assert split == block | {"transformer.wte.weight", "lm_head.weight"}  # tied: one parameter, two names
+    assert split.split == block | {"transformer.wte.weight", "lm_head.weight"}  # tied: one parameter, two names
+    # FSDP2 cannot shard the packed 1-D bias along another dimension: each data rank keeps it whole
+    assert split.replicated_beside_fsdp == {"transformer.h.0.attn.c_attn.bias"}
+    assert split_parameters(tp_worker.make_model("llama", layers=1)).replicated_beside_fsdp == set()
     assert split_parameters(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
 
 

@@ -21,6 +21,7 @@ from redline.report.output import write_output
 from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count, parse_duration
 
 if TYPE_CHECKING:
+    from redline.runtime.tensor_parallel import ParameterSplit
     from redline.workload.profile import WorkloadProfile
 
 # the options, one line each in plan()'s signature
@@ -218,9 +219,10 @@ def _profile(
     )
 
 
-def _tensor_split(module: Any) -> set[str] | None:
-    """What the runtime's tensor-parallel plan splits of a traced module, so that the plan counts each rank's
-    parameters as ``redline run`` will shard them (imported only when a model is traced: it needs torch)."""
+def _tensor_split(module: Any) -> ParameterSplit | None:
+    """What the runtime's tensor-parallel plan splits of a traced module, and what FSDP2 beside it keeps whole
+    (a ``ParameterSplit``, or None), so that the plan counts each rank's parameters as ``redline run`` will
+    shard them (imported only when a model is traced: it needs torch)."""
     from redline.runtime.tensor_parallel import split_parameters
 
     return split_parameters(module)

@@ -160,11 +160,17 @@ def _process_cpus() -> list[int] | None:
         return None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, which a container or taskset narrows, or every CPU
+    of the machine where the platform has no affinity (macOS). At least one."""
+    cpus = _process_cpus()
+    return len(cpus) if cpus else os.cpu_count() or 1
+
+
 def usable_cores(fs: SysFs | None = None) -> int:
     """The cores this process can keep busy: its CPU affinity, cut to its cgroup's CPU quota (whole cores,
     at least one). What a launcher divides among its processes' threads."""
-    cpus = _process_cpus()
-    cores = len(cpus) if cpus else os.cpu_count() or 1
+    cores = usable_cpus()
     quota = _cgroup_cpu_limit(fs or SysFs())
     if quota is not None:
         cores = min(cores, int(quota))

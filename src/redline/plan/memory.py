@@ -347,13 +347,23 @@ def _tensor_parallel_share(layer: LayerProfile, tensor: int) -> float:
     return split / tensor + (layer.params - split)
 
 
+def _whole_beside_fsdp(layer: LayerProfile, tensor: int) -> float:
+    """Of a layer's parameters on one tensor-parallel rank, those the data ranks do not shard: beside tensor
+    parallelism the runtime's FSDP2 keeps a packed projection's 1-D bias (GPT-2's c_attn) whole on each data
+    rank (``replicated_beside_fsdp_params``, its tensor-parallel share)."""
+    return layer.replicated_beside_fsdp_params / tensor if tensor > 1 else 0.0
+
+
 def _model_states(profile: WorkloadProfile, strategy: Strategy, stage: Stage, gpus_per_node: int) -> _ModelStates:
     """PyTorch keeps fp32 weights and gradients (autocast adds no master copy). ZeRO-1 (ZeroRedundancyOptimizer)
     shards the optimizer states; ZeRO-2 as FSDP runs it (reshard_after_forward=False) also the gradients and the
-    fp32 weights, keeping the 16-bit copies whole between forward and backward; FSDP/ZeRO-3 shards everything.
-    Under a pipeline, ``torch.distributed.pipelining`` accumulates FSDP's gradients whole until the last
-    micro-batch (it turns the per-micro-batch reduce-scatter off), so they are not sharded there."""
-    params = sum(_tensor_parallel_share(layer, strategy.tensor) for layer in (*stage.blocks, *stage.fixed))
+    fp32 weights, keeping the 16-bit copies whole between forward and backward; FSDP/ZeRO-3 shards everything
+    but what FSDP2 keeps whole beside tensor parallelism (``_whole_beside_fsdp``). Under a pipeline,
+    ``torch.distributed.pipelining`` accumulates FSDP's gradients whole until the last micro-batch (it turns the
+    per-micro-batch reduce-scatter off), so they are not sharded there."""
+    layers = (*stage.blocks, *stage.fixed)
+    params = sum(_tensor_parallel_share(layer, strategy.tensor) for layer in layers)
+    whole = sum(_whole_beside_fsdp(layer, strategy.tensor) for layer in layers)
     if stage.index == strategy.pipeline - 1 and strategy.pipeline > 1:
         # the last stage keeps its own copy of a tied embedding table (vocabulary-split under TP)
         params += profile.tied_params / strategy.tensor
@@ -362,7 +372,9 @@ def _model_states(profile: WorkloadProfile, strategy: Strategy, stage: Stage, gp
     shard = shard_degree(strategy, gpus_per_node)
 
     def sharded(bytes_per_param: float, from_stage: int) -> float:
-        return params * bytes_per_param / (shard if zero_stage >= from_stage else 1)
+        if zero_stage < from_stage:
+            return params * bytes_per_param
+        return ((params - whole) / shard + whole) * bytes_per_param
 
     return _ModelStates(
         params=params,

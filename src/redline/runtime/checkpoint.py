@@ -27,7 +27,8 @@ saved sharded, each rank writing its shards. Loading with another world size:
 - tensor parallelism: parameters are DTensors, saved sharded as FSDP2's are. A projection packing q, k
   and v (GPT-2's ``c_attn``, whose ``_StridedShard`` DCP refuses) is saved as its three projections under
   ``<name>.packed0`` ... (each rank its shares of each, no gather), so another tensor-parallel degree can
-  load it; a run without tensor parallelism names it whole and cannot load those (nor the other way).
+  load it; a run without tensor parallelism names it whole and cannot load those (nor the other way): the
+  load says so (``_packing_differs``) rather than which key DCP missed.
 - per-rank state: with the same world size each rank gets its own RNG states and ``extra`` back; with
   another one every rank reads rank 0's file (scaler, scheduler, ``extra``) and the RNG states are left as
   the caller seeded them (with a warning), since the ranks' random streams no longer correspond.
@@ -352,6 +353,13 @@ class Checkpointer:
                 model_state, template = get_state_dict(model, optimizer, options=FLAT)
                 saved = template if per_rank["optimizer_state_saved"] else _groups_only(template)
                 state = {"model": _unpack(model_state), "optim": _unpack(saved)}
+                error = _packing_differs(state["model"], dcp.FileSystemReader(path).read_metadata())
+        except Exception as exc:
+            error = _one_line(exc)
+        error = _first_error_of_all_ranks(error)  # agreed before dcp.load, a collective, as above
+        if error is not None:
+            return error
+        try:
             with _single_process_quiet():
                 dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
             if not zero:
@@ -498,6 +506,27 @@ def _repack(template: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
             join_packed(value, [loaded[f"{key}{PACKED}{i}"] for i in range(found[1])])
             out[key] = value
     return out
+
+
+def _packing_differs(model_state: dict[str, Any], metadata: Any) -> str | None:
+    """Why the checkpoint ``metadata`` describes cannot load into ``model_state`` (``_unpack``'s) where one side
+    holds a packed projection (GPT-2's ``c_attn``) as its projections, ``<name>.packed<i>`` (saved under tensor
+    parallelism, of any degree), and the other whole (without it): DCP would only say a key is missing. None
+    where they agree."""
+    saved = metadata.state_dict_metadata.keys()
+    for key in model_state:
+        name = key.removesuffix(f"{PACKED}0")
+        if name != key and f"model.{key}" not in saved and f"model.{name}" in saved:
+            return (
+                f"it holds {name} whole (saved without tensor parallelism), which this run splits over its "
+                "tensor-parallel ranks: resume it without tensor parallelism"
+            )
+        if name == key and f"model.{key}" not in saved and f"model.{key}{PACKED}0" in saved:
+            return (
+                f"it holds {name} as its packed projections (saved under tensor parallelism), which this run "
+                "holds whole: resume it with tensor parallelism (a degree that divides the heads)"
+            )
+    return None
 
 
 def _groups_only(optim_state: dict[str, Any]) -> dict[str, Any]:

@@ -255,5 +255,6 @@ class Feed:
 
 def _cpus_per_rank() -> int:
     """The CPUs this process may run on, shared by the ranks on this machine."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    from redline.hw.host import usable_cpus
+
+    return max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

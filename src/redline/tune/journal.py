@@ -32,12 +32,13 @@ def machine_signature() -> dict[str, Any]:
     import torch
 
     import redline
+    from redline.hw.host import usable_cpus
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "gpus": gpus,
         "cpu": _cpu_model(),
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpus": usable_cpus(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

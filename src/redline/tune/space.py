@@ -9,7 +9,6 @@ the runtime's defaults put it: the baseline is the all-``None`` candidate at the
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,14 +38,14 @@ class Machine:
         import torch
 
         from redline.capability import is_available
+        from redline.hw.host import usable_cpus
 
         cuda = torch.cuda.is_available()
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
         return cls(
             cuda=cuda,
             bf16=torch.cuda.is_bf16_supported() if cuda else True,
-            cpus_per_rank=max(1, cpus // ranks),
+            cpus_per_rank=max(1, usable_cpus() // ranks),
             ranks=ranks,
             fp8=bool(capabilities) and min(capabilities) >= (8, 9) and is_available("torchao"),
         )

@@ -117,6 +117,9 @@ class LayerProfile:
     # biases, the row-wise layers' weights, a vocabulary-split table), as the runtime's plan for this model names
     # them; None where the tracer was not given the plan (the planner then splits the cast weights and tables)
     tensor_split_params: int | None = None
+    # of those, the ones FSDP2 beside tensor parallelism keeps whole on each data rank instead of sharding them
+    # over the data ranks (a packed projection's 1-D bias: GPT-2's c_attn), as the runtime names them
+    replicated_beside_fsdp_params: int = 0
     is_block: bool = True  # a repeated block (checkpointed, split over pipeline stages) or a fixed part
 
 

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -63,9 +63,21 @@ from redline.workload.profile import ACTIVATION_PRECISIONS, ActivationPrecision,
 from redline.workload.structure import find_blocks, without_kv_cache
 from redline.workload.user_model import input_kind, lm_logits, training_loss, unpack_build
 
-# names the parameters of a module that tensor parallelism splits over its ranks (the runtime's plan for the module,
-# which the planner cannot import), or None where there is no plan for it
-TensorSplit = Callable[[nn.Module], Collection[str] | None]
+
+class SplitNames(Protocol):
+    """The runtime's ``ParameterSplit``, which the tracer cannot import: the names of the parameters tensor
+    parallelism splits over its ranks, and of those FSDP2 beside it keeps whole on each data rank."""
+
+    @property
+    def split(self) -> Collection[str]: ...
+
+    @property
+    def replicated_beside_fsdp(self) -> Collection[str]: ...
+
+
+# what tensor parallelism does to a module's parameters (the runtime's plan for the module, which the planner
+# cannot import), or None where there is no plan for it
+TensorSplit = Callable[[nn.Module], SplitNames | None]
 
 # Two batch sizes; per-sample figures are their slope. Neither is 1: some models squeeze a batch of one.
 BATCHES = (2, 4)
@@ -96,7 +108,8 @@ def trace_module(
     "sequence" (``tokens_per_sample`` the last input dimension) or "image" (1). Anything the module cannot do
     on fake tensors raises ``BadInput`` as one line, "cannot trace NAME: ExcType: message". ``tensor_split``
     names the parameters tensor parallelism would split in the module (the runtime's plan for it; None where it
-    has none): each layer's count of them is its ``tensor_split_params``.
+    has none): each layer's count of them is its ``tensor_split_params``, of those FSDP2 keeps whole beside it
+    its ``replicated_beside_fsdp_params``.
     """
     started_s = time.perf_counter()
     # Real tensors a module holds outside its parameters (constants made at import time) become fake on use.
@@ -136,7 +149,7 @@ def trace_module(
         params_trainable=tracer.params_trainable,
         largest_module_params=tracer.largest_module_params,
         forward_flops_per_sample=tracer.forward_flops_per_sample,
-        layers=tracer.layer_profiles(tracer.count_split(split)),
+        layers=tracer.layer_profiles(*tracer.count_split(split)),
         tokens_per_sample=tokens_per_sample,
         sample_unit=sample_unit,
         input_shape=shape,
@@ -629,21 +642,28 @@ class _Tracer:
                 if id(p) in first and StorageWeakRef(p.untyped_storage()) in self.head_uses
             )
 
-    def count_split(self, names: Collection[str] | None) -> list[int] | None:
-        """Of each segment's parameters, how many are among ``names`` (a parameter counted where it is owned,
-        as ``_assign_params`` places it); None for None."""
+    def count_split(self, names: SplitNames | None) -> tuple[list[int] | None, list[int] | None]:
+        """Of each segment's parameters, how many tensor parallelism splits, and how many of those FSDP2 keeps
+        whole beside it (``names``); (None, None) for None."""
         if names is None:
-            return None
+            return None, None
+        return self._count_named(names.split), self._count_named(names.replicated_beside_fsdp)
+
+    def _count_named(self, names: Collection[str]) -> list[int]:
+        """Of each segment's parameters, how many are among ``names`` (a parameter counted where it is owned,
+        as ``_assign_params`` places it)."""
         params = dict(self.module.named_parameters())
-        split = {id(params[name]) for name in names if name in params}
+        named = {id(params[name]) for name in names if name in params}
         counts = [0] * len(self.segments)
         for key, (segment, numel) in self.owner.items():
-            counts[segment] += numel if key in split else 0
+            counts[segment] += numel if key in named else 0
         return counts
 
     # -- results
 
-    def layer_profiles(self, split: list[int] | None = None) -> tuple[LayerProfile, ...]:
+    def layer_profiles(
+        self, split: list[int] | None = None, whole_beside_fsdp: list[int] | None = None
+    ) -> tuple[LayerProfile, ...]:
         def per_sample(values: dict[tuple[int, str], float]) -> dict[str, float]:
             return {precision: _slope(values, lambda b, p=precision: (b, p)) for precision in ACTIVATION_PRECISIONS}
 
@@ -660,6 +680,7 @@ class _Tracer:
                     table_params=segment.table_params,
                     cast_params=segment.cast_params,
                     tensor_split_params=split[index] if split is not None else None,
+                    replicated_beside_fsdp_params=whole_beside_fsdp[index] if whole_beside_fsdp is not None else 0,
                     forward_flops_per_sample=_slope(segment.flops, lambda b: b),
                     activation_bytes_per_sample=per_sample(segment.saved_bytes),
                     input_bytes_per_sample=per_sample(segment.input_bytes),
