@@ -358,6 +358,18 @@ def test_fixed_sharding_without_data_parallelism_is_excluded_not_ignored() -> No
         search(LLAMA7, H100X8, Goal(global_batch=64), Constraints(sharding="hsdp"))
 
 
+def test_beside_tensor_or_pipeline_parallelism_data_ranks_shard_as_the_runtime_does() -> None:
+    """The runtime shards the data ranks with FSDP2 beside tensor or pipeline parallelism (DDP takes no DTensor
+    parameters and no pipeline stage): the plans there are zero2 or fsdp, and a fixed ddp says why it is out."""
+    ranked = search(LLAMA7, H100X8, Goal(global_batch=64), Constraints(tensor=2)).ranked
+    assert ranked and {e.strategy.sharding for e in ranked if e.strategy.data > 1} <= {"zero2", "fsdp"}
+    piped = search(LLAMA7, H100X8, Goal(global_batch=64), Constraints(pipeline=2)).ranked
+    assert piped and {e.strategy.sharding for e in piped if e.strategy.data > 1} <= {"zero2", "fsdp"}
+    refused = search(LLAMA7, H100X8, Goal(global_batch=64), Constraints(tensor=2, sharding="ddp"))
+    assert not [e for e in refused.ranked if e.strategy.data > 1]
+    assert "--sharding ddp needs no tensor or pipeline parallelism" in refused.excluded
+
+
 def test_a_micro_batch_that_does_not_divide_is_a_reason() -> None:
     result = search(GPT2, H100X8, Goal(global_batch=64), Constraints(micro_batch=3))
     assert not result.ranked

@@ -174,12 +174,11 @@ def candidates(
                 excluded["global batch not divisible by the data-parallel degree"] += 1
                 continue
             per_rank = goal.global_batch // dp
-            shardings = ["ddp"] if dp == 1 else ["ddp", "zero1", "zero2", "fsdp"]
-            if dp > per_node and p == 1:
-                shardings.append("hsdp")  # shard inside each node, replicate across nodes
+            shardings = _shardings(dp, t, p, per_node)
             if constraints.sharding is not None:
                 if constraints.sharding not in shardings:
-                    excluded[f"--sharding {constraints.sharding} needs data parallelism across this layout"] += 1
+                    why = "data parallelism across this layout" if dp == 1 else "no tensor or pipeline parallelism"
+                    excluded[f"--sharding {constraints.sharding} needs {why}"] += 1
                     continue
                 shardings = [constraints.sharding]
             micro_batches = _micro_batch_choices(per_rank, constraints, excluded)
@@ -187,6 +186,17 @@ def candidates(
                 continue
             layout = Strategy(data=dp, tensor=t, pipeline=p, precision=precision, optimizer=constraints.optimizer)
             yield from _strategies(layout, constraints, shardings, micro_batches, per_rank, blocks, excluded)
+
+
+def _shardings(dp: int, tensor: int, pipeline: int, per_node: int) -> list[str]:
+    """How the data-parallel ranks may hold the model states, as the runtime runs them: beside tensor or pipeline
+    parallelism always FSDP2 over the data ranks (DDP takes no DTensor parameters and no pipeline stage), keeping
+    the parameters gathered after the forward (zero2) or not (fsdp); HSDP without either, across nodes."""
+    if dp == 1:
+        return ["ddp"]
+    if tensor > 1 or pipeline > 1:
+        return ["zero2", "fsdp"]
+    return ["ddp", "zero1", "zero2", "fsdp"] + (["hsdp"] if dp > per_node else [])  # HSDP: shard in a node
 
 
 def _strategies(
