@@ -217,12 +217,13 @@ def _profile(
     )
 
 
-def _tensor_split(module: Any) -> set[str] | None:
-    """What the runtime's tensor-parallel plan splits of a traced module, so that the plan counts each rank's
-    parameters as ``redline run`` will shard them (imported only when a model is traced: it needs torch)."""
-    from redline.runtime.tensor_parallel import split_parameters
+def _tensor_split(module: Any) -> Any:
+    """What the runtime's tensor-parallel plan splits of a traced module (a ``TensorSplitPlan``, or None), so that
+    the plan counts each rank's parameters and activations as ``redline run`` will shard them (imported only when
+    a model is traced: it needs torch)."""
+    from redline.runtime.tensor_parallel import tensor_split_plan
 
-    return split_parameters(module)
+    return tensor_split_plan(module)
 
 
 def _check_ranking(top: int, max_nodes: int, rank_by: str) -> None:
