@@ -79,9 +79,14 @@ def test_gpipe_holds_every_micro_batch_and_interleaving_a_little_more_than_1f1b(
 
     one_f, gpipe = first_stage(), first_stage(schedule="gpipe")
     inter = first_stage(schedule="interleaved", virtual_stages=2)
-    assert gpipe.activations == pytest.approx(one_f.activations * 16 / 4)
-    # each chunk of an interleaved rank holds its own output for each micro-batch in flight (PyTorch's schedule
-    # keeps a stage's outputs to their backward): two per stage's worth with v = 2, one under 1F1B
+    # 1F1B: 4 micro-batches in flight, and the first one's output, which its send's handle holds to the cool-down
     output = LLAMA7.blocks[7].input_bytes_per_sample["16bit"]
-    saved = one_f.activations / 4 - output
-    assert inter.activations == pytest.approx(4 * (1 + 3 / 8) * (saved + 2 * output))
+    per_micro_batch = (one_f.activations - output) / 4
+    assert gpipe.activations == pytest.approx(16 * per_micro_batch)
+    # each chunk of an interleaved rank holds its own output for each micro-batch in flight (PyTorch's schedule
+    # keeps a stage's outputs to their backward): two per stage's worth with v = 2, one under 1F1B; and to the
+    # step's end every output it sent (the send handles) and its second chunk's 16 receive buffers
+    saved = per_micro_batch - output
+    in_flight = 4 * (1 + 3 / 8)
+    held = 16 * output + 2 * (16 - in_flight) * output
+    assert inter.activations == pytest.approx(in_flight * (saved + 2 * output) + held)

@@ -19,6 +19,7 @@ import tp_worker
 from ranks import spawn_ranks
 from redline.plan.memory import stage_memory, stages
 from redline.plan.strategy import Strategy
+from redline.runtime.tensor_parallel import tensor_split_plan
 from redline.workload.load import load_workload
 from redline.workload.profile import WorkloadProfile
 
@@ -29,12 +30,12 @@ LOWEST = 0.8  # measured / planned: below this the plan is far over what a rank 
 
 def profile_of(model: str, tmp_path: Path) -> WorkloadProfile:
     """The planner's profile of the model, as ``redline plan --model`` makes it: a config.json for the Hugging Face
-    models, the worker's factory for the repo's GPT."""
+    models, the worker's factory for the repo's GPT, traced with the runtime's tensor-parallel plan."""
     if model == "gpt":
         os.environ["LAYERS"] = str(LAYERS)
-        return load_workload("activation_worker:gpt", seq_len=tp_worker.SEQ)
+        return load_workload("activation_worker:gpt", seq_len=tp_worker.SEQ, tensor_split=tensor_split_plan)
     tp_worker.make_model(model, layers=LAYERS).config.to_json_file(tmp_path / "config.json")
-    return load_workload(str(tmp_path / "config.json"), seq_len=tp_worker.SEQ)
+    return load_workload(str(tmp_path / "config.json"), seq_len=tp_worker.SEQ, tensor_split=tensor_split_plan)
 
 
 def planned_per_rank(profile: WorkloadProfile, strategy: Strategy) -> list[float]:
@@ -73,21 +74,17 @@ def check(tmp_path: Path, model: str, strategy: dict) -> list[float]:
     return ratios
 
 
-def known_gap(reason: str) -> pytest.MarkDecorator:
-    """A case the planner is known to miss, with what was measured: strict, so that fixing it fails the test
-    until the mark goes."""
-    return pytest.mark.xfail(reason=reason, strict=True)
-
-
-# per-step tensors the tracer fits away (it measures activations per sample): the position ids and the loss's
-# scalars (148 bytes), under checkpointing Llama's rotary cos/sin kept once for every block (1 KiB)
-CONSTANTS = "per-step tensors the per-sample tracer fits away (148 B; 1 KiB of rotary tables when checkpointed)"
 ONE_PROCESS = [
-    ("llama", {"micro_batch": 8}),  # 0.949
-    ("gpt2", {"micro_batch": 8}),  # 1.000 (876 bytes under)
-    pytest.param("gpt", {"micro_batch": 8}, marks=known_gap("1.0001: " + CONSTANTS)),
-    pytest.param("llama", {"micro_batch": 8, "checkpointing": "full"}, marks=known_gap("1.006: " + CONSTANTS)),
-    pytest.param("llama", {"micro_batch": 8, "checkpointing": "selective"}, marks=known_gap("1.002: " + CONSTANTS)),
+    ("llama", {"micro_batch": 8}),  # 0.948
+    ("gpt2", {"micro_batch": 8}),  # 0.999
+    # exact: the per-micro-batch tensors (position ids, the step's scalars around the loss; Llama's rotary tables,
+    # which a checkpointed block keeps as its inputs) are planned
+    ("gpt", {"micro_batch": 8}),  # 1.000
+    ("llama", {"micro_batch": 8, "checkpointing": "full"}),  # 1.000
+    ("llama", {"micro_batch": 8, "checkpointing": "selective"}),  # 1.000
+    # every second block checkpointed (--ac-every 2): the plan counts the blocks one by one
+    ("llama", {"micro_batch": 8, "checkpointing": "full", "checkpoint_every": 2}),  # 0.953
+    ("gpt2", {"micro_batch": 8, "checkpointing": "selective", "checkpoint_every": 2}),  # 0.999
 ]
 
 
@@ -96,33 +93,22 @@ def test_one_process(tmp_path: Path, model: str, strategy: dict) -> None:
     check(tmp_path, model, strategy)
 
 
-TP_BLOCKS = "the traced block scaled by Korthikanti's TP/SP split"
-# the runtime's own stage code (positions, rotary tables) and the last stage's tensors around the loss
-PIPELINE = "per-micro-batch tensors of the runtime's stage code and the last stage's loss"
 RANKS = [
-    pytest.param("llama", {"tensor": 2, "micro_batch": 8}, marks=known_gap("1.010: " + TP_BLOCKS)),
-    pytest.param(
-        "llama", {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}, marks=known_gap("1.025: " + TP_BLOCKS)
-    ),
-    pytest.param(
-        "gpt2", {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}, marks=known_gap("1.056: " + TP_BLOCKS)
-    ),
-    # a traced factory has no transformer shape: the plan keeps its blocks' activations whole on a TP rank
-    pytest.param("gpt", {"tensor": 2, "micro_batch": 8}, marks=known_gap("0.69: no TP split without a shape")),
-    pytest.param(
-        "llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}, marks=known_gap("0.965, 1.035: " + PIPELINE)
-    ),
-    ("llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "gpipe"}),  # 0.950, 0.961
-    pytest.param(
-        "gpt",
-        {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "interleaved", "virtual_stages": 2},
-        marks=known_gap("1.060, 1.080: " + PIPELINE),
-    ),
-    pytest.param(
-        "gpt2", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}, marks=known_gap("1.008, 1.052: " + PIPELINE)
-    ),
-    ("llama", {"data": 2, "sharding": "fsdp", "micro_batch": 4}),  # 0.950
-    ("gpt2", {"data": 2, "micro_batch": 4}),  # 1.000 (364 bytes under)
+    # the blocks traced with the runtime's tensor-parallel plan (what its column-wise layers' outputs make split,
+    # their inputs whole, the residual stream whole or split along the sequence)
+    ("llama", {"tensor": 2, "micro_batch": 8}),  # 0.963
+    ("llama", {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}),  # 0.937
+    ("gpt2", {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}),  # 0.991
+    ("gpt", {"tensor": 2, "micro_batch": 8}),  # 1.000
+    # the schedule's tensors of the whole step (inputs, targets, receive buffers, sent outputs, the losses) and the
+    # stage code's per-micro-batch ones (positions, rotary tables)
+    ("llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}),  # 0.945, 0.957
+    ("llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "gpipe"}),  # 0.944, 0.954
+    # 0.979, 0.914
+    ("gpt", {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "interleaved", "virtual_stages": 2}),
+    ("gpt2", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}),  # 0.998, 1.000
+    ("llama", {"data": 2, "sharding": "fsdp", "micro_batch": 4}),  # 0.948
+    ("gpt2", {"data": 2, "micro_batch": 4}),  # 0.999
 ]
 
 

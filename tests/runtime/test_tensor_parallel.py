@@ -295,6 +295,21 @@ def test_the_planner_is_told_which_parameters_the_plan_splits() -> None:
     assert split_parameters(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
 
 
+def test_the_planner_is_told_which_layers_outputs_the_plan_splits() -> None:
+    """Column-wise layers leave their output split (not the head, whose logits are gathered whole), row-wise ones
+    reduce theirs: what the tracer follows to count a rank's activations."""
+    from redline.runtime.tensor_parallel import split_parameters, tensor_split_plan
+
+    model = tp_worker.make_model("llama", layers=1)
+    plan = tensor_split_plan(model)
+    layer = "model.layers.0."
+    columns = {f"{layer}self_attn.{name}_proj" for name in "qkv"} | {f"{layer}mlp.{n}_proj" for n in ("gate", "up")}
+    assert set(plan.columns) == columns
+    assert set(plan.rows) == {f"{layer}self_attn.o_proj", f"{layer}mlp.down_proj", "model.embed_tokens"}
+    assert set(plan.params) == split_parameters(model).split and not plan.replicated_beside_fsdp
+    assert tensor_split_plan(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("gpus", "degrees"), [(2, (1, 2)), (4, (2, 2))], ids=["tp2", "tp2xdp2"])
 def test_redline_run_resumes_a_tensor_parallel_gpt2_plan_bit_identically(

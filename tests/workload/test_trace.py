@@ -101,6 +101,51 @@ def test_blocks_stem_head_and_tied_embedding():
     assert profile.blocks[1].activation_bytes_per_sample["fp32"] == 2 * 12 * 16 * 4
 
 
+class MlpBlock(nn.Module):
+    """x + down(relu(up(norm(x)))) with a per-sequence constant (a position table, as Llama's rotary tables)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))) * table)
+
+
+class TableMlp(nn.Module):
+    def __init__(self, width: int = 16, seq: int = 12) -> None:
+        super().__init__()
+        self.blocks, self.seq, self.width = nn.ModuleList(MlpBlock(width) for _ in range(2)), seq, width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.ones(self.seq, 2 * self.width).exp()  # made once a micro-batch, given to every block
+        for block in self.blocks:
+            x = block(x, table)
+        return x
+
+
+def test_tensor_split_and_per_micro_batch_bytes_by_hand():
+    """A block traced with a tensor-parallel plan (up column-wise, down row-wise): what up's output makes is a
+    rank's share, up's input (the norm's output) is gathered whole; the table is saved once a micro-batch."""
+    plan = trace.TensorSplitPlan(
+        params=(), columns=("blocks.0.up", "blocks.1.up"), rows=("blocks.0.down", "blocks.1.down")
+    )
+    profile = trace_module(TableMlp, (12, 16), name="mlp", source="test", tensor_split=lambda _module: plan)
+    u = 12 * 16 * 4  # bytes of a sample's residual stream, fp32
+    first, second = profile.blocks
+    # split: ReLU's output (its own backward and the multiply's), the product (down's input); gathered: up's input;
+    # the rest the stream's: the norm's input (the first block's is the model's, held already) and its two
+    # statistics (a mean and an rstd per token)
+    for block in (first, second):
+        assert block.tensor_split_bytes_per_sample["fp32"] == 2 * (2 * u)
+        assert block.gathered_bytes_per_sample["fp32"] == u
+    assert second.activation_bytes_per_sample["fp32"] == 2 * (2 * u) + u + u + 2 * 12 * 4
+    # the table (12 x 32 fp32), saved by the multiply of the first block to use it, is the same for every sample;
+    # every block is given it (a checkpointed block keeps it)
+    assert first.activation_fixed_bytes["fp32"] == 12 * 32 * 4 and second.activation_fixed_bytes["fp32"] == 0
+    assert first.input_fixed_bytes["fp32"] == second.input_fixed_bytes["fp32"] == 12 * 32 * 4
+
+
 class OtherBlock(Block):
     pass
 

@@ -21,8 +21,8 @@ from redline.report.output import write_output
 from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count, parse_duration
 
 if TYPE_CHECKING:
-    from redline.runtime.tensor_parallel import ParameterSplit
     from redline.workload.profile import WorkloadProfile
+    from redline.workload.split_marks import TensorSplitPlan
 
 # the options, one line each in plan()'s signature
 Model = Annotated[
@@ -219,13 +219,13 @@ def _profile(
     )
 
 
-def _tensor_split(module: Any) -> ParameterSplit | None:
-    """What the runtime's tensor-parallel plan splits of a traced module, and what FSDP2 beside it keeps whole
-    (a ``ParameterSplit``, or None), so that the plan counts each rank's parameters as ``redline run`` will
-    shard them (imported only when a model is traced: it needs torch)."""
-    from redline.runtime.tensor_parallel import split_parameters
+def _tensor_split(module: Any) -> TensorSplitPlan | None:
+    """What the runtime's tensor-parallel plan splits of a traced module (a ``TensorSplitPlan``, or None), so that
+    the plan counts each rank's parameters and activations as ``redline run`` will shard them (imported only when
+    a model is traced: it needs torch)."""
+    from redline.runtime.tensor_parallel import tensor_split_plan
 
-    return split_parameters(module)
+    return tensor_split_plan(module)
 
 
 def _check_ranking(top: int, max_nodes: int, rank_by: str) -> None:

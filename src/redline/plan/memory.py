@@ -48,6 +48,12 @@ CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
 # bytes per parameter of a weight's compute copy: 16 bits, and under fp8 an 8-bit copy on top
 COMPUTE_COPY_BYTES = {"fp32": 0, "bf16": 2, "fp16": 2, "fp8": 3}
 LOSS_BACKWARD_BYTES = 4 + 4  # per token and vocabulary entry: log-softmax's fp32 output and input gradients
+# what a training step makes around its loss and holds as the backward begins, beside what the loss saves: the loss
+# itself, its share under accumulation and the running sum of the step's loss (``redline.prepare``'s), and autograd's
+# seed gradient of the backward: four fp32 scalars. Under a pipeline the schedule keeps every micro-batch's loss
+# for the step's mean instead, and the seed
+STEP_SCALAR_BYTES = 4 * 4
+TOKEN_ID_BYTES = 8  # an LM's targets: int64 token ids
 
 
 @dataclass(frozen=True)
@@ -137,11 +143,15 @@ def optimizer_bytes(profile: WorkloadProfile, strategy: Strategy) -> float:
 def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: Strategy, *, decoder: bool) -> float:
     """Bytes one block saves for backward for one micro-batch, without checkpointing.
 
-    Transformers use Korthikanti's formula for the strategy's tensor/sequence parallelism; for a traced
-    transformer the traced figure is scaled by the formula's ratio to its own unsplit value, so what the
-    trace saw (the real attention kernel, extra saved tensors) carries over.
+    Under tensor parallelism a block traced with the runtime's plan keeps what the trace found split, 1/t
+    (``traced_split_activation``); otherwise transformers use Korthikanti's formula for the strategy's
+    tensor/sequence parallelism; for a traced transformer the traced figure is scaled by the formula's ratio to its
+    own unsplit value, so what the trace saw (the real attention kernel, extra saved tensors) carries over.
     """
     key = activation_key(strategy)
+    traced = traced_split_activation(block, strategy)
+    if traced is not None:
+        return traced * strategy.micro_batch
     shape = profile.transformer
     if shape is None:
         return block.activation_bytes_per_sample[key] * strategy.micro_batch
@@ -166,6 +176,22 @@ def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: St
     else:
         per_sample = split
     return per_sample * strategy.micro_batch
+
+
+def traced_split_activation(block: LayerProfile, strategy: Strategy) -> float | None:
+    """Bytes per sample a block saves on one tensor-parallel rank, where the tracer followed the runtime's plan
+    through it (``workload.split_marks``): what its column-wise layers' outputs made, 1/t; their inputs, whole; the
+    rest, on the residual stream, whole, or 1/t along the sequence under sequence parallelism. None without
+    tensor parallelism, without the trace, or under Korthikanti's selective recomputation (the formula's)."""
+    key = activation_key(strategy)
+    t = strategy.tensor
+    analytic_selective = strategy.checkpointing == "selective" and not recomputes_block(block, strategy)
+    if t == 1 or key not in block.tensor_split_bytes_per_sample or analytic_selective:
+        return None
+    split = block.tensor_split_bytes_per_sample[key]
+    gathered = block.gathered_bytes_per_sample.get(key, 0.0)
+    stream = block.activation_bytes_per_sample[key] - split - gathered
+    return split / t + gathered + stream / (t if strategy.sequence_parallel else 1)
 
 
 def measured_bytes(
@@ -264,7 +290,9 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
     in_flight = in_flight_micro_batches(strategy, stage.index)
     full_blocks = block_activations(profile, strategy, stage)
     kept = _kept_activations(strategy, stage, full_blocks)
-    activations = (sum(kept.values()) + _held_stage_output(strategy, stage)) * in_flight
+    per_micro_batch = _held_stage_output(strategy, stage) + _fixed_activations(profile, strategy, stage)
+    activations = (sum(kept.values()) + per_micro_batch) * in_flight
+    activations += _pipeline_step_tensors(profile, strategy, stage, in_flight)
     # autocast's copies of each layer's weights, in bytes: FSDP's and ZeRO-2's whole units make them unnecessary
     copy_share = COMPUTE_COPY_BYTES[strategy.precision] if states.zero_stage < 2 else 0
     autocast_copies = {name: params * copy_share for name, params in cast.items()}
@@ -450,7 +478,8 @@ def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, f
     embedding's output is the replicated residual stream. Only under sequence parallelism is the embedding's
     output split along the sequence; the head's norm also computes on a rank's rows then, which this still
     counts whole (a little over: measured on the CPU, a tiny Llama's head and embedding split t ways put the
-    plan 8-11% under what a TP=2 rank saved)."""
+    plan 8-11% under what a TP=2 rank saved). A vocabulary-split embedding also saves the token ids it looked up,
+    shifted into its rank's rows (the repo's GPT at TP=2: the plan was 1,024 bytes under without them)."""
     key = activation_key(strategy)
     t = strategy.tensor
     sp_divisor = t if strategy.sequence_parallel else 1
@@ -458,8 +487,11 @@ def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, f
     kept: dict[str, float] = {}
     for layer in (*stage.blocks, *stage.fixed):
         if not layer.is_block:
-            per_sample = layer.activation_bytes_per_sample[key]
-            kept[layer.name] = per_sample * strategy.micro_batch / (sp_divisor if layer.table_params else 1)
+            per_sample = layer.activation_bytes_per_sample[key] / (sp_divisor if layer.table_params else 1)
+            if layer.table_params and t > 1:
+                # a vocabulary-split lookup saves its own copy of the token ids, shifted into the rank's rows
+                per_sample += layer.input_bytes_per_sample.get(key, 0.0)
+            kept[layer.name] = per_sample * strategy.micro_batch
         elif layer.name in checkpointed:
             per_sample = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor
             if strategy.checkpointing == "selective":
@@ -468,6 +500,67 @@ def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, f
         else:
             kept[layer.name] = full_blocks[layer.name]
     return kept
+
+
+def _fixed_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> float:
+    """Bytes a stage keeps for its backward once per micro-batch, whatever its size (the tracer's constant terms):
+    the per-sequence tensors its layers save (position ids, the loss's total weight; a block's rotary tables), or
+    under checkpointing those a block is given and its checkpoint keeps (all its blocks share them: once), and
+    without a pipeline the step's scalars around the loss. Not split by tensor parallelism: each rank makes its own.
+    The tracer charges a tensor all blocks share to the first block that saves it; a pipeline stage without that
+    block makes its own (the runtime's stage code computes the positions and rotary tables for its blocks)."""
+    key = activation_key(strategy)
+    fixed = sum(layer.activation_fixed_bytes.get(key, 0.0) for layer in stage.fixed)
+    full = [block for block in stage.blocks if not recomputes_block(block, strategy)]
+    fixed += sum(block.activation_fixed_bytes.get(key, 0.0) for block in full)
+    first = profile.blocks[0] if profile.blocks else None
+    if full and first is not None and first not in stage.blocks and not recomputes_block(first, strategy):
+        fixed += first.activation_fixed_bytes.get(key, 0.0)
+    fixed += max((b.input_fixed_bytes.get(key, 0.0) for b in stage.blocks if b not in full), default=0.0)
+    # a pipeline's schedule keeps its own scalars around the loss (``_pipeline_step_tensors``)
+    return fixed + (STEP_SCALAR_BYTES if strategy.pipeline == 1 else 0.0)
+
+
+def _pipeline_step_tensors(profile: WorkloadProfile, strategy: Strategy, stage: Stage, in_flight: float) -> float:
+    """Bytes a pipeline rank holds beyond what its micro-batches in flight keep, as PyTorch's schedules run
+    (``torch.distributed.pipelining``):
+
+    - the first stage: the step's inputs, all m micro-batches (the schedule splits the batch into views of it);
+    - each of a rank's chunks that receives its input (all but the model's first): a receive buffer for each of
+      the m micro-batches, made with the schedule and kept (those in flight count with their first block; the
+      interleaved schedule's chunks do not each have the rank's average in flight: all m counted again);
+    - the stage outputs sent and already through their backward: 1F1B holds the first micro-batch's (its send's
+      handle) until the cool-down on a stage that warms up with two forwards or more; the interleaved schedule
+      (``PipelineScheduleRuntime``) holds every send's handle, and so every output sent, to the step's end;
+    - the last stage: the targets, all m micro-batches (an LM's, int64 token ids shaped as its input), each
+      micro-batch's loss, kept for the step's mean, and the backward's seed gradient.
+
+    Measured on the CPU (PP=2, m=4): without them a tiny GPT-2 under 1F1B held 3,584 and 13,316 bytes more than
+    planned on its two stages, the repo's GPT interleaved (v=2) 20,928 and 19,322."""
+    if strategy.pipeline == 1:
+        return 0.0
+    key, b, m = activation_key(strategy), strategy.micro_batch, strategy.accumulation
+    waiting = max(0.0, m - in_flight)  # micro-batches not in flight
+    last = stage.index == strategy.pipeline - 1
+    held = 0.0
+    if stage.index == 0 and profile.layers:
+        held += profile.layers[0].input_bytes_per_sample.get(key, 0.0) * b * waiting
+    if stage.blocks:  # a stage's input and output have its blocks' shape
+        sp = strategy.tensor if strategy.sequence_parallel else 1
+        block_io = stage.blocks[0].input_bytes_per_sample.get(key, 0.0) * b / sp
+        receiving = strategy.virtual_stages - (1 if stage.index == 0 else 0)
+        if strategy.schedule == "interleaved":
+            sending = strategy.virtual_stages - (1 if last else 0)
+            held += receiving * block_io * m + sending * block_io * waiting
+        else:
+            held += receiving * block_io * waiting
+            if strategy.schedule == "1f1b" and not last and min(in_flight, m) >= 2:
+                held += block_io
+    if last:
+        held += 4 * (m + 1)  # each micro-batch's loss, the seed gradient
+        if profile.loss_vocab:
+            held += TOKEN_ID_BYTES * profile.tokens_per_sample * b * m
+    return held
 
 
 def _held_stage_output(strategy: Strategy, stage: Stage) -> float:

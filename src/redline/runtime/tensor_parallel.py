@@ -64,6 +64,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from redline.errors import BadInput
+from redline.workload.split_marks import TensorSplitPlan
 
 log = logging.getLogger("redline.runtime")
 
@@ -445,6 +446,29 @@ def split_parameters(model: nn.Module) -> ParameterSplit | None:
                 if getattr(style, "packed", 1) > 1 and param.ndim == 1:
                     whole.add(f"{path}.{name}")
     return ParameterSplit(split=frozenset(split), replicated_beside_fsdp=frozenset(whole))
+
+
+def tensor_split_plan(model: nn.Module) -> TensorSplitPlan | None:
+    """What the model's tensor-parallel plan splits, for the planner's count of what a rank holds (``redline plan``
+    gives this to the tracer): its parameters (``split_parameters``), the column-wise layers whose output stays
+    split (each rank its share of the features) and the row-wise layers, whose output is the sum over the ranks.
+    None for a model with no plan; a model's own ``redline_tp_plan`` is asked for two ranks."""
+    params = split_parameters(model)
+    if params is None:
+        return None
+    plan = find_plan(model, 2)
+    columns, rows = set(), set()
+    for key, path, layer in _planned_layers(model, plan):
+        style = plan[key]
+        if _sharded_dim(layer, style) is None:
+            continue
+        if isinstance(style, ColwiseParallel) and not any(isinstance(o, Replicate) for o in style.output_layouts):
+            columns.add(path)
+        elif isinstance(style, RowwiseParallel):
+            rows.add(path)
+    return TensorSplitPlan(
+        params=params.split, replicated_beside_fsdp=params.replicated_beside_fsdp, columns=columns, rows=rows
+    )
 
 
 def _tied_weights(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

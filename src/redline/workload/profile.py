@@ -95,6 +95,20 @@ class LayerProfile:
     # the part of the activations the training loop holds to the end of the step (the model's output, which
     # no layer's backward frees)
     held_bytes_per_sample: dict[str, float] = field(default_factory=dict)
+    # bytes saved for the backward pass once per micro-batch whatever its size, by activation precision: tensors
+    # made for the sequence, not per sample (position ids, Llama's rotary cos/sin tables, the loss's total weight).
+    # Measured by the tracer (the constant of its fit in the batch); empty where not measured
+    activation_fixed_bytes: dict[str, float] = field(default_factory=dict)
+    # of a block, the bytes of the per-micro-batch tensors it is given beside its input (position ids, rotary
+    # tables), by activation precision: what a checkpointed block keeps of them. All blocks share the same
+    # tensors, so a stage keeps them once. Measured by the tracer; empty where not measured
+    input_fixed_bytes: dict[str, float] = field(default_factory=dict)
+    # of a block's activations per sample, by activation precision, those tensor parallelism splits over the ranks
+    # (made from its column-wise layers' outputs), and its column-wise layers' inputs, which each rank holds whole
+    # even under sequence parallelism: traced as the runtime's plan lays the block out; empty where not traced
+    # so (the planner then scales the block by Korthikanti's split)
+    tensor_split_bytes_per_sample: dict[str, float] = field(default_factory=dict)
+    gathered_bytes_per_sample: dict[str, float] = field(default_factory=dict)
     # measured by the tracer, by activation precision, as lines (bytes, bytes per sample): at micro-batch m the
     # figure is the largest ``bytes + m x bytes per sample``. Empty where not measured (the planner then takes what
     # the layer saves). How far memory rises while the layer's forward runs above what the layers before it saved

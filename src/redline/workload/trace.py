@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,24 +60,13 @@ from redline.workload.measured_memory import (
     training_step_peak,
 )
 from redline.workload.profile import ACTIVATION_PRECISIONS, ActivationPrecision, LayerProfile, WorkloadProfile
+from redline.workload.split_marks import SplitMarks, TensorSplitPlan
 from redline.workload.structure import find_blocks, without_kv_cache
 from redline.workload.user_model import input_kind, lm_logits, training_loss, unpack_build
 
-
-class SplitNames(Protocol):
-    """The runtime's ``ParameterSplit``, which the tracer cannot import: the names of the parameters tensor
-    parallelism splits over its ranks, and of those FSDP2 beside it keeps whole on each data rank."""
-
-    @property
-    def split(self) -> Collection[str]: ...
-
-    @property
-    def replicated_beside_fsdp(self) -> Collection[str]: ...
-
-
-# what tensor parallelism does to a module's parameters (the runtime's plan for the module, which the planner
-# cannot import), or None where there is no plan for it
-TensorSplit = Callable[[nn.Module], SplitNames | None]
+# what tensor parallelism splits of a module over its ranks, its parameters and its layers' outputs (the runtime's
+# plan for the module, which the planner cannot import), or None where there is no plan for it
+TensorSplit = Callable[[nn.Module], TensorSplitPlan | None]
 
 # Two batch sizes; per-sample figures are their slope. Neither is 1: some models squeeze a batch of one.
 BATCHES = (2, 4)
@@ -108,8 +97,9 @@ def trace_module(
     "sequence" (``tokens_per_sample`` the last input dimension) or "image" (1). Anything the module cannot do
     on fake tensors raises ``BadInput`` as one line, "cannot trace NAME: ExcType: message". ``tensor_split``
     names the parameters tensor parallelism would split in the module (the runtime's plan for it; None where it
-    has none): each layer's count of them is its ``tensor_split_params``, of those FSDP2 keeps whole beside it
-    its ``replicated_beside_fsdp_params``.
+    has none): each layer's count of its parameters is its ``tensor_split_params``, of those FSDP2 keeps whole
+    beside it its ``replicated_beside_fsdp_params``, and a block's saved activations made from its column-wise
+    layers' outputs its ``tensor_split_bytes_per_sample``.
     """
     started_s = time.perf_counter()
     # Real tensors a module holds outside its parameters (constants made at import time) become fake on use.
@@ -129,6 +119,8 @@ def trace_module(
             tokens_per_sample = shape[-1] if token_ids else 1
         tracer = _Tracer(module, shape, input_dtype, vocab_size, name)
         split = tensor_split(module) if tensor_split is not None else None
+        if split is not None and split.columns:
+            tracer.marks = SplitMarks(module, split)
         if input_note:
             tracer.notes.insert(0, input_note)
         with traceable_experts():
@@ -273,6 +265,12 @@ class _Segment:
     saved_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
     input_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
     held_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
+    # a block's tensors given beside its input (position ids, rotary tables), per batch size and precision
+    other_input_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
+    # of what a block saves, per batch size and precision, what tensor parallelism splits (made from a column-wise
+    # layer's output) and the column-wise layers' inputs (whole on each rank): only where the plan was given
+    split_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
+    gathered_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
     # per batch size and precision, what was live after each operator of its forward above what the segments
     # before it saved, and of a block's backward above what was live as it began less the gradient it was given
     forward_live: dict[tuple[int, str], list[int]] = field(default_factory=dict)
@@ -284,6 +282,13 @@ class _Segment:
 def _slope(values: dict[Any, float], key: Callable[[int], Any]) -> float:
     small, large = BATCHES
     return (values.get(key(large), 0.0) - values.get(key(small), 0.0)) / (large - small)
+
+
+def _intercept(values: dict[Any, float], key: Callable[[int], Any]) -> float:
+    """The part of a figure that does not grow with the batch: the line through the two batch sizes at none (not
+    below 0, where the batches ran differently)."""
+    small, _ = BATCHES
+    return max(0.0, values.get(key(small), 0.0) - small * _slope(values, key))
 
 
 def _first_tensor(*trees: Any) -> torch.Tensor | None:
@@ -375,6 +380,7 @@ class _Tracer:
         self.attention = fused_attention()  # one instance, entered for every pass
         self.cast_storages: set[StorageWeakRef] = set()  # what autocast copied into 16 bits, over the 16-bit runs
         self.owner: dict[int, tuple[int, int]] = {}  # id(param) -> (segment, numel): where each parameter counts
+        self.marks: SplitMarks | None = None  # where tensor parallelism's plan was given: what it splits
 
     # -- measuring
 
@@ -424,6 +430,8 @@ class _Tracer:
             self.attention,
             autocast,
             torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved),
+            self.marks.hooks() if self.marks else nullcontext(),
+            self.marks or nullcontext(),
             self.memory,
         ):
             x = self.make_input(batch)
@@ -518,6 +526,7 @@ class _Tracer:
             self.saved.add(ref)
             self.keep_alive.append(storage)
             self._charge_bytes(storage.nbytes())
+            self._charge_split(ref, storage.nbytes())
             if self.memory.holds(ref):  # made in this pass (not a constant from outside it): live counts it too
                 self.saved_total += storage.nbytes()
         return tensor
@@ -526,6 +535,18 @@ class _Tracer:
         saved = self.segments[self.current].saved_bytes
         key = (self.batch, self.precision)
         saved[key] = saved.get(key, 0) + nbytes
+
+    def _charge_split(self, ref: StorageWeakRef, nbytes: int) -> None:
+        """Where the plan was given, charge a block's saved storage to what tensor parallelism splits or to the
+        column-wise layers' gathered inputs, as it is marked."""
+        segment = self.segments[self.current]
+        if self.marks is None or not segment.is_block:
+            return
+        kind = self.marks.kind(ref)
+        charged = segment.split_bytes if kind == "split" else segment.gathered_bytes if kind == "gathered" else None
+        if charged is not None:
+            key = (self.batch, self.precision)
+            charged[key] = charged.get(key, 0) + nbytes
 
     def _charge_flops(self) -> float:
         """Give the FLOPs counted since the last boundary to the running segment; return them."""
@@ -552,6 +573,9 @@ class _Tracer:
                     self.current = index
                     first = _first_tensor(args, kwargs)
                     self.segments[index].input_bytes[(self.batch, self.precision)] = _nbytes(first)
+                    self.segments[index].other_input_bytes[(self.batch, self.precision)] = self._other_inputs(
+                        first, args, kwargs
+                    )
                     if index == 1:  # the first block's backward ends where the stem's begins
                         self._mark_backward(first, 0)
 
@@ -572,6 +596,14 @@ class _Tracer:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _other_inputs(self, first: torch.Tensor | None, *trees: Any) -> float:
+        """Bytes of the tensors a block is given beside its input ``first`` (parameters and buffers left out): the
+        per-micro-batch tensors a model makes once for all its blocks (position ids, rotary tables)."""
+        inputs = storage_bytes(tensor_leaves(*trees))
+        if first is not None:
+            inputs.pop(StorageWeakRef(first.untyped_storage()), None)
+        return float(sum(nbytes for ref, nbytes in inputs.items() if ref not in self.state_storages))
 
     def _forward_boundary(self) -> None:
         """The running segment's forward ends: note the most that was live while it ran above what the segments
@@ -642,12 +674,12 @@ class _Tracer:
                 if id(p) in first and StorageWeakRef(p.untyped_storage()) in self.head_uses
             )
 
-    def count_split(self, names: SplitNames | None) -> tuple[list[int] | None, list[int] | None]:
+    def count_split(self, plan: TensorSplitPlan | None) -> tuple[list[int] | None, list[int] | None]:
         """Of each segment's parameters, how many tensor parallelism splits, and how many of those FSDP2 keeps
-        whole beside it (``names``); (None, None) for None."""
-        if names is None:
+        whole beside it (``plan``); (None, None) for None."""
+        if plan is None:
             return None, None
-        return self._count_named(names.split), self._count_named(names.replicated_beside_fsdp)
+        return self._count_named(plan.params), self._count_named(plan.replicated_beside_fsdp)
 
     def _count_named(self, names: Collection[str]) -> list[int]:
         """Of each segment's parameters, how many are among ``names`` (a parameter counted where it is owned,
@@ -667,11 +699,18 @@ class _Tracer:
         def per_sample(values: dict[tuple[int, str], float]) -> dict[str, float]:
             return {precision: _slope(values, lambda b, p=precision: (b, p)) for precision in ACTIVATION_PRECISIONS}
 
+        def fixed(values: dict[tuple[int, str], float]) -> dict[str, float]:
+            # the fp32 run's, for both: the 16-bit run's constant also has autocast's 16-bit copies of the weights
+            # (the planner's weight copies); the per-sequence tensors are the same (position ids are integers,
+            # rotary tables and the loss's weight fp32 under autocast too)
+            return dict.fromkeys(ACTIVATION_PRECISIONS, _intercept(values, lambda b: (b, "fp32")))
+
         def lines(live: dict[tuple[int, str], list[int]]) -> dict[str, tuple[tuple[float, float], ...]]:
             return {precision: found for precision in ACTIVATION_PRECISIONS if (found := _lines(live, precision))}
 
         profiles = []
         for index, segment in enumerate(self.segments):
+            split_marked = self.marks is not None and segment.is_block
             profiles.append(
                 LayerProfile(
                     name=segment.name,
@@ -685,6 +724,10 @@ class _Tracer:
                     activation_bytes_per_sample=per_sample(segment.saved_bytes),
                     input_bytes_per_sample=per_sample(segment.input_bytes),
                     held_bytes_per_sample=per_sample(segment.held_bytes),
+                    activation_fixed_bytes=fixed(segment.saved_bytes),
+                    input_fixed_bytes=fixed(segment.other_input_bytes) if segment.other_input_bytes else {},
+                    tensor_split_bytes_per_sample=per_sample(segment.split_bytes) if split_marked else {},
+                    gathered_bytes_per_sample=per_sample(segment.gathered_bytes) if split_marked else {},
                     forward_rise=lines(segment.forward_live),
                     backward_working=lines(segment.backward_live),
                     selective_bytes_per_sample=per_sample(segment.selective_bytes) if segment.selective_bytes else {},
