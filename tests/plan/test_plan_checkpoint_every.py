@@ -99,3 +99,5 @@ def test_plan_ac_every_fixes_it_and_refuses_it_without_checkpointing(tmp_path) -
     assert load_plan(out).strategy.checkpoint_every == 2
     refused = run_cli(*args, "--checkpointing", "none", "--ac-every", "2")
     assert refused.returncode == 2 and "--ac-every" in refused.stderr and "Traceback" not in refused.stderr
+    too_far = run_cli(*args, "--ac-every", "13")  # GPT-2 has 12 blocks
+    assert too_far.returncode == 2 and "--ac-every 13: a pipeline rank holds 12 blocks" in too_far.stderr

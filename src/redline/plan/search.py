@@ -225,7 +225,7 @@ def _strategies(
                 # torch.distributed.pipelining's 1F1B refuses it (and its bubble would be most of the step)
                 excluded["1F1B: fewer micro-batches per step than pipeline stages"] += 1
                 continue
-            for ckpt, every in _checkpointing(constraints, blocks // (p * virtual)):
+            for ckpt, every in _checkpointing(constraints, blocks // (p * virtual), excluded):
                 yield replace(
                     layout,
                     sharding=sharding,
@@ -240,9 +240,11 @@ def _strategies(
                 )
 
 
-def _checkpointing(constraints: Constraints, blocks_per_chunk: int) -> Iterator[tuple[str, int]]:
+def _checkpointing(
+    constraints: Constraints, blocks_per_chunk: int, excluded: Counter[str]
+) -> Iterator[tuple[str, int]]:
     """Each activation checkpointing and how many of the blocks it covers: none; selective and full over every
-    block, or every k-th (CHECKPOINT_EVERY, fewer than a pipeline chunk's blocks, so that each covers some),
+    block, or every k-th (CHECKPOINT_EVERY, no more than a pipeline chunk's blocks, so that each covers one),
     between which a plan that nearly fits recomputes less. The user's choices fix either."""
     if blocks_per_chunk == 0:
         yield "none", 1
@@ -255,8 +257,10 @@ def _checkpointing(constraints: Constraints, blocks_per_chunk: int) -> Iterator[
                 yield ckpt, 1
             continue
         for every in (constraints.checkpoint_every,) if constraints.checkpoint_every else CHECKPOINT_EVERY:
-            if every == 1 or every < blocks_per_chunk:
+            if every <= blocks_per_chunk:
                 yield ckpt, every
+            elif constraints.checkpoint_every:
+                excluded[f"--ac-every {every}: a pipeline rank holds {blocks_per_chunk} blocks"] += 1
 
 
 def _schedule(constraints: Constraints, pipeline: int) -> tuple[str, int]:
