@@ -4,7 +4,7 @@ For each target script, every candidate of the space is run once, as the tune ru
 `redline run` with the candidate's plan file, warm-up plus measured steps), and so is the script with no plan;
 then a tune over the same space with a fresh journal. The grid scores each config on that one run: its best is
 the fastest of many noisy measurements, which flatters it. So the tune's pick, the grid's best and the script
-with no plan then run again, side by side, ``ROUNDS`` rounds each, in turn (a slow spell of the machine falls
+with no plan then run again, side by side, ``--rounds`` rounds each (3), in turn (a slow spell of the machine falls
 on all three), and the ratios are of those medians. Reported per target:
 
 - pick/best: the side-by-side median of the tune's pick over the grid's best's, the issue's target >= 0.95
@@ -16,7 +16,10 @@ on all three), and the ratios are of those medians. Reported per target:
 - the trial counts, and the spread of the side-by-side runs ((fastest - slowest) / median, the largest of the
   three): a ratio within it is a tie.
 
-    python benchmarks/tune_vs_grid.py [--targets cnn,gpt,hf-gpt2] [--json]
+    python benchmarks/tune_vs_grid.py [--targets cnn,gpt,hf-gpt2] [--trial-steps 4] [--rounds 3] [--json]
+
+``--trial-steps``: the measured optimizer steps of every trial, after one warm-up step (the grid's and the
+tune's alike); on a noisy machine longer trials rank closer configs, for more time.
 
 The space (``SPACE``): the micro-batch over every divisor of the batch, precision (fp32, bf16), DataLoader
 workers (the script's, 1) and CPU threads (torch's, 1); not compile, as a compiled CPU trial spends most of its
@@ -48,9 +51,6 @@ TARGETS = {
 }
 
 
-ROUNDS = 3  # side-by-side runs of the tune's pick, the grid's best and the script with no plan
-
-
 def grid(setup: Setup, machine: Machine, space: dict, per_rank: int, workdir: Path) -> dict[str, tuple]:
     """Every candidate of the space, run once: {key: (samples/s, wall seconds, plan)}."""
     base = default_plan(machine, per_rank)
@@ -67,10 +67,10 @@ def grid(setup: Setup, machine: Machine, space: dict, per_rank: int, workdir: Pa
     return out
 
 
-def side_by_side(setup: Setup, plans: dict[str, dict | None], workdir: Path) -> dict[str, list[float]]:
-    """Each plan run ``ROUNDS`` times, in turn: {name: samples/s of each run}."""
+def side_by_side(setup: Setup, plans: dict[str, dict | None], workdir: Path, rounds: int) -> dict[str, list[float]]:
+    """Each plan run ``rounds`` times, in turn: {name: samples/s of each run}."""
     speeds: dict[str, list[float]] = {name: [] for name in plans}
-    for index in range(ROUNDS):
+    for index in range(rounds):
         for name, plan in plans.items():
             result = run_trial(setup, plan, workdir / f"again-{name}-{index}")
             speeds[name].append(result.samples_per_s or 0.0 if result.status == "ok" else 0.0)
@@ -78,9 +78,9 @@ def side_by_side(setup: Setup, plans: dict[str, dict | None], workdir: Path) -> 
     return speeds
 
 
-def bench(name: str, workdir: Path) -> dict:
+def bench(name: str, workdir: Path, *, steps: int, rounds: int) -> dict:
     script, args = TARGETS[name]
-    setup = Setup(script=str(script), args=args, warmup_steps=1, steps=4, timeout_s=600)
+    setup = Setup(script=str(script), args=args, warmup_steps=1, steps=steps, timeout_s=600)
     machine = Machine.here(1)
     space = restrict(default_space(machine), SPACE)
     baseline = run_trial(setup, None, workdir / "baseline")
@@ -93,7 +93,7 @@ def bench(name: str, workdir: Path) -> dict:
     plans = {"no-plan": None, "grid-best": measured[best_key][2]}
     if pick != best_key:
         plans["tune-pick"] = outcome.plan
-    again = side_by_side(setup, plans, workdir)
+    again = side_by_side(setup, plans, workdir, rounds)
     median = {key: statistics.median(speeds) for key, speeds in again.items()}
     median.setdefault("tune-pick", median["grid-best"])
     tune_s = sum(t.result.wall_s for t in outcome.trials if not t.cached)
@@ -119,13 +119,20 @@ def bench(name: str, workdir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--trial-steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.trial_steps < 1 or args.rounds < 1:
+        parser.error("--trial-steps and --rounds must be at least 1")
+    unknown = set(args.targets.split(",")) - set(TARGETS)
+    if unknown:
+        parser.error(f"unknown target {', '.join(sorted(unknown))}; known: {', '.join(TARGETS)}")
     rows = []
     for name in args.targets.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             print(f"{name}:", file=sys.stderr)
-            rows.append(bench(name, Path(tmp)))
+            rows.append(bench(name, Path(tmp), steps=args.trial_steps, rounds=args.rounds))
     if args.json:
         print(json.dumps(rows, indent=2))
         return
