@@ -283,22 +283,22 @@ def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(
 def test_the_planner_is_told_which_parameters_the_plan_splits() -> None:
     """Column-wise layers split weight and bias, row-wise ones only the weight; GPT-2's position embedding and
     the norms stay whole; a model with no plan has no answer."""
-    from redline.runtime.tensor_parallel import split_parameters
+    from redline.runtime.tensor_parallel import tensor_split_plan
 
-    split = split_parameters(tp_worker.make_model("gpt2", layers=1))
+    split = tensor_split_plan(tp_worker.make_model("gpt2", layers=1))
     block = {f"transformer.h.0.{name}" for name in ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight")}
     block |= {f"transformer.h.0.{name}" for name in ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")}
-    assert split.split == block | {"transformer.wte.weight", "lm_head.weight"}  # tied: one parameter, two names
+    assert split.params == block | {"transformer.wte.weight", "lm_head.weight"}  # tied: one parameter, two names
     # FSDP2 cannot shard the packed 1-D bias along another dimension: each data rank keeps it whole
     assert split.replicated_beside_fsdp == {"transformer.h.0.attn.c_attn.bias"}
-    assert split_parameters(tp_worker.make_model("llama", layers=1)).replicated_beside_fsdp == set()
-    assert split_parameters(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
+    assert tensor_split_plan(tp_worker.make_model("llama", layers=1)).replicated_beside_fsdp == set()
+    assert tensor_split_plan(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
 
 
 def test_the_planner_is_told_which_layers_outputs_the_plan_splits() -> None:
     """Column-wise layers leave their output split (not the head, whose logits are gathered whole), row-wise ones
     reduce theirs: what the tracer follows to count a rank's activations."""
-    from redline.runtime.tensor_parallel import split_parameters, tensor_split_plan
+    from redline.runtime.tensor_parallel import tensor_split_plan
 
     model = tp_worker.make_model("llama", layers=1)
     plan = tensor_split_plan(model)
@@ -306,7 +306,9 @@ def test_the_planner_is_told_which_layers_outputs_the_plan_splits() -> None:
     columns = {f"{layer}self_attn.{name}_proj" for name in "qkv"} | {f"{layer}mlp.{n}_proj" for n in ("gate", "up")}
     assert set(plan.columns) == columns
     assert set(plan.rows) == {f"{layer}self_attn.o_proj", f"{layer}mlp.down_proj", "model.embed_tokens"}
-    assert set(plan.params) == split_parameters(model).split and not plan.replicated_beside_fsdp
+    # the split layers' weights are split parameters; Llama packs nothing FSDP2 must keep whole
+    assert {f"{name}.weight" for name in columns | set(plan.rows)} <= set(plan.params)
+    assert not plan.replicated_beside_fsdp
     assert tensor_split_plan(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
 
 

@@ -409,32 +409,26 @@ def _sharded_dim(layer: nn.Module, style: ParallelStyle) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class ParameterSplit:
-    """What the runtime does to a model's parameters under tensor parallelism, by name, for the planner to count
-    a rank's share as the runtime holds it (``split_parameters``).
+def tensor_split_plan(model: nn.Module) -> TensorSplitPlan | None:
+    """What the model's tensor-parallel plan splits, for the planner's count of what a rank holds (``redline plan``
+    gives this to the tracer), by name:
 
-    ``split``: those the tensor-parallel plan splits over the tensor ranks. ``replicated_beside_fsdp``: of
-    those, the ones FSDP2 leaves whole on each data rank beside it (``fsdp_layout``): a packed projection's
-    1-D bias (GPT-2's ``c_attn``), which has no dimension but the packed one to shard. (A packed ``nn.Linear``
-    weight whose input width the data degree does not divide is left whole too; which degree that is, is
-    not known here, and the count leaves it out.)"""
+    - ``params``: a column-wise layer's weight and bias, a row-wise layer's weight (its bias is added once the
+      partial sums are reduced, so every rank holds it whole), nothing of the layers the plan leaves alone
+      (norms, a position embedding);
+    - ``replicated_beside_fsdp``: of those, the ones FSDP2 leaves whole on each data rank beside it
+      (``fsdp_layout``): a packed projection's 1-D bias (GPT-2's ``c_attn``), which has no dimension but the
+      packed one to shard. (A packed ``nn.Linear`` weight whose input width the data degree does not divide is
+      left whole too; which degree that is, is not known here, and the count leaves it out.);
+    - ``columns``: the column-wise layers whose output stays split (each rank its share of the features);
+    - ``rows``: the row-wise layers, whose output is the sum over the ranks.
 
-    split: frozenset[str]
-    replicated_beside_fsdp: frozenset[str]
-
-
-def split_parameters(model: nn.Module) -> ParameterSplit | None:
-    """The parameters the model's tensor-parallel plan splits over the ranks, which is what the planner counts
-    a rank to hold of them (``redline plan`` gives this to the tracer): a column-wise layer's weight and bias,
-    a row-wise layer's weight (its bias is added once the partial sums are reduced, so every rank holds it
-    whole), nothing of the layers the plan leaves alone (norms, a position embedding); and of them those FSDP2
-    beside it keeps whole on each data rank (``ParameterSplit``). None for a model with no plan. Which layers
-    split does not depend on the degree; a model's own ``redline_tp_plan`` is asked for two ranks."""
+    None for a model with no plan. Which layers split does not depend on the degree; a model's own
+    ``redline_tp_plan`` is asked for two ranks."""
     if getattr(model, "redline_tp_plan", None) is None and _family(model) is None:
         return None
     plan = find_plan(model, 2)
-    split, whole = set(), set()
+    params, whole, columns, rows = set(), set(), set(), set()
     for key, path, layer in _planned_layers(model, plan):
         style = plan[key]
         if _sharded_dim(layer, style) is None:
@@ -442,33 +436,14 @@ def split_parameters(model: nn.Module) -> ParameterSplit | None:
         kept = ("weight",) if isinstance(style, RowwiseParallel) else ("weight", "bias")
         for name, param in layer.named_parameters(recurse=False):
             if name in kept:
-                split.add(f"{path}.{name}")
+                params.add(f"{path}.{name}")
                 if getattr(style, "packed", 1) > 1 and param.ndim == 1:
                     whole.add(f"{path}.{name}")
-    return ParameterSplit(split=frozenset(split), replicated_beside_fsdp=frozenset(whole))
-
-
-def tensor_split_plan(model: nn.Module) -> TensorSplitPlan | None:
-    """What the model's tensor-parallel plan splits, for the planner's count of what a rank holds (``redline plan``
-    gives this to the tracer): its parameters (``split_parameters``), the column-wise layers whose output stays
-    split (each rank its share of the features) and the row-wise layers, whose output is the sum over the ranks.
-    None for a model with no plan; a model's own ``redline_tp_plan`` is asked for two ranks."""
-    params = split_parameters(model)
-    if params is None:
-        return None
-    plan = find_plan(model, 2)
-    columns, rows = set(), set()
-    for key, path, layer in _planned_layers(model, plan):
-        style = plan[key]
-        if _sharded_dim(layer, style) is None:
-            continue
         if isinstance(style, ColwiseParallel) and not any(isinstance(o, Replicate) for o in style.output_layouts):
             columns.add(path)
         elif isinstance(style, RowwiseParallel):
             rows.add(path)
-    return TensorSplitPlan(
-        params=params.split, replicated_beside_fsdp=params.replicated_beside_fsdp, columns=columns, rows=rows
-    )
+    return TensorSplitPlan(params=params, replicated_beside_fsdp=whole, columns=columns, rows=rows)
 
 
 def _tied_weights(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
