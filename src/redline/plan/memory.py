@@ -511,10 +511,13 @@ def _fixed_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stag
     block makes its own (the runtime's stage code computes the positions and rotary tables for its blocks)."""
     key = activation_key(strategy)
     fixed = sum(layer.activation_fixed_bytes.get(key, 0.0) for layer in stage.fixed)
-    full = [block for block in stage.blocks if not recomputes_block(block, strategy)]
+    checkpointed = checkpointed_blocks(strategy, stage)
+    full = [block for block in stage.blocks if block.name not in checkpointed]
     fixed += sum(block.activation_fixed_bytes.get(key, 0.0) for block in full)
     first = profile.blocks[0] if profile.blocks else None
-    if full and first is not None and first not in stage.blocks and not recomputes_block(first, strategy):
+    # the model's first block, on another stage, reruns its forward only where every block does
+    first_reruns = first is not None and strategy.checkpoint_every == 1 and recomputes_block(first, strategy)
+    if full and first is not None and first not in stage.blocks and not first_reruns:
         fixed += first.activation_fixed_bytes.get(key, 0.0)
     fixed += max((b.input_fixed_bytes.get(key, 0.0) for b in stage.blocks if b not in full), default=0.0)
     # a pipeline's schedule keeps its own scalars around the loss (``_pipeline_step_tensors``)
