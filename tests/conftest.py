@@ -60,3 +60,13 @@ def run_cli(
 @pytest.fixture
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def measured_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A REDLINE_HOME with this machine's ceilings measured, as `redline bench --save` leaves them: what planning
+    for a CPU (`--hardware local`) needs."""
+    home = tmp_path_factory.mktemp("home")
+    result = run_cli("bench", "compute", "memory", "--save", "--quick", env={"REDLINE_HOME": str(home)}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return home

@@ -176,18 +176,12 @@ MODELS = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
-    """A REDLINE_HOME with this machine's ceilings measured, as `redline bench --save` leaves them."""
-    home = tmp_path_factory.mktemp("home")
-    result = run_cli("bench", "compute", "memory", "--save", "--quick", env={"REDLINE_HOME": str(home)}, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return home
-
-
-def test_plan_calibrate_on_this_machine_writes_the_calibration_into_the_plan(tmp_path: Path, home: Path) -> None:
+def test_plan_calibrate_on_this_machine_writes_the_calibration_into_the_plan(
+    tmp_path: Path, measured_home: Path
+) -> None:
     (tmp_path / "tinymodels.py").write_text(MODELS)
-    env = {"REDLINE_HOME": str(home), "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    path = str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = {"REDLINE_HOME": str(measured_home), "PYTHONPATH": path}
     args = ["plan", "-m", "tinymodels:build", "--hardware", "local", "--global-batch", "8", "--tokens", "1M"]
     started = time.perf_counter()
     result = run_cli(*args, "--calibrate", "--precision", "fp32", "-o", str(tmp_path / "plan.yaml"), env=env)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import run_cli
 from redline.tune.space import Candidate, Machine, default_plan
@@ -132,6 +133,9 @@ def test_bad_input_is_one_line(tmp_path: Path, script: Path) -> None:
         (["tune", "--space", "precision=fp64", str(script)], "--space precision takes fp32, bf16, fp16, fp8"),
         (["tune", "--budget", "soon", str(script)], "is not a duration"),
         (["tune", "-o", str(script), str(script)], "was not written by redline"),  # before any trial
+        (["tune", "--seq-len", "8", str(script)], "--seq-len and --input-shape go with --model"),
+        (["tune", "-m", "nosuchmodel", str(script)], "unknown model 'nosuchmodel'"),
+        (["tune", "-m", "nosuch.module:build", str(script)], "cannot import nosuch.module"),
     ):
         result = run_cli(*args)
         assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
@@ -143,3 +147,84 @@ def test_dry_run_lists_the_knobs_and_runs_nothing(tmp_path: Path, script: Path) 
     listed = json.loads(result.stdout)
     assert listed["knobs"]["precision"] == ["default", "bf16"] and listed["trials_about"] >= 6
     assert not (tmp_path / "cache").exists()
+
+
+# the script's model as a factory, as `redline plan -m` and `redline tune -m` take it
+MODELS = """
+import torch
+
+def build():
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)), (32,)
+"""
+
+
+@pytest.fixture
+def planned(tmp_path: Path, measured_home: Path) -> dict[str, str]:
+    """The environment of a user who saved this CPU's ceilings and has the model's factory importable."""
+    (tmp_path / "tunemodels.py").write_text(MODELS)
+    return {
+        "REDLINE_HOME": str(measured_home),
+        "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+
+
+def test_the_planner_predicts_the_trials_of_a_plan_made_for_the_model(
+    tmp_path: Path, script: Path, planned: dict[str, str]
+) -> None:
+    """A plan file records how to load its model; a dry run over it lists the planner's prediction of every
+    micro-batch and knob value, the base config's the plan's own; `-m` does the same without the plan's."""
+    plan = tmp_path / "plan.yaml"
+    args = ("-m", "tunemodels:build", "--input-shape", "32", "--hardware", "local", "--global-batch", "64")
+    result = run_cli("plan", *args, "--precision", "fp32", "-o", str(plan), env=planned)
+    assert result.returncode == 0, result.stderr
+    written = yaml.safe_load(plan.read_text())
+    assert written["model"]["load"] == {"model": "tunemodels:build", "input_shape": [32]}
+    dry = run_cli("tune", "--plan", str(plan), "--dry-run", "--json", str(script), env=planned)
+    assert dry.returncode == 0, dry.stderr
+    predicted = {row["config"]: row for row in json.loads(dry.stdout)["predicted"]}
+    base = written["strategy"]["micro_batch"]
+    per_rank = base * written["strategy"]["accumulation"]
+    assert {f"mb={m}" for m in range(1, per_rank + 1) if per_rank % m == 0} <= set(predicted)
+    assert predicted[f"mb={base}"]["samples_per_s"] == pytest.approx(written["predicted"]["samples_per_s"])
+    assert predicted[f"mb={base} precision=bf16"]["step_s"] != predicted[f"mb={base}"]["step_s"]  # bench's bf16
+    # a larger micro-batch keeps more activations
+    assert predicted[f"mb={per_rank}"]["peak_bytes"] > predicted["mb=1"]["peak_bytes"]
+    again = run_cli(
+        "tune",
+        "--plan",
+        str(plan),
+        "-m",
+        "tunemodels:build",
+        "--input-shape",
+        "32",
+        "--dry-run",
+        "--json",
+        str(script),
+        env=planned,
+    )
+    assert json.loads(again.stdout)["predicted"] == json.loads(dry.stdout)["predicted"]
+    text = run_cli("tune", "--plan", str(plan), "--dry-run", str(script), env=planned | {"COLUMNS": "200"})
+    assert "the planner's prediction for tunemodels:build" in text.stdout
+
+
+def test_without_this_cpus_ceilings_the_tune_says_the_planner_cannot_rank(
+    tmp_path: Path, script: Path, planned: dict[str, str]
+) -> None:
+    bare = planned | {"REDLINE_HOME": str(tmp_path / "empty")}
+    result = run_cli("tune", "-m", "tunemodels:build", "--input-shape", "32", "--dry-run", str(script), env=bare)
+    assert result.returncode == 0, result.stderr
+    assert "the planner does not rank the trials: this machine has no GPU" in result.stderr
+    assert "redline bench compute memory --save" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_tune_with_the_model_shows_the_planners_figure_beside_each_trial(
+    tmp_path: Path, script: Path, planned: dict[str, str]
+) -> None:
+    model = ("-m", "tunemodels:build", "--input-shape", "32", "--max-trials", "4")
+    result = run_cli(*tune_args(script, tmp_path / "cache", *model, "--json"), env=planned)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    ran = [t for t in report["trials"] if t["config"] is not None]
+    assert ran and all(t["predicted_samples_per_s"] > 0 for t in ran)
+    assert report["predicted_samples_per_s"]["default"] > 0 and report["predicted_samples_per_s"]["winner"] > 0

@@ -175,6 +175,7 @@ def plan(
     )
     constraints = _checkpoint_every(constraints, runtime.pop("ac_every", None))
     constraints = _layout(constraints, sequence_parallel, flash_attention, schedule, virtual_stages, memory_margin)
+    load = model_load(model, _count("--params", params), seq_len, parse_shape(input_shape), analytic)
     profile = _profile(model, params, seq_len, input_shape, analytic)
     tokens_total, samples = _amount(profile, tokens, epochs, dataset_size, seq_len)
     if global_batch is not None and global_batch < 1:
@@ -199,7 +200,20 @@ def plan(
         notes.append(
             f"global batch {batch} is a default (about 0.5M tokens or 256 images per step); set --global-batch"
         )
-    _write(profile, cluster, goal, result, notes, _runtime_section(runtime), output, json_output, top)
+    _write(profile, cluster, goal, result, notes, _runtime_section(runtime), load, output, json_output, top)
+
+
+def model_load(
+    model: str | None, params: float | None, seq_len: int | None, shape: tuple[int, ...] | None, analytic: bool
+) -> dict[str, Any]:
+    """How to load the model again (``load_workload``'s arguments), as the plan file records it under
+    ``model.load`` for ``redline tune``: a config file's path made absolute, the options not given left out."""
+    from redline.workload.presets import PRESET_NAMES
+
+    if model is not None and model.strip().lower() not in PRESET_NAMES and Path(model).expanduser().exists():
+        model = str(Path(model).expanduser().resolve())
+    given = {"model": model, "params": params, "seq_len": seq_len, "input_shape": shape and list(shape)}
+    return {key: value for key, value in given.items() if value is not None} | ({"analytic": True} if analytic else {})
 
 
 def _profile(
@@ -213,7 +227,7 @@ def _profile(
         model,
         params=_count("--params", params),
         seq_len=seq_len,
-        input_shape=_shape(input_shape),
+        input_shape=parse_shape(input_shape),
         analytic=analytic,
         tensor_split=_tensor_split,
     )
@@ -312,11 +326,12 @@ def _search(profile, cluster, goal, constraints, calibration):
     raise BadInput(message)
 
 
-def _write(profile, cluster, goal, result, notes, runtime, output, json_output: bool, top: int) -> None:
-    """The best plan (with the runtime section) to ``output``, and the result as JSON or tables."""
+def _write(profile, cluster, goal, result, notes, runtime, load, output, json_output: bool, top: int) -> None:
+    """The best plan (with the runtime section and how to load the model) to ``output``, and the result as JSON
+    or tables."""
     from redline.plan.planfile import PLAN_MARKER, dump_plan, make_plan
 
-    best = make_plan(profile, cluster, goal, result.ranked[0], notes, runtime=runtime)
+    best = make_plan(profile, cluster, goal, result.ranked[0], notes, runtime=runtime, load=load)
     if output is not None:
         write_output(output, dump_plan(best), marker=PLAN_MARKER)
     if json_output:
@@ -347,7 +362,7 @@ def _count(option: str, text: str | None) -> float | None:
         raise BadInput(f"{option}: {exc}") from None
 
 
-def _shape(text: str | None) -> tuple[int, ...] | None:
+def parse_shape(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
@@ -509,16 +524,9 @@ def _calibrated(profile, cluster, model, constraints, micro_batch):
 
 
 def _cluster(hardware: str, nodes: int, network_gbps: float | None):
-    from redline.plan.hardware import local_cluster, parse_hardware
+    from redline.plan.hardware import parse_hardware, this_machine
 
-    if hardware.strip().lower() == "local":
-        from redline.bench import store
-        from redline.hw.probe import take_snapshot
-
-        snapshot = take_snapshot()
-        cluster = local_cluster(snapshot, store.latest(store.fingerprint(snapshot)[0]))
-    else:
-        cluster = parse_hardware(hardware)
+    cluster = this_machine() if hardware.strip().lower() == "local" else parse_hardware(hardware)
     if network_gbps is not None:
         cluster = cluster.with_network(network_gbps)
     return cluster.with_nodes(nodes)

@@ -11,6 +11,7 @@ import typer
 from redline.cli import ui
 
 if TYPE_CHECKING:
+    from redline.tune.predict import Predictor
     from redline.tune.search import Outcome, Trial
 
 
@@ -21,6 +22,15 @@ def tune(
     ),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Processes each trial runs (one per GPU)."),
     plan: Path | None = typer.Option(None, "--plan", help="A base plan file: the baseline and what trials change."),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="The model the script trains, as `redline plan -m` takes it: the planner then predicts each candidate "
+        "(default: the model the --plan file was made for).",
+    ),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="With --model: its training sequence length."),
+    input_shape: str | None = typer.Option(None, "--input-shape", help="With --model: a factory's sample, 3,32,32."),
     budget: str | None = typer.Option(None, "--budget", help="Time the trials may take in all: 90s, 20m, 1h."),
     max_trials: int | None = typer.Option(None, "--max-trials", help="Trials to run at most."),
     trial_steps: int = typer.Option(8, "--trial-steps", help="Optimizer steps each trial measures."),
@@ -50,6 +60,7 @@ def tune(
     base = _base_plan(plan, nproc_per_node)
     machine = Machine.here(nproc_per_node)
     knobs = restrict(default_space(machine), space)
+    planner = _planner(model, seq_len, input_shape, base, nproc_per_node, quiet=json_output)
     setup = Setup(
         script=str(Path(script).resolve()),
         args=tuple(ctx.args),
@@ -60,9 +71,9 @@ def tune(
         run_steps=steps,
     )
     if dry_run:
-        _dry_run(knobs, base, setup, json_output)
+        _dry_run(knobs, base, setup, planner, json_output)
         return
-    outcome, journal = _search(setup, machine, knobs, base, cache_dir, seconds, max_trials, json_output)
+    outcome, journal = _search(setup, machine, knobs, base, planner, cache_dir, seconds, max_trials, json_output)
     if output is not None and outcome.plan is not None:
         _write_plan(output, outcome.plan)
     if html is not None:
@@ -114,11 +125,41 @@ def _check_targets(output: Path | None, html: Path | None) -> None:
             check_target(target, marker=marker)
 
 
+def _planner(
+    model: str | None,
+    seq_len: int | None,
+    input_shape: str | None,
+    base: dict[str, Any] | None,
+    ranks: int,
+    quiet: bool,
+) -> Predictor | None:
+    """The planner for the model given (``--model``, else the one the base plan records it was made for) on
+    this machine; None without a model, or (said) where the planner cannot predict this machine."""
+    from redline.cli.plan import model_load, parse_shape
+    from redline.errors import BadInput
+    from redline.tune.predict import load_profile, on_this_machine
+
+    if model is None and (seq_len is not None or input_shape is not None):
+        raise BadInput("--seq-len and --input-shape go with --model")
+    load = model_load(model, None, seq_len, parse_shape(input_shape), False) if model is not None else None
+    load = load or ((base or {}).get("model") or {}).get("load")
+    if not load:
+        return None
+    profile = load_profile(load)
+    try:
+        return on_this_machine(profile, ranks)
+    except BadInput as exc:
+        if not quiet:
+            ui.warn(f"the planner does not rank the trials: {exc}")
+        return None
+
+
 def _search(
     setup: Any,
     machine: Any,
     knobs: dict[str, list[Any]],
     base: dict[str, Any] | None,
+    planner: Predictor | None,
     cache_dir: Path | None,
     seconds: float | None,
     max_trials: int | None,
@@ -149,6 +190,7 @@ def _search(
             budget=Budget(seconds=seconds, trials=max_trials),
             device_memory=_device_memory(),
             progress=advance,
+            planner=planner,
         )
         return tuner.tune(), journal.path
 
@@ -184,12 +226,27 @@ def _expected(knobs: dict[str, list[Any]]) -> int:
     return sum(len(values) - 1 for values in knobs.values()) + 10
 
 
-def _dry_run(knobs: dict[str, list[Any]], base: dict[str, Any] | None, setup: Any, json_output: bool) -> None:
-    predicted = ((base or {}).get("predicted") or {}).get("step_time_s")
-    trial_s = predicted * (setup.warmup_steps + setup.steps) if predicted else None
+def _dry_run(
+    knobs: dict[str, list[Any]], base: dict[str, Any] | None, setup: Any, planner: Predictor | None, json_output: bool
+) -> None:
+    from redline.units import fmt_bytes, fmt_duration
+
+    rows = []
+    if planner is not None and base is not None:
+        from redline.tune.predict import dry_run_rows
+
+        rows = dry_run_rows(planner, base, knobs, setup.nproc_per_node)
+    step_s = rows[0][1].step_s if rows else ((base or {}).get("predicted") or {}).get("step_time_s", {}).get("total")
+    trial_s = step_s * (setup.warmup_steps + setup.steps) if step_s else None
     values = {knob: ["default" if v is None else v for v in vs] for knob, vs in knobs.items()}
     if json_output:
-        ui.print_json({"knobs": values, "trials_about": _expected(knobs), "predicted_trial_s": trial_s})
+        predicted = [
+            {"config": key, "step_s": p.step_s, "samples_per_s": p.samples_per_s, "peak_bytes": p.allocated_bytes}
+            for key, p in rows
+        ]
+        ui.print_json(
+            {"knobs": values, "trials_about": _expected(knobs), "predicted_trial_s": trial_s, "predicted": predicted}
+        )
         return
     from rich.table import Table
 
@@ -200,7 +257,22 @@ def _dry_run(knobs: dict[str, list[Any]], base: dict[str, Any] | None, setup: An
     for knob, vs in values.items():
         table.add_row(knob, ", ".join(str(v) for v in vs))
     ui.console.print(table)
-    each = f", about {trial_s:.0f} s each by the plan's step time" if trial_s else ""
+    if rows:
+        predicted = Table(title=f"the planner's prediction for {planner.model} (before any trial corrects it)")
+        for column in ("config", "step ms", "samples/s", "x the base plan's", "peak"):
+            predicted.add_column(column, justify="left" if column == "config" else "right")
+        for key, p in rows:
+            speedup = p.samples_per_s / rows[0][1].samples_per_s
+            predicted.add_row(
+                key, f"{p.step_s * 1e3:,.1f}", f"{p.samples_per_s:,.1f}", f"{speedup:.2f}", fmt_bytes(p.allocated_bytes)
+            )
+        ui.console.print(predicted)
+        ui.console.print("compile, workers, threads and DDP's knobs are not in the planner: predicted as the base")
+    elif planner is None:
+        ui.console.print("give --model (or --plan with a plan `redline plan -m` wrote) for the planner's predictions")
+    else:
+        ui.console.print("the planner predicts the trials from a base plan: give --plan")
+    each = f", their steps about {fmt_duration(trial_s)} each by the planner (launch not counted)" if trial_s else ""
     ui.console.print(
         f"about {_expected(knobs)} trials of {setup.warmup_steps} + {setup.steps} steps{each}; nothing was run"
     )
@@ -219,11 +291,11 @@ def _write_plan(path: Path, plan: dict[str, Any]) -> None:
 def _print(outcome: Outcome, journal: Path, output: Path | None) -> None:
     from rich.table import Table
 
-    from redline.tune.report import COLUMNS, noise_line, trial_cells
+    from redline.tune.report import COLUMNS, NUMERIC, noise_line, planner_line, trial_cells
 
     table = Table(title="redline tune: trials")
     for column in COLUMNS:
-        table.add_column(column, justify="right" if column in COLUMNS[2:7] else "left")
+        table.add_column(column, justify="right" if column in NUMERIC else "left")
     for trial in outcome.trials:
         table.add_row(*trial_cells(trial, outcome))
     ui.console.print(table)
@@ -236,6 +308,8 @@ def _print(outcome: Outcome, journal: Path, output: Path | None) -> None:
     )
     if outcome.spread is not None:
         ui.console.print(noise_line(outcome))
+    if outcome.predicted_default is not None:
+        ui.console.print(planner_line(outcome))
     if outcome.stopped:
         ui.console.print(f"stopped early: {outcome.stopped}")
     if output is not None:
@@ -257,6 +331,7 @@ def _to_json(outcome: Outcome, journal: Path) -> dict[str, Any]:
                 "for": t.label,
                 "config": None if t.candidate is None else t.candidate.to_dict(),
                 "cached": t.cached,
+                "predicted_samples_per_s": t.predicted.samples_per_s if t.predicted else None,
                 **t.result.to_dict(),
             }
             for t in outcome.trials
@@ -272,6 +347,7 @@ def _to_json(outcome: Outcome, journal: Path) -> dict[str, Any]:
         ],
         "parity": outcome.parity,
         "stopped": outcome.stopped,
+        "predicted_samples_per_s": {"default": outcome.predicted_default, "winner": outcome.predicted_winner},
         "plan": outcome.plan,
         "journal": str(journal),
     }

@@ -215,6 +215,15 @@ def instance_cluster(instance) -> Cluster:
 # ---------------------------------------------------------------------------------------------- local
 
 
+def this_machine() -> Cluster:
+    """This machine as probed now, with the ceilings its latest ``redline bench --save`` measured."""
+    from redline.bench import store
+    from redline.hw.probe import take_snapshot
+
+    snapshot = take_snapshot()
+    return local_cluster(snapshot, store.latest(store.fingerprint(snapshot)[0]))
+
+
 def local_cluster(snapshot: Snapshot, bench: BenchRun | None) -> Cluster:
     """This machine: its GPUs as probed (or its CPU), with measured ceilings where bench saved them."""
     from redline.specs.catalog import match_gpu

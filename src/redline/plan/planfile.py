@@ -59,7 +59,10 @@ def make_plan(
     chosen: Estimate,
     notes=(),
     runtime: dict[str, Any] | None = None,
+    load: dict[str, Any] | None = None,
 ) -> Plan:
+    """The plan file of ``chosen``; ``load``: how to load the model again (``workload.load.load_workload``'s
+    arguments: ``redline tune`` predicts its candidates with it)."""
     predicted = chosen.to_dict()
     del predicted["strategy"]
     if chosen.strategy.pipeline > 1:
@@ -75,7 +78,8 @@ def make_plan(
             "sample_unit": profile.sample_unit,
             "training_flops_per_sample": profile.training_flops_per_sample,
             "calibration": profile.calibration.to_dict() if profile.calibration else None,
-        },
+        }
+        | ({"load": load} if load else {}),
         hardware=describe_cluster(cluster),
         goal={"global_batch": goal.global_batch, "tokens": goal.tokens, "samples": goal.samples},
         predicted=predicted,

@@ -67,6 +67,7 @@ def html_report(outcome: Outcome, script: str) -> str:
         verdict = "<p>No candidate trained as the baseline does.</p>"
     spread = f"<p>{escape(noise_line(outcome))}</p>" if outcome.spread is not None else ""
     stopped = f"<p>Stopped early: {escape(outcome.stopped)}.</p>" if outcome.stopped else ""
+    stopped += f"<p>{escape(planner_line(outcome))}</p>" if outcome.predicted_default else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{GENERATOR}">
 <title>redline tune: {escape(script)}</title><style>{CSS}</style></head>
@@ -80,7 +81,8 @@ def html_report(outcome: Outcome, script: str) -> str:
 """
 
 
-COLUMNS = ("for", "config", "samples/s", "median of runs", "step ms", "startup s", "peak GiB", "status")
+COLUMNS = ("for", "config", "samples/s", "median of runs", "planned/s", "step ms", "startup s", "peak GiB", "status")
+NUMERIC = COLUMNS[2:8]  # right-aligned
 
 
 def noise_line(outcome: Outcome) -> str:
@@ -88,6 +90,16 @@ def noise_line(outcome: Outcome) -> str:
     return (
         f"Runs of one config differed by up to {outcome.spread:.1%} of their median: a change had to gain more "
         "(its median over repeats against the leader's) to count."
+    )
+
+
+def planner_line(outcome: Outcome) -> str:
+    """The planner's view of the default and the winner against what they measured, as a sentence."""
+    assert outcome.predicted_default is not None and outcome.predicted_winner is not None
+    return (
+        f"The planner predicted {outcome.predicted_default:,.1f} samples/s for the default (measured "
+        f"{outcome.baseline_speed:,.1f}) and {outcome.predicted_winner:,.1f} for the winner (measured "
+        f"{outcome.winner_speed or 0:,.1f}); planned/s is its figure for each trial, before any measurement."
     )
 
 
@@ -110,6 +122,7 @@ def trial_cells(trial: Trial, outcome: Outcome) -> list[str]:
         "baseline (redline run as it is)" if key is None else key,
         f"{result.samples_per_s:,.1f}" if result.samples_per_s else "",
         median_cell(outcome.scores.get(key, ())) if first else "",
+        f"{trial.predicted.samples_per_s:,.1f}" if trial.predicted else "",
         f"{result.step_s * 1e3:,.1f}" if result.step_s else "",
         f"{result.startup_s:.1f}" if result.startup_s is not None else "",
         f"{result.peak_memory_bytes / 2**30:.2f}" if result.peak_memory_bytes else "",

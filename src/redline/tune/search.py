@@ -8,6 +8,11 @@
    that runs out of memory does not fit; one whose predicted peak, from the measured peaks, is over the
    device's memory is pruned without running; on a CPU the largest is tried first), then the next smaller one.
 4. Coordinate descent over the other knobs in ``space.ORDER``: each value of a knob against the leader.
+   With the planner (``predict.Predictor``: ``redline tune --model``, or the model a base plan was made for),
+   a knob's values are tried fastest-predicted first; one predicted slower than the leader by more than
+   ``PREDICTED_SLOWER`` is pruned unrun; activation checkpointing is tried at the largest micro-batch it is
+   predicted to let fit; and a micro-batch's peak is predicted from the nearest measured one plus the planner's
+   difference. Every prediction is anchored on a measured trial.
 5. A config's score is the median of its runs; the noise is the largest relative spread of any config's runs.
    A challenger whose first run beats the leader's median by more than the noise (and ``MIN_GAIN``) runs
    again, and replaces the leader only when its median still does: one lucky run does not move the search.
@@ -34,6 +39,7 @@ from typing import Any
 
 from redline.errors import BadInput
 from redline.tune.journal import Journal
+from redline.tune.predict import Prediction
 from redline.tune.space import Candidate, Machine, default_plan, micro_batches, trial_plan
 from redline.tune.trial import Setup, TrialResult, run_trial
 
@@ -45,8 +51,14 @@ REPEATS = 2  # runs of a config before it may lead or win: its score is their me
 LEADERS = 3  # the fastest configs, each run REPEATS times before the choice
 FINAL_RUNS = 3  # runs of the chosen config and of the default, before the one replaces the other
 MEMORY_MARGIN = 0.05  # of the device's memory, kept free when a predicted peak prunes a micro-batch
+# a knob value the planner predicts this much slower than the leader (its step time over the leader's) is not run:
+# beyond any run-to-run noise the tune measures, and beyond the planner's usual error on the ratio of two configs
+PREDICTED_SLOWER = 1.25
+# knob values that save memory: tried at the largest micro-batch they are predicted to let fit
+MEMORY_SAVERS = {"checkpointing": ("selective", "full")}
 
 Runner = Callable[[Setup, "dict[str, Any] | None", Path], TrialResult]
+Planner = Callable[["dict[str, Any]"], Prediction]  # a trial's plan file -> the planner's prediction
 
 
 @dataclass
@@ -68,6 +80,7 @@ class Trial:
     candidate: Candidate | None  # None: the baseline without a plan
     result: TrialResult
     cached: bool  # found in the journal, not run
+    predicted: Prediction | None = None  # the planner's, unanchored (with a planner)
 
 
 @dataclass
@@ -82,6 +95,8 @@ class Outcome:
     parity: str = ""
     plan: dict[str, Any] | None = None  # the winner's plan file
     stopped: str = ""  # why the search ended before it was through: the budget
+    predicted_default: float | None = None  # the planner's samples/s for the default and the winner
+    predicted_winner: float | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -104,6 +119,7 @@ class Tuner:
         device_memory: int | None = None,
         runner: Runner = run_trial,
         progress: Callable[[Trial], None] | None = None,
+        planner: Planner | None = None,
     ) -> None:
         self.setup = setup
         self.machine = machine
@@ -115,6 +131,7 @@ class Tuner:
         self.device_memory = device_memory
         self.runner = runner
         self.progress = progress
+        self.planner = planner
         self.trials: list[Trial] = []
         self.asked: set[str] = set()  # the journal keys this search has asked for
         self.per_rank_batch = 0
@@ -124,8 +141,11 @@ class Tuner:
 
     # ------------------------------------------------------------------------------------------- trials
 
-    def _run(self, label: str, candidate: Candidate | None, *, repeat: int = 1) -> TrialResult | None:
-        """The candidate's result: from the journal, else run (None when the budget is spent)."""
+    def _run(
+        self, label: str, candidate: Candidate | None, *, repeat: int = 1, skip: TrialResult | None = None
+    ) -> TrialResult | None:
+        """The candidate's result: from the journal, else ``skip`` (a verdict without running it), else run (None
+        when the budget is spent)."""
         key = "baseline" if candidate is None else candidate.key()
         key += f" #{repeat}" if repeat > 1 else ""
         if key in self.asked:  # asked again by this search (the binary search's ends): shown once
@@ -136,7 +156,7 @@ class Tuner:
             if not self.budget.allows():
                 return None
             plan = self.base_plan if candidate is None else self.plan_for(candidate)
-            pruned = None if candidate is None else self._pruned(candidate)
+            pruned = skip or (None if candidate is None else self._pruned(candidate))
             started = time.monotonic()
             # a directory of this process's own: a trial left running by a killed tune cannot write into it
             workdir = self.workdir / f"trial-{len(self.journal.results)}-{os.getpid()}"
@@ -144,7 +164,7 @@ class Tuner:
             self.budget.spent_s += time.monotonic() - started
             self.budget.run += pruned is None
             self.journal.record(key, candidate, result)
-        trial = Trial(label, candidate, cached or result, cached is not None)
+        trial = Trial(label, candidate, cached or result, cached is not None, self.predict(candidate))
         self.trials.append(trial)
         if self.progress is not None:
             self.progress(trial)
@@ -152,6 +172,12 @@ class Tuner:
 
     def plan_for(self, candidate: Candidate) -> dict[str, Any]:
         return trial_plan(candidate, base=self.base, per_rank_batch=self.per_rank_batch, ranks=self.machine.ranks)
+
+    def predict(self, candidate: Candidate | None) -> Prediction | None:
+        """The planner's prediction of ``candidate`` (None without a planner, and for the script without a plan)."""
+        if self.planner is None or candidate is None:
+            return None
+        return self.planner(self.plan_for(candidate))
 
     def _pruned(self, candidate: Candidate) -> TrialResult | None:
         """A result without running, for a micro-batch whose predicted peak would not fit the device's memory
@@ -174,17 +200,103 @@ class Tuner:
         if len(peaks) >= 2:
             (m1, p1), (m2, p2) = peaks[0], peaks[-1]
             slope, (m, peak), basis = (p2 - p1) / (m2 - m1), (m2, p2), f"the measured micro-batches {m1} and {m2}"
+            predicted = peak + slope * (candidate.micro_batch - m)
+        elif self.planner is not None:
+            predicted, basis = self._anchored_peak(candidate)
         elif planned is not None:
             slope, (m, peak) = planned[0], peaks[-1] if peaks else planned[1]
             basis = f"the plan's memory, measured at micro-batch {m}" if peaks else "the plan's memory"
+            predicted = peak + slope * (candidate.micro_batch - m)
         else:
             return None
-        predicted = peak + slope * (candidate.micro_batch - m)
         room = self.device_memory * (1 - MEMORY_MARGIN)
         if predicted <= room:
             return None
         why = f"predicted peak {predicted / 2**30:.2f} GiB (from {basis}) over {room / 2**30:.2f} GiB"
         return TrialResult("pruned", why=why)
+
+    def _anchored_peak(self, candidate: Candidate) -> tuple[float, str]:
+        """The planner's peak for ``candidate``, anchored on the measured peak of the nearest config that ran (the
+        same knobs first, then the nearest micro-batch): that peak plus the planner's difference between the two.
+        Nothing measured yet: the planner's own figure."""
+        predicted = self.predict(candidate)
+        assert predicted is not None
+        measured = [
+            t.candidate
+            for t in self.trials
+            if t.candidate is not None and t.result.status == "ok" and t.result.peak_memory_bytes
+        ]
+        if not measured:
+            return predicted.allocated_bytes, "the planner"
+        nearest = min(
+            measured,
+            key=lambda c: (c.knobs != candidate.knobs, abs(c.micro_batch - candidate.micro_batch)),
+        )
+        result = self.journal.get(nearest.key())
+        anchor = self.predict(nearest)
+        assert result is not None and result.peak_memory_bytes and anchor is not None
+        peak = result.peak_memory_bytes + predicted.allocated_bytes - anchor.allocated_bytes
+        return peak, f"the planner, anchored on {nearest.key()}'s measured peak"
+
+    def _slower(self, candidate: Candidate, leader: Candidate) -> TrialResult | None:
+        """A pruned result for a candidate the planner, corrected by the leader's measured micro-batches
+        (``_corrected_step_s``), predicts slower than the leader by more than ``PREDICTED_SLOWER``; None where
+        it may be faster, or cannot tell."""
+        if self.planner is None:
+            return None
+        mine, theirs = self._corrected_step_s(candidate, leader.knobs), self._corrected_step_s(leader, leader.knobs)
+        if mine <= theirs * PREDICTED_SLOWER:
+            return None
+        expected = self.score(leader) * theirs / mine
+        why = (
+            f"predicted {mine / theirs:.2f}x the leader's step time "
+            f"(about {expected:,.0f} samples/s against its measured {self.score(leader):,.0f})"
+        )
+        return TrialResult("pruned", why=why)
+
+    def _corrected_step_s(self, candidate: Candidate, family: tuple[tuple[str, Any], ...]) -> float:
+        """The planner's step time for ``candidate``, corrected as ``redline plan --calibrate`` corrects it: a
+        line measured = a x planned + b x micro-batches a step, fitted on the measured configs with the knobs
+        ``family`` (the micro-batch search's, at several accumulations): ``b`` is what each micro-batch costs
+        beyond the planner's roofline (eager PyTorch's launches, the step's Python). One accumulation measured,
+        or a fit that makes no sense (b < 0): the ratio alone, b = 0."""
+        predicted = self.predict(candidate)
+        assert predicted is not None
+        points = []
+        for c in self._candidates():
+            result = self.journal.get(c.key())
+            if c.knobs == family and result is not None and result.status == "ok" and result.step_s:
+                planned = self.predict(c)
+                assert planned is not None
+                points.append((planned.step_s, self.per_rank_batch / c.micro_batch, result.step_s))
+        scale, per_micro_batch = _fit_steps(points)
+        return scale * predicted.step_s + per_micro_batch * self.per_rank_batch / candidate.micro_batch
+
+    def _ranked(self, knob: str, values: list[Any], leader: Candidate) -> list[Any]:
+        """A knob's values in the order to try them: fastest-predicted first with a planner (ties as given)."""
+        if self.planner is None:
+            return values
+
+        def step_s(value: Any) -> float:
+            predicted = self.predict(self._knob_candidate(leader, knob, value))
+            assert predicted is not None
+            return predicted.step_s
+
+        return sorted(values, key=step_s)
+
+    def _knob_candidate(self, leader: Candidate, knob: str, value: Any) -> Candidate:
+        """The leader with ``knob`` at ``value``; a value that saves memory (``MEMORY_SAVERS``), with a planner
+        and a device whose memory it knows, at the largest micro-batch predicted to fit under it (when larger)."""
+        candidate = leader.with_value(knob, value)
+        if self.planner is None or self.device_memory is None or value not in MEMORY_SAVERS.get(knob, ()):
+            return candidate
+        for size in micro_batches(self.per_rank_batch):
+            if size <= leader.micro_batch:
+                break
+            larger = candidate.with_micro_batch(size)
+            if self._anchored_peak(larger)[0] <= self.device_memory * (1 - MEMORY_MARGIN):
+                return larger
+        return candidate
 
     def _planned_line(self) -> tuple[float, tuple[int, float]] | None:
         """The base plan's memory as a line in the micro-batch: (bytes per sample, (its micro-batch, its
@@ -257,18 +369,21 @@ class Tuner:
             leader = self._challenge("another machine's best", leader, elsewhere)
         leader = self._search_micro_batch(leader)
         for knob, values in self.space.items():
-            for value in values:
+            for value in self._ranked(knob, values, leader):
                 if value != leader.get(knob) and not self.stopped:
-                    leader = self._challenge(knob, leader, leader.with_value(knob, value))
+                    candidate = self._knob_candidate(leader, knob, value)
+                    leader = self._challenge(knob, leader, candidate, skip=self._slower(candidate, leader))
         outcome = Outcome(baseline)
         self._choose(outcome, baseline, start)
         return outcome
 
-    def _challenge(self, label: str, leader: Candidate, candidate: Candidate) -> Candidate:
+    def _challenge(
+        self, label: str, leader: Candidate, candidate: Candidate, skip: TrialResult | None = None
+    ) -> Candidate:
         """``candidate`` in place of ``leader`` when its median over ``REPEATS`` runs beats the leader's by
         more than the noise. A first run that does not beat it is not repeated: the repeats go to the
-        candidates that may win."""
-        if self._run(label, candidate) is None:
+        candidates that may win. ``skip``: the planner's verdict, which stands for the run."""
+        if self._run(label, candidate, skip=skip) is None:
             self.stopped = "the budget ran out"
             return leader
         if not self._beats(candidate, leader):
@@ -359,6 +474,9 @@ class Tuner:
         outcome.stopped = self.stopped
         outcome.trials = self.trials
         outcome.scores = {c.key(): tuple(self.runs(c)) for c in dict.fromkeys([start, *self._candidates()])}
+        if self.planner is not None:
+            outcome.predicted_default = self.planner(self.plan_for(start)).samples_per_s
+            outcome.predicted_winner = self.planner(self.plan_for(winner)).samples_per_s
 
     def _parity(self, candidate: Candidate, result: TrialResult, baseline: TrialResult) -> str | None:
         """``candidate``'s losses against the baseline's, step by step: "within ..." or "FAILED: ...". None when
@@ -386,6 +504,25 @@ class Tuner:
         if steps is None or result.step_s is None or result.samples_per_step is None:
             return result.samples_per_s
         return result.samples_per_step * steps / ((result.startup_s or 0.0) + result.step_s * steps)
+
+
+def _fit_steps(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) of measured = a x planned + b x micro-batches, least squares over (planned, micro-batches,
+    measured) points; (median measured/planned, 0) where the micro-batches do not vary or b comes out negative;
+    (1, 0) without a point."""
+    if not points:
+        return 1.0, 0.0
+    ratio = statistics.median(measured / planned for planned, _, measured in points)
+    if len({count for _, count, _ in points}) < 2:
+        return ratio, 0.0
+    import numpy as np
+
+    (scale, per_micro_batch), *_ = np.linalg.lstsq(
+        np.array([[planned, count] for planned, count, _ in points]),
+        np.array([measured for *_, measured in points]),
+        rcond=None,
+    )
+    return (float(scale), float(per_micro_batch)) if scale > 0 and per_micro_batch >= 0 else (ratio, 0.0)
 
 
 def spread(speeds: list[float] | tuple[float, ...]) -> float:
