@@ -36,7 +36,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from redline.errors import BadInput
 from redline.tune.journal import Journal
+from redline.tune.predict import Predictor, load_profile, on_this_machine
 from redline.tune.search import Budget, Tuner, spread
 from redline.tune.space import Candidate, Machine, default_plan, default_space, micro_batches, restrict, trial_plan
 from redline.tune.trial import Setup, run_trial
@@ -44,10 +46,23 @@ from redline.tune.trial import Setup, run_trial
 ROOT = Path(__file__).resolve().parents[1]
 # the tune's default knobs less compile, each at its default and one other value (the grid is their product)
 SPACE = ["compile=", "num_workers=1", "cpu_threads=1"]
+# each target: the script, its arguments, and its model as `redline tune -m` takes it (the planner's)
 TARGETS = {
-    "cnn": (ROOT / "examples" / "train_cnn.py", ("--batch", "64")),
-    "gpt": (ROOT / "examples" / "train_gpt.py", ("--batch", "32")),
-    "hf-gpt2": (ROOT / "benchmarks" / "tune_targets" / "hf_gpt2.py", ("--batch", "16")),
+    "cnn": (
+        ROOT / "examples" / "train_cnn.py",
+        ("--batch", "64"),
+        {"model": "examples.train_cnn:SmallResNet", "input_shape": [3, 32, 32]},
+    ),
+    "gpt": (
+        ROOT / "examples" / "train_gpt.py",
+        ("--batch", "32"),
+        {"model": "examples.train_gpt:Gpt", "input_shape": [64]},
+    ),
+    "hf-gpt2": (
+        ROOT / "benchmarks" / "tune_targets" / "hf_gpt2.py",
+        ("--batch", "16"),
+        {"model": "benchmarks.tune_targets.hf_gpt2:build"},
+    ),
 }
 
 
@@ -78,8 +93,18 @@ def side_by_side(setup: Setup, plans: dict[str, dict | None], workdir: Path, rou
     return speeds
 
 
+def planner(load: dict) -> Predictor | None:
+    """The planner for the target's model on this machine, as `redline tune -m` makes it; None (said) where it
+    cannot predict here (a CPU without `redline bench compute memory --save`)."""
+    try:
+        return on_this_machine(load_profile(load), 1)
+    except BadInput as exc:
+        print(f"  no planner: {exc}", file=sys.stderr)
+        return None
+
+
 def bench(name: str, workdir: Path, *, steps: int, rounds: int) -> dict:
-    script, args = TARGETS[name]
+    script, args, load = TARGETS[name]
     setup = Setup(script=str(script), args=args, warmup_steps=1, steps=steps, timeout_s=600)
     machine = Machine.here(1)
     space = restrict(default_space(machine), SPACE)
@@ -87,7 +112,8 @@ def bench(name: str, workdir: Path, *, steps: int, rounds: int) -> dict:
     per_rank = baseline.samples_per_step
     measured = grid(setup, machine, space, per_rank, workdir)
     journal = Journal(workdir / "journal.jsonl", {"script": name})
-    outcome = Tuner(setup, machine, space, journal, workdir / "tune", budget=Budget()).tune()
+    ranking = planner(load)
+    outcome = Tuner(setup, machine, space, journal, workdir / "tune", budget=Budget(), planner=ranking).tune()
     best_key = max(measured, key=lambda key: measured[key][0])
     pick = outcome.winner.key() if outcome.winner else None
     plans = {"no-plan": None, "grid-best": measured[best_key][2]}
@@ -102,6 +128,8 @@ def bench(name: str, workdir: Path, *, steps: int, rounds: int) -> dict:
         "target": name,
         "grid_trials": len(measured) + 1,
         "tune_trials": sum(not t.cached for t in outcome.trials),
+        "planner": ranking is not None,
+        "pruned_by_the_planner": sum(t.result.status == "pruned" for t in outcome.trials),
         "grid_best": best_key,
         "tune_pick": pick,
         "pick_over_best": median["tune-pick"] / median["grid-best"],
@@ -140,7 +168,7 @@ def main() -> None:
         print(
             f"{r['target']:8} pick/best {r['pick_over_best']:.3f}  time tune/grid {r['tune_time_over_grid']:.3f}  "
             f"pick/no-plan {r['pick_over_no_plan']:.2f}x  trials {r['tune_trials']} of {r['grid_trials']}  "
-            f"spread {r['side_by_side_spread']:.1%}  "
+            f"spread {r['side_by_side_spread']:.1%}  pruned by the planner {r['pruned_by_the_planner']}  "
             f"(pick {r['tune_pick']}; grid best {r['grid_best']})"
         )
 

@@ -239,9 +239,11 @@ step pipeline-parallel bash -c '[ "$(nvidia-smi -L | grep -c ^GPU)" -ge 2 ] || {
         "$0" -m redline run --nproc-per-node 2 tests/runtime/pp_worker.py && cat "$1/pp-weights.losses.json"' "$py" "$out"
 
 # redline tune on the GPU: the example GPT tuned over a short budget (micro-batch, fp16 beside bf16, compile,
-# activation checkpointing, workers); the tuned config's samples/s against the default's (`redline run` with no
-# plan), both as the tune measured them, and its trials on one page
+# activation checkpointing, workers), the planner ranking its candidates (--model); the tuned config's samples/s
+# against the default's (`redline run` with no plan), both as the tune measured them, beside the planner's
+# prediction of each, and its trials on one page
 step tune bash -c '"$0" -m redline tune --trial-steps 6 --warmup 3 --budget 4m --cache-dir "$1/tune-cache" \
+        -m examples.train_gpt:Gpt --input-shape 64 \
         --json --html "$1/tune.html" -o "$1/tuned.yaml" examples/train_gpt.py >"$1/tune.json" &&
     "$0" - "$1/tune.json" <<PY
 import json, sys
@@ -249,6 +251,8 @@ r = json.load(open(sys.argv[1]))
 print("tune: baseline", round(r["baseline"]["samples_per_s"], 1), "samples/s; winner", r["winner"],
       round(r["winner_samples_per_s"] or 0, 1), "samples/s,", round(r["speedup"] or 0, 2), "x;", len(r["trials"]),
       "trials; parity:", r["parity"])
+print("tune: the planner predicted", r["predicted_samples_per_s"], "samples/s (default, winner);",
+      sum(t["status"] == "pruned" for t in r["trials"]), "trials pruned unrun")
 PY' "$py" "$out"
 
 echo

@@ -17,14 +17,19 @@ import redline
 SEQ, VOCAB = 64, 1024
 
 
+def build() -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """The model and one sample's input shape: the factory `redline tune -m` (the planner) takes."""
+    config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=SEQ, vocab_size=VOCAB)
+    return transformers.GPT2LMHeadModel(config), (SEQ,)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=SEQ, vocab_size=VOCAB)
-    model = transformers.GPT2LMHeadModel(config)
+    model, _ = build()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (2048, SEQ + 1), generator=generator)
     data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
