@@ -276,13 +276,7 @@ class Tuner:
         """A knob's values in the order to try them: fastest-predicted first with a planner (ties as given)."""
         if self.planner is None:
             return values
-
-        def step_s(value: Any) -> float:
-            predicted = self.predict(self._knob_candidate(leader, knob, value))
-            assert predicted is not None
-            return predicted.step_s
-
-        return sorted(values, key=step_s)
+        return sorted(values, key=lambda v: self._corrected_step_s(self._knob_candidate(leader, knob, v), leader.knobs))
 
     def _knob_candidate(self, leader: Candidate, knob: str, value: Any) -> Candidate:
         """The leader with ``knob`` at ``value``; a value that saves memory (``MEMORY_SAVERS``), with a planner
