@@ -23,6 +23,7 @@ LAYERS = [
     {"monitor"},
     {"runtime"},
     {"tune"},
+    {"queue"},
     {"cli", "__main__", "__init__"},
 ]
 LEVEL = {package: level for level, packages in enumerate(LAYERS) for package in packages}

@@ -1,0 +1,91 @@
+"""A job as the user submits it, whichever engine runs it: the embedded queue, Slurm, Ray or Kubernetes.
+
+A job is an argv, never a shell line: the engines that take a script (sbatch) or a command string (Ray's
+entrypoint) get it quoted with ``shlex.join``. The environment is captured at submit time, as Slurm's
+``--export=ALL`` does, so the job runs with the variables its user had, not the daemon's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from redline.errors import BadInput
+
+STATES = ("queued", "held", "running", "done", "failed", "cancelled", "lost")
+FINAL_STATES = ("done", "failed", "cancelled", "lost")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    argv: tuple[str, ...]
+    name: str = ""
+    gpus: int = 0  # whole devices (GPUs, or MIG instances) the job asks for; 0: none
+    gpu_memory_bytes: int | None = None  # per device: declared (--gpu-memory) or a plan's predicted peak + margin
+    exclusive: bool = False  # no other job on its devices
+    nodes: int = 1  # past one server: nodes, each with ``gpus`` devices (torchrun under srun, a PyTorchJob)
+    priority: int = 0  # higher first
+    after: tuple[str, ...] = ()  # job ids that must end well first
+    retries: int = 0  # restarts allowed after a preemption-class end (a signal, an Xid, an out-of-memory restart)
+    time_limit_s: float | None = None  # the job is stopped past it; also what backfill plans with
+    cwd: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    plan: str | None = None  # a redline plan file: its predicted peak is the job's memory, the job runs with it
+    queue: str | None = None  # the engine's queue: a Slurm partition, a Kueue LocalQueue
+
+    def __post_init__(self) -> None:
+        if not self.argv or not all(isinstance(a, str) for a in self.argv):
+            raise BadInput("a job is a command and its arguments: give them after --")
+        for name in ("gpus", "retries", "priority"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or (name != "priority" and value < 0):
+                raise BadInput(f"--{name} must be a whole number{' from 0' if name != 'priority' else ''}, not {value}")
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise BadInput(f"--nodes must be at least 1, not {self.nodes}")
+        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
+            raise BadInput(f"--gpu-memory must be positive, not {self.gpu_memory_bytes}")
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise BadInput(f"--time-limit must be positive, not {self.time_limit_s}")
+
+    @property
+    def label(self) -> str:
+        """The job's name, or its program's."""
+        return self.name or self.argv[0].rsplit("/", 1)[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"argv": list(self.argv), "after": list(self.after), "env": dict(self.env)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise BadInput(f"a job spec with unknown fields: {', '.join(sorted(unknown))}")
+        return cls(**(dict(data) | {"argv": tuple(data["argv"]), "after": tuple(data.get("after") or ())}))
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """A job as an engine reports it, for `redline jobs`: one row whatever ran it."""
+
+    engine: str  # "local", "slurm", "ray", "kubernetes"
+    id: str  # the engine's id: a local number, a Slurm job id, a Ray submission id, a Kubernetes Job name
+    name: str
+    state: str  # one of STATES
+    exit_code: int | None = None
+    reason: str = ""  # why it waits or how it ended, in the engine's words
+    user: str = ""
+    submitted_at: float | None = None  # seconds since the epoch
+    started_at: float | None = None
+    ended_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def quoted(argv: Sequence[str]) -> str:
+    """The argv as one shell word list: what sbatch's script line and Ray's entrypoint take."""
+    import shlex
+
+    return shlex.join(argv)
