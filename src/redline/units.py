@@ -73,6 +73,27 @@ def fmt_count(n: float) -> str:
     return f"{n:.3g}"
 
 
+_BYTE_SUFFIX = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'20G', '20GiB', '512M', '1.5T' -> bytes, binary as `nvidia-smi` and Slurm's --mem count them ('20GB' is
+    decimal: 20e9); ValueError with the reason otherwise."""
+    match = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)(i?b)?", text.strip(), re.IGNORECASE)
+    example = "(examples: 20G, 20GiB, 512M)"
+    if not match:
+        raise ValueError(f"'{text}' is not a size {example}")
+    prefix, unit = match.group(2).lower(), (match.group(3) or "").lower()
+    scale = 1000 ** "_kmgt".index(prefix) if unit == "b" and prefix else _BYTE_SUFFIX[prefix]
+    try:
+        value = float(match.group(1)) * scale
+    except ValueError:
+        raise ValueError(f"'{text}' is not a size {example}") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"'{text}' must be a positive size")
+    return int(value)
+
+
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, monitor, plan, probe, run, tune, ui
+from redline.cli import bench, catalog, doctor, monitor, plan, probe, queue, run, tune, ui
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -26,6 +26,13 @@ app.command("run", context_settings={"allow_extra_args": True, "allow_interspers
 app.command("tune", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(tune.tune)
 app.command("monitor")(monitor.monitor)
 app.command("report")(monitor.report)
+app.command("submit", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(queue.submit)
+app.command("jobs")(queue.jobs)
+app.command("cancel")(queue.cancel)
+app.command("hold")(queue.hold)
+app.command("release")(queue.release)
+app.command("logs")(queue.logs)
+app.add_typer(queue.app, name="queue")
 app.add_typer(catalog.app, name="catalog")
 
 

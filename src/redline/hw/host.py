@@ -348,3 +348,15 @@ def _loaded_modules(fs: SysFs) -> list[str] | None:
     if text is None:
         return None
     return [line.split()[0] for line in text.splitlines() if line.strip()]
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and every process descended from it that is alive now (empty when ``pid`` is gone): a queued
+    job's launcher and its ranks, whose GPU memory is the job's."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return {pid, *(child.pid for child in root.children(recursive=True))}
+    except psutil.Error:
+        return set()

@@ -1,0 +1,259 @@
+"""`redline submit`, `redline jobs`, `redline cancel | hold | release`, `redline logs` and `redline queue`: share
+this machine's GPUs between jobs and people through the queue's daemon (started on first use)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from redline.cli import ui
+from redline.errors import BadInput
+
+app = typer.Typer(help="The machine's job queue: its GPUs and jobs, and its daemon.", no_args_is_help=True)
+
+PLAN_MARGIN = 0.10  # a plan's predicted peak plus this share is what its job reserves on each GPU
+
+
+def submit(
+    ctx: typer.Context,
+    command: str = typer.Argument(..., metavar="-- COMMAND [ARGS]...", help="The job: a program and its arguments."),
+    gpus: int | None = typer.Option(None, "--gpus", help="GPUs the job needs (default 0, or the plan's)."),
+    gpu_memory: str | None = typer.Option(
+        None,
+        "--gpu-memory",
+        help="Memory per GPU it needs (20G): jobs share a GPU while they fit. Default: whole GPUs.",
+    ),
+    plan: Path | None = typer.Option(
+        None, "--plan", help="A redline plan file: its GPUs, its predicted peak (+10%) per GPU; the job runs with it."
+    ),
+    exclusive: bool = typer.Option(False, "--exclusive", help="No other job on its GPUs."),
+    priority: int = typer.Option(0, "--priority", help="Higher starts first (waiting jobs gain 1 per 10 minutes)."),
+    after: list[str] = typer.Option([], "--after", help="Start only after this job ended well (repeatable)."),
+    retries: int = typer.Option(0, "--retries", help="Restarts after a preemption-class end (signal, OOM record)."),
+    time_limit: str | None = typer.Option(None, "--time-limit", help="Stop the job after this long (90m, 12h)."),
+    name: str = typer.Option("", "--name", help="A name for `redline jobs`."),
+    hold: bool = typer.Option(False, "--hold", help="Queue it held: it starts after `redline release`."),
+    share_logs: bool = typer.Option(False, "--share-logs", help="Other users may read its log."),
+    json_output: bool = typer.Option(False, "--json", help="The queued job as JSON."),
+) -> None:
+    """Queue a job: it starts when GPUs with room for it are free, as the user who submitted it."""
+    from redline.queue.client import request
+    from redline.queue.spec import JobSpec
+    from redline.units import parse_bytes, parse_duration
+
+    memory = _option(parse_bytes, "--gpu-memory", gpu_memory)
+    limit = _option(parse_duration, "--time-limit", time_limit)
+    if plan is not None:
+        plan_gpus, plan_memory = _plan_needs(plan)
+        gpus = plan_gpus if gpus is None else gpus
+        memory = plan_memory if memory is None else memory
+    spec = JobSpec(
+        argv=(command, *ctx.args),
+        name=name,
+        gpus=gpus or 0,
+        gpu_memory_bytes=memory,
+        exclusive=exclusive,
+        priority=priority,
+        after=tuple(after),
+        retries=retries,
+        time_limit_s=limit,
+        cwd=os.getcwd(),
+        env=dict(os.environ),
+        plan=str(plan.resolve()) if plan is not None else None,
+    )
+    job = request({"op": "submit", "spec": spec.to_dict(), "hold": hold, "share": share_logs})["job"]
+    if json_output:
+        ui.print_json(job)
+        return
+    ui.console.print(f"job {job['id']} ({job['name']}) {job['state']}")
+
+
+def jobs(
+    everything: bool = typer.Option(False, "--all", help="Every job the queue has had, not the live and latest."),
+    json_output: bool = typer.Option(False, "--json", help="The jobs as JSON."),
+) -> None:
+    """The queue's jobs: what runs where, what waits and why, how the latest ended."""
+    from redline.queue.client import request
+
+    listed = request({"op": "jobs", "all": everything})["jobs"]
+    if json_output:
+        ui.print_json({"jobs": listed})
+        return
+    from rich.table import Table
+
+    from redline.units import fmt_bytes, fmt_duration
+
+    table = Table(title="redline jobs")
+    for column in ("id", "user", "name", "state", "GPUs", "waited / ran", "why, or how it ended"):
+        table.add_column(column)
+    now = time.time()
+    for job in listed:
+        placement = job["placement"] or {}
+        reserved = placement.get("reserved_bytes") or []
+        devices = ", ".join(u[:12] for u in placement.get("uuids", []))
+        gpus = f"{job['spec']['gpus']}" + (f" ({devices}; {fmt_bytes(max(reserved))} each)" if reserved else "")
+        since = job["started_at"] or job["submitted_at"]
+        table.add_row(
+            str(job["id"]),
+            job["user"],
+            job["name"],
+            job["state"],
+            gpus,
+            fmt_duration((job["ended_at"] or now) - since),
+            job["reason"],
+        )
+    ui.console.print(table)
+
+
+def _change(op: str, ids: list[str], json_output: bool) -> None:
+    from redline.queue.client import request
+
+    for key in ids:
+        if not key.isdigit():
+            raise BadInput(f"a job id is a number, not {key!r}")
+    changed = request({"op": op, "ids": ids}, start=False)["jobs"]
+    if json_output:
+        ui.print_json({"jobs": changed})
+        return
+    for job in changed:
+        ui.console.print(
+            f"job {job['id']} ({job['name']}): {job['state']}"
+            + (" (stopping)" if op == "cancel" and job["state"] in ("starting", "running") else "")
+        )
+
+
+def cancel(
+    ids: list[str] = typer.Argument(..., help="Job ids."), json_output: bool = typer.Option(False, "--json")
+) -> None:
+    """Cancel jobs: a waiting one leaves the queue, a running one is stopped (SIGTERM, SIGKILL after 10 s)."""
+    _change("cancel", ids, json_output)
+
+
+def hold(
+    ids: list[str] = typer.Argument(..., help="Job ids."), json_output: bool = typer.Option(False, "--json")
+) -> None:
+    """Keep waiting jobs from starting until released."""
+    _change("hold", ids, json_output)
+
+
+def release(
+    ids: list[str] = typer.Argument(..., help="Job ids."), json_output: bool = typer.Option(False, "--json")
+) -> None:
+    """Let held jobs start."""
+    _change("release", ids, json_output)
+
+
+def logs(
+    job: str = typer.Argument(..., help="A job id."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing as the job writes, until it ends."),
+) -> None:
+    """A job's output (its stdout and stderr, every attempt)."""
+    import sys
+
+    from redline.queue.client import request
+
+    if not job.isdigit():
+        raise BadInput(f"a job id is a number, not {job!r}")
+    answer = request({"op": "log", "id": job}, start=False)
+    path = Path(answer["path"])
+    try:
+        with open(path, "rb") as log:
+            while True:
+                chunk = log.read(1 << 16)
+                if chunk:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.buffer.flush()
+                    continue
+                if not follow or request({"op": "log", "id": job}, start=False)["state"] not in (
+                    "queued",
+                    "held",
+                    "starting",
+                    "running",
+                ):
+                    if follow:  # what it wrote between the last read and its end
+                        sys.stdout.buffer.write(log.read())
+                    return
+                time.sleep(0.25)
+    except PermissionError:
+        raise BadInput(f"{path}: not readable by you (job {job} is another user's)") from None
+
+
+@app.command("status")
+def status(json_output: bool = typer.Option(False, "--json", help="The GPUs and counts as JSON.")) -> None:
+    """The GPUs with their jobs, reservations and processes the queue did not start; the jobs by state."""
+    from redline.queue.client import request
+
+    answer = request({"op": "status"})
+    if json_output:
+        ui.print_json(answer)
+        return
+    from rich.table import Table
+
+    from redline.units import fmt_bytes
+
+    table = Table(title=f"redline queue ({answer['policy']}; daemon pid {answer['pid']})")
+    for column in ("GPU", "used", "room", "jobs (reserved)", "not the queue's", "drained"):
+        table.add_column(column)
+    for gpu in answer["gpus"]:
+        table.add_row(
+            f"{gpu['index']} {gpu['uuid'][:16]}",
+            f"{fmt_bytes(gpu['used_bytes'])} of {fmt_bytes(gpu['total_bytes'])}",
+            fmt_bytes(max(gpu["room_bytes"], 0)),
+            ", ".join(f"{j['id']} ({fmt_bytes(j['reserved_bytes'])})" for j in gpu["jobs"]),
+            ", ".join(f"pid {p['pid']} ({fmt_bytes(p['bytes'])})" for p in gpu["foreign"]),
+            gpu["drained"],
+        )
+    ui.console.print(table if answer["gpus"] else "no GPU here: jobs without --gpus only")
+    ui.console.print("jobs: " + (", ".join(f"{n} {state}" for state, n in sorted(answer["counts"].items())) or "none"))
+
+
+@app.command("daemon")
+def daemon(
+    directory: Path | None = typer.Option(
+        None, "--dir", help="Its state, socket and logs (default: as clients find it)."
+    ),
+    policy: str = typer.Option("pack", "--policy", help="pack: fill the fullest GPU that fits; spread: the emptiest."),
+    jobs_per_user: int | None = typer.Option(None, "--max-jobs-per-user", help="Running jobs per user at most."),
+    gpus_per_user: int | None = typer.Option(None, "--max-gpus-per-user", help="GPUs held per user at most."),
+    backoff: float = typer.Option(10.0, "--retry-backoff", help="Seconds before a retry (doubling each time)."),
+) -> None:
+    """Run the queue's daemon in the foreground (the systemd unit runs this; clients start it on first use)."""
+    from redline.queue.client import queue_dir
+    from redline.queue.daemon import Daemon
+    from redline.queue.placement import POLICIES
+    from redline.queue.policy import Limits
+
+    if policy not in POLICIES:
+        raise BadInput(f"--policy is {' or '.join(POLICIES)}, not {policy!r}")
+    for option, value in (("--max-jobs-per-user", jobs_per_user), ("--max-gpus-per-user", gpus_per_user)):
+        if value is not None and value < 1:
+            raise BadInput(f"{option} must be at least 1, not {value}")
+    if backoff < 0:
+        raise BadInput(f"--retry-backoff must be 0 or more, not {backoff}")
+    limits = Limits(jobs_per_user, gpus_per_user)
+    Daemon(directory or queue_dir(), policy=policy, limits=limits, backoff_s=backoff).serve()
+
+
+def _option(parse: Any, option: str, text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise BadInput(f"{option}: {exc}") from None
+
+
+def _plan_needs(path: Path) -> tuple[int, int | None]:
+    """The GPUs a plan runs on and its predicted peak per GPU plus ``PLAN_MARGIN`` (None: the plan predicts no
+    memory)."""
+    from redline.plan.planfile import load_plan
+
+    plan = load_plan(path)
+    if plan.hardware.get("accelerator") == "cpu":
+        return 0, None
+    total = (plan.predicted.get("memory_bytes") or {}).get("device_total")
+    return plan.strategy.gpus, int(total * (1 + PLAN_MARGIN)) if total else None

@@ -1,0 +1,473 @@
+"""The queue's daemon: one per machine (or per user, where no machine-wide one runs), serving a unix socket.
+
+Clients send one JSON request per connection (``client.request``); the kernel tells the daemon who is asking
+(SO_PEERCRED), and only a job's owner or root may cancel, hold or release it, or read its log (unless it was
+submitted with ``--share-logs``). A daemon run by root (the shipped systemd unit) runs each job as the user
+who submitted it; one run by a user serves that user only.
+
+Every moment of a job's life is in the store (``store.Store``) and in its attempt's directory
+(``jobs/<id>/<attempt>/``: run.json, lock, pid.json, exit.json, output.log), so the daemon can be killed with -9
+at any instant: the next one ``recover``s every job (running ones are adopted, queued ones stay queued), and
+none runs twice. See ``shim.py`` for the lock that makes "is this attempt still running" a question the kernel
+answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import pwd
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from redline.errors import BadInput
+from redline.lockfile import HeldElsewhere, WriterLock
+from redline.queue.placement import Devices, Placement, Request, Reservation, Slot
+from redline.queue.policy import Limits, Running, Waiting, decide
+from redline.queue.spec import JobSpec
+from redline.queue.store import LIVE, Job, Store
+
+SHIM = Path(__file__).with_name("shim.py")
+TICK_S = 0.5  # how often the daemon looks at its jobs when nothing wakes it
+BACKOFF_S = 10.0  # a retry waits this, doubling per attempt (with jitter)
+MAX_BACKOFF_S = 300.0
+# a directory of the attempt's that its user may write: the runtime records there the smaller micro-batch it
+# chose after running out of memory (runtime.oom.OOM_RECORD), and the queue requeues the job
+RECORDS_ENV = "REDLINE_QUEUE_RECORDS"
+OOM_RECORD = "oom.json"
+
+GpuSource = Callable[[set[int]], list[Slot]]  # the devices now, the queue's own pids given
+
+
+def probe_slots(ours: set[int]) -> list[Slot]:
+    """The product path: this machine's GPUs as NVML sees them now."""
+    from redline.hw.nvml.probe import probe_gpus
+    from redline.queue.placement import slots_from
+
+    return slots_from(probe_gpus(), ours)
+
+
+@dataclass
+class Daemon:
+    directory: Path
+    gpus: GpuSource = probe_slots
+    policy: str = "pack"
+    limits: Limits = field(default_factory=Limits)
+    backoff_s: float = BACKOFF_S  # a retry's first wait
+    store: Store = field(init=False)
+    wake: asyncio.Event | None = field(default=None, init=False)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.directory / "queue.sock"
+
+    # ---------------------------------------------------------------------------------------------- life
+
+    def serve(self) -> None:
+        """Run until SIGTERM or SIGINT: one daemon per directory (a second one exits at once, said)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = WriterLock(self.directory / "daemon", what="queue daemon").acquire()
+        except HeldElsewhere as exc:
+            raise BadInput(f"a queue daemon already serves {self.directory} (pid {exc.holder})") from None
+        try:
+            self.store = Store(self.directory / "queue.db")
+            self.recover()
+            asyncio.run(self._main())
+        finally:
+            lock.release()
+
+    async def _main(self) -> None:
+        self.wake = asyncio.Event()
+        self.socket_path.unlink(missing_ok=True)
+        server = await asyncio.start_unix_server(self._connection, path=str(self.socket_path))
+        # root's queue is the machine's: every user may connect (the peer's uid decides what it may do)
+        os.chmod(self.socket_path, 0o666 if os.geteuid() == 0 else 0o600)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        async with server:
+            while not stopping.is_set():
+                self.tick()
+                self.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_first(self.wake.wait(), stopping.wait()), TICK_S)
+        self.socket_path.unlink(missing_ok=True)
+
+    def recover(self) -> None:
+        """After a start (a crash, a kill -9, a reboot): every job that was starting or running is adopted
+        when its shim still holds its attempt's lock, finished when its shim wrote how it ended, requeued when
+        its shim never started (it did not run), and marked lost (retried if it may) when its shim is gone
+        without a word: a reboot, or the shim killed."""
+        for job in self.store.jobs(("starting", "running")):
+            self._follow(job)
+
+    # ------------------------------------------------------------------------------------------- the loop
+
+    def tick(self) -> None:
+        """Reap the shims, follow the running jobs, settle dependencies, start what may start."""
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        for job in self.store.jobs(("starting", "running")):
+            self._follow(job)
+        self._settle_dependencies()
+        self._schedule()
+
+    def _follow(self, job: Job) -> None:
+        attempt = self._attempt_dir(job)
+        started = _read(attempt / "pid.json")
+        if started is not None and job.state == "starting":
+            self.store.update(job.id, state="running", started_at=started["started_at"])
+        ended = _read(attempt / "exit.json")
+        if ended is not None:
+            self._finish(job, ended)
+            return
+        if _locked(attempt / "lock"):
+            return
+        if started is None:  # the shim never started the job: it did not run, it waits again
+            self.store.update(job.id, state="queued", attempt=job.attempt - 1, placement=None, reason="")
+            return
+        _kill_group(started["pid"])  # the job may outlive its shim: stop it before it could run twice
+        self._end(job, "lost", None, "its shim vanished (a reboot, or the shim killed)", retry=True)
+
+    def _finish(self, job: Job, ended: dict[str, Any]) -> None:
+        code, reason = ended["returncode"], ended.get("reason") or ""
+        oom = _read(self._attempt_dir(job) / "records" / OOM_RECORD)
+        if reason == "cancelled":
+            self._end(job, "cancelled", code, "cancelled")
+        elif oom is not None:
+            why = f"out of memory; the runtime recorded micro-batch {oom.get('micro_batch')}"
+            self._end(job, "failed", code, why, retry=True)
+        elif code == 0:
+            self._end(job, "done", 0, "")
+        elif code < 0 and not reason:  # killed by a signal it did not ask for: preempted, the OOM killer
+            self._end(job, "failed", code, f"killed by signal {-code}", retry=True)
+        else:
+            self._end(job, "failed", code, reason or f"exit {code}")
+
+    def _end(self, job: Job, state: str, code: int | None, why: str, *, retry: bool = False) -> None:
+        """The job's attempt is over: requeued after a backoff when it may retry, else ended as ``state``."""
+        if retry and job.retries_left > 0:
+            backoff = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (job.attempt - 1)) * random.uniform(0.8, 1.2)
+            self.store.update(
+                job.id,
+                state="queued",
+                reason=f"{why}; retry {job.spec.retries - job.retries_left + 1} of {job.spec.retries}",
+                retries_left=job.retries_left - 1,
+                not_before=time.time() + backoff,
+                exit_code=code,
+                placement=None,
+            )
+            return
+        self.store.update(job.id, state=state, exit_code=code, reason=why, ended_at=time.time())
+
+    def _settle_dependencies(self) -> None:
+        """A job waiting for one that ended badly fails, said; one whose dependencies all ended well may go."""
+        states = {}
+        for job in self.store.jobs(("queued",)):
+            for other in job.spec.after:
+                if other not in states:
+                    found = self.store.get(int(other))
+                    states[other] = found.state if found else "missing"
+            failed = [o for o in job.spec.after if states[o] in ("failed", "cancelled", "lost", "missing")]
+            if failed:
+                self._end(job, "failed", None, f"job {failed[0]} it runs after {states[failed[0]]}")
+
+    def _schedule(self) -> None:
+        now = time.time()
+        queued = [j for j in self.store.jobs(("queued",)) if j.not_before <= now]
+        running = self.store.jobs(("starting", "running"))
+        ready = []
+        for job in queued:
+            waiting_for = [o for o in job.spec.after if (self.store.get(int(o)) or job).state != "done"]
+            if waiting_for:
+                self._say(job, f"waits for job {waiting_for[0]}")
+            else:
+                ready.append(job)
+        if not ready:
+            return
+        needs_gpus = any(j.spec.gpus for j in ready)
+        devices = self._devices(running) if needs_gpus else Devices([])
+        decision = decide(
+            [_waiting(j) for j in ready],
+            [_running(j) for j in running],
+            devices,
+            now,
+            limits=self.limits,
+            policy=self.policy,
+        )
+        jobs = {j.key: j for j in ready}
+        for waiting, placement in decision.starts:
+            self._launch(jobs[waiting.id], placement)
+        for key, why in decision.waiting.items():
+            self._say(jobs[key], why)
+
+    def _say(self, job: Job, why: str) -> None:
+        if job.reason != why:
+            self.store.update(job.id, reason=why)
+
+    def _devices(self, running: list[Job]) -> Devices:
+        """The GPUs now, and what the running jobs reserved on them and use (NVML's figure for the processes of
+        each job's tree: its launcher and its ranks)."""
+        from redline.hw.host import process_tree
+
+        trees = {}
+        for job in running:
+            started = _read(self._attempt_dir(job) / "pid.json")
+            trees[job.key] = process_tree(started["pid"]) if started is not None else set()
+        slots = {slot.uuid: slot for slot in self.gpus(set().union(*trees.values()))}
+        reservations = []
+        for job in running:
+            placement = job.placement or {}
+            exclusive = job.spec.exclusive or job.spec.gpu_memory_bytes is None
+            for uuid, size in zip(placement.get("uuids", ()), placement.get("reserved_bytes", ()), strict=True):
+                using = slots[uuid].using(trees[job.key]) if uuid in slots else 0
+                reservations.append(Reservation(job.key, uuid, size, using, exclusive))
+        return Devices(list(slots.values()), reservations)
+
+    # ------------------------------------------------------------------------------------------- a launch
+
+    def _attempt_dir(self, job: Job, attempt: int | None = None) -> Path:
+        return self.directory / "jobs" / str(job.id) / str(job.attempt if attempt is None else attempt)
+
+    def _launch(self, job: Job, placement: Placement) -> None:
+        """Start the job's next attempt: its directory and lock first, then "starting" committed, then the shim
+        (which inherits the locked descriptor), then the daemon's copy of the descriptor closed. A kill -9
+        between any two steps leaves a state ``recover`` reads right."""
+        number = job.attempt + 1
+        attempt = self._attempt_dir(job, number)
+        attempt.mkdir(parents=True, exist_ok=True)
+        records = attempt / "records"
+        records.mkdir(exist_ok=True)
+        log = attempt.parent / "output.log"
+        log.touch()
+        owner = pwd.getpwuid(job.uid)
+        _own(job, log, records, owner.pw_gid)
+        env = dict(job.spec.env) | {
+            "REDLINE_JOB_ID": job.key,
+            RECORDS_ENV: str(records),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": ",".join(placement.uuids),
+        }
+        if job.spec.plan:
+            env["REDLINE_PLAN"] = job.spec.plan
+        run = {
+            "argv": list(job.spec.argv),
+            "cwd": job.spec.cwd,
+            "env": env,
+            "log": str(log),
+            "time_limit_s": job.spec.time_limit_s,
+            "uid": job.uid,
+            "gid": owner.pw_gid,
+            "groups": os.getgrouplist(owner.pw_name, owner.pw_gid) if os.geteuid() == 0 else [],
+        }
+        (attempt / "run.json").write_text(json.dumps(run))
+        lock = os.open(attempt / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            placed = {"uuids": list(placement.uuids), "reserved_bytes": list(placement.reserved_bytes)}
+            reason = placement.note
+            self.store.update(job.id, state="starting", attempt=number, placement=placed, reason=reason)
+            with open(attempt / "shim.log", "wb") as shim_log:
+                subprocess.Popen(
+                    [sys.executable, str(SHIM), str(attempt)],
+                    pass_fds=(lock,),
+                    stdin=subprocess.DEVNULL,
+                    stdout=shim_log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        finally:
+            os.close(lock)
+
+    # -------------------------------------------------------------------------------------------- requests
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            sock = writer.get_extra_info("socket")
+            _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            line = await reader.readline()
+            try:
+                request = json.loads(line)
+                answer = {"ok": True, **self.handle(request, uid)}
+            except BadInput as exc:
+                answer = {"ok": False, "error": str(exc)}
+            except (ValueError, KeyError, TypeError) as exc:
+                answer = {"ok": False, "error": f"a malformed request: {exc}"}
+            writer.write(json.dumps(answer).encode() + b"\n")
+            await writer.drain()
+        finally:
+            writer.close()
+        if self.wake is not None:
+            self.wake.set()
+
+    def handle(self, request: dict[str, Any], uid: int) -> dict[str, Any]:
+        """One request from user ``uid``: its answer, or BadInput saying why not."""
+        op = request["op"]
+        if op == "submit":
+            return {"job": self._submit(request, uid).to_dict(private=True)}
+        if op == "jobs":
+            return {"jobs": [j.to_dict(private=_may(uid, j)) for j in self._listed(request)]}
+        if op in ("cancel", "hold", "release"):
+            return {"jobs": [self._change(op, int(key), uid) for key in request["ids"]]}
+        if op == "log":
+            job = self._owned(int(request["id"]), uid, reading=True)
+            return {"path": str(self.directory / "jobs" / str(job.id) / "output.log"), "state": job.state}
+        if op == "status":
+            return self._status()
+        raise BadInput(f"unknown request {op!r}")
+
+    def _submit(self, request: dict[str, Any], uid: int) -> Job:
+        spec = JobSpec.from_dict(request["spec"])
+        if uid != os.geteuid() and os.geteuid() != 0:
+            raise BadInput("this queue is another user's: submit to the machine's queue, or start your own")
+        for other in spec.after:
+            if not other.isdigit() or self.store.get(int(other)) is None:
+                raise BadInput(f"--after {other}: no such job")
+        if spec.gpus:
+            slots = self.gpus(set())
+            if len(slots) < spec.gpus:
+                raise BadInput(f"the job asks {spec.gpus} GPUs; this machine has {len(slots)}")
+            largest = max(s.total_bytes for s in slots)
+            if spec.gpu_memory_bytes and spec.gpu_memory_bytes > largest:
+                raise BadInput(f"the job asks {spec.gpu_memory_bytes} bytes per GPU; the largest has {largest}")
+        user = _user_name(uid)
+        return self.store.add(spec, uid, user, held=bool(request.get("hold")), share=bool(request.get("share")))
+
+    def _listed(self, request: dict[str, Any]) -> list[Job]:
+        if request.get("all"):
+            return self.store.jobs()
+        return self.store.jobs(LIVE) + self.store.jobs(("done", "failed", "cancelled", "lost"), limit=20)
+
+    def _owned(self, job_id: int, uid: int, *, reading: bool = False) -> Job:
+        job = self.store.get(job_id)
+        if job is None:
+            raise BadInput(f"no job {job_id}")
+        if not (_may(uid, job) or (reading and job.share_logs)):
+            raise BadInput(f"job {job_id} is {job.user}'s: only its owner or root may do that")
+        return job
+
+    def _change(self, op: str, job_id: int, uid: int) -> dict[str, Any]:
+        job = self._owned(job_id, uid)
+        if op == "hold" and job.state == "queued":
+            self.store.update(job.id, state="held", reason="held")
+        elif op == "release" and job.state == "held":
+            self.store.update(job.id, state="queued", reason="")
+        elif op == "cancel" and job.state in ("queued", "held"):
+            self.store.update(job.id, state="cancelled", reason="cancelled", ended_at=time.time())
+        elif op == "cancel" and job.state in ("starting", "running"):
+            attempt = self._attempt_dir(job)
+            (attempt / "cancel").touch()
+            started = _read(attempt / "pid.json")
+            if started is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(started["shim"], signal.SIGTERM)
+        elif op != "cancel" or job.state not in ("done", "failed", "cancelled", "lost"):
+            raise BadInput(f"job {job_id} is {job.state}: it cannot be {op}{'ed' if op != 'hold' else ''}")
+        changed = self.store.get(job.id)
+        assert changed is not None
+        return changed.to_dict(private=True)
+
+    def _status(self) -> dict[str, Any]:
+        running = self.store.jobs(("starting", "running"))
+        devices = self._devices(running)
+        gpus = []
+        for slot in devices.slots:
+            held = [r for r in devices.reservations if r.uuid == slot.uuid]
+            gpus.append(
+                {
+                    "index": slot.index,
+                    "uuid": slot.uuid,
+                    "total_bytes": slot.total_bytes,
+                    "used_bytes": slot.used_bytes,
+                    "room_bytes": devices.room(slot),
+                    "jobs": [{"id": r.job, "reserved_bytes": r.reserved_bytes} for r in held],
+                    "foreign": [{"pid": pid, "bytes": used} for pid, used in slot.foreign],
+                    "drained": slot.drained,
+                }
+            )
+        return {"gpus": gpus, "counts": self.store.counts(), "policy": self.policy, "pid": os.getpid()}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+async def _first(*waits: Any) -> None:
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _waiting(job: Job) -> Waiting:
+    request = Request(job.spec.gpus, job.spec.gpu_memory_bytes, job.spec.exclusive)
+    return Waiting(job.key, job.uid, job.spec.priority, job.submitted_at, request, job.spec.time_limit_s)
+
+
+def _running(job: Job) -> Running:
+    return Running(job.key, job.uid, job.started_at or time.time(), job.spec.gpus, job.spec.time_limit_s)
+
+
+def _may(uid: int, job: Job) -> bool:
+    return uid in (0, job.uid)
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _locked(path: Path) -> bool:
+    """Whether a shim holds the attempt's lock (a lock the daemon can take has no holder)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _own(job: Job, log: Path, records: Path, gid: int) -> None:
+    """The log and the records directory belong to the job's user (root's daemon makes them); the attempt's
+    control files (run.json, the lock, pid.json, exit.json) stay the daemon's, so a job cannot change how its
+    shim runs it. The log is readable by others only when the job was submitted with --share-logs."""
+    if os.geteuid() == 0:
+        for path in (log, records):
+            os.chown(path, job.uid, gid)
+    os.chmod(log, 0o644 if job.share_logs else 0o600)
+    os.chmod(records, 0o700)

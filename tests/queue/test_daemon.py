@@ -1,0 +1,204 @@
+"""The queue's daemon on this machine, for real: a daemon process per test (started by the CLI on first use, or
+by the test with its options), jobs that are real processes, `redline` commands as a user types them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from redline.queue.client import QueueUnavailable, request
+
+WAIT_S = 180.0  # a hang guard only: every wait below ends as soon as the jobs reach their states
+
+
+@pytest.fixture
+def queue(tmp_path: Path):
+    """A queue directory of the test's own; whatever daemon and jobs the test started are stopped after."""
+    directory = tmp_path / "q"
+    yield {"REDLINE_QUEUE_DIR": str(directory)}
+    stop_daemon(directory)
+    for pid_file in directory.glob("jobs/*/*/pid.json"):
+        for key in ("pid", "shim"):
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.killpg(json.loads(pid_file.read_text())[key], signal.SIGKILL)
+
+
+def stop_daemon(directory: Path) -> None:
+    try:
+        pid = int((directory / "daemon.lock").read_text().strip())
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        return
+    wait_for(lambda: not alive(pid), "the daemon's end")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, and not a zombie waiting for its parent (this test, or init) to reap it."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_daemon(directory: Path, *options: str) -> subprocess.Popen:
+    """The daemon started as the systemd unit starts it, with ``options``; returns once it answers."""
+    directory.mkdir(parents=True, exist_ok=True)
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "redline", "queue", "daemon", "--dir", str(directory), *options],
+        stdout=subprocess.DEVNULL,
+        stderr=open(directory / "daemon.log", "ab"),  # noqa: SIM115 (the child keeps it)
+    )
+    wait_for(lambda: (directory / "queue.sock").exists() and request({"op": "status"}, directory, start=False))
+    return daemon
+
+
+def wait_for(condition, what: str = "the queue"):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+        except (FileNotFoundError, ConnectionRefusedError, QueueUnavailable):
+            result = None
+        if result:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not get there in {WAIT_S} s")
+
+
+def jobs(env: dict[str, str]) -> dict[int, dict]:
+    return {j["id"]: j for j in request({"op": "jobs", "all": True}, Path(env["REDLINE_QUEUE_DIR"]))["jobs"]}
+
+
+def until(env: dict[str, str], job: int, *states: str) -> dict:
+    return wait_for(lambda: (j := jobs(env)[job])["state"] in states and j, f"job {job} in {states}")
+
+
+def submit(env: dict[str, str], *args: str) -> int:
+    result = run_cli("submit", "--json", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["id"]
+
+
+def test_jobs_run_in_order_with_their_logs_states_and_dependencies(tmp_path: Path, queue: dict[str, str]) -> None:
+    first = submit(queue, "--name", "hello", "--", "sh", "-c", "echo hello from $REDLINE_JOB_ID; pwd")
+    assert (Path(queue["REDLINE_QUEUE_DIR"]) / "queue.sock").exists()  # the first use started the daemon
+    failing = submit(queue, "--", "sh", "-c", "exit 3")
+    after_good = submit(queue, "--after", str(first), "--", "echo", "after")
+    after_bad = submit(queue, "--after", str(failing), "--", "echo", "never")
+    assert until(queue, first, "done")["exit_code"] == 0
+    assert (done := until(queue, failing, "failed"))["exit_code"] == 3 and done["reason"] == "exit 3"
+    assert until(queue, after_good, "done")["started_at"] >= jobs(queue)[first]["ended_at"]
+    assert until(queue, after_bad, "failed")["reason"] == f"job {failing} it runs after failed"
+    log = run_cli("logs", str(first), env=queue)
+    assert log.returncode == 0 and log.stdout == f"hello from {first}\n{Path.cwd()}\n"  # the submitter's cwd
+    table = run_cli("jobs", env=queue)
+    assert table.returncode == 0 and "hello" in table.stdout and "exit 3" in table.stdout
+
+
+def test_hold_release_and_cancel(queue: dict[str, str]) -> None:
+    held = submit(queue, "--hold", "--", "echo", "held")
+    running = submit(queue, "--", "sleep", "600")
+    assert until(queue, held, "held")["reason"] == "held"
+    until(queue, running, "running")
+    assert run_cli("release", str(held), env=queue).returncode == 0
+    until(queue, held, "done")
+    waiting = submit(queue, "--hold", "--", "echo", "never")
+    cancelled = run_cli("cancel", str(running), str(waiting), env=queue)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert until(queue, running, "cancelled")["reason"] == "cancelled"
+    assert jobs(queue)[waiting]["state"] == "cancelled"
+    pid = json.loads(next(Path(queue["REDLINE_QUEUE_DIR"]).glob(f"jobs/{running}/*/pid.json")).read_text())["pid"]
+    assert not alive(pid)
+
+
+def test_a_time_limit_stops_the_job(queue: dict[str, str]) -> None:
+    job = submit(queue, "--time-limit", "1s", "--", "sleep", "600")
+    ended = until(queue, job, "failed")
+    assert ended["reason"] == "time limit (1 s)" and ended["exit_code"] == -signal.SIGTERM
+
+
+def test_a_job_killed_by_a_signal_is_retried_with_backoff_and_counted(tmp_path: Path, queue: dict[str, str]) -> None:
+    directory = Path(queue["REDLINE_QUEUE_DIR"])
+    start_daemon(directory, "--retry-backoff", "0.1")
+    runs = tmp_path / "runs"
+    job = submit(queue, "--retries", "2", "--", "sh", "-c", f"echo run >> {runs}; kill -9 $$")
+    ended = until(queue, job, "failed")
+    assert runs.read_text().count("run") == 3 and ended["attempt"] == 3
+    assert ended["reason"] == "killed by signal 9"
+    once = submit(queue, "--", "sh", "-c", "kill -9 $$")  # no retries: one run
+    assert until(queue, once, "failed")["attempt"] == 1
+
+
+def test_a_daemon_killed_with_sigkill_loses_nothing_and_runs_nothing_twice(
+    tmp_path: Path, queue: dict[str, str]
+) -> None:
+    """Two jobs at a time (a per-user limit); six submitted, each appending its id when it starts. The daemon
+    is killed -9 while two run and four wait: the two keep running, the next daemon adopts them, and every
+    job runs exactly once."""
+    directory = Path(queue["REDLINE_QUEUE_DIR"])
+    daemon = start_daemon(directory, "--max-jobs-per-user", "2")
+    log = tmp_path / "started"
+    gate = tmp_path / "gate"
+    script = f"echo $REDLINE_JOB_ID >> {log}; while [ ! -e {gate} ]; do sleep 0.05; done"
+    ids = [submit(queue, "--", "sh", "-c", script) for _ in range(6)]
+    wait_for(lambda: sum(j["state"] == "running" for j in jobs(queue).values()) == 2, "two running")
+    daemon.kill()
+    daemon.wait()
+    assert sorted(int(line) for line in log.read_text().split()) == ids[:2]
+    for pid_file in directory.glob("jobs/*/*/pid.json"):
+        assert alive(json.loads(pid_file.read_text())["pid"])  # still running, without a daemon
+    start_daemon(directory, "--max-jobs-per-user", "2")
+    assert {jobs(queue)[i]["state"] for i in ids[2:]} == {"queued"}
+    gate.touch()
+    for job in ids:
+        until(queue, job, "done")
+    assert sorted(int(line) for line in log.read_text().split()) == ids  # each once
+
+
+def test_recovery_reads_each_attempt_as_the_kernel_left_it(tmp_path: Path, queue: dict[str, str]) -> None:
+    """A daemon killed between committing "starting" and starting the shim: no lock holder, no pid: the job did
+    not run and waits again. A shim killed -9 while its job ran: the job is stopped and marked lost, then
+    retried (it may)."""
+    directory = Path(queue["REDLINE_QUEUE_DIR"])
+    daemon = start_daemon(directory)
+    job = submit(queue, "--retries", "1", "--", "sleep", "600")
+    started = until(queue, job, "running")
+    pid_file = next(directory.glob(f"jobs/{job}/1/pid.json"))
+    pids = json.loads(pid_file.read_text())
+    daemon.kill()
+    daemon.wait()
+    os.kill(pids["shim"], signal.SIGKILL)
+    wait_for(lambda: not alive(pids["shim"]), "the shim's end")
+    start_daemon(directory, "--retry-backoff", "0.1")
+    assert until(queue, job, "running", "starting")["attempt"] == 2
+    assert not alive(pids["pid"])  # the first attempt's job was stopped before the retry
+    assert started["attempt"] == 1
+
+
+def test_bad_input_is_one_line(queue: dict[str, str]) -> None:
+    for args, message in (
+        (["submit"], "Missing argument"),
+        (["submit", "--gpus", "2", "--", "true"], "the job asks 2 GPUs; this machine has 0"),
+        (["submit", "--gpu-memory", "lots", "--", "true"], "--gpu-memory: 'lots' is not a size"),
+        (["submit", "--time-limit", "soon", "--", "true"], "--time-limit: 'soon' is not a duration"),
+        (["submit", "--after", "999", "--", "true"], "--after 999: no such job"),
+        (["submit", "--retries", "-1", "--", "true"], "--retries must be a whole number from 0"),
+        (["cancel", "abc"], "a job id is a number, not 'abc'"),
+        (["cancel", "999"], "no job 999"),
+        (["logs", "999"], "no job 999"),
+        (["queue", "daemon", "--policy", "random"], "--policy is pack or spread"),
+    ):
+        result = run_cli(*args, env=queue)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
