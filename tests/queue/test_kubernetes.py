@@ -179,6 +179,14 @@ def _broken(kind: str, change) -> dict:
         ("trainjob", lambda o: o["spec"]["trainer"]["env"].append({"value": "1"}), "env[3].name: Field required"),
         ("trainjob", lambda o: o["spec"].update(activeDeadlineSeconds=0), "out of range"),
         ("trainjob", lambda o: o["metadata"].update(name="9-lives"), "RFC 1035"),
+        ("job", lambda o: o["metadata"].update(name="Llama"), "metadata.name: a DNS label"),
+        ("job", lambda o: o["metadata"]["labels"].update({"kueue.x-k8s.io/queue-name": "team a"}), "queue-name: at"),
+        (
+            "pytorchjob",
+            lambda o: o["metadata"]["labels"].update({"kueue.x-k8s.io/priority-class": "x" * 64}),
+            "priority-class: at most",
+        ),
+        ("trainjob", lambda o: o["spec"]["trainer"].update(command=["x"] * 129), "command: more than 128 items"),
         ("trainjob", lambda o: o.update(apiVersion="kubeflow.org/v2alpha1"), "apiVersion"),
         ("pytorchjob", lambda o: o["spec"]["runPolicy"].update(backoffLimit=2**31), "out of range"),
         (

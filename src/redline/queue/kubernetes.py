@@ -21,6 +21,11 @@ outside it, even where Kueue is missing; there it waits, shown as queued. A Kueu
 WorkloadPriorityClass, which has a name, so it is the ``priority_class`` argument; the spec's whole-number
 priority, which has no name, is not carried.
 
+Retries count preemption-class ends, as the local queue's do, in each kind's terms: a Job's pod failure policy
+counts a pod Kubernetes disrupted (preempted, evicted, its node drained: the DisruptionTarget condition) against
+backoffLimit and fails the job on any other non-zero exit; a PyTorchJob's ExitCode restart policy restarts a
+replica that a signal ended (exit codes 128-255, an out-of-memory kill among them) and fails on 1-127.
+
 What Kubernetes cannot carry is refused in one line, not dropped: ``after`` (Kubernetes has no dependencies between
 jobs), nodes > 1 on a Job, retries on a TrainJob (its runtime sets restarts). Per-device memory has no Kubernetes
 resource and is not carried; whole GPUs are never shared there.
@@ -224,14 +229,16 @@ def manifest(
 # - PyTorchJob: the same repository, manifests/base/crds/kubeflow.org_pytorchjobs.yaml at v1.9.4.
 _ANY = {"type": "object", "any": True}
 _NAME_RULE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # both CRDs: metadata.name is an RFC 1035 label
+_JOB_NAME_RULE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a Job's: a DNS label, as its pods' hostnames
+_LABEL_VALUE_RULE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")  # at most 63 characters
 
 
 def _int(bits: int, **bounds: int) -> dict[str, Any]:
     return {"type": "integer", "format": f"int{bits}", **bounds}
 
 
-def _strings(max_length: int) -> dict[str, Any]:
-    return {"type": "array", "items": {"type": "string", "maxLength": max_length}}
+def _strings(max_items: int, max_length: int) -> dict[str, Any]:
+    return {"type": "array", "maxItems": max_items, "items": {"type": "string", "maxLength": max_length}}
 
 
 TRAINJOB_SCHEMA: dict[str, Any] = {
@@ -245,7 +252,7 @@ TRAINJOB_SCHEMA: dict[str, Any] = {
             "maxLength": 253,
             "enum": ["trainer.kubeflow.org/trainjob-controller", "kueue.x-k8s.io/multikueue"],
         },
-        "runtimePatches": {"type": "array", "items": _ANY},
+        "runtimePatches": {"type": "array", "maxItems": 16, "items": _ANY},
         "runtimeRef": {
             "type": "object",
             "required": ["name"],
@@ -259,8 +266,8 @@ TRAINJOB_SCHEMA: dict[str, Any] = {
         "trainer": {
             "type": "object",
             "properties": {
-                "args": _strings(1048576),
-                "command": _strings(1048576),
+                "args": _strings(128, 1048576),
+                "command": _strings(128, 1048576),
                 "env": {"type": "array", "maxItems": 128, "items": {"model": "V1EnvVar"}},
                 "image": {"type": "string", "maxLength": 500},
                 "numNodes": _int(32),
@@ -358,10 +365,18 @@ def _check_model(value: Any, model: str, path: str, errors: list[str]) -> None:
 def check(obj: Mapping[str, Any]) -> None:
     """Raise a one-line BadInput naming what is wrong with a manifest: a Job checked against the client's V1Job
     model, a TrainJob or PyTorchJob against its trimmed CRD schema (and its embedded core types against the
-    client's models), their names against the RFC 1035 rule their CRDs set."""
+    client's models); names and label values (a queue's, a priority class's) against the API server's rules."""
     _client()
     errors: list[str] = []
     kind = obj.get("kind")
+    metadata = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
+    name = metadata.get("name") or ""
+    rule, rule_name = (_JOB_NAME_RULE, "a DNS label") if kind == "Job" else (_NAME_RULE, "an RFC 1035 label")
+    if not isinstance(name, str) or not rule.match(name) or len(name) > 63:
+        errors.append(f"metadata.name: {rule_name} of at most 63 characters, not {name!r}")
+    for key, value in (metadata.get("labels") or {}).items():
+        if not isinstance(value, str) or not _LABEL_VALUE_RULE.match(value) or len(value) > 63:
+            errors.append(f"metadata.labels.{key}: at most 63 letters, digits, '-', '_' or '.', not {value!r}")
     if kind == "Job":
         _check_model(obj, "V1Job", "", errors)
     elif kind in ("TrainJob", "PyTorchJob"):
@@ -371,9 +386,6 @@ def check(obj: Mapping[str, Any]) -> None:
         if obj.get("apiVersion") != f"{group}/{version}":
             errors.append(f"apiVersion: {group}/{version}, not {obj.get('apiVersion')!r}")
         _check_model(obj.get("metadata"), "V1ObjectMeta", "metadata", errors)
-        name = (obj.get("metadata") or {}).get("name") or ""
-        if not _NAME_RULE.match(name) or len(name) > 63:
-            errors.append(f"metadata.name: an RFC 1035 label of at most 63 characters, not {name!r}")
         if "spec" not in obj:
             errors.append("spec: required")
         else:
