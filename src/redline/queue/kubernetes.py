@@ -441,8 +441,10 @@ def connect():
     return client.ApiClient(configuration)
 
 
-def _call(api_client, what: str, call, *args, **kwargs):
-    """Run one API call with short timeouts; what goes wrong is a one-line BadInput naming ``what`` and why."""
+def _call(api_client, what: str, call, *args, missing_ok: bool = False, **kwargs):
+    """Run one API call with short timeouts; what goes wrong is one line naming ``what`` and why: BadInput where
+    the API server found the request invalid, RedlineError otherwise (refused, unreachable). With ``missing_ok``,
+    a resource the cluster does not have (its operator is not installed) is None."""
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
@@ -451,8 +453,11 @@ def _call(api_client, what: str, call, *args, **kwargs):
     except ApiException as exc:
         reason = _api_message(exc)
         if exc.status == 404 and "could not find the requested resource" in reason:
+            if missing_ok:
+                return None
             reason = "the cluster has no such resource (is the operator that defines it installed?)"
-        raise BadInput(f"Kubernetes refused to {what}: {exc.status} {reason}") from None
+        error = BadInput if exc.status in (400, 422) else RedlineError
+        raise error(f"Kubernetes refused to {what}: {exc.status} {reason}") from None
     except (HTTPError, OSError) as exc:
         host = api_client.configuration.host
         raise RedlineError(f"cannot reach the Kubernetes API server at {host} to {what}: {_first_line(exc)}") from None
@@ -544,8 +549,6 @@ def cancel(job_id: str, *, namespace: str = "default", api_client=None) -> None:
 def jobs(*, namespace: str = "default", api_client=None) -> list[EngineJob]:
     """Every job redline made in ``namespace`` (label app.kubernetes.io/managed-by=redline), oldest first: Jobs,
     and TrainJobs and PyTorchJobs where their operators are installed."""
-    from kubernetes.client.exceptions import ApiException
-
     api_client = api_client or connect()
     from kubernetes import client
 
@@ -556,15 +559,10 @@ def jobs(*, namespace: str = "default", api_client=None) -> list[EngineJob]:
     ]
     custom = client.CustomObjectsApi(api_client)
     for group, version, plural in (TRAINJOB, PYTORCHJOB):
-        try:
-            listed = custom.list_namespaced_custom_object(
-                group, version, namespace, plural, label_selector=SELECTOR, _request_timeout=TIMEOUT_S
-            )
-        except ApiException as exc:
-            if exc.status == 404:  # the operator is not installed: it ran none of ours
-                continue
-            raise BadInput(f"Kubernetes refused to list {plural}: {exc.status} {_api_message(exc)}") from None
-        found.extend(custom_state(item) for item in listed.get("items", ()))
+        listing = custom.list_namespaced_custom_object
+        args = (group, version, namespace, plural)
+        listed = _call(api_client, f"list {plural}", listing, *args, label_selector=SELECTOR, missing_ok=True)
+        found.extend(custom_state(item) for item in (listed or {}).get("items", ()))
     return sorted(found, key=lambda job: (job.submitted_at or 0, job.id))
 
 
