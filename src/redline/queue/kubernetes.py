@@ -28,10 +28,11 @@ replica that a signal ended (exit codes 128-255, an out-of-memory kill among the
 
 What Kubernetes cannot carry is refused in one line, not dropped: ``after`` (Kubernetes has no dependencies between
 jobs), nodes > 1 on a Job, retries on a TrainJob (its runtime sets restarts). Per-device memory has no Kubernetes
-resource and is not carried; whole GPUs are never shared there.
+resource and is not carried; nor is ``exclusive``, as the device plugin hands out whole GPUs (unless the cluster
+turned on time-slicing). A TrainJob's trainer has no working directory field: it runs in the image's.
 
-The manifests are checked before they are printed or sent: the Job against the official client's models (pydantic
-models since kubernetes 37: types, required fields, unknown fields), the TrainJob and PyTorchJob, which the client
+The manifests are checked before they are printed or sent: the Job against the official client's models (the
+pydantic models of kubernetes 37: types, required fields, unknown fields), the TrainJob and PyTorchJob, which the client
 has no models for, against a trimmed copy of their CRDs' schemas (below) with their pod templates, environment and
 resources checked against the client's models again.
 """
