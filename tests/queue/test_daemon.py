@@ -6,16 +6,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import run_cli
+from redline.errors import BadInput
 from redline.queue.client import QueueUnavailable, request
+from redline.queue.spec import JobSpec
 
 WAIT_S = 180.0  # a hang guard only: every wait below ends as soon as the jobs reach their states
 
@@ -202,3 +206,121 @@ def test_bad_input_is_one_line(queue: dict[str, str]) -> None:
         result = run_cli(*args, env=queue)
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
+
+
+OTHER = "redline-qtest"
+
+
+@pytest.fixture
+def other_user():
+    """A second Unix user (made for the test, removed after): its uid."""
+    import pwd
+
+    made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], capture_output=True)
+    if made.returncode not in (0, 9):  # 9: it exists (a test run killed before its cleanup)
+        pytest.skip(f"cannot make a second user: {made.stderr.decode().strip()}")
+    yield pwd.getpwnam(OTHER).pw_uid
+    subprocess.run(["userdel", OTHER], capture_output=True)
+
+
+def as_user(uid: int, payload: dict, directory: Path) -> dict:
+    """``payload`` sent to the daemon by a process running as ``uid`` (forked, then setuid: the kernel reports
+    that uid to the daemon); its answer, or {"error": the one line} when it refused."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (runs in the child)
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                answer = request(payload, directory, start=False)
+            except BadInput as exc:
+                answer = {"error": str(exc)}
+            os.write(write, json.dumps(answer).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    return answer
+
+
+def test_users_change_and_read_only_their_own_jobs(queue: dict[str, str], other_user: int) -> None:
+    """root's daemon serves the machine: a second user's job runs as that user, with a log only it can read;
+    it may not cancel, hold or read root's job, and root may cancel its."""
+    directory = Path(tempfile.mkdtemp(prefix="redline-queue-", dir="/tmp"))  # one the other user can reach
+    directory.chmod(0o755)
+    try:
+        start_daemon(directory)
+        assert (directory / "queue.sock").stat().st_mode & 0o777 == 0o666
+        env = {"REDLINE_QUEUE_DIR": str(directory)}
+        mine = submit(env, "--", "sleep", "600")
+        spec = JobSpec(argv=("sh", "-c", "id -u; sleep 600"), cwd="/tmp", env={"PATH": "/usr/bin:/bin"})
+        theirs = as_user(other_user, {"op": "submit", "spec": spec.to_dict()}, directory)["job"]["id"]
+        until(env, theirs, "running")
+        log = directory / "jobs" / str(theirs) / "output.log"
+        wait_for(lambda: log.read_text().strip(), "the other user's job writing")
+        assert log.read_text().split()[0] == str(other_user)  # it ran as the user who submitted it
+        assert log.stat().st_uid == other_user and log.stat().st_mode & 0o777 == 0o600
+        for op in ("cancel", "hold"):
+            refused = as_user(other_user, {"op": op, "ids": [str(mine)]}, directory)
+            assert refused["error"] == f"job {mine} is root's: only its owner or root may do that"
+        refused = as_user(other_user, {"op": "log", "id": str(mine)}, directory)
+        assert "only its owner or root" in refused["error"]
+        listed = as_user(other_user, {"op": "jobs"}, directory)["jobs"]
+        assert {j["id"]: j["spec"]["env"] for j in listed}[mine] == {}  # root's environment is not shown to others
+        assert run_cli("cancel", str(theirs), str(mine), env=env).returncode == 0  # root may
+        until(env, theirs, "cancelled")
+        until(env, mine, "cancelled")
+    finally:
+        stop_daemon(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_gpu_jobs_are_placed_by_memory_on_the_gpus_nvml_shows(tmp_path: Path, queue: dict[str, str]) -> None:
+    """Two fake H100s (80 GiB; GPU 1 with 21 GiB of a process the queue did not start). Pack puts the first
+    30 GiB job where it fits most tightly, beside that process (58.6 GiB of room), and the next two share GPU 0;
+    a job asking a whole GPU waits, and says why; each job sees its GPU by UUID, in PCI bus order."""
+    directory = Path(queue["REDLINE_QUEUE_DIR"])
+    directory.mkdir()
+    script = Path(__file__).with_name("fake_gpu_daemon.py")
+    daemon = subprocess.Popen([sys.executable, str(script), str(directory)], stderr=open(tmp_path / "d.log", "wb"))  # noqa: SIM115
+    wait_for(lambda: request({"op": "status"}, directory, start=False))
+    show = "echo $CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER; sleep 600"
+    ids = [submit(queue, "--gpus", "1", "--gpu-memory", "30G", "--", "sh", "-c", show) for _ in range(3)]
+    whole = submit(queue, "--gpus", "1", "--", "true")
+    for job in ids:
+        until(queue, job, "running")
+    status = request({"op": "status"}, directory)
+    gpu0, gpu1 = status["gpus"]
+    assert [j["id"] for j in gpu1["jobs"]] == [str(ids[0])]
+    assert [j["id"] for j in gpu0["jobs"]] == [str(ids[1]), str(ids[2])]
+    assert gpu1["foreign"] == [{"pid": 4242, "bytes": 21 * 2**30}]
+    for job, gpu in zip(ids, (gpu1, gpu0, gpu0), strict=True):
+        log = directory / "jobs" / str(job) / "output.log"
+        assert wait_for(lambda log=log: log.read_text()) == f"{gpu['uuid']} PCI_BUS_ID\n"
+    waiting = jobs(queue)[whole]
+    assert waiting["state"] == "queued" and "GPU 0 runs job" in waiting["reason"]
+    assert run_cli("cancel", *map(str, ids), env=queue).returncode == 0
+    until(queue, whole, "done")  # GPU 0 emptied; GPU 1 keeps its foreign process: GPU 0 it is
+    assert jobs(queue)[whole]["placement"]["uuids"] == [gpu0["uuid"]]
+    daemon.terminate()
+    daemon.wait()
+
+
+def test_a_job_that_ran_out_of_memory_is_requeued(tmp_path: Path, queue: dict[str, str]) -> None:
+    """A job whose runtime recorded a smaller micro-batch (as runtime.oom does under the queue) and failed is
+    requeued; its next attempt (which resumes with that micro-batch) ends well. Without the record, the same
+    failure is final."""
+    start_daemon(Path(queue["REDLINE_QUEUE_DIR"]), "--retry-backoff", "0.1")
+    marker = tmp_path / "first"
+    script = (
+        f'if [ ! -e {marker} ]; then touch {marker}; echo \'{{"micro_batch": 4}}\' > "$REDLINE_QUEUE_RECORDS/oom.json";'
+        " exit 1; fi"
+    )
+    job = submit(queue, "--retries", "1", "--", "sh", "-c", script)
+    assert until(queue, job, "done")["attempt"] == 2
+    plain = submit(queue, "--retries", "1", "--", "sh", "-c", "exit 1")
+    assert until(queue, plain, "failed")["attempt"] == 1

@@ -149,11 +149,11 @@ class Daemon:
         oom = _read(self._attempt_dir(job) / "records" / OOM_RECORD)
         if reason == "cancelled":
             self._end(job, "cancelled", code, "cancelled")
-        elif oom is not None:
-            why = f"out of memory; the runtime recorded micro-batch {oom.get('micro_batch')}"
-            self._end(job, "failed", code, why, retry=True)
         elif code == 0:
             self._end(job, "done", 0, "")
+        elif oom is not None and not reason:  # the next attempt resumes with it, from its checkpoints
+            why = f"out of memory; the runtime recorded micro-batch {oom.get('micro_batch')}"
+            self._end(job, "failed", code, why, retry=True)
         elif code < 0 and not reason:  # killed by a signal it did not ask for: preempted, the OOM killer
             self._end(job, "failed", code, f"killed by signal {-code}", retry=True)
         else:

@@ -10,9 +10,12 @@ and they resume from the last checkpoint with it (``recorded_micro_batch``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -27,6 +30,8 @@ log = logging.getLogger("redline.runtime")
 # a test hook: "STEP:RANK[:MICRO]" raises an out-of-memory error at that optimizer step, on that rank, in that
 # micro-batch (0 by default), once, in the first launch attempt only
 OOM_HOOK_ENV = "REDLINE_TEST_OOM_AT"
+# the directory `redline submit`'s queue gives a job's attempt for its records (queue.daemon.RECORDS_ENV)
+QUEUE_RECORDS_ENV = "REDLINE_QUEUE_RECORDS"
 
 
 class OutOfMemoryAtMinimum(RedlineError):
@@ -86,11 +91,22 @@ def restart_smaller(
             f"or plan with a micro-batch of {micro}"
         ) from exc
     checkpointer.record_micro_batch(micro, accumulation)
+    _tell_the_queue(micro, accumulation, checkpointer)
     events.append({"step": step, "micro_batch": micro, "accumulation": accumulation})
     raise OutOfMemoryDuringCollective(
         f"{where}: recorded micro-batch {micro} x {accumulation} accumulation in "
         f"{checkpointer.directory}; the launcher's restart resumes from the last checkpoint with it"
     ) from exc
+
+
+def _tell_the_queue(micro: int, accumulation: int, checkpointer: Checkpointer) -> None:
+    """Under `redline submit`, the record also goes where the queue looks (``QUEUE_RECORDS_ENV``): a job that
+    ends with it is requeued, and its next attempt resumes from the checkpoints with the smaller micro-batch."""
+    records = os.environ.get(QUEUE_RECORDS_ENV)
+    if records:
+        record = {"micro_batch": micro, "accumulation": accumulation, "checkpoint_dir": str(checkpointer.directory)}
+        with contextlib.suppress(OSError):
+            Path(records, "oom.json").write_text(json.dumps(record))
 
 
 def recorded_micro_batch(
