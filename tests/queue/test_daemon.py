@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from prometheus_server import start_prometheus, stop
 from redline.errors import BadInput
 from redline.queue.client import QueueUnavailable, request
 from redline.queue.spec import JobSpec
@@ -324,3 +325,23 @@ def test_a_job_that_ran_out_of_memory_is_requeued(tmp_path: Path, queue: dict[st
     assert until(queue, job, "done")["attempt"] == 2
     plain = submit(queue, "--retries", "1", "--", "sh", "-c", "exit 1")
     assert until(queue, plain, "failed")["attempt"] == 1
+
+
+def test_prometheus_scrapes_the_queues_series(tmp_path: Path, queue: dict[str, str]) -> None:
+    """The daemon's series, scraped by a real Prometheus: jobs by state, and the waits of those that started."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed (Debian: apt-get install prometheus)")
+    directory = Path(queue["REDLINE_QUEUE_DIR"])
+    start_daemon(directory, "--metrics-port", "0")
+    port = int((directory / "metrics.port").read_text())
+    until(queue, submit(queue, "--", "true"), "done")
+    submit(queue, "--hold", "--", "true")
+    server = start_prometheus(binary, tmp_path, f"127.0.0.1:{port}")
+    try:
+        held = server.wait_for('redline_queue_jobs{state="held"}', lambda r: bool(r), "no scrape of the queue")
+        assert [float(s["value"][1]) for s in held] == [1.0]
+        assert float(server.query('redline_queue_jobs{state="done"}')[0]["value"][1]) == 1.0
+        assert float(server.query("redline_queue_wait_seconds_count")[0]["value"][1]) == 1.0
+    finally:
+        stop(server.process)

@@ -220,6 +220,9 @@ def daemon(
     jobs_per_user: int | None = typer.Option(None, "--max-jobs-per-user", help="Running jobs per user at most."),
     gpus_per_user: int | None = typer.Option(None, "--max-gpus-per-user", help="GPUs held per user at most."),
     backoff: float = typer.Option(10.0, "--retry-backoff", help="Seconds before a retry (doubling each time)."),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="Serve the queue's series for Prometheus on 127.0.0.1:PORT (0: any free port)."
+    ),
 ) -> None:
     """Run the queue's daemon in the foreground (the systemd unit runs this; clients start it on first use)."""
     from redline.queue.client import queue_dir
@@ -235,7 +238,11 @@ def daemon(
     if backoff < 0:
         raise BadInput(f"--retry-backoff must be 0 or more, not {backoff}")
     limits = Limits(jobs_per_user, gpus_per_user)
-    Daemon(directory or queue_dir(), policy=policy, limits=limits, backoff_s=backoff).serve()
+    if metrics_port is not None:
+        from redline.cli.params import tcp_port
+
+        tcp_port("--metrics-port", metrics_port, allow_zero=True)
+    Daemon(directory or queue_dir(), policy=policy, limits=limits, backoff_s=backoff, metrics_port=metrics_port).serve()
 
 
 def _option(parse: Any, option: str, text: str | None) -> Any:

@@ -66,6 +66,7 @@ class Daemon:
     policy: str = "pack"
     limits: Limits = field(default_factory=Limits)
     backoff_s: float = BACKOFF_S  # a retry's first wait
+    metrics_port: int | None = None  # serve the queue's series for Prometheus here (0: any free port)
     store: Store = field(init=False)
     wake: asyncio.Event | None = field(default=None, init=False)
 
@@ -85,6 +86,8 @@ class Daemon:
         try:
             self.store = Store(self.directory / "queue.db")
             self.recover()
+            if self.metrics_port is not None:
+                self._serve_metrics()
             asyncio.run(self._main())
         finally:
             lock.release()
@@ -106,6 +109,22 @@ class Daemon:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(_first(self.wake.wait(), stopping.wait()), TICK_S)
         self.socket_path.unlink(missing_ok=True)
+
+    def _serve_metrics(self) -> None:
+        """The queue's series on ``metrics_port``, on a thread of prometheus_client's; the port it bound is
+        written to ``metrics.port`` (for a port of 0)."""
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from redline.queue.metrics import QueueCollector
+
+        # the scrapes' own view of the queue: its own connection, used by one scrape at a time (QueueCollector)
+        view = Daemon(self.directory, gpus=self.gpus, policy=self.policy)
+        view.store = Store(self.directory / "queue.db", threads=True)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(QueueCollector(view.store, view._status))
+        assert self.metrics_port is not None
+        server, _ = start_http_server(self.metrics_port, addr="127.0.0.1", registry=registry)
+        (self.directory / "metrics.port").write_text(str(server.server_address[1]))
 
     def recover(self) -> None:
         """After a start (a crash, a kill -9, a reboot): every job that was starting or running is adopted

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from redline.queue.spec import JobSpec
+from redline.queue.spec import STATES, JobSpec
+
+__all__ = ["LIVE", "STATES", "Job", "Store"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -91,9 +93,10 @@ class Job:
 
 
 class Store:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, threads: bool = False) -> None:
+        """``threads``: the connection may be used from threads other than its maker's (one at a time)."""
         self.path = path
-        self.db = sqlite3.connect(path, isolation_level=None, timeout=30)
+        self.db = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=not threads)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
