@@ -35,6 +35,12 @@ def queue(tmp_path: Path):
         for key in ("pid", "shim"):
             with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
                 os.killpg(json.loads(pid_file.read_text())[key], signal.SIGKILL)
+    # anything else of this queue's still running (a daemon a failed test left, a shim that had not written its
+    # pid): its command line names the directory
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if entry.name.isdigit() and str(directory).encode() in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def stop_daemon(directory: Path) -> None:
@@ -345,3 +351,11 @@ def test_prometheus_scrapes_the_queues_series(tmp_path: Path, queue: dict[str, s
         assert float(server.query("redline_queue_wait_seconds_count")[0]["value"][1]) == 1.0
     finally:
         stop(server.process)
+
+
+def test_the_systemd_unit_runs_the_machines_queue_and_leaves_jobs_running_on_a_restart() -> None:
+    result = run_cli("queue", "unit")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert f"ExecStart={sys.executable} -m redline queue daemon --dir /var/lib/redline/queue" in lines
+    assert "KillMode=process" in lines  # systemd's default would kill the jobs with the daemon

@@ -245,6 +245,31 @@ def daemon(
     Daemon(directory or queue_dir(), policy=policy, limits=limits, backoff_s=backoff, metrics_port=metrics_port).serve()
 
 
+UNIT = """[Unit]
+Description=redline queue: this machine's GPUs shared between jobs and people
+After=network-online.target nvidia-persistenced.service
+
+[Service]
+ExecStart={python} -m redline queue daemon --dir /var/lib/redline/queue
+Restart=on-failure
+# a stop or restart of the daemon leaves its jobs running: the next daemon adopts them
+KillMode=process
+StateDirectory=redline/queue
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+@app.command("unit")
+def unit() -> None:
+    """Print the systemd unit that runs the machine's queue as root (each job as its user):
+    `redline queue unit > /etc/systemd/system/redline-queue.service && systemctl enable --now redline-queue`."""
+    import sys
+
+    typer.echo(UNIT.format(python=sys.executable), nl=False)
+
+
 def _option(parse: Any, option: str, text: str | None) -> Any:
     if text is None:
         return None
