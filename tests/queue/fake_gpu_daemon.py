@@ -1,12 +1,13 @@
-"""The queue's daemon on a machine of two fake H100s (the NVML fake; the product path reads the real NVML):
+"""The queue's daemon on a machine of fake H100s (the NVML fake; the product path reads the real NVML):
 
-    python tests/queue/fake_gpu_daemon.py QUEUE_DIR [daemon options as JSON]
+    python tests/queue/fake_gpu_daemon.py [--gpus 2] --dir QUEUE_DIR
 
-GPU 1 holds 21 GiB of a process the queue did not start (pid 4242)."""
+Two GPUs (the default): GPU 1 holds 21 GiB of a process the queue did not start (pid 4242). More: an HGX board
+of that many idle GPUs (benchmarks/queue_vs_peers.py's packing scenario)."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 from pathlib import Path
 
@@ -20,11 +21,17 @@ from redline.queue.placement import slots_from
 GIB = 2**30
 
 
-def fake_gpus(ours: set[int]):
-    busy = h100_sxm(1, memory_used_mib=21 * 1024, processes=[FakeProcess(4242, 21 * GIB)])
-    return slots_from(probe_gpus(FakeNvml([h100_sxm(0), busy])), ours)
+def fake_nvml(count: int) -> FakeNvml:
+    if count == 2:
+        busy = h100_sxm(1, memory_used_mib=21 * 1024, processes=[FakeProcess(4242, 21 * GIB)])
+        return FakeNvml([h100_sxm(0), busy])
+    return FakeNvml([h100_sxm(i) for i in range(count)])
 
 
 if __name__ == "__main__":
-    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    Daemon(Path(sys.argv[1]), gpus=fake_gpus, **options).serve()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--dir", type=Path, required=True)
+    args = parser.parse_args()
+    nvml = fake_nvml(args.gpus)
+    Daemon(args.dir, gpus=lambda ours: slots_from(probe_gpus(nvml), ours)).serve()

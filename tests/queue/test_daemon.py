@@ -293,7 +293,8 @@ def test_gpu_jobs_are_placed_by_memory_on_the_gpus_nvml_shows(tmp_path: Path, qu
     directory = Path(queue["REDLINE_QUEUE_DIR"])
     directory.mkdir()
     script = Path(__file__).with_name("fake_gpu_daemon.py")
-    daemon = subprocess.Popen([sys.executable, str(script), str(directory)], stderr=open(tmp_path / "d.log", "wb"))  # noqa: SIM115
+    command = [sys.executable, str(script), "--dir", str(directory)]
+    daemon = subprocess.Popen(command, stderr=open(tmp_path / "d.log", "wb"))  # noqa: SIM115
     wait_for(lambda: request({"op": "status"}, directory, start=False))
     show = "echo $CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER; sleep 600"
     ids = [submit(queue, "--gpus", "1", "--gpu-memory", "30G", "--", "sh", "-c", show) for _ in range(3)]

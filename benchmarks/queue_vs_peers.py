@@ -1,0 +1,195 @@
+"""redline's queue against task-spooler (and Slurm, where its single-node harness runs) on this machine, side by
+side in one run.
+
+1. Throughput: N trivial jobs (`true`) submitted as fast as one client can, through each queue: the submit
+   latency (p50, p99), the jobs started per second from the first submit to the last job's end, and the daemon's
+   resident memory after. redline is timed twice: through its socket (``client.request``, what a script or a
+   library submits with) and through the `redline submit` command (a Python start per job); task-spooler's
+   `tsp` is a C program, so its command is its API.
+2. Packing: 40 jobs with known GPU memory (10-60 GiB) and run times (sleeps) on 8 fake 80 GiB GPUs (the NVML
+   fake, tests/queue/fake_gpu_daemon.py with eight GPUs), through redline packing by memory, against the same
+   jobs one per GPU (no memory given: what task-spooler's `ts -G` does), and the lower bound
+   max(longest job, sum of memory x time / (8 x 80 GiB)).
+
+    python benchmarks/queue_vs_peers.py [--jobs 2000] [--cli-jobs 50] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from redline.queue.client import request
+from redline.queue.spec import JobSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_daemon(directory: Path, *command: str) -> subprocess.Popen:
+    directory.mkdir(parents=True, exist_ok=True)
+    daemon = subprocess.Popen([*command, str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            request({"op": "status"}, directory, start=False)
+            return daemon
+        except Exception:
+            time.sleep(0.05)
+    raise RuntimeError("the daemon did not start")
+
+
+def stop(daemon: subprocess.Popen) -> None:
+    daemon.terminate()
+    daemon.wait(60)
+
+
+def redline_throughput(jobs: int, cli_jobs: int, work: Path) -> dict:
+    directory = work / "redline"
+    daemon = start_daemon(directory, sys.executable, "-m", "redline", "queue", "daemon", "--dir")
+    spec = JobSpec(argv=("true",), cwd=str(work), env={"PATH": os.environ["PATH"]}).to_dict()
+    latencies = []
+    started = time.perf_counter()
+    for _ in range(jobs):
+        before = time.perf_counter()
+        request({"op": "submit", "spec": spec}, directory, start=False)
+        latencies.append(time.perf_counter() - before)
+    while request({"op": "jobs", "all": True}, directory)["jobs"][-1]["state"] != "done" or any(
+        j["state"] != "done" for j in request({"op": "jobs", "all": True}, directory)["jobs"]
+    ):
+        time.sleep(0.2)
+    elapsed = time.perf_counter() - started
+    rss = rss_bytes(daemon.pid)
+    env = os.environ | {"REDLINE_QUEUE_DIR": str(directory)}
+    cli = []
+    for _ in range(cli_jobs):
+        before = time.perf_counter()
+        subprocess.run(["redline", "submit", "--", "true"], env=env, check=True, capture_output=True)
+        cli.append(time.perf_counter() - before)
+    stop(daemon)
+    return {
+        "submit_p50_s": statistics.median(latencies),
+        "submit_p99_s": percentile(latencies, 0.99),
+        "cli_submit_p50_s": statistics.median(cli),
+        "cli_submit_p99_s": percentile(cli, 0.99),
+        "jobs_per_s": jobs / elapsed,
+        "daemon_rss_bytes": rss,
+    }
+
+
+def tsp_throughput(jobs: int, work: Path) -> dict | None:
+    binary = shutil.which("tsp")
+    if binary is None:
+        return None
+    env = os.environ | {"TS_SOCKET": str(work / "tsp.socket"), "TS_MAXFINISHED": str(jobs + 10), "TS_SLOTS": "1"}
+    subprocess.run([binary, "-S", "16"], env=env, check=True)  # redline starts every ready CPU job: many slots
+    latencies = []
+    started = time.perf_counter()
+    for _ in range(jobs):
+        before = time.perf_counter()
+        subprocess.run([binary, "true"], env=env, check=True, capture_output=True)
+        latencies.append(time.perf_counter() - before)
+    subprocess.run([binary, "-w"], env=env, capture_output=True)  # wait for the last job
+    while "running" in subprocess.run([binary], env=env, capture_output=True, text=True).stdout or "queued" in (
+        subprocess.run([binary], env=env, capture_output=True, text=True).stdout
+    ):
+        time.sleep(0.2)
+    elapsed = time.perf_counter() - started
+    server = subprocess.run(["pgrep", "-f", "^tsp"], capture_output=True, text=True).stdout.split()
+    rss = max((rss_bytes(int(pid)) for pid in server), default=0)
+    subprocess.run([binary, "-K"], env=env, capture_output=True)
+    return {
+        "submit_p50_s": statistics.median(latencies),
+        "submit_p99_s": percentile(latencies, 0.99),
+        "jobs_per_s": jobs / elapsed,
+        "daemon_rss_bytes": rss,
+    }
+
+
+def packing(work: Path, seed: int = 0) -> dict:
+    """40 jobs (memory, seconds) on 8 fake 80 GiB GPUs: redline by memory, one per GPU, the lower bound."""
+    rng = random.Random(seed)
+    jobs = [(rng.choice((10, 20, 30, 40, 60)), rng.choice((1.0, 2.0, 3.0))) for _ in range(40)]
+    bound = max(max(s for _, s in jobs), sum(m * s for m, s in jobs) / (8 * 80))
+    out = {"lower_bound_s": bound}
+    for name, by_memory in (("redline", True), ("one_per_gpu", False)):
+        directory = work / name
+        script = ROOT / "tests" / "queue" / "fake_gpu_daemon.py"
+        daemon = start_daemon(directory, sys.executable, str(script), "--gpus", "8", "--dir")
+        started = time.perf_counter()
+        for memory, seconds in jobs:
+            spec = JobSpec(
+                argv=("sleep", str(seconds)),
+                gpus=1,
+                gpu_memory_bytes=memory * GIB if by_memory else None,
+                cwd=str(work),
+                env={"PATH": os.environ["PATH"]},
+            )
+            request({"op": "submit", "spec": spec.to_dict()}, directory, start=False)
+        while any(j["state"] != "done" for j in request({"op": "jobs", "all": True}, directory)["jobs"]):
+            time.sleep(0.1)
+        out[f"{name}_makespan_s"] = time.perf_counter() - started
+        stop(daemon)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--cli-jobs", type=int, default=50)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.jobs < 1 or args.cli_jobs < 1:
+        parser.error("--jobs and --cli-jobs must be at least 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        result = {
+            "jobs": args.jobs,
+            "redline": redline_throughput(args.jobs, args.cli_jobs, work),
+            "task_spooler": tsp_throughput(args.jobs, work),
+            "packing": packing(work),
+        }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    ours, theirs, pack = result["redline"], result["task_spooler"], result["packing"]
+    print(f"{args.jobs} jobs of `true`:")
+    print(
+        f"  redline: submit p50 {ours['submit_p50_s'] * 1e3:.2f} ms, p99 {ours['submit_p99_s'] * 1e3:.2f} ms "
+        f"(the command: p50 {ours['cli_submit_p50_s'] * 1e3:.0f} ms); {ours['jobs_per_s']:.1f} jobs/s; "
+        f"daemon RSS {ours['daemon_rss_bytes'] / 2**20:.1f} MiB"
+    )
+    if theirs:
+        print(
+            f"  task-spooler: submit p50 {theirs['submit_p50_s'] * 1e3:.2f} ms, p99 {theirs['submit_p99_s'] * 1e3:.2f} "
+            f"ms; {theirs['jobs_per_s']:.1f} jobs/s; server RSS {theirs['daemon_rss_bytes'] / 2**20:.1f} MiB"
+        )
+    print(
+        f"packing 40 jobs on 8 x 80 GiB: redline {pack['redline_makespan_s']:.1f} s, one per GPU "
+        f"{pack['one_per_gpu_makespan_s']:.1f} s, lower bound {pack['lower_bound_s']:.1f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
