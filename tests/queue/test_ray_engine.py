@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from redline.errors import BadInput
-from redline.queue.ray_engine import NOT_CARRIED, RayEngine, resolve_address
+from redline.queue.ray_engine import NOT_CARRIED, RayEngine, engine_job, resolve_address
 from redline.queue.spec import JobSpec
 
 START_TIMEOUT_S = 90  # the head's RAY_JOB_START_TIMEOUT_SECONDS: a job Ray cannot place fails after it
@@ -55,41 +55,46 @@ def ray_head() -> Iterator[str]:
     by id at the end, whatever happened."""
     pytest.importorskip("ray.job_submission")
     temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # short: Ray's socket paths live under it
-    dashboard = _free_port()
-    ports = {
-        "--port": _free_port(),
-        "--dashboard-port": dashboard,
-        "--ray-client-server-port": _free_port(),
-        "--dashboard-agent-listen-port": _free_port(),
-        "--dashboard-agent-grpc-port": _free_port(),
-        "--runtime-env-agent-port": _free_port(),
-        "--metrics-export-port": _free_port(),
-        "--node-manager-port": _free_port(),
-        "--object-manager-port": _free_port(),
-    }
-    command = [_ray_cli(), "start", "--head", "--block", "--num-gpus", "2", "--num-cpus", "2"]
-    command += ["--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"]
-    command += ["--temp-dir", temp_dir, "--object-store-memory", str(100 * 2**20)]
-    command += [str(part) for option, port in ports.items() for part in (option, port)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["RAY_JOB_START_TIMEOUT_SECONDS"] = str(START_TIMEOUT_S)
-    log = open(Path(temp_dir) / "ray-start.log", "w+")  # noqa: SIM115 (closed in the finally below)
-    head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard}"
     try:
-        started = time.monotonic()
-        while not _answers(address):
-            if head.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"ray start exited with {head.returncode}:\n{log.read()[-3000:]}")
-            assert time.monotonic() - started < HANG_S, "the Ray head did not answer"
-            time.sleep(0.5)
-        print(f"Ray head up in {time.monotonic() - started:.1f} s")
-        yield address
+        dashboard = _free_port()
+        ports = {
+            "--port": _free_port(),
+            "--dashboard-port": dashboard,
+            "--ray-client-server-port": _free_port(),
+            "--dashboard-agent-listen-port": _free_port(),
+            "--dashboard-agent-grpc-port": _free_port(),
+            "--runtime-env-agent-port": _free_port(),
+            "--metrics-export-port": _free_port(),
+            "--node-manager-port": _free_port(),
+            "--object-manager-port": _free_port(),
+        }
+        command = [_ray_cli(), "start", "--head", "--block", "--num-gpus", "2", "--num-cpus", "2"]
+        command += ["--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"]
+        command += ["--temp-dir", temp_dir, "--object-store-memory", str(100 * 2**20)]
+        command += [str(part) for option, port in ports.items() for part in (option, port)]
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+        env["RAY_JOB_START_TIMEOUT_SECONDS"] = str(START_TIMEOUT_S)
+        with open(Path(temp_dir) / "ray-start.log", "w+") as log:
+            head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                yield _wait_for_head(head, f"http://127.0.0.1:{dashboard}", log)
+            finally:
+                _end_tree(head)
     finally:
-        _end_tree(head)
-        log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_for_head(head: subprocess.Popen, address: str, log) -> str:
+    """``address`` once the head's dashboard answers; the wait ends when it does, or when `ray start` exits."""
+    started = time.monotonic()
+    while not _answers(address):
+        if head.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"ray start exited with {head.returncode}:\n{log.read()[-3000:]}")
+        assert time.monotonic() - started < HANG_S, "the Ray head did not answer"
+        time.sleep(0.5)
+    print(f"Ray head up in {time.monotonic() - started:.1f} s")
+    return address
 
 
 def _answers(address: str) -> bool:
@@ -141,6 +146,14 @@ def _wait(engine: RayEngine, job_id: str, states: set[str]):
         time.sleep(0.5)
 
 
+def _wait_for_file(engine: RayEngine, job_id: str, path: Path) -> None:
+    """Until the job has made ``path``; it fails if the job ends first."""
+    while not path.exists():
+        [row] = engine.status([job_id])
+        assert row.state in ("queued", "running"), f"job {job_id} ended {row.state} before making {path.name}"
+        time.sleep(0.2)
+
+
 # -- what would be submitted: no Ray needed ------------------------------------------------------------------
 
 
@@ -179,6 +192,24 @@ def test_address_follows_rays_own_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_address("http://head:8265") == "http://head:8265"
     monkeypatch.setenv("RAY_ADDRESS", "http://other:8265")
     assert resolve_address("http://head:8265") == "http://other:8265"
+
+
+def test_ray_states_become_the_queues() -> None:
+    job_submission = pytest.importorskip("ray.job_submission")
+    JobInfo, JobStatus = job_submission.JobInfo, job_submission.JobStatus
+
+    def row(status, **fields):
+        return engine_job("r1", JobInfo(status=status, entrypoint="x", metadata={"name": "n"}, **fields))
+
+    assert row(JobStatus.PENDING).state == "queued"
+    assert row(JobStatus.RUNNING).state == "running"
+    assert row(JobStatus.SUCCEEDED, driver_exit_code=0).state == "done"
+    assert row(JobStatus.STOPPED).state == "cancelled"
+    died = row(JobStatus.FAILED, error_type="JOB_SUPERVISOR_ACTOR_DIED", message="Job supervisor actor died.")
+    assert (died.state, died.reason) == ("lost", "Job supervisor actor died.")
+    failed = row(JobStatus.FAILED, driver_exit_code=2, start_time=1_700_000_000_000, end_time=1_700_000_001_500)
+    assert (failed.state, failed.exit_code, failed.name) == ("failed", 2, "n")
+    assert (failed.submitted_at, failed.started_at, failed.ended_at) == (1_700_000_000.0, None, 1_700_000_001.5)
 
 
 def test_missing_ray_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,11 +308,10 @@ def test_a_failing_job_is_failed_with_its_exit_code(engine: RayEngine, tmp_path:
 def test_cancel_stops_a_running_job(engine: RayEngine, tmp_path: Path) -> None:
     code = "import pathlib, time; pathlib.Path('started').touch(); time.sleep(600)"
     job_id = engine.submit(_job(_python(code), tmp_path, name="sleeper"))
-    _wait(engine, job_id, {"running"})
+    _wait_for_file(engine, job_id, tmp_path / "started")  # Ray says RUNNING just before it starts the program
     assert engine.cancel(job_id) is True
     row = _wait(engine, job_id, {"done", "failed", "cancelled", "lost"})
     assert (row.state, row.exit_code) == ("cancelled", None)
-    assert (tmp_path / "started").exists()
     assert engine.cancel(job_id) is False  # already ended
 
 
