@@ -212,6 +212,14 @@ def test_ray_states_become_the_queues() -> None:
     assert (failed.submitted_at, failed.started_at, failed.ended_at) == (1_700_000_000.0, None, 1_700_000_001.5)
 
 
+def test_the_engine_imports_ray_only_to_reach_a_cluster() -> None:
+    code = "import sys, redline.queue.ray_engine as m; m.RayEngine().render(m.JobSpec(argv=('x',)))\n"
+    code += "print('ray' in sys.modules)"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip() == "False"
+
+
 def test_missing_ray_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray...` now fails as it does where Ray is missing
     monkeypatch.setitem(sys.modules, "ray.job_submission", None)

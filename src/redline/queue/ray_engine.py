@@ -133,8 +133,8 @@ def submit_arguments(spec: JobSpec, job_id: str, *, upload_working_dir: bool = F
     ]
     if refused:
         raise BadInput(
-            f"a Ray job cannot take {', '.join(refused)}: its entrypoint runs once, on one node, as soon as its "
-            "resources are free (spread work across nodes from the entrypoint, with Ray)"
+            f"a Ray job cannot take {', '.join(refused)}: Ray runs a job's entrypoint once, on one node, as soon as "
+            "its resources are free (spread work over nodes from the entrypoint, with Ray's tasks or Ray Train)"
         )
     if upload_working_dir and not spec.cwd:
         raise BadInput("uploading the working directory to Ray needs the job's directory (cwd)")
