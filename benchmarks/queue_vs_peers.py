@@ -116,7 +116,7 @@ def tsp_throughput(jobs: int, work: Path) -> dict | None:
     ):
         time.sleep(0.2)
     elapsed = time.perf_counter() - started
-    server = subprocess.run(["pgrep", "-f", "^tsp"], capture_output=True, text=True).stdout.split()
+    server = subprocess.run(["pgrep", "-x", "tsp"], capture_output=True, text=True).stdout.split()
     rss = max((rss_bytes(int(pid)) for pid in server), default=0)
     subprocess.run([binary, "-K"], env=env, capture_output=True)
     return {
