@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -203,6 +204,16 @@ BASES: dict[tuple[str, ...], dict[str, list[str]]] = {
     ("report",): {"*": ["run.rlm"], "record": []},
     ("catalog", "gpus"): {"*": []},
     ("catalog", "instances"): {"*": []},
+    # the queue: the fuzz runs a daemon of its own (REDLINE_QUEUE_DIR); a submit only as a dry run
+    ("submit",): {"*": ["--dry-run"]},
+    ("jobs",): {"*": []},
+    ("cancel",): {"*": ["1"], "ids": []},
+    ("hold",): {"*": []},
+    ("release",): {"*": []},
+    ("logs",): {"*": []},
+    ("queue", "status"): {"*": []},
+    ("queue", "daemon"): {"*": ["--max-jobs-per-user", "0"], "--max-jobs-per-user": ["--policy", "nope"]},
+    ("queue", "unit"): {"*": []},
 }
 
 
@@ -263,7 +274,9 @@ def test_no_bad_value_of_any_option_gets_a_traceback(tmp_path: Path) -> None:
 
     (tmp_path / "train.py").write_text("print('trained')\n")
     Store.open(tmp_path / "run.rlm").close()  # an empty record: report refuses it, options first
-    env = {"REDLINE_HOME": str(tmp_path / "home")}
+    queue = tmp_path / "queue"
+    env = {"REDLINE_HOME": str(tmp_path / "home"), "REDLINE_QUEUE_DIR": str(queue)}
+    assert run_cli("queue", "status", env=env).returncode == 0  # the queue's daemon: started on first use
 
     def run(case):
         argv = case[2]
@@ -281,6 +294,9 @@ def test_no_bad_value_of_any_option_gets_a_traceback(tmp_path: Path) -> None:
         return None
 
     cases = _cases()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        problems = [p for p in pool.map(run, cases) if p]
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            problems = [p for p in pool.map(run, cases) if p]
+    finally:
+        os.kill(int((queue / "daemon.lock").read_text()), signal.SIGTERM)
     assert not problems, f"{len(problems)} of {len(cases)} cases:\n" + "\n".join(problems)

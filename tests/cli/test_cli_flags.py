@@ -37,7 +37,25 @@ FLAGS: dict[str, set[str]] = {
         *("--budget", "--cache-dir", "--dry-run", "--html", "--json", "--max-trials", "--nproc-per-node", "--output"),
         "--plan",
         *("--space", "--steps", "--trial-steps", "--trial-timeout", "--warmup", "-o"),
+        # the model, for the planner's ranking
+        *("--model", "-m", "--seq-len", "--input-shape"),
     },
+    # the queue (issue 18)
+    "submit": {
+        *("--gpus", "--gpu-memory", "--plan", "--exclusive", "--priority", "--after", "--retries", "--time-limit"),
+        *("--name", "--hold", "--share-logs", "--engine", "--nodes", "--queue", "--image", "--kind", "--namespace"),
+        *("--address", "--dry-run", "--json"),
+    },
+    "jobs": {"--all", "--engine", "--namespace", "--address", "--json"},
+    "cancel": {"--engine", "--namespace", "--address", "--json"},
+    "hold": {"--json"},
+    "release": {"--json"},
+    "logs": {"--follow", "-f"},
+    "queue status": {"--json"},
+    "queue daemon": {
+        *("--dir", "--policy", "--max-jobs-per-user", "--max-gpus-per-user", "--retry-backoff", "--metrics-port"),
+    },
+    "queue unit": set(),
     "catalog gpus": {"--json"},
     "catalog instances": {"--gpu", "--json", "--max-price", "--provider"},
 }

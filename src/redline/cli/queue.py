@@ -38,9 +38,22 @@ def submit(
     name: str = typer.Option("", "--name", help="A name for `redline jobs`."),
     hold: bool = typer.Option(False, "--hold", help="Queue it held: it starts after `redline release`."),
     share_logs: bool = typer.Option(False, "--share-logs", help="Other users may read its log."),
+    engine: str = typer.Option(
+        "local",
+        "--engine",
+        help="local (this machine's queue), slurm, ray or kubernetes: the same job past one server.",
+    ),
+    nodes: int = typer.Option(1, "--nodes", help="Slurm or Kubernetes: nodes, each with --gpus GPUs."),
+    queue: str | None = typer.Option(None, "--queue", help="A Slurm partition, or a Kueue LocalQueue."),
+    image: str | None = typer.Option(None, "--image", help="Kubernetes: the container image the job runs in."),
+    kind: str | None = typer.Option(None, "--kind", help="Kubernetes: job, trainjob or pytorchjob (default by nodes)."),
+    namespace: str = typer.Option("default", "--namespace", help="Kubernetes: the namespace."),
+    address: str | None = typer.Option(None, "--address", help="Ray: the dashboard address (default $RAY_ADDRESS)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be submitted (a script, JSON, YAML)."),
     json_output: bool = typer.Option(False, "--json", help="The queued job as JSON."),
 ) -> None:
-    """Queue a job: it starts when GPUs with room for it are free, as the user who submitted it."""
+    """Queue a job: it starts when GPUs with room for it are free, as the user who submitted it; or hand it to
+    Slurm, Ray or Kubernetes."""
     from redline.queue.client import request
     from redline.queue.spec import JobSpec
     from redline.units import parse_bytes, parse_duration
@@ -64,7 +77,29 @@ def submit(
         cwd=os.getcwd(),
         env=dict(os.environ),
         plan=str(plan.resolve()) if plan is not None else None,
+        nodes=nodes,
+        queue=queue,
     )
+    if engine != "local":
+        from redline.queue.engines import engine as make
+
+        target = make(engine, image=image, kind=kind, namespace=namespace, address=address)
+        if dry_run:
+            typer.echo(target.render(spec), nl=False)
+            return
+        job_id = target.submit(spec)
+        if json_output:
+            ui.print_json({"engine": engine, "id": job_id})
+            return
+        ui.console.print(f"{engine} job {job_id} ({spec.label}) submitted")
+        return
+    if nodes > 1 or queue is not None:
+        raise BadInput(
+            "the local queue runs jobs on this machine: --nodes and --queue go with --engine slurm|kubernetes"
+        )
+    if dry_run:
+        ui.print_json(spec.to_dict() | {"env": sorted(spec.env)})
+        return
     job = request({"op": "submit", "spec": spec.to_dict(), "hold": hold, "share": share_logs})["job"]
     if json_output:
         ui.print_json(job)
@@ -74,14 +109,24 @@ def submit(
 
 def jobs(
     everything: bool = typer.Option(False, "--all", help="Every job the queue has had, not the live and latest."),
+    engine: str = typer.Option(
+        "local", "--engine", help="local, slurm, ray, kubernetes, or all: the jobs redline gave each engine."
+    ),
+    namespace: str = typer.Option("default", "--namespace", help="Kubernetes: the namespace."),
+    address: str | None = typer.Option(None, "--address", help="Ray: the dashboard address (default $RAY_ADDRESS)."),
     json_output: bool = typer.Option(False, "--json", help="The jobs as JSON."),
 ) -> None:
-    """The queue's jobs: what runs where, what waits and why, how the latest ended."""
+    """The queue's jobs: what runs where, what waits and why, how the latest ended; with --engine, those redline
+    handed to Slurm, Ray or Kubernetes."""
     from redline.queue.client import request
+    from redline.queue.engines import ENGINES
 
-    listed = request({"op": "jobs", "all": everything})["jobs"]
+    if engine not in ("local", "all", *ENGINES):
+        raise BadInput(f"--engine is local, {', '.join(ENGINES)} or all; not {engine!r}")
+    listed = request({"op": "jobs", "all": everything})["jobs"] if engine in ("local", "all") else []
+    remote = _engine_jobs(ENGINES if engine == "all" else (engine,) if engine != "local" else (), namespace, address)
     if json_output:
-        ui.print_json({"jobs": listed})
+        ui.print_json({"jobs": listed, "engines": [j.to_dict() for j in remote]})
         return
     from rich.table import Table
 
@@ -107,6 +152,36 @@ def jobs(
             job["reason"],
         )
     ui.console.print(table)
+    if remote:
+        _print_engine_jobs(remote)
+
+
+def _engine_jobs(names, namespace: str, address: str | None) -> list:
+    """The jobs redline gave each engine in ``names``; with several (``--engine all``), one that cannot be asked
+    (no client, no cluster) is said and skipped."""
+    from redline.errors import RedlineError
+    from redline.queue.engines import engine
+
+    found = []
+    for name in names:
+        try:
+            found += engine(name, namespace=namespace, address=address).jobs()
+        except RedlineError as exc:
+            if len(names) == 1:
+                raise
+            ui.warn(f"{name}: {exc}")
+    return found
+
+
+def _print_engine_jobs(remote: list) -> None:
+    from rich.table import Table
+
+    table = Table(title="redline jobs on other engines")
+    for column in ("engine", "id", "name", "state", "why, or how it ended"):
+        table.add_column(column)
+    for job in remote:
+        table.add_row(job.engine, job.id, job.name, job.state, job.reason)
+    ui.console.print(table)
 
 
 def _change(op: str, ids: list[str], json_output: bool) -> None:
@@ -127,10 +202,25 @@ def _change(op: str, ids: list[str], json_output: bool) -> None:
 
 
 def cancel(
-    ids: list[str] = typer.Argument(..., help="Job ids."), json_output: bool = typer.Option(False, "--json")
+    ids: list[str] = typer.Argument(..., help="Job ids."),
+    engine: str = typer.Option("local", "--engine", help="local, slurm, ray or kubernetes: whose ids they are."),
+    namespace: str = typer.Option("default", "--namespace", help="Kubernetes: the namespace."),
+    address: str | None = typer.Option(None, "--address", help="Ray: the dashboard address (default $RAY_ADDRESS)."),
+    json_output: bool = typer.Option(False, "--json"),
 ) -> None:
     """Cancel jobs: a waiting one leaves the queue, a running one is stopped (SIGTERM, SIGKILL after 10 s)."""
-    _change("cancel", ids, json_output)
+    if engine == "local":
+        _change("cancel", ids, json_output)
+        return
+    from redline.queue.engines import engine as make
+
+    target = make(engine, namespace=namespace, address=address)
+    for job_id in ids:
+        target.cancel(job_id)
+        if not json_output:
+            ui.console.print(f"{engine} job {job_id}: cancelled")
+    if json_output:
+        ui.print_json({"engine": engine, "cancelled": ids})
 
 
 def hold(
