@@ -24,19 +24,40 @@ from slurmlocal import LocalSlurm, unavailable_reason
 HANG_S = 300.0  # only a hung cluster gets here: each wait ends when the job does
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A local Slurm for this module, its SLURM_CONF in the environment; everything it made is gone afterwards."""
-    reason = unavailable_reason()
+def _local_slurm(**options):
+    """A local Slurm for this module; everything it made is gone afterwards."""
+    reason = unavailable_reason(options.get("accounting", False))
     if reason:
         pytest.skip(reason)
     root = Path(tempfile.mkdtemp(prefix="redline-slurm-"))
     try:
-        with LocalSlurm(root / "cluster", gpus=2) as running, pytest.MonkeyPatch.context() as patch:
-            patch.setenv("SLURM_CONF", str(running.conf))
+        with LocalSlurm(root / "cluster", gpus=2, **options) as running:
             yield running
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster_without_accounting():
+    yield from _local_slurm()
+
+
+@pytest.fixture(scope="module")
+def cluster_with_accounting():
+    """With slurmdbd, and a controller that forgets an ended job after 2 s, so sacct has to answer for it."""
+    yield from _local_slurm(accounting=True, min_job_age_s=2)
+
+
+@pytest.fixture
+def cluster(cluster_without_accounting, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SLURM_CONF", str(cluster_without_accounting.conf))
+    return cluster_without_accounting
+
+
+@pytest.fixture
+def accounted(cluster_with_accounting, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("SLURM_CONF", str(cluster_with_accounting.conf))
+    return cluster_with_accounting
 
 
 @pytest.fixture
@@ -302,6 +323,44 @@ def test_time_limit_ends_the_job(workdir: Path):
     job = wait_final(job_id)
     assert job.state == "failed" and job.reason.startswith("TIMEOUT")
     assert job.ended_at - job.started_at >= 60
+
+
+# ---- with accounting: sacct ----
+
+
+def test_sacct_reads_what_squeue_does(accounted, tmp_path: Path):
+    """The same ended jobs from the controller (squeue --json) and from accounting (sacct -P). Not their names:
+    slurmdbd may name a job that just ended "allocation" for a while (the next test reads a name from sacct)."""
+    lines = ("true", "exit 4", "kill -TERM $$", "sleep 600")
+    ids = [slurm.submit(sh(line, tmp_path, name=f"acct{i}")) for i, line in enumerate(lines)]
+    wait_running(ids[-1])
+    slurm.cancel(ids[-1])
+    from_squeue = {job_id: wait_final(job_id) for job_id in ids}
+    deadline = time.monotonic() + HANG_S
+    while True:  # slurmctld sends the records to slurmdbd as it goes: each lands within moments
+        from_sacct = slurm._accounted_jobs(ids=ids)
+        if len(from_sacct) == len(ids) and all(job.state in FINAL_STATES for job in from_sacct.values()):
+            break
+        assert time.monotonic() < deadline, from_sacct
+        time.sleep(0.5)
+    for job_id in ids:
+        a, b = from_sacct[job_id], from_squeue[job_id]
+        assert (a.state, a.exit_code, a.user) == (b.state, b.exit_code, b.user)
+        assert (a.submitted_at, a.started_at, a.ended_at) == (b.submitted_at, b.started_at, b.ended_at)
+    assert [from_sacct[i].state for i in ids] == ["done", "failed", "failed", "cancelled"]
+    assert [from_sacct[i].exit_code for i in ids] == [0, 4, 128 + 15, 128 + 15]
+
+
+def test_status_after_the_controller_forgets_comes_from_sacct(accounted, tmp_path: Path):
+    job_id = slurm.submit(sh("exit 5", tmp_path, name="forgotten"))
+    assert wait_final(job_id).exit_code == 5
+    deadline = time.monotonic() + HANG_S
+    while job_id in slurm._live_jobs():  # slurmctld purges ended jobs past MinJobAge (2 s here) within seconds
+        assert time.monotonic() < deadline, "slurmctld still holds the job"
+        time.sleep(1)
+    job = slurm.status([job_id])[job_id]
+    assert (job.state, job.exit_code, job.name) == ("failed", 5, "forgotten")
+    assert job_id in {job.id for job in slurm.jobs()}
 
 
 # ---- Slurm's newer JSON ----

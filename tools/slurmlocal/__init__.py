@@ -3,7 +3,10 @@
 ``LocalSlurm(root, gpus=2)`` writes slurm.conf and gres.conf under ``root`` (GPUs as character devices made
 there with mknod: gres.conf with ``AutoDetect=off`` takes any device file, no GPU needed), starts munged with its
 own key and socket, then slurmctld and slurmd in the foreground as its children, and waits for the node to be
-idle. Slurm's commands find this cluster through ``SLURM_CONF`` (``cluster.env``). ``stop()`` cancels the jobs
+idle. ``accounting=True`` adds what ``sacct`` reads: a MariaDB server in the directory (its own data, a TCP port
+on 127.0.0.1) and slurmdbd, with the cluster registered (Debian's ``slurmdbd mariadb-server``).
+
+Slurm's commands find this cluster through ``SLURM_CONF`` (``LocalSlurm.env``). ``stop()`` cancels the jobs
 left, stops the daemons and ends any process still carrying this cluster's SLURM_CONF (a job's slurmstepd
 outlives slurmd). It needs root (slurmd starts jobs as their users) and Debian's ``slurmctld slurmd
 slurm-client munge``. ``PYTHONPATH=tools python -m slurmlocal DIR`` holds one open until Ctrl-C.
@@ -24,6 +27,7 @@ from pathlib import Path
 NODE = "redline0"
 PARTITION = "debug"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
+ACCOUNTING_PROGRAMS = ("mariadbd", "mariadb-install-db", "slurmdbd", "sacctmgr", "sacct")
 START_DEADLINE_S = 120.0  # daemons that are not up by then will not come up; each step returns as soon as it is
 STOP_DEADLINE_S = 60.0
 
@@ -38,12 +42,17 @@ def _program(name: str) -> str | None:
     )
 
 
-def unavailable_reason() -> str | None:
-    """Why a local Slurm cannot run here; None when it can (as far as can be told without starting one)."""
+def unavailable_reason(accounting: bool = False) -> str | None:
+    """Why a local Slurm (with accounting, when asked) cannot run here; None when it can (as far as can be told
+    without starting one)."""
     missing = [name for name in PROGRAMS if _program(name) is None]
     if missing:
         install = "apt-get install slurmctld slurmd slurm-client munge"
         return f"Slurm is not installed ({', '.join(missing)} missing): {install}"
+    missing = [name for name in ACCOUNTING_PROGRAMS if accounting and _program(name) is None]
+    if missing:
+        install = "apt-get install slurmdbd mariadb-server"
+        return f"Slurm accounting is not installed ({', '.join(missing)} missing): {install}"
     if os.geteuid() != 0:
         return "a local Slurm needs root: slurmd starts each job as its user"
     return None
@@ -55,12 +64,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 class LocalSlurm:
     """One slurmctld and one slurmd (node ``redline0``, partition ``debug``) with ``gpus`` GPUs, under ``root``."""
 
-    def __init__(self, root: Path, gpus: int = 2, cpus: int = 8, min_job_age_s: int = 300) -> None:
+    def __init__(
+        self, root: Path, gpus: int = 2, cpus: int = 8, min_job_age_s: int = 300, accounting: bool = False
+    ) -> None:
         self.root = Path(root).absolute()
         self.gpus = gpus
+        self.accounting = accounting
         self.cpus = cpus  # slurmd is told to believe it (config_overrides), so tests can run jobs side by side
         self.min_job_age_s = min_job_age_s
         self.conf = self.root / "slurm.conf"
@@ -87,7 +105,19 @@ class LocalSlurm:
                     raise SlurmUnavailable(f"cannot make the GPU device files slurmd needs (mknod): {exc}") from None
             devices.append(device)
         ctld_port, slurmd_port = _free_port(), _free_port()
+        self.db_port, self.dbd_port = _free_port(), _free_port()
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        if self.accounting:
+            accounting = [
+                "AccountingStorageType=accounting_storage/slurmdbd",
+                "AccountingStorageHost=127.0.0.1",
+                f"AccountingStoragePort={self.dbd_port}",
+                f"AccountingStoragePass={root}/munge/munge.socket",  # the munge socket for slurmdbd's connections
+                "AccountingStorageTRES=gres/gpu",
+                "JobAcctGatherType=jobacct_gather/linux",
+            ]
+        else:
+            accounting = ["AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none"]
         self.conf.write_text(
             "\n".join(
                 [
@@ -111,8 +141,7 @@ class LocalSlurm:
                     "SelectTypeParameters=CR_Core",
                     "SlurmdParameters=config_overrides",
                     "GresTypes=gpu",
-                    "JobAcctGatherType=jobacct_gather/none",
-                    "AccountingStorageType=accounting_storage/none",
+                    *accounting,
                     "JobCompType=jobcomp/none",
                     "MpiDefault=none",
                     "ReturnToService=2",
@@ -129,6 +158,70 @@ class LocalSlurm:
         lines = ["AutoDetect=off"]
         lines += [f"NodeName={NODE} Name=gpu File={device}" for device in devices]
         (root / "gres.conf").write_text("\n".join(lines) + "\n")
+        if self.accounting:
+            dbd_conf = root / "slurmdbd.conf"  # slurmdbd reads it beside slurm.conf; it must be private
+            dbd_conf.write_text(
+                "\n".join(
+                    [
+                        "AuthType=auth/munge",
+                        f"AuthInfo=socket={root}/munge/munge.socket",
+                        "DbdHost=localhost",
+                        "DbdAddr=127.0.0.1",
+                        f"DbdPort={self.dbd_port}",
+                        "SlurmUser=root",
+                        f"LogFile={root}/log/slurmdbd.log",
+                        f"PidFile={root}/slurmdbd.pid",
+                        "StorageType=accounting_storage/mysql",
+                        "StorageHost=127.0.0.1",
+                        f"StoragePort={self.db_port}",
+                        "StorageUser=root",
+                        "StorageLoc=slurm_acct_db",
+                    ]
+                )
+                + "\n"
+            )
+            dbd_conf.chmod(0o600)
+
+    def _start_accounting(self, deadline: float) -> None:
+        """MariaDB on its own data directory and port, slurmdbd on it, and this cluster registered there."""
+        data = self.root / "mariadb"
+        install = subprocess.run(
+            [
+                _program("mariadb-install-db") or "mariadb-install-db",
+                "--no-defaults",
+                f"--datadir={data}",
+                "--user=root",
+                "--auth-root-authentication-method=normal",  # root without a password, over TCP too
+                "--skip-test-db",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=START_DEADLINE_S,
+            check=False,
+        )
+        if install.returncode != 0:
+            raise SlurmUnavailable(f"mariadb-install-db failed: {install.stderr.strip()[-300:]}")
+        self._spawn(
+            "mariadbd",
+            "--no-defaults",
+            f"--datadir={data}",
+            "--user=root",
+            f"--socket={self.root}/mariadb.sock",
+            "--bind-address=127.0.0.1",
+            f"--port={self.db_port}",
+            f"--pid-file={self.root}/mariadb.pid",
+            f"--log-error={self.root}/log/mariadbd.log",
+        )
+        self._wait("mariadbd", lambda: _listening(self.db_port), deadline)
+        self._spawn("slurmdbd", "-D")
+        self._wait("slurmdbd", lambda: _listening(self.dbd_port), deadline)
+        self._wait("the cluster's registration", self._register_cluster, deadline)
+
+    def _register_cluster(self) -> bool:
+        """Add this cluster to the accounting (slurmctld will not start without it); True once it is there."""
+        self.command("sacctmgr", "-i", "add", "cluster", "redline")
+        listed = self.command("sacctmgr", "-n", "-P", "list", "cluster", "format=cluster")
+        return "redline" in listed.stdout.split()
 
     # ---- daemons ----
 
@@ -179,7 +272,7 @@ class LocalSlurm:
         return result.stdout.strip() if result.returncode == 0 else ""
 
     def start(self) -> LocalSlurm:
-        reason = unavailable_reason()
+        reason = unavailable_reason(self.accounting)
         if reason:
             raise SlurmUnavailable(reason)
         self._write_config()
@@ -197,6 +290,8 @@ class LocalSlurm:
                 f"--seed-file={munge}/munged.seed",
             )
             self._wait("munged", (munge / "munge.socket").exists, deadline)
+            if self.accounting:
+                self._start_accounting(deadline)
             self._spawn("slurmctld", "-D", "-i", "-f", str(self.conf))
             self._wait("slurmctld", lambda: self.command("scontrol", "ping").stdout.count("UP") > 0, deadline)
             self._spawn("slurmd", "-D", "-N", NODE, "-f", str(self.conf))
@@ -223,7 +318,7 @@ class LocalSlurm:
             with contextlib.suppress(subprocess.TimeoutExpired, OSError):
                 self.command("scancel", "--user", "root", timeout=30)
         deadline = time.monotonic() + STOP_DEADLINE_S
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in ("slurmd", "slurmctld", "slurmdbd", "mariadbd", "munged"):
             process = self._daemons.pop(name, None)
             if process is None or process.poll() is not None:
                 continue

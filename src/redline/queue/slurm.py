@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -385,16 +386,27 @@ SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "User", "Submit", "Star
 
 
 def parse_sacct(text: str) -> dict[str, EngineJob]:
-    """Jobs from ``sacct -X -P -n --format=`` SACCT_FIELDS: ``|``-separated, one allocation per line. sacct's
-    state may carry who cancelled (``CANCELLED by 1000``): the first word is the state."""
-    jobs = {}
+    """Jobs from ``sacct -P -n --format=`` SACCT_FIELDS: ``|``-separated, a job's line, then its steps'
+    (``12.batch``, ``12.0``). sacct's state may carry who cancelled (``CANCELLED by 1000``): the first word is the
+    state. A cancelled job's own line says ``0:0``; its batch step has the signal that ended the script, which is
+    the job's exit code as squeue gives it. A job that ended moments ago may still be named ``allocation`` there
+    (slurmdbd's name for a job whose start it recorded without one); by the time the controller has forgotten it,
+    it has its name."""
+    jobs: dict[str, EngineJob] = {}
+    batch_codes: dict[str, int | None] = {}
     for line in text.splitlines():
         values = line.split("|")
         if len(values) != len(SACCT_FIELDS):
             continue
         fields = dict(zip(SACCT_FIELDS, values, strict=True))
-        job = _row(fields, [fields["State"].split(" ", 1)[0]], "")
-        jobs[job.id] = job
+        job_id, _, step = fields["JobID"].partition(".")
+        if step == "batch":
+            batch_codes[job_id] = _colon_exit_code(fields["ExitCode"])
+        elif not step:
+            jobs[job_id] = _row(fields, [fields["State"].split(" ", 1)[0]], "")
+    for job_id, job in jobs.items():
+        if job.state == "cancelled" and not job.exit_code and batch_codes.get(job_id):
+            jobs[job_id] = replace(job, exit_code=batch_codes[job_id])
     return jobs
 
 
@@ -413,7 +425,7 @@ def _accounted_jobs(*, ids: Sequence[str] = (), user: str | None = None) -> dict
     if shutil.which("sacct") is None:
         return {}
     selection = ["-j", ",".join(ids)] if ids else ["-u", user or ""]
-    result = _run(["sacct", "-X", "-P", "-n", f"--format={','.join(SACCT_FIELDS)}", *selection])
+    result = _run(["sacct", "-P", "-n", f"--format={','.join(SACCT_FIELDS)}", *selection])
     return parse_sacct(result.stdout) if result.returncode == 0 else {}
 
 
