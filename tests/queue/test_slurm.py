@@ -160,13 +160,13 @@ def _run_launch(script: str, tmp_path: Path) -> list[str]:
 
 
 def test_render_several_nodes_runs_torchrun_under_srun(tmp_path: Path):
-    spec = JobSpec(argv=("python", "train.py", "--name", "a b"), nodes=2, gpus=4)
+    spec = JobSpec(argv=("python", "train.py", "--name", "a b", "$HOME"), nodes=2, gpus=4)
     script = slurm.render(spec)
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
     assert "#SBATCH --gres=gpu:4" in script
     assert (
         'exec srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 4 --rdzv-id "$SLURM_JOB_ID" '
-        "--rdzv-backend c10d --rdzv-endpoint \"$head_addr:29500\" --no-python python train.py --name 'a b'"
+        "--rdzv-backend c10d --rdzv-endpoint \"$head_addr:29500\" --no-python python train.py --name 'a b' '$HOME'"
     ) in script.splitlines()
     argv = _run_launch(script, tmp_path)
     assert argv == [
@@ -185,6 +185,7 @@ def test_render_several_nodes_runs_torchrun_under_srun(tmp_path: Path):
         "train.py",
         "--name",
         "a b",
+        "$HOME",
     ]
 
 

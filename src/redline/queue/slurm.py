@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from redline.errors import BadInput, RedlineError
-from redline.queue.spec import EngineJob, JobSpec, quoted
+from redline.queue.spec import FINAL_STATES, EngineJob, JobSpec, quoted
 from redline.runtime.launch import PLAN_ENV
 
 ENGINE = "slurm"
@@ -99,29 +99,20 @@ def _launch(spec: JobSpec) -> list[str]:
         return [f"exec {quoted(argv)}"]
     if spec.gpus == 0:
         return [f"exec srun {quoted(argv)}"]
-    torchrun = [
-        "--nnodes",
-        "$SLURM_NNODES",
-        "--nproc-per-node",
-        str(spec.gpus),
-        "--rdzv-id",
-        "$SLURM_JOB_ID",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"$head_addr:{RDZV_PORT}",
-    ]
+    # the script's own variables, double-quoted so bash expands them; the argv's words are all quoted literally
+    rendezvous = (
+        f'--nnodes "$SLURM_NNODES" --nproc-per-node {spec.gpus} --rdzv-id "$SLURM_JOB_ID" '
+        f'--rdzv-backend c10d --rdzv-endpoint "$head_addr:{RDZV_PORT}"'
+    )
     if Path(argv[0]).name == "torchrun":
-        command = [argv[0], *torchrun, *argv[1:]]
+        command = f"{quoted(argv[:1])} {rendezvous} {quoted(argv[1:])}".rstrip()
     else:
-        command = ["torchrun", *torchrun, "--no-python", *argv]
-    # the $-words are the script's own variables: left unquoted (double-quoted) so bash expands them
-    words = [f'"{word}"' if word.startswith("$") else quoted([word]) for word in command]
+        command = f"torchrun {rendezvous} --no-python {quoted(argv)}"
     return [
         "# the first node hosts the rendezvous; its address as that node reports it",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "head_addr=$(srun --nodes=1 --ntasks=1 -w \"$head\" hostname --ip-address | awk '{print $1}')",
-        f"exec srun {' '.join(words)}",
+        f"exec srun {command}",
     ]
 
 
@@ -130,9 +121,10 @@ def render(spec: JobSpec, output: str | None = None) -> str:
 
     ``output`` is the job's log (stdout and stderr together), relative to its working directory; Slurm fills
     in ``%j`` (the job id) and ``%x`` (its name). Per-GPU memory has no Slurm request (GPUs are whole devices,
-    never shared between jobs, so ``exclusive`` holds already); ``priority`` becomes ``--nice`` (its negative:
-    Slurm lets only operators raise a job's priority); ``retries`` above 0 lets Slurm requeue the job after a
-    node failure or preemption (Slurm does not count them); ``after`` waits for those jobs to end well."""
+    never shared between jobs, so ``exclusive`` holds already); ``priority`` P becomes ``--nice=-P`` (a higher
+    priority is a lower nice value; sbatch takes one below 0 from operators only); ``retries`` above 0 lets Slurm
+    requeue the job after a node failure or preemption (Slurm does not count them); ``after`` waits for those jobs
+    to end well; ``plan`` reaches the job as REDLINE_PLAN, an absolute path, as `redline run` hands it."""
     lines = ["#!/bin/bash", _directive("job-name", spec.label), _directive("nodes", spec.nodes)]
     if spec.nodes > 1:
         lines.append(_directive("ntasks-per-node", 1))
@@ -315,8 +307,8 @@ def parse_squeue_json(text: str) -> dict[str, EngineJob]:
         raw_state = job.get("job_state") or []
         words = [raw_state] if isinstance(raw_state, str) else raw_state
         state, reason = _state(words, job.get("state_reason") or "")
-        ended = state in ("done", "failed", "cancelled", "lost")
-        started = _epoch(job.get("start_time")) if state != "queued" else None
+        ended = state in FINAL_STATES
+        started = _epoch(job.get("start_time")) if state not in ("queued", "held") else None  # else: an estimate
         jobs[_job_id(job)] = EngineJob(
             engine=ENGINE,
             id=_job_id(job),
@@ -351,7 +343,8 @@ def _colon_exit_code(text: str) -> int | None:
 def _row(fields: Mapping[str, str], state_words: list[str], reason: str) -> EngineJob:
     """One job from scontrol's or sacct's fields (JobId, JobName, ExitCode, the times, the user)."""
     state, why = _state(state_words, reason)
-    ended = state in ("done", "failed", "cancelled", "lost")
+    ended = state in FINAL_STATES
+    started = None if state in ("queued", "held") else _local_time(fields.get("StartTime") or fields.get("Start", ""))
     user = fields.get("UserId") or fields.get("User") or ""
     return EngineJob(
         engine=ENGINE,
@@ -361,9 +354,9 @@ def _row(fields: Mapping[str, str], state_words: list[str], reason: str) -> Engi
         exit_code=_colon_exit_code(fields.get("ExitCode", "")) if ended else None,
         reason=why,
         user=user.split("(", 1)[0],
-        submitted_at=_local_time(fields.get("SubmitTime") or fields.get("Submit") or ""),
-        started_at=_local_time(fields.get("StartTime") or fields.get("Start") or "") if state != "queued" else None,
-        ended_at=_local_time(fields.get("EndTime") or fields.get("End") or "") if ended else None,
+        submitted_at=_local_time(fields.get("SubmitTime") or fields.get("Submit", "")),
+        started_at=started,
+        ended_at=_local_time(fields.get("EndTime") or fields.get("End", "")) if ended else None,
     )
 
 
