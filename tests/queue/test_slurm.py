@@ -284,7 +284,7 @@ def test_sbatch_refusals_are_one_line(workdir: Path, fields, words):
     assert str(caught.value).startswith("sbatch refused the job: ") and "\n" not in str(caught.value)
 
 
-def test_queued_behind_a_dependency_then_listed(workdir: Path):
+def test_queued_behind_a_dependency_held_released_listed(cluster, workdir: Path):
     first = slurm.submit(sh("sleep 600", workdir, name="first"))
     second = slurm.submit(sh("true", workdir, name="second", after=(first,)))
     job = slurm.status([second])[second]
@@ -293,6 +293,11 @@ def test_queued_behind_a_dependency_then_listed(workdir: Path):
     while (job := slurm.status([second])[second]).reason != "Dependency":
         assert time.monotonic() < deadline, job
         time.sleep(0.2)
+    cluster.command("scontrol", "hold", second)
+    job = slurm.status([second])[second]
+    assert (job.state, job.started_at) == ("held", None) and job.reason.startswith("JobHeld")
+    cluster.command("scontrol", "release", second)
+    assert slurm.status([second])[second].state == "queued"
     listed = {job.id: job for job in slurm.jobs()}
     assert listed[second].state == "queued" and listed[first].name == "first"
     assert slurm.jobs(user="nobody-here") == []

@@ -403,11 +403,17 @@ def parse_sacct(text: str) -> dict[str, EngineJob]:
     return jobs
 
 
-def _live_jobs() -> dict[str, EngineJob]:
-    """Every job the controller holds: live ones, and ended ones for MinJobAge."""
-    result = _run(["squeue", "--json"])
-    if result.returncode == 0:
-        return parse_squeue_json(result.stdout)
+def _live_jobs(ids: Sequence[str] = (), user: str | None = None) -> dict[str, EngineJob]:
+    """The jobs the controller holds (live ones, and ended ones for MinJobAge): all of them, or those asked for.
+
+    The selection (``--jobs``, ``--user``) spares a large cluster's controller a dump of every job where squeue
+    honours it with ``--json``; Slurm 22.05 does not, so the callers pick their jobs out of the answer anyway.
+    Where squeue refuses the selection (an id it does not know), it is asked for everything."""
+    selection = [f"--jobs={','.join(ids)}"] if ids else [f"--user={user}"] if user else []
+    for argv in (["squeue", "--json", *selection], ["squeue", "--json"])[: 2 if selection else 1]:
+        result = _run(argv)
+        if result.returncode == 0:
+            return parse_squeue_json(result.stdout)
     # no --json here (Slurm before 21.08, or no JSON plugin): scontrol's one-line form, which has exit codes
     return parse_scontrol_jobs(_checked(["scontrol", "show", "job", "--oneliner"]))
 
@@ -424,7 +430,7 @@ def _accounted_jobs(*, ids: Sequence[str] = (), user: str | None = None) -> dict
 
 def _known(ids: Sequence[str]) -> dict[str, EngineJob]:
     """Those of ``ids`` the controller holds, and those of the rest that accounting has."""
-    found = {job_id: job for job_id, job in _live_jobs().items() if job_id in ids}
+    found = {job_id: job for job_id, job in _live_jobs(ids=ids).items() if job_id in ids}
     missing = [job_id for job_id in ids if job_id not in found]
     if missing:
         found |= {job_id: job for job_id, job in _accounted_jobs(ids=missing).items() if job_id in missing}
@@ -452,6 +458,6 @@ def jobs(user: str | None = None) -> list[EngineJob]:
     """The user's jobs (this process's user by default), for `redline jobs`: those the controller holds, and those
     accounting has since midnight; newest first."""
     user = user or _me()
-    mine = {job_id: job for job_id, job in _live_jobs().items() if job.user == user}
+    mine = {job_id: job for job_id, job in _live_jobs(user=user).items() if job.user == user}
     mine = _accounted_jobs(user=user) | mine  # the controller's view is the fresher one
     return sorted(mine.values(), key=lambda job: (job.submitted_at or 0, job.id), reverse=True)
