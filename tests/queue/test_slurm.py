@@ -342,17 +342,16 @@ def test_sacct_reads_what_squeue_does(accounted, tmp_path: Path):
     wait_running(ids[-1])
     slurm.cancel(ids[-1])
     from_squeue = {job_id: wait_final(job_id) for job_id in ids}
+
+    def view(jobs):
+        return {i: (j.state, j.exit_code, j.user, j.submitted_at, j.started_at, j.ended_at) for i, j in jobs.items()}
+
+    # slurmctld sends the job's and its batch step's records to slurmdbd as they come: they land within moments,
+    # the step's (a cancelled job's signal) sometimes after the job's
     deadline = time.monotonic() + HANG_S
-    while True:  # slurmctld sends the records to slurmdbd as it goes: each lands within moments
-        from_sacct = slurm._accounted_jobs(ids=ids)
-        if len(from_sacct) == len(ids) and all(job.state in FINAL_STATES for job in from_sacct.values()):
-            break
-        assert time.monotonic() < deadline, from_sacct
+    while view(from_sacct := slurm._accounted_jobs(ids=ids)) != view(from_squeue):
+        assert time.monotonic() < deadline, (view(from_sacct), view(from_squeue))
         time.sleep(0.5)
-    for job_id in ids:
-        a, b = from_sacct[job_id], from_squeue[job_id]
-        assert (a.state, a.exit_code, a.user) == (b.state, b.exit_code, b.user)
-        assert (a.submitted_at, a.started_at, a.ended_at) == (b.submitted_at, b.started_at, b.ended_at)
     assert [from_sacct[i].state for i in ids] == ["done", "failed", "failed", "cancelled"]
     assert [from_sacct[i].exit_code for i in ids] == [0, 4, 128 + 15, 128 + 15]
 
