@@ -276,3 +276,18 @@ def test_a_config_that_fails_a_repeat_neither_wins_nor_counts_as_noise(tmp_path:
     outcome = tuner(tmp_path, Flaky(memory=1000 * GIB)).tune()
     assert outcome.winner.key() == DEFAULT and outcome.spread == 0.0
     assert outcome.scores["mb=64 precision=fp16"] == pytest.approx((246.0, 0.0))
+
+
+def test_a_re_tune_under_noise_replays_the_first_and_runs_nothing(tmp_path: Path) -> None:
+    """The journal holds runs the first tune made late (repeats, the final side-by-side runs). A re-tune that
+    counted them from the start would judge the early challenges on other medians, take another path and run
+    configs the journal lacks; it counts only what it has asked for, so it asks for the same, in the same order."""
+    for seed in range(10):
+        path = tmp_path / f"{seed}.jsonl"
+        device = NoisyDevice({("precision", "fp16"): 1.05}, noise=0.05, seed=seed)
+        first = tuner(tmp_path / str(seed), device, space=NOISY_SPACE, journal=Journal(path, {"s": "t"})).tune()
+        idle = NoisyDevice({}, noise=0.0, seed=seed)
+        again = tuner(tmp_path / str(seed), idle, space=NOISY_SPACE, journal=Journal(path, {"s": "t"})).tune()
+        assert idle.runs == [], seed
+        assert [(t.label, t.candidate) for t in again.trials] == [(t.label, t.candidate) for t in first.trials]
+        assert again.winner == first.winner and again.scores == first.scores

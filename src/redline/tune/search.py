@@ -305,12 +305,14 @@ class Tuner:
     # ------------------------------------------------------------------------------------------- scores
 
     def runs(self, candidate: Candidate) -> list[float]:
-        """The speeds of every run of ``candidate`` in the journal (its key, then ``#2``, ``#3``...); a run that
-        did not end ``ok`` counts as 0, so a config that fails now and then does not win on its good runs."""
-        speeds, repeat = [], 1
-        while (result := self.journal.get(candidate.key() + (f" #{repeat}" if repeat > 1 else ""))) is not None:
+        """The speeds of the runs of ``candidate`` this search has asked for so far (its key, then ``#2``,
+        ``#3``...), from the journal; a run that did not end ``ok`` counts as 0, so a config that fails now and
+        then does not win on its good runs. Runs the journal holds from later in an earlier search do not count
+        yet: a re-tune replays the same decisions, so it asks for nothing the journal lacks."""
+        speeds, key = [], candidate.key()
+        while key in self.asked and (result := self.journal.get(key)) is not None:
             speeds.append(self._speed(result))
-            repeat += 1
+            key = f"{candidate.key()} #{len(speeds) + 1}"
         return speeds
 
     def score(self, candidate: Candidate) -> float:
