@@ -61,6 +61,32 @@ class Kubernetes:
         return kubernetes.cancel(job_id, namespace=self.namespace)
 
 
+class Slurm:
+    """``queue.slurm``: sbatch, squeue/scontrol/sacct and scancel on this machine's cluster, as its user."""
+
+    name = "slurm"
+
+    def render(self, spec: JobSpec) -> str:
+        from redline.queue import slurm
+
+        return slurm.render(spec)
+
+    def submit(self, spec: JobSpec) -> str:
+        from redline.queue import slurm
+
+        return slurm.submit(spec)
+
+    def jobs(self) -> Sequence[EngineJob]:
+        from redline.queue import slurm
+
+        return slurm.jobs()
+
+    def cancel(self, job_id: str) -> Any:
+        from redline.queue import slurm
+
+        return slurm.cancel(job_id)
+
+
 def engine(name: str, **options: Any) -> Engine:
     """The engine ``name`` with its options (those it does not take are left out: None)."""
     given = {key: value for key, value in options.items() if value is not None}
@@ -71,7 +97,5 @@ def engine(name: str, **options: Any) -> Engine:
 
         return RayEngine(given.get("address"))
     if name == "slurm":
-        from redline.queue.slurm import SlurmEngine
-
-        return SlurmEngine()
+        return Slurm()
     raise BadInput(f"--engine is local, {', '.join(ENGINES)}; not {name!r}")
