@@ -208,6 +208,8 @@ def test_bad_input_is_one_line(queue: dict[str, str]) -> None:
         (["cancel", "abc"], "a job id is a number, not 'abc'"),
         (["cancel", "999"], "no job 999"),
         (["logs", "999"], "no job 999"),
+        (["hold", "99999999999999999999"], "no job 99999999999999999999"),  # past SQLite's integers
+        (["submit", "--after", "99999999999999999999", "--", "true"], "--after 99999999999999999999: no such job"),
         (["queue", "daemon", "--policy", "random"], "--policy is pack or spread"),
     ):
         result = run_cli(*args, env=queue)

@@ -81,17 +81,9 @@ def submit(
         queue=queue,
     )
     if engine != "local":
-        from redline.queue.engines import engine as make
-
-        target = make(engine, image=image, kind=kind, namespace=namespace, address=address)
-        if dry_run:
-            typer.echo(target.render(spec), nl=False)
-            return
-        job_id = target.submit(spec)
-        if json_output:
-            ui.print_json({"engine": engine, "id": job_id})
-            return
-        ui.console.print(f"{engine} job {job_id} ({spec.label}) submitted")
+        _submit_elsewhere(
+            spec, engine, dry_run, json_output, image=image, kind=kind, namespace=namespace, address=address
+        )
         return
     if nodes > 1 or queue is not None:
         raise BadInput(
@@ -105,6 +97,21 @@ def submit(
         ui.print_json(job)
         return
     ui.console.print(f"job {job['id']} ({job['name']}) {job['state']}")
+
+
+def _submit_elsewhere(spec: Any, engine: str, dry_run: bool, json_output: bool, **options: Any) -> None:
+    """Hand ``spec`` to Slurm, Ray or Kubernetes (``options``: the engine's own), or print what would be."""
+    from redline.queue.engines import engine as make
+
+    target = make(engine, **options)
+    if dry_run:
+        typer.echo(target.render(spec), nl=False)
+        return
+    job_id = target.submit(spec)
+    if json_output:
+        ui.print_json({"engine": engine, "id": job_id})
+        return
+    ui.console.print(f"{engine} job {job_id} ({spec.label}) submitted")
 
 
 def jobs(

@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,6 +329,10 @@ class Daemon:
                 answer = {"ok": False, "error": str(exc)}
             except (ValueError, KeyError, TypeError) as exc:
                 answer = {"ok": False, "error": f"a malformed request: {exc}"}
+            except Exception as exc:  # a bug of ours: said to the client and logged, and the daemon serves on
+                print(f"request {line[:200]!r} failed:", file=sys.stderr)  # into daemon.log
+                traceback.print_exc()
+                answer = {"ok": False, "error": f"the queue's daemon failed on this request: {exc!r}"}
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
         finally:

@@ -129,6 +129,17 @@ def manifest(
     digits; ``runtime`` is the TrainJob's ClusterTrainingRuntime.
     """
     kind = kind or ("job" if spec.nodes == 1 else "trainjob")
+    _refuse_what_cannot_be_carried(spec, kind, image)
+    metadata = _metadata(spec, namespace, name, priority_class)
+    if kind == "trainjob":
+        return _trainjob(spec, image, runtime, metadata)
+    pod = _pod(spec, image, container_name="pytorch" if kind == "pytorchjob" else "main")
+    if kind == "pytorchjob":
+        return _pytorchjob(spec, pod, metadata)
+    return _job(spec, pod, metadata)
+
+
+def _refuse_what_cannot_be_carried(spec: JobSpec, kind: str, image: str) -> None:
     if kind not in KINDS:
         raise BadInput(f"no Kubernetes kind {kind!r}: one of {', '.join(KINDS)}")
     if not image:
@@ -140,6 +151,9 @@ def manifest(
     if kind == "trainjob" and spec.retries:
         raise BadInput("a TrainJob's restarts are set by its runtime, not per job: drop --retries or use a pytorchjob")
 
+
+def _metadata(spec: JobSpec, namespace: str, name: str | None, priority_class: str | None) -> dict[str, Any]:
+    """The object's name, namespace, labels (ours, Kueue's queue and priority class) and annotations."""
     labels = dict(MANAGED_BY)
     if spec.queue:
         labels[QUEUE_LABEL] = spec.queue
@@ -149,57 +163,66 @@ def manifest(
     user = spec.env.get("USER") or spec.env.get("LOGNAME")
     if user:
         annotations[USER_ANNOTATION] = user
-    metadata = {
+    return {
         "name": name or object_name(spec.label, secrets.token_hex(3)),
         "namespace": namespace,
         "labels": labels,
         "annotations": annotations,
     }
-    deadline = math.ceil(spec.time_limit_s) if spec.time_limit_s else None
-    limits = {GPU: str(spec.gpus)} if spec.gpus else {}
 
-    if kind == "trainjob":
-        trainer: dict[str, Any] = {"image": image, "command": list(spec.argv), "numNodes": spec.nodes}
-        if spec.gpus:
-            trainer |= {"numProcPerNode": spec.gpus, "resourcesPerNode": {"limits": limits}}
-        if env := job_env(spec.env):
-            trainer["env"] = env
-        body: dict[str, Any] = {"suspend": True} if spec.queue else {}
-        body["runtimeRef"] = {"name": runtime}
-        if deadline:
-            body["activeDeadlineSeconds"] = deadline  # Trainer v2.2 and later
-        body["trainer"] = trainer
-        return {"apiVersion": "/".join(TRAINJOB[:2]), "kind": "TrainJob", "metadata": metadata, "spec": body}
 
-    container: dict[str, Any] = {
-        "name": "pytorch" if kind == "pytorchjob" else "main",  # the PyTorchJob operator looks for "pytorch"
-        "image": image,
-        "command": list(spec.argv),
-    }
+def _deadline(spec: JobSpec) -> int | None:
+    return math.ceil(spec.time_limit_s) if spec.time_limit_s else None
+
+
+def _gpu_limits(spec: JobSpec) -> dict[str, str]:
+    return {GPU: str(spec.gpus)} if spec.gpus else {}
+
+
+def _trainjob(spec: JobSpec, image: str, runtime: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    trainer: dict[str, Any] = {"image": image, "command": list(spec.argv), "numNodes": spec.nodes}
+    if spec.gpus:
+        trainer |= {"numProcPerNode": spec.gpus, "resourcesPerNode": {"limits": _gpu_limits(spec)}}
+    if env := job_env(spec.env):
+        trainer["env"] = env
+    body: dict[str, Any] = {"suspend": True} if spec.queue else {}
+    body["runtimeRef"] = {"name": runtime}
+    if deadline := _deadline(spec):
+        body["activeDeadlineSeconds"] = deadline  # Trainer v2.2 and later
+    body["trainer"] = trainer
+    return {"apiVersion": "/".join(TRAINJOB[:2]), "kind": "TrainJob", "metadata": metadata, "spec": body}
+
+
+def _pod(spec: JobSpec, image: str, container_name: str) -> dict[str, Any]:
+    """The pod template: one container running the argv (the PyTorchJob operator looks for one named "pytorch")."""
+    container: dict[str, Any] = {"name": container_name, "image": image, "command": list(spec.argv)}
     if spec.cwd:
         container["workingDir"] = spec.cwd
     if env := job_env(spec.env):
         container["env"] = env
-    if limits:
+    if limits := _gpu_limits(spec):
         container["resources"] = {"limits": limits}
-    pod = {"metadata": {"labels": dict(MANAGED_BY)}, "spec": {"restartPolicy": "Never", "containers": [container]}}
+    return {"metadata": {"labels": dict(MANAGED_BY)}, "spec": {"restartPolicy": "Never", "containers": [container]}}
 
-    if kind == "pytorchjob":
-        # ExitCode: the operator restarts a replica that ended by a signal (exit codes 128-255: preemption, a kill)
-        # and fails the job on 1-127, the program's own errors; backoffLimit counts those restarts
-        replicas = {"Master": {"replicas": 1, "restartPolicy": "ExitCode", "template": pod}}
-        if spec.nodes > 1:  # a copy: the YAML then repeats it instead of pointing to the Master's
-            replicas["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "ExitCode", "template": deepcopy(pod)}
-        run_policy: dict[str, Any] = {"backoffLimit": spec.retries}
-        if deadline:
-            run_policy["activeDeadlineSeconds"] = deadline
-        if spec.queue:
-            run_policy["suspend"] = True
-        body = {"pytorchReplicaSpecs": replicas, "runPolicy": run_policy}
-        if spec.gpus:
-            body["nprocPerNode"] = str(spec.gpus)
-        return {"apiVersion": "/".join(PYTORCHJOB[:2]), "kind": "PyTorchJob", "metadata": metadata, "spec": body}
 
+def _pytorchjob(spec: JobSpec, pod: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    # ExitCode: the operator restarts a replica that ended by a signal (exit codes 128-255: preemption, a kill)
+    # and fails the job on 1-127, the program's own errors; backoffLimit counts those restarts
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "ExitCode", "template": pod}}
+    if spec.nodes > 1:  # a copy: the YAML then repeats it instead of pointing to the Master's
+        replicas["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "ExitCode", "template": deepcopy(pod)}
+    run_policy: dict[str, Any] = {"backoffLimit": spec.retries}
+    if deadline := _deadline(spec):
+        run_policy["activeDeadlineSeconds"] = deadline
+    if spec.queue:
+        run_policy["suspend"] = True
+    body: dict[str, Any] = {"pytorchReplicaSpecs": replicas, "runPolicy": run_policy}
+    if spec.gpus:
+        body["nprocPerNode"] = str(spec.gpus)
+    return {"apiVersion": "/".join(PYTORCHJOB[:2]), "kind": "PyTorchJob", "metadata": metadata, "spec": body}
+
+
+def _job(spec: JobSpec, pod: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
     # A pod's end counts against backoffLimit (the retries) only when Kubernetes disrupted it (preemption,
     # eviction, a node drained or lost: the DisruptionTarget condition); any other non-zero exit fails the job at
     # once, as Kubernetes' docs on the pod failure policy recommend. The rules apply in order.
@@ -209,9 +232,9 @@ def manifest(
             {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}},
         ]
     }
-    body = {"suspend": True} if spec.queue else {}
+    body: dict[str, Any] = {"suspend": True} if spec.queue else {}
     body["backoffLimit"] = spec.retries
-    if deadline:
+    if deadline := _deadline(spec):
         body["activeDeadlineSeconds"] = deadline
     body |= {"podFailurePolicy": failure_policy, "template": pod}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": body}

@@ -124,6 +124,8 @@ class Store:
         return job
 
     def get(self, job_id: int) -> Job | None:
+        if not 0 < job_id < 2**63:  # SQLite's integers: a larger id is no job's (and would not bind)
+            return None
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return None if row is None else _job(row)
 
