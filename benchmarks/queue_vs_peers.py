@@ -1,5 +1,5 @@
-"""redline's queue against task-spooler (and Slurm, where its single-node harness runs) on this machine, side by
-side in one run.
+"""redline's queue against task-spooler and Slurm (where its single-node harness runs: root, Debian's slurmctld
+slurmd slurm-client munge) on this machine, side by side in one run.
 
 1. Throughput: N trivial jobs (`true`) submitted as fast as one client can, through each queue: the submit
    latency (p50, p99), the jobs started per second from the first submit to the last job's end, and the daemon's
@@ -116,8 +116,7 @@ def tsp_throughput(jobs: int, work: Path) -> dict | None:
     ):
         time.sleep(0.2)
     elapsed = time.perf_counter() - started
-    server = subprocess.run(["pgrep", "-x", "tsp"], capture_output=True, text=True).stdout.split()
-    rss = max((rss_bytes(int(pid)) for pid in server), default=0)
+    rss = max((rss_bytes(int(pid)) for pid in _pids("tsp")), default=0)
     subprocess.run([binary, "-K"], env=env, capture_output=True)
     return {
         "submit_p50_s": statistics.median(latencies),
@@ -125,6 +124,47 @@ def tsp_throughput(jobs: int, work: Path) -> dict | None:
         "jobs_per_s": jobs / elapsed,
         "daemon_rss_bytes": rss,
     }
+
+
+def slurm_throughput(jobs: int, work: Path) -> dict | None:
+    """The same jobs through a real single-node Slurm (tools/slurmlocal: slurmctld and slurmd on this machine,
+    16 CPUs declared so jobs run side by side), submitted with `sbatch --wrap true`; RSS is slurmctld's plus
+    slurmd's. None where Slurm cannot run here (not installed, not root)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from slurmlocal import LocalSlurm, SlurmUnavailable
+
+    cluster = LocalSlurm(work / "slurm", gpus=0, cpus=16)
+    try:
+        cluster.start()
+    except SlurmUnavailable as exc:
+        print(f"(no Slurm: {exc})", file=sys.stderr)
+        return None
+    try:
+        latencies = []
+        started = time.perf_counter()
+        for _ in range(jobs):
+            before = time.perf_counter()
+            done = cluster.command("sbatch", "--parsable", "--output=/dev/null", "--wrap", "true")
+            if done.returncode != 0:
+                raise RuntimeError(f"sbatch failed: {done.stderr.strip()}")
+            latencies.append(time.perf_counter() - before)
+        while cluster.command("squeue", "-h", "-o", "%i").stdout.strip():
+            time.sleep(0.2)
+        elapsed = time.perf_counter() - started
+        pids = [int(p) for name in ("slurmctld", "slurmd") for p in _pids(name)]
+        rss = sum(rss_bytes(pid) for pid in pids)
+    finally:
+        cluster.stop()
+    return {
+        "submit_p50_s": statistics.median(latencies),
+        "submit_p99_s": percentile(latencies, 0.99),
+        "jobs_per_s": jobs / elapsed,
+        "daemon_rss_bytes": rss,
+    }
+
+
+def _pids(name: str) -> list[str]:
+    return subprocess.run(["pgrep", "-x", name], capture_output=True, text=True).stdout.split()
 
 
 def packing(work: Path, seed: int = 0) -> dict:
@@ -168,23 +208,25 @@ def main() -> None:
             "jobs": args.jobs,
             "redline": redline_throughput(args.jobs, args.cli_jobs, work),
             "task_spooler": tsp_throughput(args.jobs, work),
+            "slurm": slurm_throughput(args.jobs, work),
             "packing": packing(work),
         }
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    ours, theirs, pack = result["redline"], result["task_spooler"], result["packing"]
+    ours, pack = result["redline"], result["packing"]
     print(f"{args.jobs} jobs of `true`:")
     print(
         f"  redline: submit p50 {ours['submit_p50_s'] * 1e3:.2f} ms, p99 {ours['submit_p99_s'] * 1e3:.2f} ms "
         f"(the command: p50 {ours['cli_submit_p50_s'] * 1e3:.0f} ms); {ours['jobs_per_s']:.1f} jobs/s; "
         f"daemon RSS {ours['daemon_rss_bytes'] / 2**20:.1f} MiB"
     )
-    if theirs:
-        print(
-            f"  task-spooler: submit p50 {theirs['submit_p50_s'] * 1e3:.2f} ms, p99 {theirs['submit_p99_s'] * 1e3:.2f} "
-            f"ms; {theirs['jobs_per_s']:.1f} jobs/s; server RSS {theirs['daemon_rss_bytes'] / 2**20:.1f} MiB"
-        )
+    for name, label in (("task_spooler", "task-spooler"), ("slurm", "Slurm")):
+        if theirs := result[name]:
+            print(
+                f"  {label}: submit p50 {theirs['submit_p50_s'] * 1e3:.2f} ms, p99 {theirs['submit_p99_s'] * 1e3:.2f}"
+                f" ms; {theirs['jobs_per_s']:.1f} jobs/s; daemons' RSS {theirs['daemon_rss_bytes'] / 2**20:.1f} MiB"
+            )
     print(
         f"packing 40 jobs on 8 x 80 GiB: redline {pack['redline_makespan_s']:.1f} s, one per GPU "
         f"{pack['one_per_gpu_makespan_s']:.1f} s, lower bound {pack['lower_bound_s']:.1f} s"

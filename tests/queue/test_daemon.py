@@ -362,3 +362,35 @@ def test_the_systemd_unit_runs_the_machines_queue_and_leaves_jobs_running_on_a_r
     lines = result.stdout.splitlines()
     assert f"ExecStart={sys.executable} -m redline queue daemon --dir /var/lib/redline/queue" in lines
     assert "KillMode=process" in lines  # systemd's default would kill the jobs with the daemon
+
+
+def test_a_failing_gpu_is_drained_and_a_job_a_gpu_fault_ended_is_retried(tmp_path: Path, queue: dict[str, str]) -> None:
+    """On the NVML fake: a job fails (exit 3) after an Xid 79 appeared on its GPU in the kernel log, and is
+    retried; failing again the same way without a new Xid, it is not. Then GPU 0's uncorrectable ECC errors
+    grow: the monitor's diagnosis drains it, and a job that needs both GPUs waits, saying why."""
+    directory = Path(queue["REDLINE_QUEUE_DIR"])
+    directory.mkdir()
+    kernel_log, faults, go = tmp_path / "dmesg", tmp_path / "faults.json", tmp_path / "go"
+    kernel_log.write_text("")
+    script = Path(__file__).with_name("fake_gpu_daemon.py")
+    command = [sys.executable, str(script), "--dir", str(directory), "--kernel-log", str(kernel_log)]
+    command += ["--faults", str(faults), "--retry-backoff", "0.1"]
+    daemon = subprocess.Popen(command, stderr=open(tmp_path / "d.log", "wb"))  # noqa: SIM115
+    wait_for(lambda: request({"op": "status"}, directory, start=False))
+    wait = f"while [ ! -e {go} ]; do sleep 0.05; done; exit 3"
+    job = submit(queue, "--gpus", "1", "--gpu-memory", "10G", "--retries", "2", "--", "sh", "-c", wait)
+    placed = until(queue, job, "running")["placement"]
+    bus = placed["pci_bus_ids"][0].rpartition(".")[0]  # the Xid line names the device without its function
+    kernel_log.write_text(f"NVRM: Xid (PCI:{bus}): 79, pid=4242, GPU has fallen off the bus.\n")
+    go.touch()
+    ended = until(queue, job, "failed")
+    # the first end was retried (one retry spent), the second, the job's own, was not
+    assert ended["attempt"] == 2 and ended["reason"] == "exit 3" and ended["retries_left"] == 1, ended
+    faults.write_text(json.dumps({"0": {"ecc_volatile_uncorrected": 3}}))
+    gpu0 = wait_for(lambda: (g := request({"op": "status"}, directory)["gpus"][0])["drained"] and g)
+    assert gpu0["drained"].startswith("failing: 3 uncorrectable ECC error(s)"), gpu0
+    both = submit(queue, "--gpus", "2", "--", "true")
+    waiting = wait_for(lambda: (j := jobs(queue)[both])["reason"] and j)
+    assert waiting["state"] == "queued" and "GPU 0 is drained (failing: 3 uncorrectable" in waiting["reason"]
+    daemon.terminate()
+    daemon.wait()

@@ -63,6 +63,21 @@ def count_xids_by_device(text: str) -> dict[str, dict[str, int]]:
     return {pci: _by_code(counts) for pci, counts in sorted(by_device.items())}
 
 
+def device_xids(pci_bus_id: str, by_device: dict[str, dict[str, int]]) -> dict[str, int]:
+    """One GPU's Xid counts (code -> count) from ``count_xids_by_device``'s, the GPU named by its Linux PCI
+    address ('0000:3b:00.0'): the log names a device without its function ('0000:3b:00'; NVML's long domain,
+    '00000000:3b:00', on some drivers), old drivers without the domain either ('3b:00')."""
+    device = pci_bus_id.lower().rpartition(".")[0] or pci_bus_id.lower()  # '0000:3b:00'
+    without_domain = device.partition(":")[2]
+    found: Counter[str] = Counter()
+    for pci, counts in by_device.items():
+        domain, _, rest = pci.partition(":")
+        key = f"{int(domain, 16):04x}:{rest}" if pci.count(":") == 2 and domain else pci
+        if key in (device, without_domain):
+            found.update(counts)
+    return _by_code(found)
+
+
 def _by_code(counts: Counter[str]) -> dict[str, int]:
     """Codes in numeric order ('13' before '119'), as a plain dict."""
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))

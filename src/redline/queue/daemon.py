@@ -35,6 +35,7 @@ from typing import Any
 
 from redline.errors import BadInput
 from redline.lockfile import HeldElsewhere, WriterLock
+from redline.queue.health import GpuHealth, new_xids, sampled_health
 from redline.queue.placement import Devices, Placement, Request, Reservation, Slot
 from redline.queue.policy import Limits, Running, Waiting, decide
 from redline.queue.spec import JobSpec
@@ -68,7 +69,9 @@ class Daemon:
     limits: Limits = field(default_factory=Limits)
     backoff_s: float = BACKOFF_S  # a retry's first wait
     metrics_port: int | None = None  # serve the queue's series for Prometheus here (0: any free port)
+    health: GpuHealth | None = None  # what drains GPUs and tells a GPU fault's end (serve: the monitor's sampler)
     store: Store = field(init=False)
+    _slots: dict[str, Slot] = field(default_factory=dict, init=False)  # the devices as last read
     wake: asyncio.Event | None = field(default=None, init=False)
 
     @property
@@ -86,6 +89,8 @@ class Daemon:
             raise BadInput(f"a queue daemon already serves {self.directory} (pid {exc.holder})") from None
         try:
             self.store = Store(self.directory / "queue.db")
+            if self.health is None:
+                self.health = sampled_health()
             self.recover()
             if self.metrics_port is not None:
                 self._serve_metrics()
@@ -145,6 +150,8 @@ class Daemon:
         for job in self.store.jobs(("starting", "running")):
             self._follow(job)
         self._settle_dependencies()
+        if self.health is not None:
+            self.health.observe()
         self._schedule()
 
     def _follow(self, job: Job) -> None:
@@ -176,8 +183,19 @@ class Daemon:
             self._end(job, "failed", code, why, retry=True)
         elif code < 0 and not reason:  # killed by a signal it did not ask for: preempted, the OOM killer
             self._end(job, "failed", code, f"killed by signal {-code}", retry=True)
+        elif not reason and (faults := self._gpu_faults(job)):  # a GPU fault, not the job's own
+            self._end(job, "failed", code, f"exit {code} after {faults}", retry=True)
         else:
             self._end(job, "failed", code, reason or f"exit {code}")
+
+    def _gpu_faults(self, job: Job) -> str:
+        """The critical Xids that appeared on the job's GPUs while it ran, in words ("" for none)."""
+        placement = job.placement or {}
+        if self.health is None or not placement.get("xids"):
+            return ""
+        pci = dict(zip(placement["uuids"], placement.get("pci_bus_ids", ()), strict=False))
+        grew = new_xids(placement["xids"], self.health.critical_xids({u: p for u, p in pci.items() if p}))
+        return "; ".join(f"Xid {', '.join(codes)} on {uuid}" for uuid, codes in sorted(grew.items()))
 
     def _end(self, job: Job, state: str, code: int | None, why: str, *, retry: bool = False) -> None:
         """The job's attempt is over: requeued after a backoff when it may retry, else ended as ``state``."""
@@ -249,7 +267,9 @@ class Daemon:
         for job in running:
             started = _read(self._attempt_dir(job) / "pid.json")
             trees[job.key] = process_tree(started["pid"]) if started is not None else set()
-        slots = {slot.uuid: slot for slot in self.gpus(set().union(*trees.values()))}
+        found = self.gpus(set().union(*trees.values()))
+        slots = {slot.uuid: slot for slot in (self.health.drain(found) if self.health is not None else found)}
+        self._slots = slots
         reservations = []
         for job in running:
             placement = job.placement or {}
@@ -263,6 +283,15 @@ class Daemon:
 
     def _attempt_dir(self, job: Job, attempt: int | None = None) -> Path:
         return self.directory / "jobs" / str(job.id) / str(job.attempt if attempt is None else attempt)
+
+    def _xid_baseline(self, placement: Placement) -> dict[str, Any]:
+        """The placement's GPUs' PCI addresses and the critical Xids the kernel log holds for them now: what
+        tells, when the job fails, whether a GPU fault came in between."""
+        if self.health is None or not placement.uuids:
+            return {}
+        slots = [self._slots[uuid] for uuid in placement.uuids if uuid in self._slots]
+        pci = {s.uuid: s.pci_bus_id for s in slots if s.pci_bus_id is not None}
+        return {"pci_bus_ids": [pci.get(uuid) for uuid in placement.uuids], "xids": self.health.critical_xids(pci)}
 
     def _launch(self, job: Job, placement: Placement) -> None:
         """Start the job's next attempt: its directory and lock first, then "starting" committed, then the shim
@@ -300,6 +329,7 @@ class Daemon:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             placed = {"uuids": list(placement.uuids), "reserved_bytes": list(placement.reserved_bytes)}
+            placed |= self._xid_baseline(placement)
             reason = placement.note
             self.store.update(job.id, state="starting", attempt=number, placement=placed, reason=reason)
             with open(attempt / "shim.log", "wb") as shim_log:

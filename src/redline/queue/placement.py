@@ -38,6 +38,7 @@ class Slot:
     processes: tuple[tuple[int, int], ...] = ()  # (pid, bytes) of every compute process NVML lists on it
     ours: frozenset[int] = frozenset()  # the pids of the queue's jobs (and their children)
     drained: str = ""  # why nothing new may run here: "lost", "failing: ..."
+    pci_bus_id: str | None = None  # '0000:3b:00.0': what the kernel log's Xid lines name it by
 
     @property
     def foreign(self) -> tuple[tuple[int, int], ...]:
@@ -185,6 +186,7 @@ def slots_from(section: GpuSection, ours: set[int]) -> list[Slot]:
                 processes=processes,
                 ours=frozenset(ours),
                 drained=drained,
+                pci_bus_id=gpu.pci_bus_id,
             )
         )
     return slots

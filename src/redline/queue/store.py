@@ -86,6 +86,7 @@ class Job:
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "attempt": self.attempt,
+            "retries_left": self.retries_left,
             "exit_code": self.exit_code,
             "placement": self.placement,
             "spec": spec,

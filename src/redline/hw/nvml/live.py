@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redline.hw.nvml.device import Device, normalize_pci_bus_id
+from redline.hw.kernel_log import device_xids
+from redline.hw.nvml.device import Device
 from redline.hw.nvml.query import GpuLost, LiveQuery, NvmlGone, describe_error, init_error
 from redline.hw.sample import GpuProcess, GpuSample
 from redline.hw.sysfs import SysFs
@@ -360,18 +361,10 @@ def _times(value: float | None, factor: float) -> float | None:
 
 
 def _xid_total(pci_bus_id: str | None, xids: dict[str, dict[str, int]] | None) -> int | None:
-    """Xids of this GPU: the log names a device without its function ('0000:3b:00'), old drivers
-    without the domain either ('3b:00')."""
+    """Xids of this GPU in the kernel log (None where either is unknown)."""
     if pci_bus_id is None or xids is None:
         return None
-    device = pci_bus_id.rpartition(".")[0] or pci_bus_id  # '0000:3b:00'
-    without_domain = device.partition(":")[2]
-    total = 0
-    for pci, counts in xids.items():
-        key = normalize_pci_bus_id(pci) if pci.count(":") == 2 else pci
-        if key in (device, without_domain):
-            total += sum(counts.values())
-    return total
+    return sum(device_xids(pci_bus_id, xids).values())
 
 
 # Each group fills its part of a GpuSample from the GPU's Device (and, for rates, what it kept from before).
