@@ -117,6 +117,11 @@ class FakeGpu:
     unsupported: set[str] = field(default_factory=set)  # NVML function names answering NOT_SUPPORTED
     errors: dict[str, BaseException] = field(default_factory=dict)  # NVML function name -> what it raises
     lost: bool = False
+    # MIG mode: the instances by slot (nvmlDeviceGetMigDeviceHandleByIndex), None for an empty slot; each a
+    # FakeGpu answering for the instance (its UUID "MIG-...", its memory, its processes, its ids)
+    mig_devices: list[FakeGpu | None] = field(default_factory=list)
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
 
     def run_for(self, seconds: float) -> None:
         """Advance the counters by ``seconds`` at the current power draw and PCIe/NVLink throughput."""
@@ -134,6 +139,7 @@ class FakeGpu:
 @dataclass(frozen=True)
 class FakeHandle:
     index: int
+    mig: int | None = None  # a MIG device's slot on the GPU ``index``: the handle is that instance's
 
 
 PairTable = list[list[int]] | Callable[[int, int], int] | None
@@ -208,6 +214,11 @@ class FakeNvml:
     def _gpu(self, name: str, handle: FakeHandle) -> FakeGpu:
         self._system(name)
         gpu = self.gpus[handle.index]
+        if handle.mig is not None:
+            if gpu.lost:
+                raise pynvml.NVMLError_GpuIsLost()
+            gpu = gpu.mig_devices[handle.mig]
+            assert gpu is not None
         if name in gpu.errors:
             raise gpu.errors[name]
         if gpu.lost:
@@ -352,6 +363,28 @@ class FakeNvml:
             return None
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if gpu.mig else pynvml.NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
+
+    @_device_call
+    def nvmlDeviceGetMaxMigDeviceCount(self, gpu: FakeGpu) -> int | None:
+        return 7 if gpu.mig else None  # an A100's or H100's most instances
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: FakeHandle, index: int) -> FakeHandle:
+        gpu = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", handle)
+        if not gpu.mig:
+            raise pynvml.NVMLError_NotSupported()
+        if not 0 <= index < 7:
+            raise pynvml.NVMLError_InvalidArgument()
+        if index >= len(gpu.mig_devices) or gpu.mig_devices[index] is None:
+            raise pynvml.NVMLError_NotFound()  # no instance in that slot
+        return FakeHandle(handle.index, index)
+
+    @_device_call
+    def nvmlDeviceGetGpuInstanceId(self, gpu: FakeGpu) -> int | None:
+        return gpu.gpu_instance_id
+
+    @_device_call
+    def nvmlDeviceGetComputeInstanceId(self, gpu: FakeGpu) -> int | None:
+        return gpu.compute_instance_id
 
     @_device_call
     def nvmlDeviceGetVirtualizationMode(self, gpu: FakeGpu) -> int | None:

@@ -148,3 +148,34 @@ def test_per_user_limits() -> None:
     assert len(decision.starts) == 2 and decision.waiting["2"] == "its user runs 2 jobs, the limit"
     decision = decide(jobs, [Running("r", 7, 0.0, 3)], gpus, now=10.0, limits=Limits(gpus_per_user=4))
     assert len(decision.starts) == 1 and "holds 4 GPUs of a limit of 4" in decision.waiting["1"]
+
+
+def mig_gpu() -> FakeNvml:
+    """GPU 0 in MIG mode with a 3g.40gb and a 1g.10gb instance (slot 1 empty), the first running a process the
+    queue did not start; GPU 1 a whole H100."""
+    def instance(uuid: str, profile: str, mib: int, **fields) -> object:
+        return h100_sxm(0, uuid=uuid, name=f"NVIDIA H100 80GB HBM3 MIG {profile}", memory_total_mib=mib, **fields)
+
+    gpu = h100_sxm(0, mig=True)
+    busy = instance("MIG-big", "3g.40gb", 40 * 1024, memory_used_mib=4096, processes=[FakeProcess(99, 4 * GIB)])
+    gpu.mig_devices = [busy, None, instance("MIG-small", "1g.10gb", 10 * 1024)]
+    return FakeNvml([gpu, h100_sxm(1)])
+
+
+def test_mig_instances_are_devices_of_their_own() -> None:
+    """A GPU in MIG mode is its instances: each placed by its own memory and processes, named by its MIG UUID;
+    a whole-device job may take the empty one; a job of two devices takes no MIG instance (a CUDA process sees
+    one at most)."""
+    gpus = devices(mig_gpu())
+    assert [(s.uuid, s.label, s.total_bytes) for s in gpus.slots] == [
+        ("MIG-big", "GPU 0 MIG 3g.40gb", 40 * GIB),
+        ("MIG-small", "GPU 0 MIG 1g.10gb", 10 * GIB),
+        (gpus.slots[2].uuid, "GPU 1", 81559 * MIB),  # an H100 80GB: 81,559 MiB
+    ]
+    assert gpus.slots[0].foreign == ((99, 4 * GIB),)
+    assert gpus.place(Request(1, 8 * GIB)).uuids == ("MIG-small",)  # pack: the tightest fit
+    assert gpus.place(Request(1, 30 * GIB)).uuids == ("MIG-big",)  # 36 GiB free there
+    assert gpus.place(Request(1, 38 * GIB)).uuids == (gpus.slots[2].uuid,)
+    assert gpus.place(Request(1)).uuids == ("MIG-small",)  # whole: the instance without a foreign process
+    two = gpus.place(Request(2, 1 * GIB))
+    assert isinstance(two, str) and "GPU 0 MIG 3g.40gb is a MIG instance, and a CUDA process sees one at most" in two

@@ -297,7 +297,7 @@ def status(json_output: bool = typer.Option(False, "--json", help="The GPUs and 
         table.add_column(column)
     for gpu in answer["gpus"]:
         table.add_row(
-            f"{gpu['index']} {gpu['uuid'][:16]}",
+            f"{gpu['index']}{' MIG ' + gpu['mig'] if gpu.get('mig') else ''} {gpu['uuid'][:16]}",
             f"{fmt_bytes(gpu['used_bytes'])} of {fmt_bytes(gpu['total_bytes'])}",
             fmt_bytes(max(gpu["room_bytes"], 0)),
             ", ".join(f"{j['id']} ({fmt_bytes(j['reserved_bytes'])})" for j in gpu["jobs"]),

@@ -110,6 +110,22 @@ class GpuProcess:
 
 
 @dataclass
+class MigDevice:
+    """A MIG instance of a GPU in MIG mode: a device of its own to CUDA, named by its UUID in
+    CUDA_VISIBLE_DEVICES (a CUDA process sees one MIG instance at most)."""
+
+    slot: int  # its place among the GPU's instances (nvmlDeviceGetMigDeviceHandleByIndex)
+    uuid: str | None = None  # "MIG-..."
+    name: str | None = None  # "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    multiprocessor_count: int | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    processes: list[GpuProcess] | None = None
+
+
+@dataclass
 class Gpu:
     index: int
     name: str | None = None
@@ -124,6 +140,7 @@ class Gpu:
     persistence_mode: bool | None = None
     compute_mode: str | None = None  # default | exclusive_thread | prohibited | exclusive_process
     mig_mode: bool | None = None
+    mig_devices: list[MigDevice] = field(default_factory=list)  # its instances, in MIG mode
     virtualization_mode: str | None = None  # none | passthrough | vgpu | host_vgpu | host_vsga
     utilization_ratio: float | None = None  # 0-1, share of the last sample period a kernel ran
     clocks: GpuClocks = field(default_factory=GpuClocks)

@@ -446,6 +446,7 @@ class Daemon:
             gpus.append(
                 {
                     "index": slot.index,
+                    "mig": slot.mig,
                     "uuid": slot.uuid,
                     "total_bytes": slot.total_bytes,
                     "used_bytes": slot.used_bytes,

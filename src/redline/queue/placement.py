@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from redline.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from redline.hw.snapshot import GpuSection
+    from redline.hw.snapshot import GpuProcess, GpuSection
 
 POLICIES = ("pack", "spread")
 
@@ -39,6 +39,12 @@ class Slot:
     ours: frozenset[int] = frozenset()  # the pids of the queue's jobs (and their children)
     drained: str = ""  # why nothing new may run here: "lost", "failing: ..."
     pci_bus_id: str | None = None  # '0000:3b:00.0': what the kernel log's Xid lines name it by
+    mig: str = ""  # a MIG instance of GPU ``index``: its profile ("3g.40gb"); "" for a whole GPU
+
+    @property
+    def label(self) -> str:
+        """How messages name it: "GPU 3", or "GPU 3 MIG 3g.40gb"."""
+        return f"GPU {self.index}" + (f" MIG {self.mig}" if self.mig else "")
 
     @property
     def foreign(self) -> tuple[tuple[int, int], ...]:
@@ -95,20 +101,22 @@ class Devices:
         """Why ``request`` cannot have a share of ``slot`` now ("" when it can)."""
         held = [r for r in self.reservations if r.uuid == slot.uuid]
         if slot.drained:
-            return f"GPU {slot.index} is drained ({slot.drained})"
+            return f"{slot.label} is drained ({slot.drained})"
+        if slot.mig and request.gpus > 1:
+            return f"{slot.label} is a MIG instance, and a CUDA process sees one at most"
         if any(r.exclusive for r in held):
-            return f"GPU {slot.index} is held whole by job {next(r.job for r in held if r.exclusive)}"
+            return f"{slot.label} is held whole by job {next(r.job for r in held if r.exclusive)}"
         if request.whole:
             if held:
-                return f"GPU {slot.index} runs job {held[0].job}"
+                return f"{slot.label} runs job {held[0].job}"
             if slot.foreign:
                 pid, used = slot.foreign[0]
-                return f"GPU {slot.index} has a process the queue did not start (pid {pid}, {fmt_bytes(used)})"
+                return f"{slot.label} has a process the queue did not start (pid {pid}, {fmt_bytes(used)})"
             return ""
         room = self.room(slot)
         assert request.memory_bytes is not None
         if room < request.memory_bytes:
-            return f"GPU {slot.index} has {fmt_bytes(max(room, 0))} free of the {fmt_bytes(request.memory_bytes)} asked"
+            return f"{slot.label} has {fmt_bytes(max(room, 0))} free of the {fmt_bytes(request.memory_bytes)} asked"
         return ""
 
     def place(self, request: Request, policy: str = "pack") -> Placement | str:
@@ -165,31 +173,48 @@ def _choose(fits: Sequence[Slot], count: int, *, key, pack: bool) -> tuple[list[
 
 
 def slots_from(section: GpuSection, ours: set[int]) -> list[Slot]:
-    """The devices of a probe's GPU section; the processes whose pids are in ``ours`` (the queue's jobs and their
-    children) are not foreign. A GPU that fell off the bus, or whose NVML calls fail with health errors, is
-    drained."""
+    """The devices of a probe's GPU section: each GPU, or, in MIG mode, each of its MIG instances. The processes
+    whose pids are in ``ours`` (the queue's jobs and their children) are not foreign. A GPU that fell off the bus,
+    or whose NVML calls fail with health errors, is drained, with its instances."""
     domains = _nvlink_domains(section)
     slots = []
     for gpu in section.gpus:
         drained = "lost" if gpu.lost else ""
         if not drained and gpu.health_errors:
             drained = "failing: " + ", ".join(f"{call} {error}" for call, error in sorted(gpu.health_errors.items()))
-        processes = tuple((p.pid, p.used_memory_bytes or 0) for p in gpu.processes or () if p.kind == "compute")
-        slots.append(
-            Slot(
-                uuid=gpu.uuid or f"GPU-index-{gpu.index}",
-                index=gpu.index,
-                total_bytes=gpu.memory_total_bytes or 0,
-                used_bytes=gpu.memory_used_bytes or 0,
-                numa_node=gpu.numa_node,
-                domain=domains.get(gpu.index),
-                processes=processes,
-                ours=frozenset(ours),
-                drained=drained,
-                pci_bus_id=gpu.pci_bus_id,
-            )
+        whole = Slot(
+            uuid=gpu.uuid or f"GPU-index-{gpu.index}",
+            index=gpu.index,
+            total_bytes=gpu.memory_total_bytes or 0,
+            used_bytes=gpu.memory_used_bytes or 0,
+            numa_node=gpu.numa_node,
+            domain=domains.get(gpu.index),
+            processes=_compute(gpu.processes),
+            ours=frozenset(ours),
+            drained=drained,
+            pci_bus_id=gpu.pci_bus_id,
         )
+        if not gpu.mig_mode:
+            slots.append(whole)
+            continue
+        for instance in gpu.mig_devices:  # no NVLink between MIG instances: no domain
+            profile = (instance.name or "").rpartition(" MIG ")[2] or f"slot {instance.slot}"
+            slots.append(
+                replace(
+                    whole,
+                    uuid=instance.uuid or f"MIG-{whole.uuid}-{instance.slot}",
+                    total_bytes=instance.memory_total_bytes or 0,
+                    used_bytes=instance.memory_used_bytes or 0,
+                    domain=None,
+                    processes=_compute(instance.processes),
+                    mig=profile,
+                )
+            )
     return slots
+
+
+def _compute(processes: Iterable[GpuProcess] | None) -> tuple[tuple[int, int], ...]:
+    return tuple((p.pid, p.used_memory_bytes or 0) for p in processes or () if p.kind == "compute")
 
 
 def _nvlink_domains(section: GpuSection) -> dict[int, str]:

@@ -33,6 +33,7 @@ from redline.hw.snapshot import (
     GpuRetirement,
     GpuSection,
     GpuThermal,
+    MigDevice,
     NvLink,
     PcieLink,
 )
@@ -357,6 +358,32 @@ def _read_processes(d: Device, gpu: Gpu) -> None:
     gpu.processes = d.processes()
 
 
+def _read_mig(d: Device, gpu: Gpu) -> None:
+    """In MIG mode, each instance: a device of its own, with its memory and processes."""
+    if not gpu.mig_mode:
+        return
+    q = d.q
+    for slot in range(q("nvmlDeviceGetMaxMigDeviceCount", d.handle) or 0):
+        handle = q("nvmlDeviceGetMigDeviceHandleByIndex", d.handle, slot)
+        if handle is None:  # an empty slot (NOT_FOUND)
+            continue
+        instance = Device(q, handle)
+        memory = instance.memory()
+        gpu.mig_devices.append(
+            MigDevice(
+                slot=slot,
+                uuid=instance.uuid(),
+                name=instance.name(),
+                memory_total_bytes=None if memory is None else memory.total_bytes,
+                memory_used_bytes=None if memory is None else memory.used_bytes,
+                multiprocessor_count=instance.multiprocessor_count(),
+                gpu_instance_id=q("nvmlDeviceGetGpuInstanceId", handle),
+                compute_instance_id=q("nvmlDeviceGetComputeInstanceId", handle),
+                processes=instance.processes(),
+            )
+        )
+
+
 _GPU_FIELD_GROUPS: tuple[tuple[str, Callable[[Device, Gpu], None]], ...] = (
     ("identity", _read_identity),
     ("memory", _read_memory),
@@ -371,6 +398,7 @@ _GPU_FIELD_GROUPS: tuple[tuple[str, Callable[[Device, Gpu], None]], ...] = (
     ("fabric", _read_fabric),
     ("locality", _read_locality),
     ("processes", _read_processes),
+    ("mig", _read_mig),
 )
 
 
