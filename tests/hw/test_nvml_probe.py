@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from pathlib import Path
 
@@ -694,3 +695,35 @@ def test_the_real_pynvml_on_this_machine_never_raises() -> None:
         assert section.error is None and section.driver_version
     else:
         assert section.error and section.gpus == []
+
+
+def test_a_gpu_in_mig_mode_lists_its_instances_and_they_survive_json() -> None:
+    """Each MIG instance NVML has in a slot (an empty slot answers NOT_FOUND, and is no note), with its UUID,
+    profile, memory, processes and instance ids; the snapshot reads back the same."""
+    from fakes.fake_nvml import FakeProcess
+    from redline.hw.snapshot import GpuSection, MigDevice, Snapshot, snapshot_from_dict
+
+    gpu = h100_sxm(0, mig=True)
+    gpu.mig_devices = [
+        None,
+        h100_sxm(
+            0,
+            uuid="MIG-1",
+            name="NVIDIA H100 80GB HBM3 MIG 3g.40gb",
+            memory_total_mib=40 * 1024,
+            memory_used_mib=1024,
+            gpu_instance_id=2,
+            compute_instance_id=0,
+            processes=[FakeProcess(77, 2**30)],
+        ),
+    ]
+    [mig, whole], notes = probe(FakeNvml([gpu, h100_sxm(1)]))
+    assert mig.mig_mode and whole.mig_devices == [] and notes == []
+    [instance] = mig.mig_devices
+    assert isinstance(instance, MigDevice) and (instance.slot, instance.uuid) == (1, "MIG-1")
+    assert instance.name.endswith("MIG 3g.40gb") and instance.memory_total_bytes == 40 * 2**30
+    assert (instance.gpu_instance_id, instance.compute_instance_id) == (2, 0)
+    assert [(p.pid, p.used_memory_bytes) for p in instance.processes] == [(77, 2**30)]
+    snapshot = Snapshot(gpu=GpuSection(nvml_available=True, gpus=[mig, whole]))
+    again = snapshot_from_dict(json.loads(json.dumps(snapshot.to_dict())))
+    assert again.gpu.gpus[0].mig_devices == mig.mig_devices
