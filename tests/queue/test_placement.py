@@ -153,6 +153,7 @@ def test_per_user_limits() -> None:
 def mig_gpu() -> FakeNvml:
     """GPU 0 in MIG mode with a 3g.40gb and a 1g.10gb instance (slot 1 empty), the first running a process the
     queue did not start; GPU 1 a whole H100."""
+
     def instance(uuid: str, profile: str, mib: int, **fields) -> object:
         return h100_sxm(0, uuid=uuid, name=f"NVIDIA H100 80GB HBM3 MIG {profile}", memory_total_mib=mib, **fields)
 
