@@ -17,6 +17,7 @@ LAYERS = [
     {"hw", "specs"},
     {"workload"},
     {"bench"},
+    {"transfer"},
     {"plan"},
     {"doctor"},
     {"report"},

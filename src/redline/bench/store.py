@@ -76,6 +76,26 @@ def latest(machine_fingerprint: str) -> BenchRun | None:
     )
 
 
+def latest_here() -> BenchRun | None:
+    """This machine's newest saved figures (as ``latest``), or None when there are none or they cannot be
+    read: a caller (a training run, a transfer) goes on without measured figures rather than stopping."""
+    from redline.hw.host import probe_host
+    from redline.hw.nvml.probe import probe_gpus
+    from redline.hw.snapshot import HostInfo
+    from redline.hw.sysfs import SysFs
+
+    fs = SysFs("/")
+    try:
+        host = probe_host(fs)
+    except Exception:  # as take_snapshot does: a probe bug must not stop the caller
+        host = HostInfo()
+    snapshot = Snapshot(host=host, gpu=probe_gpus(None, [], fs))
+    try:
+        return latest(fingerprint(snapshot)[0])
+    except BadInput:
+        return None
+
+
 def load(path: Path) -> BenchRun:
     """Read a saved run; a malformed file is bad input with the reason, never a traceback."""
     try:

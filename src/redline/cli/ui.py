@@ -168,3 +168,42 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+@contextmanager
+def transfer_progress(enabled: bool = True) -> Iterator[Any]:
+    """A byte progress bar for fetch and push: done/total, rate, ETA, streams in flight. Disabled (--json,
+    stderr not a terminal) it draws nothing. Yields an engine ``Progress``."""
+    from redline.transfer.engine import Progress as Quiet
+
+    if not enabled or not err_console.is_terminal:
+        yield Quiet()
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[streams]} streams, {task.fields[files]} files done"),
+        console=err_console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("moving", total=0, streams=0, files=0)
+
+        class _Drawn(Quiet):
+            def add_total(self, size: int) -> None:
+                bar.update(task, total=(bar.tasks[0].total or 0) + size)
+
+            def advance(self, size: int) -> None:
+                bar.advance(task, size)
+
+            def active(self, streams: int) -> None:
+                bar.update(task, streams=streams)
+
+            def finished(self, result) -> None:
+                bar.update(task, files=bar.tasks[0].fields["files"] + 1)
+
+        yield _Drawn()

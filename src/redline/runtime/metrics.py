@@ -55,16 +55,13 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import torch
 
 from redline.errors import BadInput
 from redline.specs.catalog import peak_precisions
 from redline.units import fmt_bytes, fmt_count, fmt_duration
-
-if TYPE_CHECKING:
-    from redline.bench.model import BenchRun
 
 # the first steps compile kernels, pick cuBLAS algorithms and grow the caching allocator: left out of the
 # medians when there are enough steps left to judge the rest
@@ -732,7 +729,9 @@ def _catalog_peak(device: torch.device, keys: tuple[str, ...]) -> float | None:
 
 
 def _measured_peak(device: torch.device, keys: tuple[str, ...]) -> float | None:
-    run = _saved_bench()
+    from redline.bench import store
+
+    run = store.latest_here()
     if run is None:
         return None
 
@@ -748,24 +747,3 @@ def _measured_peak(device: torch.device, keys: tuple[str, ...]) -> float | None:
         if tflops:
             return statistics.median(tflops) * 1e12
     return None
-
-
-def _saved_bench() -> BenchRun | None:
-    """This machine's newest saved bench figures (a ``BenchRun``), or None when there are none or they
-    cannot be read: a training run goes on without a measured peak rather than stopping."""
-    from redline.bench import store
-    from redline.hw.host import probe_host
-    from redline.hw.nvml.probe import probe_gpus
-    from redline.hw.snapshot import HostInfo, Snapshot
-    from redline.hw.sysfs import SysFs
-
-    fs = SysFs("/")
-    try:
-        host = probe_host(fs)
-    except Exception:  # as take_snapshot does: a probe bug must not stop the caller
-        host = HostInfo()
-    snapshot = Snapshot(host=host, gpu=probe_gpus(None, [], fs))
-    try:
-        return store.latest(store.fingerprint(snapshot)[0])
-    except BadInput:
-        return None

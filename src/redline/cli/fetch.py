@@ -1,0 +1,139 @@
+"""`redline fetch SRC... DEST`: download files (HTTP(S) ranges, s3://, sftp://, paths, any fsspec URL) over
+many streams sized to the link, resumably (kill it and run it again), verified, renamed into place."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+
+from redline.cli import ui
+from redline.errors import BadInput
+from redline.units import fmt_bytes, fmt_duration, parse_bytes
+
+_SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
+
+
+def fetch(
+    paths: list[str] = typer.Argument(
+        ..., metavar="SRC... DEST", help="Sources (a URL or folder ending in / means every file below it), then DEST."
+    ),
+    streams: int | None = typer.Option(
+        None, "--streams", help="Chunks in flight at once (default: what the link needs)."
+    ),
+    per_endpoint: int = typer.Option(16, "--per-endpoint", help="Connections to any one server at most."),
+    chunk_size: str | None = typer.Option(
+        None, "--chunk-size", help="Bytes per request: 16M (default: max(8M, 2 x BDP))."
+    ),
+    checksum: str | None = typer.Option(
+        None, "--checksum", help="The file's SHA-256 (sha256:HEX), checked before it lands."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a destination that differs from the source."),
+    congestion: str = typer.Option("bbr", "--congestion", help="Per-socket TCP congestion control, or 'system'."),
+    retries: int = typer.Option(10, "--retries", help="Tries again per chunk after a failure a retry may fix."),
+    read_timeout: float = typer.Option(60.0, "--read-timeout", help="Seconds without a byte before a retry."),
+    endpoint_url: str | None = typer.Option(None, "--endpoint-url", help="The S3 API's endpoint (MinIO, R2, Ceph...)."),
+    known_hosts: Path | None = typer.Option(None, "--known-hosts", help="SFTP: a known_hosts file beside ~/.ssh's."),
+    ssh_key: Path | None = typer.Option(
+        None, "--ssh-key", help="SFTP: the private key (default: ssh's keys, the agent)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="The summary as JSON."),
+) -> None:
+    """Download files over many streams sized to the link, resumably and verified.
+
+    A kill or a dropped link loses at most the chunk each stream was fetching: run the same command again.
+    """
+    from redline import transfer
+
+    if len(paths) < 2:
+        raise BadInput("give at least one source and a destination")
+    *sources, dest = paths
+    options = transfer.Options(
+        streams=_positive("--streams", streams),
+        per_endpoint=_positive("--per-endpoint", per_endpoint),
+        chunk_bytes=_size("--chunk-size", chunk_size),
+        retries=_at_least_zero("--retries", retries),
+        overwrite=overwrite,
+    )
+    if read_timeout <= 0:
+        raise BadInput("--read-timeout must be positive")
+    sockets = transfer.sockets_for(None if congestion == "system" else congestion, read_timeout)
+    with ui.transfer_progress(not json_out) as progress:
+        summary = transfer.fetch(
+            sources,
+            Path(dest),
+            options,
+            sha256=_sha256(checksum),
+            sockets=sockets,
+            endpoint_url=endpoint_url,
+            known_hosts=known_hosts,
+            key_file=ssh_key,
+            progress=progress,
+        )
+    if json_out:
+        ui.print_json(summary.to_dict())
+    else:
+        report(summary, congestion)
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+def report(summary, asked_congestion: str) -> None:
+    for f in summary.files:
+        if f.status == "failed":
+            ui.error(f.error)
+        elif f.note:
+            ui.warn(f"{f.dest}: {f.note}")
+    counts = {status: sum(f.status == status for f in summary.files) for status in ("fetched", "present", "failed")}
+    resumed = sum(f.resumed_bytes for f in summary.files if f.status == "fetched")
+    verified = sum(f.verified_against is not None for f in summary.files if f.status == "fetched")
+    parts = [f"{counts['fetched']} fetched"]
+    if counts["present"]:
+        parts.append(f"{counts['present']} already there")
+    if counts["failed"]:
+        parts.append(f"{counts['failed']} failed")
+    line = f"{', '.join(parts)}: {fmt_bytes(summary.moved_bytes)} in {fmt_duration(summary.seconds)}"
+    line += f", {summary.bits_per_s / 1e6:.1f} Mbit/s"
+    if summary.link.rate_bits_per_s:
+        line += f" ({summary.bits_per_s / summary.link.rate_bits_per_s:.0%} of the link's measured rate)"
+    ui.console.print(line, highlight=False)
+    cc = summary.congestion or f"the system's ({asked_congestion} not allowed here)"
+    details = [f"{summary.streams} streams", f"{fmt_bytes(summary.chunk_bytes)} chunks", f"congestion control {cc}"]
+    if resumed:
+        details.append(f"{fmt_bytes(resumed)} kept from an earlier run")
+    if verified:
+        details.append(f"{verified} checked against a known SHA-256")
+    if retries := sum(f.retries for f in summary.files):
+        details.append(f"{retries} retries")
+    ui.console.print(ui.dim(f"{'; '.join(details)}; link: {summary.link.describe()}"))
+
+
+def _positive(option: str, value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise BadInput(f"{option} must be at least 1")
+    return value
+
+
+def _at_least_zero(option: str, value: int) -> int:
+    if value < 0:
+        raise BadInput(f"{option} cannot be negative")
+    return value
+
+
+def _size(option: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise BadInput(f"{option}: {exc}") from None
+
+
+def _sha256(text: str | None) -> str | None:
+    if text is None:
+        return None
+    match = _SHA256.fullmatch(text.strip())
+    if not match:
+        raise BadInput(f"--checksum: '{text}' is not a SHA-256 (64 hex digits, optionally after sha256:)")
+    return match.group(1).lower()

@@ -1,0 +1,53 @@
+"""Moving datasets and checkpoints across long, lossy links, resumably: ``redline fetch`` and ``redline push``.
+
+    from redline import transfer
+    summary = transfer.fetch(["https://host/shard-000.tar", "s3://bucket/prefix/"], Path("data/"))
+
+Parts: ``link`` (chunk size and streams from the link), ``source`` and one module per kind of endpoint
+(``http``, ``s3``, ``sftp``, ``fs``), ``journal`` (the resumable state beside each destination), ``engine``
+(the chunks, retries and verification), ``session`` (URLs to files), ``upload`` (push).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from redline.transfer.engine import Fetch, Options, Progress, Summary
+from redline.transfer.link import Link, to_endpoint
+from redline.transfer.session import Session, plan_items
+from redline.transfer.source import Sockets, congestion_allowed
+
+__all__ = ["Link", "Options", "Progress", "Summary", "fetch", "sockets_for"]
+
+
+def sockets_for(congestion: str | None, read_timeout_s: float = 60.0) -> Sockets:
+    """Sockets asking for ``congestion`` ("bbr") where the kernel allows this process to, else the system's."""
+    if congestion and not congestion_allowed(congestion):
+        congestion = None
+    return Sockets(read_timeout_s=read_timeout_s, congestion=congestion)
+
+
+def fetch(
+    sources: list[str],
+    dest: Path,
+    options: Options | None = None,
+    *,
+    sha256: str | None = None,
+    sockets: Sockets | None = None,
+    endpoint_url: str | None = None,
+    known_hosts: Path | None = None,
+    key_file: Path | None = None,
+    progress: Progress | None = None,
+    link: Link | None = None,
+) -> Summary:
+    """Fetch ``sources`` (files, or folders ending in /) to ``dest``; see the package's parts."""
+    options = options or Options()
+    sockets = sockets or sockets_for("bbr")
+    session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file)
+    try:
+        items = plan_items(session, sources, dest, sha256)
+        if link is None:
+            link = to_endpoint(items[0].source.endpoint, "down")
+        return Fetch(items, options, link, sockets.congestion, progress).run()
+    finally:
+        session.close()

@@ -1,0 +1,148 @@
+"""A download's state beside its destination, so a kill -9 or a dropped link resumes where it was.
+
+``DEST.redline-part`` holds the bytes at their final offsets; ``DEST.redline-journal`` is JSON lines: a header
+(the source, its size and validators, the chunk size) and then one line per finished chunk with its SHA-256.
+A chunk is written to the part file as it arrives and recorded only once all of it is there, so a transfer cut
+anywhere re-fetches at most the chunks that were in flight: one per connection. Lines are appended, never
+rewritten: a line torn by a kill is ignored, and so is a chunk whose bytes no longer match its hash (the part
+file's pages did not all reach the disk before a power cut).
+
+When the transfer finishes, the part file is renamed over the destination (atomically, after fsync) and the
+journal removed; until then the destination, if it existed, is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redline.transfer.source import Remote
+
+VERSION = 1
+PART = ".redline-part"
+JOURNAL = ".redline-journal"
+_READ_BYTES = 4 << 20
+
+
+def part_path(dest: Path) -> Path:
+    return dest.with_name(dest.name + PART)
+
+
+def journal_path(dest: Path) -> Path:
+    return dest.with_name(dest.name + JOURNAL)
+
+
+def chunks(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk; an empty file has none."""
+    return [(start, min(size, start + chunk_bytes)) for start in range(0, size, chunk_bytes)]
+
+
+def hash_range(fd: int, start: int, end: int) -> str:
+    digest = hashlib.sha256()
+    offset = start
+    while offset < end:
+        piece = os.pread(fd, min(_READ_BYTES, end - offset), offset)
+        if not piece:
+            break
+        digest.update(piece)
+        offset += len(piece)
+    return digest.hexdigest()
+
+
+@dataclass
+class Journal:
+    """The state of one destination. ``done`` maps chunk index to SHA-256 of the chunks verified on disk."""
+
+    dest: Path
+    remote: Remote
+    chunk_bytes: int
+    done: dict[int, str] = field(default_factory=dict)
+    resumed: bool = False  # an earlier run's chunks were found and kept
+    restarted_because: str | None = None  # why an earlier run's state was thrown away
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _log: object = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, dest: Path, remote: Remote, chunk_bytes: int) -> Journal:
+        """Resume from an earlier run's state when it describes the same remote file, else start anew.
+        The part file is sized to the remote file (sparse until written)."""
+        journal = cls(dest, remote, chunk_bytes)
+        header = {"version": VERSION, "source": remote.url, "chunk_bytes": chunk_bytes, **remote.validators()}
+        earlier = journal._read_earlier()
+        part = part_path(dest)
+        if earlier is not None:
+            old_header, done = earlier
+            # the chunk size is the earlier run's, whatever this run's link suggests: its chunks stay valid
+            header["chunk_bytes"] = journal.chunk_bytes = int(old_header.get("chunk_bytes") or chunk_bytes)
+            kept = {key: old_header.get(key) for key in header}
+            if kept == header and part.exists():
+                journal.done = journal._verified(done)
+                journal.resumed = bool(journal.done)
+                header = old_header
+            else:
+                journal.restarted_because = _why_differs(old_header, header) if kept != header else "no part file"
+        if not journal.resumed:
+            with open(part, "wb") as f:
+                f.truncate(remote.size)
+            journal_path(dest).write_text(json.dumps(header) + "\n", encoding="utf-8")
+        journal._log = open(journal_path(dest), "a", encoding="utf-8")  # noqa: SIM115 - held until close()
+        return journal
+
+    def _read_earlier(self) -> tuple[dict, dict[int, str]] | None:
+        try:
+            lines = journal_path(self.dest).read_text(encoding="utf-8").splitlines()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        records = []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(line))
+        if not records or not isinstance(records[0], dict) or records[0].get("version") != VERSION:
+            return None
+        done = {int(r["chunk"]): str(r["sha256"]) for r in records[1:] if isinstance(r, dict) and "chunk" in r}
+        return records[0], done
+
+    def _verified(self, done: dict[int, str]) -> dict[int, str]:
+        """The recorded chunks whose bytes in the part file still hash to what was recorded."""
+        spans = chunks(self.remote.size, self.chunk_bytes)
+        kept = {}
+        with open(part_path(self.dest), "rb") as f:
+            if os.fstat(f.fileno()).st_size != self.remote.size:
+                return {}
+            for index, sha in done.items():
+                if 0 <= index < len(spans) and hash_range(f.fileno(), *spans[index]) == sha:
+                    kept[index] = sha
+        return kept
+
+    def record(self, index: int, sha256: str) -> None:
+        with self._lock:
+            if self._log is None:  # closed: the file failed while this chunk was in flight
+                return
+            self.done[index] = sha256
+            self._log.write(json.dumps({"chunk": index, "sha256": sha256}) + "\n")
+            self._log.flush()
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def discard(self) -> None:
+        """Remove the part file and the journal (a finished or hopeless transfer)."""
+        self.close()
+        for path in (part_path(self.dest), journal_path(self.dest)):
+            path.unlink(missing_ok=True)
+
+
+def _why_differs(old: dict, new: dict) -> str:
+    for key in ("source", "size", "etag", "last_modified", "version"):
+        if old.get(key) != new.get(key):
+            if key == "source":
+                return "it came from another source"
+            return f"the remote file changed ({key} {old.get(key)} -> {new.get(key)})"
+    return "its state was unreadable"

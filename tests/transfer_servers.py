@@ -1,0 +1,212 @@
+"""Real servers for the transfer tests, each started on loopback (or inside a network namespace) and stopped
+after: nginx (Debian's, HTTP byte ranges), OpenSSH's sshd with its sftp-server, and moto's S3 server (what
+s3fs's own tests use). Each ``start`` waits until the server answers, bounded, and says what it logged when
+it does not."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_server import free_port
+
+DEADLINE_S = 30.0
+# nginx's access log: one line per request with the range asked and the body bytes sent (aborted ones too)
+ACCESS_FORMAT = "'$request_method $uri $status range=\"$http_range\" sent=$body_bytes_sent'"
+
+
+def wait_for_port(host: str, port: int, process: subprocess.Popen, log: Path, netns: str | None = None) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"{process.args[0]} exited: {log.read_text()[-2000:]}")
+        if netns is None:
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+                return
+        elif (
+            subprocess.run(
+                ["ip", "netns", "exec", netns, "bash", "-c", f"echo > /dev/tcp/{host}/{port}"], capture_output=True
+            ).returncode
+            == 0
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{process.args[0]} did not listen on {host}:{port}: {log.read_text()[-2000:]}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class Nginx:
+    url: str
+    root: Path
+    access_log: Path
+    process: subprocess.Popen
+
+    def requests(self) -> list[dict]:
+        """The access log's lines: method, uri, status, range, sent."""
+        out = []
+        for line in self.access_log.read_text().splitlines():
+            method, uri, status, rest = line.split(" ", 3)
+            range_part, sent = rest.rsplit(" sent=", 1)
+            out.append(
+                {
+                    "method": method,
+                    "uri": uri,
+                    "status": int(status),
+                    "range": range_part.removeprefix('range="').removesuffix('"'),
+                    "sent": int(sent),
+                }
+            )
+        return out
+
+    def sent_bytes(self, uri: str) -> int:
+        return sum(r["sent"] for r in self.requests() if r["uri"] == uri and r["method"] == "GET")
+
+
+def start_nginx(
+    tmp: Path,
+    root: Path,
+    rate: str | None = None,
+    host: str = "127.0.0.1",
+    netns: str | None = None,
+    port: int | None = None,
+) -> Nginx:
+    """nginx serving ``root``; ``rate`` caps each connection (nginx's limit_rate, e.g. "2m")."""
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    port = port or free_port()
+    prefix = tmp / "nginx"
+    (prefix / "logs").mkdir(parents=True, exist_ok=True)
+    limit = f"limit_rate {rate};" if rate else ""
+    (prefix / "nginx.conf").write_text(f"""
+worker_processes 2;
+pid {prefix}/nginx.pid;
+error_log {prefix}/logs/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    log_format ranges {ACCESS_FORMAT};
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    sendfile on;
+    server {{
+        listen {host}:{port};
+        root {root};
+        access_log {prefix}/logs/access.log ranges;
+        {limit}
+    }}
+}}
+""")
+    command = [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"]
+    if netns:
+        command = ["ip", "netns", "exec", netns, *command]
+    log = prefix / "logs" / "error.log"
+    with (prefix / "logs" / "stderr.log").open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    wait_for_port(host, port, process, log, netns)
+    return Nginx(f"http://{host}:{port}", root, prefix / "logs" / "access.log", process)
+
+
+@dataclass
+class Sshd:
+    port: int
+    known_hosts: Path
+    key_file: Path
+    process: subprocess.Popen
+
+    def url(self, path: Path | str) -> str:
+        return f"sftp://root@127.0.0.1:{self.port}{path}"
+
+
+def start_sshd(tmp: Path) -> Sshd:
+    """OpenSSH's sshd on a loopback port, with its own host key, a client key authorised for root alone,
+    and the sftp-server subsystem; a known_hosts file that trusts this host key."""
+    folder = tmp / "sshd"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    host_key, client_key = folder / "host_ed25519", folder / "client_ed25519"
+    for key in (host_key, client_key):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    authorized = folder / "authorized_keys"
+    shutil.copy(f"{client_key}.pub", authorized)
+    os.chmod(authorized, 0o600)
+    port = free_port()
+    known_hosts = folder / "known_hosts"
+    known_hosts.write_text(
+        f"[127.0.0.1]:{port} {Path(f'{host_key}.pub').read_text().split(' ', 2)[0]} "
+        f"{Path(f'{host_key}.pub').read_text().split(' ', 2)[1]}\n"
+    )
+    config = folder / "sshd_config"
+    config.write_text(f"""Port {port}
+ListenAddress 127.0.0.1
+HostKey {host_key}
+PidFile {folder}/sshd.pid
+AuthorizedKeysFile {authorized}
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+StrictModes no
+UsePAM no
+Subsystem sftp internal-sftp
+""")
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    log = folder / "sshd.log"
+    process = subprocess.Popen(
+        ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    wait_for_port("127.0.0.1", port, process, log)
+    return Sshd(port, known_hosts, client_key, process)
+
+
+@dataclass
+class S3:
+    endpoint_url: str
+    process: subprocess.Popen
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def start_s3(tmp: Path) -> S3:
+    """moto's S3 server (``moto_server``) on a loopback port."""
+    port = free_port()
+    log = tmp / "moto.log"
+    process = subprocess.Popen(
+        ["moto_server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    wait_for_port("127.0.0.1", port, process, log)
+    return S3(f"http://127.0.0.1:{port}", process)
