@@ -92,7 +92,10 @@ def start_nginx(
     prefix = tmp / "nginx"
     (prefix / "logs").mkdir(parents=True, exist_ok=True)
     limit = f"limit_rate {rate};" if rate else ""
+    # workers run as root where the tests do: a pytest tmp folder is root's alone (0700)
+    user = "user root;" if os.geteuid() == 0 else ""
     (prefix / "nginx.conf").write_text(f"""
+{user}
 worker_processes 2;
 pid {prefix}/nginx.pid;
 error_log {prefix}/logs/error.log warn;

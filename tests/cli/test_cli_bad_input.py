@@ -214,6 +214,8 @@ BASES: dict[tuple[str, ...], dict[str, list[str]]] = {
     ("queue", "status"): {"*": []},
     ("queue", "daemon"): {"*": ["--max-jobs-per-user", "0"], "--max-jobs-per-user": ["--policy", "nope"]},
     ("queue", "unit"): {"*": []},
+    # transfers: a local file copied within the scratch folder
+    ("fetch",): {"*": ["train.py", "copied.py"], "paths": []},
 }
 
 

@@ -56,6 +56,11 @@ FLAGS: dict[str, set[str]] = {
         *("--dir", "--policy", "--max-jobs-per-user", "--max-gpus-per-user", "--retry-backoff", "--metrics-port"),
     },
     "queue unit": set(),
+    # transfers (issue 19)
+    "fetch": {
+        *("--streams", "--per-endpoint", "--chunk-size", "--checksum", "--overwrite", "--congestion", "--retries"),
+        *("--read-timeout", "--endpoint-url", "--known-hosts", "--ssh-key", "--json"),
+    },
     "catalog gpus": {"--json"},
     "catalog instances": {"--gpu", "--json", "--max-price", "--provider"},
 }

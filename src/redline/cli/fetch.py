@@ -12,6 +12,8 @@ from redline.cli import ui
 from redline.errors import BadInput
 from redline.units import fmt_bytes, fmt_duration, parse_bytes
 
+MAX_CONNECTIONS = 1024  # past this a host runs out of sockets and threads, not bandwidth
+MAX_CHUNK_BYTES = 1 << 30  # a failed chunk is fetched again whole
 _SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
 
 
@@ -56,8 +58,8 @@ def fetch(
         retries=_at_least_zero("--retries", retries),
         overwrite=overwrite,
     )
-    if read_timeout <= 0:
-        raise BadInput("--read-timeout must be positive")
+    if not 0 < read_timeout <= 86400:
+        raise BadInput("--read-timeout must be between 0 and 86400 seconds")
     sockets = transfer.sockets_for(None if congestion == "system" else congestion, read_timeout)
     with ui.transfer_progress(not json_out) as progress:
         summary = transfer.fetch(
@@ -110,8 +112,8 @@ def report(summary, asked_congestion: str) -> None:
 
 
 def _positive(option: str, value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise BadInput(f"{option} must be at least 1")
+    if value is not None and not 1 <= value <= MAX_CONNECTIONS:
+        raise BadInput(f"{option} must be between 1 and {MAX_CONNECTIONS}")
     return value
 
 
@@ -125,9 +127,12 @@ def _size(option: str, text: str | None) -> int | None:
     if text is None:
         return None
     try:
-        return parse_bytes(text)
+        size = parse_bytes(text)
     except ValueError as exc:
         raise BadInput(f"{option}: {exc}") from None
+    if not 64 * 1024 <= size <= MAX_CHUNK_BYTES:
+        raise BadInput(f"{option} must be between 64K and {fmt_bytes(MAX_CHUNK_BYTES)}")
+    return size
 
 
 def _sha256(text: str | None) -> str | None:

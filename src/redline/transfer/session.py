@@ -92,9 +92,7 @@ class Session:
             return sftp.listing(self.ssh, url)
         if scheme == "file":
             root = local_path(url)
-            return sorted(
-                (str(path), path.relative_to(root).as_posix()) for path in root.rglob("*") if path.is_file()
-            )
+            return sorted((str(path), path.relative_to(root).as_posix()) for path in root.rglob("*") if path.is_file())
         fs, path = fsspec_filesystem(url)
         base = path.rstrip("/")
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
