@@ -11,7 +11,7 @@ slurmd slurm-client munge) on this machine, side by side in one run.
    jobs one per GPU (no memory given: what task-spooler's `ts -G` does), and the lower bound
    max(longest job, sum of memory x time / (8 x 80 GiB)).
 
-    python benchmarks/queue_vs_peers.py [--jobs 2000] [--cli-jobs 50] [--json]
+    python benchmarks/queue_vs_peers.py [--jobs 2000] [--cli-jobs 50] [--rounds 3] [--json]
 """
 
 from __future__ import annotations
@@ -41,7 +41,12 @@ def percentile(values: list[float], share: float) -> float:
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """A process's resident memory; 0 for one that ended since it was listed."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    for line in status.splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
@@ -194,28 +199,42 @@ def packing(work: Path, seed: int = 0) -> dict:
     return out
 
 
+def median_of(rounds: list[dict | None]) -> dict | None:
+    """Each figure's median over the rounds (None where the system could not run here)."""
+    measured = [r for r in rounds if r is not None]
+    if not measured:
+        return None
+    return {key: statistics.median(r[key] for r in measured) for key in measured[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--cli-jobs", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3, help="each measure this many times, alternating; medians")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.jobs < 1 or args.cli_jobs < 1:
-        parser.error("--jobs and --cli-jobs must be at least 1")
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        result = {
-            "jobs": args.jobs,
-            "redline": redline_throughput(args.jobs, args.cli_jobs, work),
-            "task_spooler": tsp_throughput(args.jobs, work),
-            "slurm": slurm_throughput(args.jobs, work),
-            "packing": packing(work),
-        }
+    if args.jobs < 1 or args.cli_jobs < 1 or args.rounds < 1:
+        parser.error("--jobs, --cli-jobs and --rounds must be at least 1")
+    rounds: dict[str, list] = {"redline": [], "task_spooler": [], "slurm": [], "packing": []}
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            rounds["redline"].append(redline_throughput(args.jobs, args.cli_jobs, work / "r"))
+            rounds["task_spooler"].append(tsp_throughput(args.jobs, work))
+            rounds["slurm"].append(slurm_throughput(args.jobs, work))
+            rounds["packing"].append(packing(work / "p"))  # the same 40 jobs each round
+    result = {"jobs": args.jobs, "rounds": args.rounds} | {name: median_of(r) for name, r in rounds.items()}
+    result["each_round"] = rounds
     if args.json:
         print(json.dumps(result, indent=2))
         return
+    report(result)
+
+
+def report(result: dict) -> None:
     ours, pack = result["redline"], result["packing"]
-    print(f"{args.jobs} jobs of `true`:")
+    print(f"{result['jobs']} jobs of `true`, medians of {result['rounds']} rounds:")
     print(
         f"  redline: submit p50 {ours['submit_p50_s'] * 1e3:.2f} ms, p99 {ours['submit_p99_s'] * 1e3:.2f} ms "
         f"(the command: p50 {ours['cli_submit_p50_s'] * 1e3:.0f} ms); {ours['jobs_per_s']:.1f} jobs/s; "
@@ -225,11 +244,13 @@ def main() -> None:
         if theirs := result[name]:
             print(
                 f"  {label}: submit p50 {theirs['submit_p50_s'] * 1e3:.2f} ms, p99 {theirs['submit_p99_s'] * 1e3:.2f}"
-                f" ms; {theirs['jobs_per_s']:.1f} jobs/s; daemons' RSS {theirs['daemon_rss_bytes'] / 2**20:.1f} MiB"
+                f" ms; {theirs['jobs_per_s']:.1f} jobs/s; daemons' RSS {theirs['daemon_rss_bytes'] / 2**20:.1f} MiB;"
+                f" redline's jobs/s {ours['jobs_per_s'] / theirs['jobs_per_s']:.2f}x theirs"
             )
+    ours_s, theirs_s, bound_s = pack["redline_makespan_s"], pack["one_per_gpu_makespan_s"], pack["lower_bound_s"]
     print(
-        f"packing 40 jobs on 8 x 80 GiB: redline {pack['redline_makespan_s']:.1f} s, one per GPU "
-        f"{pack['one_per_gpu_makespan_s']:.1f} s, lower bound {pack['lower_bound_s']:.1f} s"
+        f"packing 40 jobs on 8 x 80 GiB: redline {ours_s:.1f} s, one per GPU {theirs_s:.1f} s "
+        f"({theirs_s / ours_s:.2f}x redline's), lower bound {bound_s:.1f} s (redline {ours_s / bound_s:.2f}x it)"
     )
 
 
