@@ -213,3 +213,50 @@ def start_s3(tmp: Path) -> S3:
     )
     wait_for_port("127.0.0.1", port, process, log)
     return S3(f"http://127.0.0.1:{port}", process)
+
+
+class SlowProxy:
+    """A TCP forwarder on loopback that caps each connection's upstream rate and counts the bytes it carried
+    upstream: what a client sent to the server, so a test can tell what a resumed upload sent again."""
+
+    def __init__(self, target_port: int, bytes_per_s: float) -> None:
+        import threading
+
+        self.target_port, self.bytes_per_s = target_port, bytes_per_s
+        self.upstream_bytes = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._stop:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if upstream:
+                    with self._lock:
+                        self.upstream_bytes += len(data)
+                    time.sleep(len(data) / self.bytes_per_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop = True
+        self._listener.close()

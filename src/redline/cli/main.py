@@ -8,7 +8,7 @@ import sys
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, fetch, monitor, plan, probe, queue, run, tune, ui
+from redline.cli import bench, catalog, doctor, monitor, plan, probe, queue, run, transfer, tune, ui
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -32,7 +32,8 @@ app.command("cancel")(queue.cancel)
 app.command("hold")(queue.hold)
 app.command("release")(queue.release)
 app.command("logs")(queue.logs)
-app.command("fetch")(fetch.fetch)
+app.command("fetch")(transfer.fetch)
+app.command("push")(transfer.push)
 app.add_typer(queue.app, name="queue")
 app.add_typer(catalog.app, name="catalog")
 

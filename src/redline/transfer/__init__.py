@@ -17,7 +17,7 @@ from redline.transfer.link import Link, to_endpoint
 from redline.transfer.session import Session, plan_items
 from redline.transfer.source import Sockets, congestion_allowed
 
-__all__ = ["Link", "Options", "Progress", "Summary", "fetch", "sockets_for"]
+__all__ = ["Link", "Options", "Progress", "Summary", "fetch", "push", "sockets_for"]
 
 
 def sockets_for(congestion: str | None, read_timeout_s: float = 60.0) -> Sockets:
@@ -49,5 +49,45 @@ def fetch(
         if link is None:
             link = to_endpoint(items[0].source.endpoint, "down")
         return Fetch(items, options, link, sockets.congestion, progress).run()
+    finally:
+        session.close()
+
+
+def push(
+    sources: list[str],
+    dest: str,
+    options: Options | None = None,
+    *,
+    sockets: Sockets | None = None,
+    endpoint_url: str | None = None,
+    known_hosts: Path | None = None,
+    key_file: Path | None = None,
+    progress: Progress | None = None,
+    link: Link | None = None,
+) -> Summary:
+    """Upload local files or folders to ``dest``: s3://bucket/key (or prefix/), sftp://host/path, or a path."""
+    from redline.errors import BadInput
+    from redline.transfer.session import kind, local_path
+    from redline.transfer.upload import Push, S3Destination, SftpDestination, plan_uploads
+
+    scheme = kind(dest)
+    if scheme == "file":  # a copy to a local or mounted path is a fetch from the source's path
+        return fetch(sources, local_path(dest), options, sockets=sockets, progress=progress, link=link)
+    if scheme not in ("s3", "sftp"):
+        raise BadInput(f"{dest}: redline push sends to s3://, sftp:// or a path")
+    options = options or Options()
+    sockets = sockets or sockets_for("bbr")
+    uploads = plan_uploads(sources, dest)
+    session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file)
+    try:
+        if scheme == "s3":
+            destination = S3Destination(session.s3, session.pools)
+        else:
+            from redline.transfer.sftp import Address
+
+            destination = SftpDestination(session.ssh, Address.parse(dest))
+        if link is None:
+            link = to_endpoint(destination.endpoint, "up")
+        return Push(uploads, destination, options, link, sockets.congestion, progress).run()
     finally:
         session.close()

@@ -252,19 +252,7 @@ class Fetch:
         return digest.hexdigest()
 
     def _retry(self, f: _File, attempt: Callable):
-        for tries in range(self.options.retries + 1):
-            try:
-                return attempt()
-            except TransferError:
-                raise
-            except self._retryable as exc:
-                if tries == self.options.retries or f.failed:
-                    raise TransferError(
-                        f"{f.item.source.url}: gave up after {tries + 1} tries: {_one_line(exc)}"
-                    ) from None
-                f.result.retries += 1
-                time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**tries)))
-        raise AssertionError("unreachable")
+        return retrying(attempt, self.options.retries, self._retryable, f.result, lambda: f.failed)
 
     def _finish(self, f: _File) -> None:
         """Verify the whole file, then put it in place: fsync, rename over the destination, fsync the folder."""
@@ -323,6 +311,22 @@ class Fetch:
                     engine.progress.active(engine._active)
 
         return _Active()
+
+
+def retrying(attempt: Callable, retries: int, retryable: tuple, result: FileResult, abandoned: Callable[[], bool]):
+    """``attempt()``, tried again after failures a retry may cure, at most ``retries`` times, after a pause drawn
+    at random up to a doubling ceiling; TransferError, naming the last failure, when the tries run out."""
+    for tries in range(retries + 1):
+        try:
+            return attempt()
+        except TransferError:
+            raise
+        except retryable as exc:
+            if tries == retries or abandoned():
+                raise TransferError(f"{result.url}: gave up after {tries + 1} tries: {_one_line(exc)}") from None
+            result.retries += 1
+            time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**tries)))
+    raise AssertionError("unreachable")
 
 
 def _reference(f: _File) -> tuple[str | None, str | None]:

@@ -90,7 +90,8 @@ class S3Source(HttpSource):
             head = self.s3.head_object(Bucket=self.bucket, Key=self.key, ChecksumMode="ENABLED")
         except errors() as exc:
             raise describe(exc, self.display) or OSError(f"{self.display}: {exc}") from None
-        sha = full_object_sha256(head)
+        # the store's own full-object checksum, else the one redline push left in the object's metadata
+        sha = full_object_sha256(head) or head.get("Metadata", {}).get("redline-sha256")
         return Remote(
             self.display,
             int(head["ContentLength"]),
