@@ -216,6 +216,7 @@ BASES: dict[tuple[str, ...], dict[str, list[str]]] = {
     ("queue", "unit"): {"*": []},
     # transfers: a local file copied within the scratch folder
     ("fetch",): {"*": ["train.py", "copied.py"], "paths": []},
+    ("push",): {"*": ["train.py", "pushed.py"], "paths": []},
 }
 
 

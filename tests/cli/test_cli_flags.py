@@ -61,6 +61,10 @@ FLAGS: dict[str, set[str]] = {
         *("--streams", "--per-endpoint", "--chunk-size", "--checksum", "--overwrite", "--congestion", "--retries"),
         *("--read-timeout", "--endpoint-url", "--known-hosts", "--ssh-key", "--json"),
     },
+    "push": {
+        *("--streams", "--per-endpoint", "--chunk-size", "--congestion", "--retries", "--read-timeout"),
+        *("--endpoint-url", "--known-hosts", "--ssh-key", "--json"),
+    },
     "catalog gpus": {"--json"},
     "catalog instances": {"--gpu", "--json", "--max-price", "--provider"},
 }
