@@ -241,3 +241,27 @@ def test_a_missing_file_and_bad_options_are_one_line(nginx, tmp_path: Path) -> N
         assert result.returncode == 2, (argv, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], (argv, result.stderr)
+
+
+def test_many_files_need_no_descriptor_each(tmp_path: Path) -> None:
+    """500 files under a limit of 64 open files: descriptors are held per chunk in flight, not per file."""
+    import resource
+
+    source = tmp_path / "many"
+    for i in range(500):
+        _data(source / f"{i:03}.bin", 1000 + i, seed=i)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "fetch", f"{source}/", str(tmp_path / "copy"), "--json"],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+        env=dict(os.environ),
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == sorted(p.name for p in source.iterdir())
+    assert (tmp_path / "copy" / "499.bin").read_bytes() == (source / "499.bin").read_bytes()

@@ -113,7 +113,6 @@ class _File:
     result: FileResult
     remote: Remote | None = None
     journal: journals.Journal | None = None
-    fd: int | None = None
     left: int = 0
     failed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -164,9 +163,6 @@ class Fetch:
         for f in self.files:
             if f.journal is not None and f.result.status == "pending" and f.left == 0 and not f.failed:
                 self._finish(f)  # files with no chunk left to fetch (empty, or all kept from an earlier run)
-            if f.fd is not None:  # a failed file's: closed only now, when no chunk of it can be in flight
-                os.close(f.fd)
-                f.fd = None
         return Summary(
             [f.result for f in self.files],
             time.perf_counter() - start,
@@ -203,7 +199,6 @@ class Fetch:
         spans = journals.chunks(f.remote.size, f.journal.chunk_bytes)
         f.result.resumed_bytes = sum(end - start for i, (start, end) in enumerate(spans) if i in f.journal.done)
         f.left = len(spans) - len(f.journal.done)
-        f.fd = os.open(journals.part_path(f.item.dest), os.O_WRONLY)
         self.progress.add_total(f.remote.size)
         self.progress.advance(f.result.resumed_bytes)
 
@@ -229,14 +224,17 @@ class Fetch:
             self._finish(f)
 
     def _read(self, f: _File, start: int, end: int) -> str:
+        """Fetch one chunk into the part file at its offset; its SHA-256. The part file is opened per chunk:
+        a fetch of many files holds descriptors for the chunks in flight only."""
         digest = hashlib.sha256()
         offset = start
+        fd = os.open(journals.part_path(f.item.dest), os.O_WRONLY)
 
         def sink(piece: bytes) -> None:
             nonlocal offset
             view = memoryview(piece)
             while view:
-                written = os.pwrite(f.fd, view, offset)
+                written = os.pwrite(fd, view, offset)
                 view = view[written:]
                 offset += written
             digest.update(piece)
@@ -249,6 +247,8 @@ class Fetch:
         except BaseException:
             self.progress.advance(-(offset - start))  # these bytes come again
             raise
+        finally:
+            os.close(fd)
         return digest.hexdigest()
 
     def _retry(self, f: _File, attempt: Callable):
@@ -258,10 +258,8 @@ class Fetch:
         """Verify the whole file, then put it in place: fsync, rename over the destination, fsync the folder."""
         dest, part = f.item.dest, journals.part_path(f.item.dest)
         try:
-            os.fsync(f.fd)
-            os.close(f.fd)
-            f.fd = None
             with open(part, "rb") as data:
+                os.fsync(data.fileno())
                 f.result.sha256 = journals.hash_range(data.fileno(), 0, f.remote.size)
             expected, against = _reference(f)
             if expected is not None:

@@ -64,8 +64,8 @@ class Journal:
     done: dict[int, str] = field(default_factory=dict)
     resumed: bool = False  # an earlier run's chunks were found and kept
     restarted_because: str | None = None  # why an earlier run's state was thrown away
+    closed: bool = False  # the file failed: chunks still in flight record nothing
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _log: object = field(default=None, repr=False)
 
     @classmethod
     def open(cls, dest: Path, remote: Remote, chunk_bytes: int) -> Journal:
@@ -90,7 +90,6 @@ class Journal:
             with open(part, "wb") as f:
                 f.truncate(remote.size)
             journal_path(dest).write_text(json.dumps(header) + "\n", encoding="utf-8")
-        journal._log = open(journal_path(dest), "a", encoding="utf-8")  # noqa: SIM115 - held until close()
         return journal
 
     def _read_earlier(self) -> tuple[dict, dict[int, str]] | None:
@@ -121,16 +120,16 @@ class Journal:
 
     def record(self, index: int, sha256: str) -> None:
         with self._lock:
-            if self._log is None:  # closed: the file failed while this chunk was in flight
+            if self.closed:
                 return
             self.done[index] = sha256
-            self._log.write(json.dumps({"chunk": index, "sha256": sha256}) + "\n")
-            self._log.flush()
+            # opened per record, not held: a fetch of 100,000 files must not hold a descriptor per file
+            with open(journal_path(self.dest), "a", encoding="utf-8") as log:
+                log.write(json.dumps({"chunk": index, "sha256": sha256}) + "\n")
 
     def close(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        with self._lock:
+            self.closed = True
 
     def discard(self) -> None:
         """Remove the part file and the journal (a finished or hopeless transfer)."""
