@@ -66,30 +66,35 @@ def test_a_file_arrives_whole_in_ranged_chunks_and_lands_only_when_complete(ngin
 
 def test_kill_9_mid_transfer_then_resume_fetches_at_most_one_chunk_per_connection_again(tmp_path: Path) -> None:
     size, chunk, streams = 48 * MiB, 2 * MiB, 3
-    server = start_nginx(tmp_path, tmp_path / "www", rate="4m")  # 4 MiB/s per connection: a kill lands mid-way
+    # nginx lets each request burst one second's worth, then holds it to the rate: 512 KiB/s makes a 2 MiB chunk
+    # take about 3 s, so the kill lands with chunks in flight; the resumed run gets a full-speed server
+    slow = start_nginx(tmp_path / "slow", tmp_path / "www", rate="512k")
+    fast = None
     try:
-        data = _data(server.root / "big.bin", size)
+        data = _data(slow.root / "big.bin", size)
         dest = tmp_path / "big.bin"
-        argv = [f"{server.url}/big.bin", str(dest), "--streams", str(streams), "--chunk-size", "2M"]
-        first = subprocess.Popen([sys.executable, "-m", "redline", "fetch", *argv], stderr=subprocess.PIPE)
-        done = _wait_for_chunks(journal.journal_path(dest), 4, first)
+        argv = [str(dest), "--streams", str(streams), "--chunk-size", "2M"]
+        first = subprocess.Popen(
+            [sys.executable, "-m", "redline", "fetch", f"{slow.url}/big.bin", *argv], stderr=subprocess.PIPE
+        )
+        done = _wait_for_chunks(journal.journal_path(dest), 2, first)
         first.send_signal(signal.SIGKILL)
         first.wait()
         assert not dest.exists()
-        sent_first = server.sent_bytes("/big.bin")
-        # a recorded chunk is there in full; the run sent at most what was recorded plus what was in flight
-        assert done >= 4 and sent_first < size
 
-        result = run_cli("fetch", *argv, "--json")
+        fast = start_nginx(tmp_path / "fast", slow.root)
+        result = run_cli("fetch", f"{fast.url}/big.bin", *argv, "--json")
         assert result.returncode == 0, result.stderr
         assert dest.read_bytes() == data
         assert _kept(result) >= done * chunk  # every recorded chunk was kept, none fetched again
-        # all the server sent over both runs, less the file: the chunks in flight at the kill (and one byte per
-        # run's stat), at most one chunk per connection
-        wasted = server.sent_bytes("/big.bin") - size
-        assert 0 <= wasted <= streams * chunk + 2, (wasted, sent_first)
+        # all both servers sent, less the file: the chunks in flight at the kill (and one byte per run's stat),
+        # at most one chunk per connection
+        wasted = slow.sent_bytes("/big.bin") + fast.sent_bytes("/big.bin") - size
+        assert 0 <= wasted <= streams * chunk + 2, wasted
     finally:
-        stop(server.process)
+        stop(slow.process)
+        if fast is not None:
+            stop(fast.process)
 
 
 def _kept(result: subprocess.CompletedProcess[str]) -> int:
@@ -265,3 +270,26 @@ def test_many_files_need_no_descriptor_each(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == sorted(p.name for p in source.iterdir())
     assert (tmp_path / "copy" / "499.bin").read_bytes() == (source / "499.bin").read_bytes()
+
+
+def test_ctrl_c_stops_at_once_and_keeps_what_arrived(tmp_path: Path) -> None:
+    server = start_nginx(tmp_path, tmp_path / "www", rate="256k")  # after a 1 s burst: 4 s per 1 MiB chunk
+    try:
+        data = _data(server.root / "slow.bin", 64 * MiB)
+        dest = tmp_path / "slow.bin"
+        argv = [f"{server.url}/slow.bin", str(dest), "--streams", "4", "--chunk-size", "1M"]
+        first = subprocess.Popen([sys.executable, "-m", "redline", "fetch", *argv], stderr=subprocess.PIPE, text=True)
+        _wait_for_chunks(journal.journal_path(dest), 2, first)
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=120)  # a hang guard: 60 chunks were left to fetch
+        assert first.returncode == 130 and err.strip().splitlines()[-1] == "redline: interrupted", err
+        assert not dest.exists() and journal.part_path(dest).exists()
+        # the rest, through the server at full speed
+        stop(server.process)
+        server = start_nginx(tmp_path / "fast", server.root)
+        argv[0] = f"{server.url}/slow.bin"
+        result = run_cli("fetch", *argv)
+        assert result.returncode == 0, result.stderr
+        assert dest.read_bytes() == data
+    finally:
+        stop(server.process)

@@ -26,6 +26,7 @@ from redline.transfer.source import Remote, Source, TransferError
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
+STAT_AHEAD = 8  # files stat'ed at once ahead of the chunks
 
 
 @dataclass
@@ -153,13 +154,30 @@ class Fetch:
         self._retryable = retryable_errors()
         self._active = 0
         self._active_lock = threading.Lock()
+        self._stop = threading.Event()
 
     def run(self) -> Summary:
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="fetch") as pool:
-            list(pool.map(self._prepare, self.files))
-            tasks = [(f, i) for f in self.files if not f.failed and f.journal for i in self._missing(f)]
-            list(pool.map(lambda task: self._chunk(*task), tasks))
+        # files are stat'ed a few at a time while the chunks of those ready already move: over a long link a
+        # stat is a round trip, and thousands of them must not all come before the first byte
+        with (
+            ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="fetch") as pool,
+            ThreadPoolExecutor(max_workers=min(self.streams, STAT_AHEAD), thread_name_prefix="stat") as stats,
+        ):
+            try:
+                chunks = [
+                    pool.submit(self._chunk, f, i)
+                    for f in stats.map(self._prepared, self.files)
+                    if not f.failed and f.journal is not None
+                    for i in self._missing(f)
+                ]
+                for done in chunks:
+                    done.result()
+            except BaseException:  # Ctrl-C: stop the chunks in flight at their next piece; the journal keeps the rest
+                self._stop.set()
+                pool.shutdown(cancel_futures=True)
+                stats.shutdown(cancel_futures=True)
+                raise
         for f in self.files:
             if f.journal is not None and f.result.status == "pending" and f.left == 0 and not f.failed:
                 self._finish(f)  # files with no chunk left to fetch (empty, or all kept from an earlier run)
@@ -173,6 +191,10 @@ class Fetch:
         )
 
     # ------------------------------------------------------------------------------------------- per file
+
+    def _prepared(self, f: _File) -> _File:
+        self._prepare(f)
+        return f
 
     def _prepare(self, f: _File) -> None:
         """Stat the remote file, skip it when the destination already is it, else open its journal."""
@@ -232,6 +254,8 @@ class Fetch:
 
         def sink(piece: bytes) -> None:
             nonlocal offset
+            if self._stop.is_set():
+                raise TransferError(f"{f.item.source.url}: stopped")
             view = memoryview(piece)
             while view:
                 written = os.pwrite(fd, view, offset)

@@ -79,13 +79,13 @@ class Journal:
             old_header, done = earlier
             # the chunk size is the earlier run's, whatever this run's link suggests: its chunks stay valid
             header["chunk_bytes"] = journal.chunk_bytes = int(old_header.get("chunk_bytes") or chunk_bytes)
-            kept = {key: old_header.get(key) for key in header}
-            if kept == header and part.exists():
+            why = _why_differs(old_header, header) or (None if part.exists() else "no part file")
+            if why is None:
                 journal.done = journal._verified(done)
                 journal.resumed = bool(journal.done)
                 header = old_header
             else:
-                journal.restarted_because = _why_differs(old_header, header) if kept != header else "no part file"
+                journal.restarted_because = why
         if not journal.resumed:
             with open(part, "wb") as f:
                 f.truncate(remote.size)
@@ -138,10 +138,15 @@ class Journal:
             path.unlink(missing_ok=True)
 
 
-def _why_differs(old: dict, new: dict) -> str:
-    for key in ("source", "size", "etag", "last_modified", "version"):
+def _why_differs(old: dict, new: dict) -> str | None:
+    """Why an earlier run's state is not of this remote file, or None when it is. The validators decide, not
+    the URL: the same file from a mirror (same size, ETag, Last-Modified) resumes; with no validator at all,
+    only the same URL does."""
+    if old.get("version") != new.get("version"):
+        return "its state was written by another version"
+    for key in ("size", "etag", "last_modified"):
         if old.get(key) != new.get(key):
-            if key == "source":
-                return "it came from another source"
             return f"the remote file changed ({key} {old.get(key)} -> {new.get(key)})"
-    return "its state was unreadable"
+    if new.get("etag") is None and new.get("last_modified") is None and old.get("source") != new.get("source"):
+        return "it came from another source, and nothing says it is the same file"
+    return None
