@@ -39,6 +39,7 @@ from redline.units import fmt_bytes
 # no cap given: the cache may take this share of the space its disk has for it (free + what it holds)
 DEFAULT_SHARE_OF_DISK = 0.8
 META_VERSION = 1
+STAT_TRIES = 3  # a blip of the network is worth a second try; a refused connection is not worth ten
 
 
 class StageError(TransferError):
@@ -135,6 +136,7 @@ class Cache:
                 raise BadInput("the cache's maximum size must be positive")
             with self._admission():
                 _write_json(self.root / "cache.json", {"max_bytes": max_bytes})
+                self._make_room(self.entries(), max_bytes)  # a lowered cap holds from now on
         self._state_lock = threading.Lock()
         self._session = None
         self._links: dict[str, object] = {}
@@ -212,16 +214,24 @@ class Cache:
         return entry
 
     def _stat(self, url: str) -> int:
+        """The size of the file at ``url``; a source that is not there (404, no such file) is the user's to
+        fix (NotStageable), a network that fails three tries may mend (StageError)."""
+        from redline.transfer.engine import retryable_errors
         from redline.transfer.session import is_folder
 
         if is_folder(url):
             raise NotStageable(f"{url}: a folder; the cache holds files: name each one")
-        try:
-            return self._session_for().source(url).stat().size
-        except TransferError as exc:
-            raise NotStageable(f"cannot stage {_naming(url, str(exc))}") from None
-        except (OSError, EOFError) as exc:  # the network's: a later try may work
-            raise StageError(f"cannot stage {_naming(url, ' '.join(str(exc).split()) or type(exc).__name__)}") from None
+        for tries in range(STAT_TRIES):
+            try:
+                return self._session_for().source(url).stat().size
+            except TransferError as exc:
+                raise NotStageable(f"cannot stage {_naming(url, str(exc))}") from None
+            except retryable_errors() as exc:
+                if tries == STAT_TRIES - 1:
+                    reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+                    raise StageError(f"cannot stage {_naming(url, reason)}") from None
+                time.sleep(0.5 * 2**tries)
+        raise AssertionError("unreachable")
 
     def _admit(self, entry: Entry) -> None:
         """Make room for ``entry`` (least recently used entries nobody holds go first) and reserve it."""
@@ -232,13 +242,7 @@ class Cache:
                     f"{entry.url}: {fmt_bytes(entry.size_bytes)} is more than the whole cache holds "
                     f"({fmt_bytes(cap)} at {self.root}); raise --max-size"
                 )
-            others = [e for e in self.entries() if e.key != entry.key]
-            used = sum(e.size_bytes for e in others)
-            for victim in sorted(others, key=lambda e: (e.last_used, e.added)):
-                if used + entry.size_bytes <= cap:
-                    break
-                if self._remove(victim.key):
-                    used -= victim.size_bytes
+            used = self._make_room([e for e in self.entries() if e.key != entry.key], cap - entry.size_bytes)
             if used + entry.size_bytes > cap:
                 raise StageError(
                     f"cannot stage {entry.url} ({fmt_bytes(entry.size_bytes)}): {fmt_bytes(used)} of the cache's "
@@ -251,6 +255,17 @@ class Cache:
                     f"{fmt_bytes(free)} free"
                 )
             _write_json(self._file(entry.key, ".json"), _meta(entry))
+
+    def _make_room(self, entries: list[Entry], room_bytes: int) -> int:
+        """Evict the least recently used of ``entries`` that nobody holds until they total ``room_bytes`` at
+        most (under the admission lock); returns what they total then."""
+        used = sum(e.size_bytes for e in entries)
+        for victim in sorted(entries, key=lambda e: (e.last_used, e.added)):
+            if used <= room_bytes:
+                break
+            if self._remove(victim.key):
+                used -= victim.size_bytes
+        return used
 
     # ------------------------------------------------------------------------------------------ the list
 
