@@ -216,6 +216,11 @@ BASES: dict[tuple[str, ...], dict[str, list[str]]] = {
     ("queue", "unit"): {"*": []},
     # transfers: a local file copied within the scratch folder
     ("fetch",): {"*": ["train.py", "copied.py"], "paths": []},
+    # the stage cache ($REDLINE_HOME/cache, in the scratch folder): a local file staged, listed, evicted
+    ("stage", "add"): {"*": ["train.py"], "urls": []},
+    ("stage", "ls"): {"*": []},
+    ("stage", "evict"): {"*": ["train.py"], "urls": []},
+    ("stage", "clear"): {"*": []},
 }
 
 

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, fetch, monitor, plan, probe, queue, run, tune, ui
+from redline.cli import bench, catalog, doctor, fetch, monitor, plan, probe, queue, run, stage, tune, ui
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -35,6 +35,7 @@ app.command("logs")(queue.logs)
 app.command("fetch")(fetch.fetch)
 app.add_typer(queue.app, name="queue")
 app.add_typer(catalog.app, name="catalog")
+app.add_typer(stage.app, name="stage")
 
 
 def _version(value: bool) -> None:
