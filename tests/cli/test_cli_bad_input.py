@@ -217,6 +217,11 @@ BASES: dict[tuple[str, ...], dict[str, list[str]]] = {
     # transfers: a local file copied within the scratch folder
     ("fetch",): {"*": ["train.py", "copied.py"], "paths": []},
     ("push",): {"*": ["train.py", "pushed.py"], "paths": []},
+    # the stage cache ($REDLINE_HOME/cache, in the scratch folder): a local file staged, listed, evicted
+    ("stage", "add"): {"*": ["train.py"], "urls": []},
+    ("stage", "ls"): {"*": []},
+    ("stage", "evict"): {"*": ["train.py"], "urls": []},
+    ("stage", "clear"): {"*": []},
 }
 
 

@@ -65,6 +65,10 @@ FLAGS: dict[str, set[str]] = {
         *("--streams", "--per-endpoint", "--chunk-size", "--congestion", "--retries", "--read-timeout"),
         *("--endpoint-url", "--known-hosts", "--ssh-key", "--json"),
     },
+    "stage add": {"--cache", "--max-size", "--json"},
+    "stage ls": {"--cache", "--json"},
+    "stage evict": {"--cache", "--json"},
+    "stage clear": {"--cache", "--json"},
     "catalog gpus": {"--json"},
     "catalog instances": {"--gpu", "--json", "--max-price", "--provider"},
 }

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, monitor, plan, probe, queue, run, transfer, tune, ui
+from redline.cli import bench, catalog, doctor, monitor, plan, probe, queue, run, stage, transfer, tune, ui
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -36,6 +36,7 @@ app.command("fetch")(transfer.fetch)
 app.command("push")(transfer.push)
 app.add_typer(queue.app, name="queue")
 app.add_typer(catalog.app, name="catalog")
+app.add_typer(stage.app, name="stage")
 
 
 def _version(value: bool) -> None:

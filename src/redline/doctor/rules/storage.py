@@ -31,8 +31,9 @@ def data_on_network_fs(audit: Audit) -> Iterator[Finding]:
             subject=data.path,
             cost="Every epoch re-reads over the network: random small-file reads are latency-bound and "
             "GPUs wait on the DataLoader, worse on links far from the data.",
-            fix="Copy or stage the dataset to local NVMe before training, or pack it into large shards "
-            "(WebDataset, MosaicML streaming) read sequentially with many workers.",
+            fix="Stage it to local NVMe: pack it into large shards (WebDataset tar files) and read them through "
+            "redline.transfer.stage.Staged, which fetches the next shards into a capped local cache while one "
+            "is read (`redline stage add` fills the cache ahead, `redline stage ls` shows it).",
             evidence={"fstype": mount.fstype, "mountpoint": mount.mountpoint, "device": mount.device},
             command=f"findmnt -T {data.path}",
         )
