@@ -21,6 +21,7 @@ of the rounds; printed with redline's ratio to each peer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -96,11 +97,26 @@ def measure(link: EmulatedLink, tool: str, argv: list[str], dest: Path, size: in
     return out
 
 
+ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+
+
+@contextlib.contextmanager
+def allowed_congestion(names: list[str]):
+    """A namespace may only make an algorithm its default when the host allows it to non-root users
+    (net.ipv4.tcp_allowed_congestion_control): add those missing for the run, restore the list after."""
+    before = ALLOWED.read_text().split()
+    ALLOWED.write_text(" ".join(dict.fromkeys(before + names)))
+    try:
+        yield
+    finally:
+        ALLOWED.write_text(" ".join(before))
+
+
 def run(args: argparse.Namespace) -> dict:
     size = parse_bytes(args.size)
     spec = LinkSpec(args.rtt_ms, args.loss, args.rate_mbit)
     rows: dict[str, dict[str, list[dict]]] = {cc: {tool: [] for tool in TOOLS} for cc in args.cc.split(",")}
-    with tempfile.TemporaryDirectory() as tmp, EmulatedLink(spec) as link:
+    with allowed_congestion(list(rows)), tempfile.TemporaryDirectory() as tmp, EmulatedLink(spec) as link:
         work = Path(tmp)
         www = work / "www"
         www.mkdir()

@@ -224,6 +224,7 @@ class SlowProxy:
 
         self.target_port, self.bytes_per_s = target_port, bytes_per_s
         self.upstream_bytes = 0
+        self.open_pipes = 0  # directions still carrying: 0 once every connection has closed both ways
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -239,6 +240,8 @@ class SlowProxy:
             except OSError:
                 return
             server = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self.open_pipes += 2
             threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
 
@@ -256,6 +259,8 @@ class SlowProxy:
             for sock in (source, sink):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+            with self._lock:
+                self.open_pipes -= 1
 
     def close(self) -> None:
         self._stop = True

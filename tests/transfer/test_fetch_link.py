@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 @pytest.fixture
 def far_nginx(tmp_path: Path):
+    (tmp_path / "www").mkdir()
     with EmulatedLink(LinkSpec(rtt_ms=100, loss=0.001, rate_mbit=50)) as link:
         server = start_nginx(tmp_path, tmp_path / "www", host=A_ADDR, netns=link.namespaces["a"], port=8090)
         try:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from redline.transfer.engine import Fetch, Options, Progress, Summary
+from redline.transfer.engine import Options, Progress, Summary
+from redline.transfer.fetcher import Fetch
 from redline.transfer.link import Link, to_endpoint
 from redline.transfer.session import Session, plan_items
 from redline.transfer.source import Sockets, congestion_allowed

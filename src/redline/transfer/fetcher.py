@@ -1,0 +1,376 @@
+"""The download engine: streams that each read a long range of a file, and take over half of another's when
+they run out, as aria2 splits segments; files verified and renamed into place when their last block lands.
+
+A file is cut into blocks (1 MiB, or the chunk size when smaller): the journal's unit, each recorded with its
+SHA-256 as soon as it is on disk. A stream takes a segment: a run of blocks as long as the file's remaining
+work shared over the streams, read in requests of a chunk (max(8 MiB, 2 x BDP)) each, so a request keeps its
+stream busy for many round trips. Segments go out in file order, so files finish in the order given (what a
+loader reading shard after shard wants), at most ``per_endpoint`` at once to any one server. When no block is
+left to hand out, an idle stream takes the second half of the longest segment still being read: the tail of a
+transfer is then read by every stream, not by the unluckiest one alone, whose window a loss just halved.
+
+A failure a retry may cure is retried from the first block not yet on disk; a kill, a dropped link, or Ctrl-C
+loses at most the block each stream was reading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redline.transfer import journal as journals
+from redline.transfer.engine import FileResult, Item, Options, Progress, Summary, retryable_errors, retrying
+from redline.transfer.link import Link
+from redline.transfer.source import Remote, TransferError
+from redline.units import MiB
+
+BLOCK_BYTES = MiB
+STAT_AHEAD = 8  # files stat'ed at once, ahead of the streams
+SPLIT_IN_REQUEST_BLOCKS = 4  # blocks a request must still wait for before another stream takes half of them
+
+
+@dataclass
+class _File:
+    index: int
+    item: Item
+    result: FileResult
+    remote: Remote | None = None
+    journal: journals.Journal | None = None
+    holes: list[list[int]] = field(default_factory=list)  # [first, end) block runs neither done nor handed out
+    left: int = 0  # blocks not yet on disk
+    failed: bool = False
+    done: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def block_span(self, block: int) -> tuple[int, int]:
+        size = self.journal.chunk_bytes
+        return block * size, min(self.remote.size, (block + 1) * size)
+
+
+@dataclass
+class _Segment:
+    file: _File
+    start: int  # the block being read; advances as blocks land
+    end: int  # past the last block; lowered when another stream takes the tail
+    requested: int = 0  # past the last block the request in flight asked for
+
+
+class _Enough(Exception):
+    """The rest of this segment went to another stream."""
+
+
+class Fetch:
+    def __init__(
+        self, items: list[Item], options: Options, link: Link, congestion: str | None, progress: Progress | None = None
+    ) -> None:
+        self.options, self.link, self.congestion = options, link, congestion
+        self.progress = progress or Progress()
+        self.files = [_File(i, item, FileResult(item.source.url, str(item.dest))) for i, item in enumerate(items)]
+        endpoints = {item.source.endpoint for item in items}
+        self.streams = options.streams or link.streams(options.per_endpoint * max(1, len(endpoints)))
+        self.chunk_bytes = options.chunk_bytes or link.chunk_bytes()
+        self.block_bytes = min(BLOCK_BYTES, self.chunk_bytes)
+        self._retryable = retryable_errors()
+        self._cond = threading.Condition()
+        self._ready: list[_File] = []  # stat'ed files with blocks to hand out, in the order given
+        self._active: list[_Segment] = []
+        self._per_endpoint: dict[str, int] = dict.fromkeys(endpoints, 0)
+        self._all_admitted = False
+        self._stop = threading.Event()
+
+    def run(self) -> Summary:
+        start = time.perf_counter()
+        with (
+            ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="fetch") as pool,
+            ThreadPoolExecutor(max_workers=min(self.streams, STAT_AHEAD), thread_name_prefix="stat") as stats,
+        ):
+            admitted = [stats.submit(self._admit, f) for f in self.files]
+            streams = [pool.submit(self._stream) for _ in range(self.streams)]
+            try:
+                for future in admitted:
+                    future.result()
+                with self._cond:
+                    self._all_admitted = True
+                    self._cond.notify_all()
+                for future in streams:
+                    future.result()
+            except BaseException:  # Ctrl-C: every stream stops at its next piece; the journal keeps the rest
+                self._stop.set()
+                with self._cond:
+                    self._cond.notify_all()
+                stats.shutdown(cancel_futures=True)
+                raise
+        return Summary(
+            [f.result for f in self.files],
+            time.perf_counter() - start,
+            self.streams,
+            self.chunk_bytes,
+            self.link,
+            self.congestion,
+        )
+
+    # ------------------------------------------------------------------------------------- handing out work
+
+    def _admit(self, f: _File) -> None:
+        self._prepare(f)
+        if f.failed or f.journal is None:
+            return
+        if f.left == 0:  # empty, or every block kept from an earlier run
+            self._finish(f)
+            return
+        missing = [
+            i for i in range(len(journals.chunks(f.remote.size, f.journal.chunk_bytes))) if i not in f.journal.done
+        ]
+        for block in missing:  # runs of consecutive missing blocks
+            if f.holes and f.holes[-1][1] == block:
+                f.holes[-1][1] += 1
+            else:
+                f.holes.append([block, block + 1])
+        with self._cond:
+            self._ready.append(f)
+            self._ready.sort(key=lambda ready: ready.index)
+            self._cond.notify_all()
+
+    def _next_segment(self) -> _Segment | None:
+        """A segment for an idle stream: fresh blocks first, else half of the longest segment being read;
+        None when neither is left and every file has been stat'ed."""
+        with self._cond:
+            while not self._stop.is_set():
+                segment = self._fresh() or self._split()
+                if segment is not None:
+                    self._active.append(segment)
+                    self._per_endpoint[segment.file.item.source.endpoint] += 1
+                    self.progress.active(len(self._active))
+                    return segment
+                if self._all_admitted:
+                    return None
+                self._cond.wait()
+            return None
+
+    def _room(self, f: _File) -> bool:
+        return self._per_endpoint[f.item.source.endpoint] < self.options.per_endpoint
+
+    def _fresh(self) -> _Segment | None:
+        for f in self._ready:
+            if f.failed or not f.holes or not self._room(f):
+                continue
+            first, end = f.holes[0]
+            share = -(-sum(b - a for a, b in f.holes) // self.streams)
+            take = min(end - first, max(share, self.chunk_bytes // f.journal.chunk_bytes, 1))
+            if take == end - first:
+                f.holes.pop(0)
+            else:
+                f.holes[0][0] = first + take
+            return _Segment(f, first, first + take)
+        return None
+
+    def _split(self) -> _Segment | None:
+        """The second half of the blocks not yet begun of the longest segment being read. Blocks its stream
+        has not asked for yet are taken first (nothing is lost); blocks it has asked for only when 4 or more
+        wait, since it stops on reaching them and drops its connection, with what was on the way."""
+        by_length = sorted(self._active, key=lambda s: s.start - s.end)
+        for victim in (s for s in by_length if not s.file.failed and self._room(s.file)):
+            waiting = victim.end - victim.start - 1  # the block being read stays with its stream
+            unasked = victim.end - max(victim.requested, victim.start + 1)
+            if unasked >= 1:
+                middle = victim.end - min(unasked, max(1, waiting // 2))
+            elif waiting >= SPLIT_IN_REQUEST_BLOCKS:
+                middle = victim.end - waiting // 2
+            else:
+                continue
+            tail = _Segment(victim.file, middle, victim.end, requested=middle)
+            victim.end = middle
+            return tail
+        return None
+
+    def _release(self, segment: _Segment) -> None:
+        with self._cond:
+            self._active.remove(segment)
+            self._per_endpoint[segment.file.item.source.endpoint] -= 1
+            self.progress.active(len(self._active))
+            self._cond.notify_all()
+
+    # -------------------------------------------------------------------------------------------- streams
+
+    def _stream(self) -> None:
+        while (segment := self._next_segment()) is not None:
+            try:
+                self._serve(segment)
+            finally:
+                self._release(segment)
+
+    def _serve(self, segment: _Segment) -> None:
+        """Read one segment, with retries; finish its file when that was the file's last block."""
+        f = segment.file
+        try:
+            retrying(lambda: self._read(segment), self.options.retries, self._retryable, f.result, lambda: f.failed)
+        except TransferError as exc:
+            self._fail(f, str(exc))
+            return
+        with f.lock:
+            last = f.left == 0 and not f.failed and not f.done
+            f.done = f.done or last
+        if last:
+            self._finish(f)
+
+    def _read(self, segment: _Segment) -> None:
+        """Read the segment's blocks from the first not yet on disk to its end (which may move closer while
+        it is read), in requests of a chunk each."""
+        per_request = max(1, self.chunk_bytes // segment.file.journal.chunk_bytes)
+        while True:
+            with self._cond:
+                first, end = segment.start, min(segment.end, segment.start + per_request)
+                segment.requested = end
+            if first >= end:
+                return
+            self._request(segment, first, end)
+
+    def _request(self, segment: _Segment, first: int, end: int) -> None:
+        """One range request: each block written at its offset as it arrives and recorded once whole. The
+        part file is opened per request: a fetch of many files holds descriptors for the requests in flight."""
+        f = segment.file
+        block = first
+        block_start, block_end = f.block_span(block)
+        position, digest = block_start, hashlib.sha256()
+        fd = os.open(journals.part_path(f.item.dest), os.O_WRONLY)
+
+        def sink(piece: bytes) -> None:
+            nonlocal block, block_start, block_end, position, digest
+            if self._stop.is_set() or f.failed:
+                raise TransferError(f"{f.item.source.url}: stopped")
+            view = memoryview(piece)
+            while view:
+                if block >= segment.end:
+                    raise _Enough
+                take = min(len(view), block_end - position)
+                os.pwrite(fd, view[:take], position)  # a regular file takes a pwrite whole
+                digest.update(view[:take])
+                position += take
+                view = view[take:]
+                with f.lock:
+                    f.result.moved_bytes += take
+                self.progress.advance(take)
+                if position == block_end:
+                    self._landed(segment, block, digest.hexdigest())
+                    block += 1
+                    if block < len(journals.chunks(f.remote.size, f.journal.chunk_bytes)):
+                        block_start, block_end = f.block_span(block)
+                    digest = hashlib.sha256()
+
+        try:
+            f.item.source.read(f.remote, f.block_span(first)[0], f.block_span(end - 1)[1], sink)
+        except _Enough:
+            pass
+        except BaseException:
+            self.progress.advance(-(position - block_start))  # the block in flight comes again
+            raise
+        finally:
+            os.close(fd)
+
+    def _landed(self, segment: _Segment, block: int, sha256: str) -> None:
+        f = segment.file
+        f.journal.record(block, sha256)
+        with self._cond:
+            segment.start = block + 1
+        with f.lock:
+            f.left -= 1
+
+    # ------------------------------------------------------------------------------------------- per file
+
+    def _prepare(self, f: _File) -> None:
+        """Stat the remote file, skip it when the destination already is it, else open its journal."""
+        try:
+            f.remote = retrying(f.item.source.stat, self.options.retries, self._retryable, f.result, lambda: False)
+            f.result.size = f.remote.size
+            dest = f.item.dest
+            if not journals.journal_path(dest).exists() and dest.exists():
+                if _is_same(dest, f.remote):
+                    f.result.status = "present"
+                    self.progress.finished(f.result)
+                    return
+                if not self.options.overwrite:
+                    raise TransferError(f"{dest}: exists and is not {f.remote.url} (--overwrite replaces it)")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            f.journal = journals.Journal.open(dest, f.remote, self.block_bytes)
+        except TransferError as exc:
+            self._fail(f, str(exc))
+            return
+        except OSError as exc:
+            self._fail(f, f"{f.item.dest}: {exc.strerror or exc}")
+            return
+        f.result.note = f.journal.restarted_because and f"started anew: {f.journal.restarted_because}"
+        spans = journals.chunks(f.remote.size, f.journal.chunk_bytes)
+        f.result.resumed_bytes = sum(end - start for i, (start, end) in enumerate(spans) if i in f.journal.done)
+        f.left = len(spans) - len(f.journal.done)
+        self.progress.add_total(f.remote.size)
+        self.progress.advance(f.result.resumed_bytes)
+
+    def _finish(self, f: _File) -> None:
+        """Verify the whole file, then put it in place: fsync, rename over the destination, fsync the folder."""
+        dest, part = f.item.dest, journals.part_path(f.item.dest)
+        try:
+            with open(part, "rb") as data:
+                os.fsync(data.fileno())
+                f.result.sha256 = journals.hash_range(data.fileno(), 0, f.remote.size)
+            expected, against = _reference(f)
+            if expected is not None:
+                f.result.verified_against = against
+                if expected.lower() != f.result.sha256:
+                    f.journal.discard()
+                    raise TransferError(
+                        f"{f.remote.url}: SHA-256 {f.result.sha256} is not {expected.lower()} ({against}): the data "
+                        "is corrupt at the source or was corrupted on the way; nothing was written to the destination"
+                    )
+            if f.remote.last_modified is not None:
+                os.utime(part, (f.remote.last_modified, f.remote.last_modified))
+            os.replace(part, dest)
+            _fsync_dir(dest.parent)
+            f.journal.discard()
+        except TransferError as exc:
+            self._fail(f, str(exc))
+            return
+        except OSError as exc:
+            self._fail(f, f"{dest}: {exc.strerror or exc}")
+            return
+        f.result.status = "fetched"
+        self.progress.finished(f.result)
+
+    def _fail(self, f: _File, message: str) -> None:
+        with f.lock:
+            if f.failed:
+                return
+            f.failed = True
+        f.result.status, f.result.error = "failed", message
+        if f.journal is not None:
+            f.journal.close()  # the part file and journal stay: a later run resumes from them
+        self.progress.finished(f.result)
+
+
+def _reference(f: _File) -> tuple[str | None, str | None]:
+    if f.item.sha256:
+        return f.item.sha256, "--checksum"
+    if f.remote.checksum and f.remote.checksum[0] == "sha256":
+        return f.remote.checksum[1], "the store's checksum"
+    return None, None
+
+
+def _is_same(dest: Path, remote: Remote) -> bool:
+    """A destination already holding the remote file, as a fetch leaves it: its size, and its mtime set to
+    the remote's Last-Modified (rclone and wget -N judge by the same two)."""
+    info = dest.stat()
+    if info.st_size != remote.size:
+        return False
+    return remote.last_modified is None or abs(info.st_mtime - remote.last_modified) < 1.0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
