@@ -18,7 +18,9 @@ from prometheus_server import free_port
 
 DEADLINE_S = 30.0
 # nginx's access log: one line per request with the range asked and the body bytes sent (aborted ones too)
-ACCESS_FORMAT = "'$request_method $uri $status range=\"$http_range\" sent=$body_bytes_sent'"
+ACCESS_FORMAT = (
+    "'$request_method $uri $status range=\"$http_range\" sent=$body_bytes_sent ended=$msec took=$request_time'"
+)
 
 
 def wait_for_port(host: str, port: int, process: subprocess.Popen, log: Path, netns: str | None = None) -> None:
@@ -58,11 +60,12 @@ class Nginx:
     process: subprocess.Popen
 
     def requests(self) -> list[dict]:
-        """The access log's lines: method, uri, status, range, sent."""
+        """The access log's lines: method, uri, status, range, sent (body bytes), ended (epoch s), took (s)."""
         out = []
         for line in self.access_log.read_text().splitlines():
             method, uri, status, rest = line.split(" ", 3)
-            range_part, sent = rest.rsplit(" sent=", 1)
+            range_part, tail = rest.rsplit(" sent=", 1)
+            sent, ended, took = tail.split(" ")
             out.append(
                 {
                     "method": method,
@@ -70,6 +73,8 @@ class Nginx:
                     "status": int(status),
                     "range": range_part.removeprefix('range="').removesuffix('"'),
                     "sent": int(sent),
+                    "ended": float(ended.removeprefix("ended=")),
+                    "took": float(took.removeprefix("took=")),
                 }
             )
         return out

@@ -43,7 +43,7 @@ def fetch(
 ) -> Summary:
     """Fetch ``sources`` (files, or folders ending in /) to ``dest``; see the package's parts."""
     options = options or Options()
-    sockets = sockets or sockets_for("bbr")
+    sockets = sockets or Sockets()  # the system's congestion control: the sender's decides a download's rate
     session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file)
     try:
         items = plan_items(session, sources, dest, sha256)

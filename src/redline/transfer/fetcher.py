@@ -31,7 +31,8 @@ from redline.units import MiB
 
 BLOCK_BYTES = MiB
 STAT_AHEAD = 8  # files stat'ed at once, ahead of the streams
-SPLIT_IN_REQUEST_BLOCKS = 4  # blocks a request must still wait for before another stream takes half of them
+SPLIT_POLL_S = 0.25  # how often an idle stream looks again for a segment to share
+SPLIT_AFTER_S = 1.0  # a stream this far from the end of its segment gives half of what waits to an idle one
 
 
 @dataclass
@@ -58,6 +59,15 @@ class _Segment:
     start: int  # the block being read; advances as blocks land
     end: int  # past the last block; lowered when another stream takes the tail
     requested: int = 0  # past the last block the request in flight asked for
+    began_s: float = field(default_factory=time.monotonic)
+    received_bytes: int = 0
+
+    def seconds_left(self, block_bytes: int) -> float:
+        """How long its stream will take for the blocks after the one it reads, at the rate it has had."""
+        elapsed = time.monotonic() - self.began_s
+        if self.received_bytes == 0 or elapsed <= 0:
+            return 0.0  # nothing to judge by yet
+        return (self.end - self.start - 1) * block_bytes / (self.received_bytes / elapsed)
 
 
 class _Enough(Exception):
@@ -137,8 +147,8 @@ class Fetch:
             self._cond.notify_all()
 
     def _next_segment(self) -> _Segment | None:
-        """A segment for an idle stream: fresh blocks first, else half of the longest segment being read;
-        None when neither is left and every file has been stat'ed."""
+        """A segment for an idle stream: fresh blocks first, else half of another stream's (``_split``); None
+        once every file has been stat'ed and no segment is left being read."""
         with self._cond:
             while not self._stop.is_set():
                 segment = self._fresh() or self._split()
@@ -147,9 +157,10 @@ class Fetch:
                     self._per_endpoint[segment.file.item.source.endpoint] += 1
                     self.progress.active(len(self._active))
                     return segment
-                if self._all_admitted:
+                if self._all_admitted and not self._active:
                     return None
-                self._cond.wait()
+                # an idle stream stays while others read: one of them may slow down enough to share its tail
+                self._cond.wait(timeout=SPLIT_POLL_S if self._active else None)
             return None
 
     def _room(self, f: _File) -> bool:
@@ -170,23 +181,29 @@ class Fetch:
         return None
 
     def _split(self) -> _Segment | None:
-        """The second half of the blocks not yet begun of the longest segment being read. Blocks its stream
-        has not asked for yet are taken first (nothing is lost); blocks it has asked for only when 4 or more
-        wait, since it stops on reaching them and drops its connection, with what was on the way."""
-        by_length = sorted(self._active, key=lambda s: s.start - s.end)
-        for victim in (s for s in by_length if not s.file.failed and self._room(s.file)):
+        """Work for an idle stream when no block is left to hand out: half of the blocks another stream has
+        not asked for yet (nothing on the way is lost), else half of what waits in the request of the stream
+        that, at the rate it has had, will finish last, when that is over SPLIT_AFTER_S away (on a lossy link
+        one stream whose window a loss just halved crawls while the others are done; it stops where the new
+        segment begins and drops its connection, with what was on the way)."""
+        victims = [s for s in self._active if not s.file.failed and self._room(s.file)]
+        if not victims:
+            return None
+        roomiest = max(victims, key=lambda s: s.end - max(s.requested, s.start + 1))
+        if roomiest.end - max(roomiest.requested, roomiest.start + 1) >= 1:
+            victim = roomiest
+            middle = max(victim.requested, victim.start + 1, victim.end - max(1, (victim.end - victim.start - 1) // 2))
+        else:
+            victim = max(victims, key=lambda s: s.seconds_left(s.file.journal.chunk_bytes))
             waiting = victim.end - victim.start - 1  # the block being read stays with its stream
-            unasked = victim.end - max(victim.requested, victim.start + 1)
-            if unasked >= 1:
-                middle = victim.end - min(unasked, max(1, waiting // 2))
-            elif waiting >= SPLIT_IN_REQUEST_BLOCKS:
-                middle = victim.end - waiting // 2
-            else:
-                continue
-            tail = _Segment(victim.file, middle, victim.end, requested=middle)
-            victim.end = middle
-            return tail
-        return None
+            if waiting < 1 or victim.seconds_left(victim.file.journal.chunk_bytes) < SPLIT_AFTER_S:
+                return None
+            middle = victim.end - max(1, waiting // 2)
+        if middle >= victim.end:
+            return None
+        tail = _Segment(victim.file, middle, victim.end, requested=middle)
+        victim.end = middle
+        return tail
 
     def _release(self, segment: _Segment) -> None:
         with self._cond:
@@ -254,6 +271,7 @@ class Fetch:
                 view = view[take:]
                 with f.lock:
                     f.result.moved_bytes += take
+                segment.received_bytes += take
                 self.progress.advance(take)
                 if position == block_end:
                     self._landed(segment, block, digest.hexdigest())

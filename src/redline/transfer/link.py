@@ -71,16 +71,23 @@ class Link:
 
 
 def connect_rtt_s(host: str, port: int, tries: int = 3, timeout_s: float = 10.0) -> float | None:
-    """The median time of a TCP handshake to ``host:port`` (one round trip), or None when it cannot connect
-    (the transfer then says what failed, with the real error)."""
-    times = []
-    for _ in range(tries):
+    """The median time of a TCP handshake to ``host:port`` (one round trip), the tries made at once (on a
+    200 ms link three in a row would cost 0.6 s before the first byte), or None when it cannot connect (the
+    transfer then says what failed, with the real error)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def handshake(_: int) -> float | None:
         start = time.perf_counter()
         try:
             with socket.create_connection((host, port), timeout=timeout_s):
-                times.append(time.perf_counter() - start)
+                return time.perf_counter() - start
         except OSError:
             return None
+
+    with ThreadPoolExecutor(max_workers=tries) as pool:
+        times = list(pool.map(handshake, range(tries)))
+    if None in times:
+        return None
     return statistics.median(times)
 
 
