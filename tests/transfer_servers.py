@@ -42,6 +42,12 @@ def wait_for_port(host: str, port: int, process: subprocess.Popen, log: Path, ne
     raise AssertionError(f"{process.args[0]} did not listen on {host}:{port}: {log.read_text()[-2000:]}")
 
 
+def _in(netns: str | None, command: list[str]) -> list[str]:
+    """``command`` run inside the network namespace ``netns`` (``ip netns exec`` execs it: its pid is the
+    server's), or as it is."""
+    return ["ip", "netns", "exec", netns, *command] if netns else command
+
+
 def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.terminate()
@@ -122,9 +128,7 @@ http {{
     }}
 }}
 """)
-    command = [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"]
-    if netns:
-        command = ["ip", "netns", "exec", netns, *command]
+    command = _in(netns, [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"])
     log = prefix / "logs" / "error.log"
     with (prefix / "logs" / "stderr.log").open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -138,14 +142,15 @@ class Sshd:
     known_hosts: Path
     key_file: Path
     process: subprocess.Popen
+    host: str = "127.0.0.1"
 
     def url(self, path: Path | str) -> str:
-        return f"sftp://root@127.0.0.1:{self.port}{path}"
+        return f"sftp://root@{self.host}:{self.port}{path}"
 
 
-def start_sshd(tmp: Path) -> Sshd:
-    """OpenSSH's sshd on a loopback port, with its own host key, a client key authorised for root alone,
-    and the sftp-server subsystem; a known_hosts file that trusts this host key."""
+def start_sshd(tmp: Path, host: str = "127.0.0.1", netns: str | None = None, port: int | None = None) -> Sshd:
+    """OpenSSH's sshd on ``host`` (loopback, or an address inside ``netns``), with its own host key, a client
+    key authorised for root alone, and the sftp-server subsystem; a known_hosts file that trusts this host key."""
     folder = tmp / "sshd"
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
@@ -155,15 +160,13 @@ def start_sshd(tmp: Path) -> Sshd:
     authorized = folder / "authorized_keys"
     shutil.copy(f"{client_key}.pub", authorized)
     os.chmod(authorized, 0o600)
-    port = free_port()
+    port = port or free_port()
+    key_type, key = Path(f"{host_key}.pub").read_text().split(" ", 2)[:2]
     known_hosts = folder / "known_hosts"
-    known_hosts.write_text(
-        f"[127.0.0.1]:{port} {Path(f'{host_key}.pub').read_text().split(' ', 2)[0]} "
-        f"{Path(f'{host_key}.pub').read_text().split(' ', 2)[1]}\n"
-    )
+    known_hosts.write_text(f"[{host}]:{port} {key_type} {key}\n")
     config = folder / "sshd_config"
     config.write_text(f"""Port {port}
-ListenAddress 127.0.0.1
+ListenAddress {host}
 HostKey {host_key}
 PidFile {folder}/sshd.pid
 AuthorizedKeysFile {authorized}
@@ -177,13 +180,13 @@ Subsystem sftp internal-sftp
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
     log = folder / "sshd.log"
     process = subprocess.Popen(
-        ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+        _in(netns, ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)]),
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
-    wait_for_port("127.0.0.1", port, process, log)
-    return Sshd(port, known_hosts, client_key, process)
+    wait_for_port(host, port, process, log, netns)
+    return Sshd(port, known_hosts, client_key, process, host)
 
 
 @dataclass
@@ -206,18 +209,18 @@ class S3:
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def start_s3(tmp: Path) -> S3:
-    """moto's S3 server (``moto_server``) on a loopback port."""
-    port = free_port()
+def start_s3(tmp: Path, host: str = "127.0.0.1", netns: str | None = None, port: int | None = None) -> S3:
+    """moto's S3 server (``moto_server``) on ``host`` (loopback, or an address inside ``netns``)."""
+    port = port or free_port()
     log = tmp / "moto.log"
     process = subprocess.Popen(
-        ["moto_server", "-H", "127.0.0.1", "-p", str(port)],
+        _in(netns, [shutil.which("moto_server") or "moto_server", "-H", host, "-p", str(port)]),
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
-    wait_for_port("127.0.0.1", port, process, log)
-    return S3(f"http://127.0.0.1:{port}", process)
+    wait_for_port(host, port, process, log, netns)
+    return S3(f"http://{host}:{port}", process)
 
 
 class SlowProxy:
