@@ -79,6 +79,7 @@ def test_over_a_long_link_fetch_sizes_itself_and_resumes_after_kill_9(far_nginx,
     assert 0 <= server.sent_bytes("/far.bin") - baseline - 12 * MiB <= 3 * MiB + 2
 
 
+@pytest.mark.slow  # two servers, four transfers across 100 ms: about 20 s idle, more under load
 def test_sftp_and_s3_carry_a_push_and_a_fetch_across_the_long_link(tmp_path: Path) -> None:
     pytest.importorskip("paramiko")
     pytest.importorskip("boto3")
