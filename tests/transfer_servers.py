@@ -23,29 +23,25 @@ ACCESS_FORMAT = (
 )
 
 
+def _in(netns: str | None, command: list[str]) -> list[str]:
+    """``command`` run inside the network namespace ``netns`` (``ip netns exec`` execs it: its pid is the
+    server's), or as it is."""
+    return ["ip", "netns", "exec", netns, *command] if netns else command
+
+
 def wait_for_port(host: str, port: int, process: subprocess.Popen, log: Path, netns: str | None = None) -> None:
     deadline = time.monotonic() + DEADLINE_S
+    probe = _in(netns, ["bash", "-c", f"echo > /dev/tcp/{host}/{port}"])  # a connect from inside the namespace
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise AssertionError(f"{process.args[0]} exited: {log.read_text()[-2000:]}")
         if netns is None:
             with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
                 return
-        elif (
-            subprocess.run(
-                ["ip", "netns", "exec", netns, "bash", "-c", f"echo > /dev/tcp/{host}/{port}"], capture_output=True
-            ).returncode
-            == 0
-        ):
+        elif subprocess.run(probe, capture_output=True).returncode == 0:
             return
         time.sleep(0.05)
     raise AssertionError(f"{process.args[0]} did not listen on {host}:{port}: {log.read_text()[-2000:]}")
-
-
-def _in(netns: str | None, command: list[str]) -> list[str]:
-    """``command`` run inside the network namespace ``netns`` (``ip netns exec`` execs it: its pid is the
-    server's), or as it is."""
-    return ["ip", "netns", "exec", netns, *command] if netns else command
 
 
 def stop(process: subprocess.Popen) -> None:

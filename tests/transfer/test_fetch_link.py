@@ -36,7 +36,8 @@ def far_nginx(tmp_path: Path):
             stop(server.process)
 
 
-def _fetch(link: EmulatedLink, tmp_path: Path, *argv: str, verb: str = "fetch") -> subprocess.Popen:
+def _redline(link: EmulatedLink, tmp_path: Path, verb: str, *argv: str) -> subprocess.Popen:
+    """``redline VERB ARGV... --json`` on the near side of the link."""
     env = dict(os.environ, REDLINE_HOME=str(tmp_path / "home"), **S3_ENV)
     command = [sys.executable, "-m", "redline", verb, *argv, "--json"]
     return subprocess.Popen(link.argv("b", *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -55,26 +56,21 @@ def test_over_a_long_link_fetch_sizes_itself_and_resumes_after_kill_9(far_nginx,
     url = f"http://{A_ADDR}:8090/far.bin"
 
     # left to itself: the handshake says 100 ms, a long link, so many streams of at least 8 MiB
-    plain = _fetch(link, tmp_path, url, str(tmp_path / "plain.bin"))
-    out, err = plain.communicate(timeout=600)
-    assert plain.returncode == 0, err.decode()
-    summary = json.loads(out)
+    summary = _done(_redline(link, tmp_path, "fetch", url, str(tmp_path / "plain.bin")))
     assert summary["link"]["rtt_s"] >= 0.09 and summary["streams"] == 16 and summary["chunk_bytes"] == 8 * MiB
     assert (tmp_path / "plain.bin").read_bytes() == data
 
     baseline = server.sent_bytes("/far.bin")
     dest = tmp_path / "resumed.bin"
     argv = (url, str(dest), "--streams", "3", "--chunk-size", "1M")
-    first = _fetch(link, tmp_path, *argv)
+    first = _redline(link, tmp_path, "fetch", *argv)
     path = journal.journal_path(dest)
     while not path.exists() or len(path.read_text().splitlines()) < 4:  # the header and three chunks
         assert first.poll() is None, first.stderr.read().decode()
     first.send_signal(signal.SIGKILL)  # ip netns exec execs the command: this is redline itself
     first.wait()
-    second = _fetch(link, tmp_path, *argv)
-    out, err = second.communicate(timeout=600)
-    assert second.returncode == 0, err.decode()
-    assert dest.read_bytes() == data and json.loads(out)["files"][0]["resumed_bytes"] >= 3 * MiB
+    resumed = _done(_redline(link, tmp_path, "fetch", *argv))
+    assert dest.read_bytes() == data and resumed["files"][0]["resumed_bytes"] >= 3 * MiB
     # both runs of the resumed fetch together sent the file once, plus at most the 3 chunks in flight at the kill
     assert 0 <= server.sent_bytes("/far.bin") - baseline - 12 * MiB <= 3 * MiB + 2
 
@@ -95,10 +91,12 @@ def test_sftp_and_s3_carry_a_push_and_a_fetch_across_the_long_link(tmp_path: Pat
             far = tmp_path / "far"
             far.mkdir()
             pushed = _done(
-                _fetch(link, tmp_path, str(tmp_path / "local.bin"), sshd.url(far / "up.bin"), *ssh, verb="push")
+                _redline(link, tmp_path, "push", str(tmp_path / "local.bin"), sshd.url(far / "up.bin"), *ssh)
             )
             assert pushed["files"][0]["status"] == "pushed" and (far / "up.bin").read_bytes() == data
-            fetched = _done(_fetch(link, tmp_path, sshd.url(far / "up.bin"), str(tmp_path / "sftp.bin"), *ssh))
+            fetched = _done(
+                _redline(link, tmp_path, "fetch", sshd.url(far / "up.bin"), str(tmp_path / "sftp.bin"), *ssh)
+            )
             assert fetched["link"]["rtt_s"] >= 0.09 and (tmp_path / "sftp.bin").read_bytes() == data
 
             s3_args = ("--endpoint-url", s3.endpoint_url)
@@ -106,11 +104,9 @@ def test_sftp_and_s3_carry_a_push_and_a_fetch_across_the_long_link(tmp_path: Pat
             make = [sys.executable, "-c", f"import boto3; boto3.client('s3', endpoint_url='{s3.endpoint_url}')"
                     ".create_bucket(Bucket='far')"]  # fmt: skip
             subprocess.run(link.argv("b", *make), check=True, env=dict(os.environ, **S3_ENV), timeout=120)
-            pushed = _done(
-                _fetch(link, tmp_path, str(tmp_path / "local.bin"), "s3://far/up.bin", *s3_args, verb="push")
-            )
+            pushed = _done(_redline(link, tmp_path, "push", str(tmp_path / "local.bin"), "s3://far/up.bin", *s3_args))
             assert pushed["files"][0]["status"] == "pushed"
-            fetched = _done(_fetch(link, tmp_path, "s3://far/up.bin", str(tmp_path / "s3.bin"), *s3_args))
+            fetched = _done(_redline(link, tmp_path, "fetch", "s3://far/up.bin", str(tmp_path / "s3.bin"), *s3_args))
             assert (tmp_path / "s3.bin").read_bytes() == data
             assert fetched["files"][0]["verified_against"] == "the store's checksum"  # what push left in the metadata
         finally:
