@@ -47,8 +47,6 @@ def fetch(
     session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file)
     try:
         items = plan_items(session, sources, dest, sha256)
-        if link is None:
-            link = to_endpoint(items[0].source.endpoint, "down")
         return Fetch(items, options, link, sockets.congestion, progress).run()
     finally:
         session.close()

@@ -216,7 +216,7 @@ class Cache:
     def _stat(self, url: str) -> int:
         """The size of the file at ``url``; a source that is not there (404, no such file) is the user's to
         fix (NotStageable), a network that fails three tries may mend (StageError)."""
-        from redline.transfer.engine import retryable_errors
+        from redline.transfer.engine import retryable
         from redline.transfer.session import is_folder
 
         if is_folder(url):
@@ -226,7 +226,9 @@ class Cache:
                 return self._session_for().source(url).stat().size
             except TransferError as exc:
                 raise NotStageable(f"cannot stage {_naming(url, str(exc))}") from None
-            except retryable_errors() as exc:
+            except Exception as exc:
+                if not retryable(exc):
+                    raise
                 if tries == STAT_TRIES - 1:
                     reason = " ".join(str(exc).split())[:300] or type(exc).__name__
                     raise StageError(f"cannot stage {_naming(url, reason)}") from None

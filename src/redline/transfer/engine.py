@@ -6,6 +6,7 @@ cannot cure (404, denied, the file changed) is a TransferError at once."""
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,28 +98,27 @@ class Summary:
         }
 
 
-def retryable_errors() -> tuple[type[BaseException], ...]:
-    """What a retry may cure: the network's errors and those of the clients that speak over it."""
-    errors: list[type[BaseException]] = [OSError, EOFError]
-    import urllib3.exceptions
-
-    errors.append(urllib3.exceptions.HTTPError)
-    try:
-        import paramiko
-
-        errors.append(paramiko.SSHException)
-    except ImportError:
-        pass
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        errors += [BotoCoreError, ClientError]
-    except ImportError:
-        pass
-    return tuple(errors)
+# the clients' errors a retry may cure, by module: an exception of a client's class exists only once its module
+# is imported, so the check looks only at those already loaded (an HTTP fetch never pays for importing paramiko)
+_CLIENT_ERRORS = {
+    "urllib3.exceptions": ("HTTPError",),
+    "paramiko": ("SSHException",),
+    "botocore.exceptions": ("BotoCoreError", "ClientError"),
+}
 
 
-def retrying(attempt: Callable, retries: int, retryable: tuple, result: FileResult, abandoned: Callable[[], bool]):
+def retryable(exc: BaseException) -> bool:
+    """Whether a retry may cure ``exc``: the network's errors and those of the clients that speak over it."""
+    if isinstance(exc, (OSError, EOFError)):
+        return True
+    for module, names in _CLIENT_ERRORS.items():
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(exc, tuple(getattr(loaded, name) for name in names)):
+            return True
+    return False
+
+
+def retrying(attempt: Callable, retries: int, result: FileResult, abandoned: Callable[[], bool]):
     """``attempt()``, tried again after failures a retry may cure, at most ``retries`` times, after a pause drawn
     at random up to a doubling ceiling; TransferError, naming the last failure, when the tries run out."""
     for tries in range(retries + 1):
@@ -126,7 +126,9 @@ def retrying(attempt: Callable, retries: int, retryable: tuple, result: FileResu
             return attempt()
         except TransferError:
             raise
-        except retryable as exc:
+        except Exception as exc:
+            if not retryable(exc):
+                raise
             if tries == retries or abandoned():
                 raise TransferError(f"{result.url}: gave up after {tries + 1} tries: {_one_line(exc)}") from None
             result.retries += 1

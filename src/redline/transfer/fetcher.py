@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from redline.transfer import journal as journals
-from redline.transfer.engine import FileResult, Item, Options, Progress, Summary, retryable_errors, retrying
-from redline.transfer.link import Link
+from redline.transfer.engine import FileResult, Item, Options, Progress, Summary, retrying
+from redline.transfer.link import MIN_CHUNK_BYTES, Link, to_endpoint
 from redline.transfer.source import Remote, TransferError
 from redline.units import MiB
 
@@ -75,44 +75,53 @@ class _Enough(Exception):
 
 
 class Fetch:
+    """One fetch of ``items``. ``link`` None: the path to the first file's endpoint is measured while the first
+    files are stat'ed (``to_endpoint``), so the probe's round trip costs no time of its own."""
+
     def __init__(
-        self, items: list[Item], options: Options, link: Link, congestion: str | None, progress: Progress | None = None
+        self,
+        items: list[Item],
+        options: Options,
+        link: Link | None,
+        congestion: str | None,
+        progress: Progress | None = None,
     ) -> None:
         self.options, self.link, self.congestion = options, link, congestion
         self.progress = progress or Progress()
         self.files = [_File(i, item, FileResult(item.source.url, str(item.dest))) for i, item in enumerate(items)]
-        endpoints = {item.source.endpoint for item in items}
-        self.streams = options.streams or link.streams(options.per_endpoint * max(1, len(endpoints)))
-        self.chunk_bytes = options.chunk_bytes or link.chunk_bytes()
-        self.block_bytes = min(BLOCK_BYTES, self.chunk_bytes)
-        self._retryable = retryable_errors()
+        self.endpoints = {item.source.endpoint for item in items}
+        # the journal's block: known before the link is (a chunk is never under MIN_CHUNK_BYTES unless set)
+        self.block_bytes = min(BLOCK_BYTES, options.chunk_bytes or MIN_CHUNK_BYTES)
+        self.streams = self.chunk_bytes = 0  # from the link, once known (run)
         self._cond = threading.Condition()
         self._ready: list[_File] = []  # stat'ed files with blocks to hand out, in the order given
         self._active: list[_Segment] = []
-        self._per_endpoint: dict[str, int] = dict.fromkeys(endpoints, 0)
+        self._per_endpoint: dict[str, int] = dict.fromkeys(self.endpoints, 0)
         self._all_admitted = False
         self._stop = threading.Event()
 
     def run(self) -> Summary:
         start = time.perf_counter()
-        with (
-            ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="fetch") as pool,
-            ThreadPoolExecutor(max_workers=min(self.streams, STAT_AHEAD), thread_name_prefix="stat") as stats,
-        ):
+        with ThreadPoolExecutor(max_workers=STAT_AHEAD, thread_name_prefix="stat") as stats:
             admitted = [stats.submit(self._admit, f) for f in self.files]
-            streams = [pool.submit(self._stream) for _ in range(self.streams)]
             try:
-                for future in admitted:
-                    future.result()
-                with self._cond:
-                    self._all_admitted = True
-                    self._cond.notify_all()
-                for future in streams:
-                    future.result()
-            except BaseException:  # Ctrl-C: every stream stops at its next piece; the journal keeps the rest
-                self._stop.set()
-                with self._cond:
-                    self._cond.notify_all()
+                self._size_to_link()
+                with ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="fetch") as pool:
+                    streams = [pool.submit(self._stream) for _ in range(self.streams)]
+                    try:
+                        for future in admitted:
+                            future.result()
+                        with self._cond:
+                            self._all_admitted = True
+                            self._cond.notify_all()
+                        for future in streams:
+                            future.result()
+                    except BaseException:  # Ctrl-C: each stream stops at its next piece; the journal keeps the rest
+                        self._stop.set()
+                        with self._cond:
+                            self._cond.notify_all()
+                        raise
+            except BaseException:
                 stats.shutdown(cancel_futures=True)
                 raise
         return Summary(
@@ -123,6 +132,14 @@ class Fetch:
             self.link,
             self.congestion,
         )
+
+    def _size_to_link(self) -> None:
+        """Streams and chunk size from the link, measured now (while the first files are stat'ed) when not given."""
+        if self.link is None:
+            self.link = to_endpoint(self.files[0].item.source.endpoint, "down")
+        cap = self.options.per_endpoint * max(1, len(self.endpoints))
+        self.streams = self.options.streams or self.link.streams(cap)
+        self.chunk_bytes = self.options.chunk_bytes or self.link.chunk_bytes()
 
     # ------------------------------------------------------------------------------------- handing out work
 
@@ -215,6 +232,7 @@ class Fetch:
     # -------------------------------------------------------------------------------------------- streams
 
     def _stream(self) -> None:
+        self.files[0].item.source.connect()  # while the first files are stat'ed
         while (segment := self._next_segment()) is not None:
             try:
                 self._serve(segment)
@@ -225,7 +243,7 @@ class Fetch:
         """Read one segment, with retries; finish its file when that was the file's last block."""
         f = segment.file
         try:
-            retrying(lambda: self._read(segment), self.options.retries, self._retryable, f.result, lambda: f.failed)
+            retrying(lambda: self._read(segment), self.options.retries, f.result, lambda: f.failed)
         except TransferError as exc:
             self._fail(f, str(exc))
             return
@@ -303,7 +321,7 @@ class Fetch:
     def _prepare(self, f: _File) -> None:
         """Stat the remote file, skip it when the destination already is it, else open its journal."""
         try:
-            f.remote = retrying(f.item.source.stat, self.options.retries, self._retryable, f.result, lambda: False)
+            f.remote = retrying(f.item.source.stat, self.options.retries, f.result, lambda: False)
             f.result.size = f.remote.size
             dest = f.item.dest
             if not journals.journal_path(dest).exists() and dest.exists():

@@ -39,6 +39,20 @@ class Pools:
     def request(self, method: str, url: str, headers: dict[str, str], body: bytes | None = None):
         return self._manager.request(method, url, headers=headers, body=body, preload_content=False)
 
+    def connect(self, url: str) -> None:
+        """Open one connection to ``url``'s endpoint ahead of its first request, where the pool has room
+        (urllib3 connects on first use). urllib3 has no public call for it: this takes a connection from the
+        pool, connects it and puts it back, as a request would."""
+        pool = self._manager.connection_from_url(url)
+        conn = pool._get_conn()
+        try:
+            if not conn.is_connected:
+                conn.connect()
+        except OSError:
+            conn.close()  # the request that follows meets the same failure and reports it
+        finally:
+            pool._put_conn(conn)
+
     def close(self) -> None:
         self._manager.clear()
 
@@ -75,6 +89,9 @@ class HttpSource(Source):
     def request_url(self) -> str:
         """The URL each request goes to (an object store's source signs a fresh one per request)."""
         return self.url
+
+    def connect(self) -> None:
+        self.pools.connect(self.endpoint)
 
     def stat(self) -> Remote:
         """A one-byte ranged GET rather than HEAD: it says whether ranges are honoured, and some servers

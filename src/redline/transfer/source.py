@@ -88,5 +88,9 @@ class Source(ABC):
     @abstractmethod
     def read(self, remote: Remote, start: int, end: int, sink: Sink) -> None: ...
 
+    def connect(self) -> None:  # noqa: B027 - a source with no connections of its own has nothing to open
+        """Open a connection ahead of the first read, where this kind of source keeps them: a stream calls it
+        while the file is being stat'ed, so on a long link its first request does not wait a handshake more."""
+
     def close(self) -> None:  # noqa: B027 - most sources hold nothing of their own
         """Free connections this source holds (shared pools are the session's to close)."""

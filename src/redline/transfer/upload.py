@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from redline.bench.store import home
-from redline.transfer.engine import FileResult, Options, Progress, Summary, retryable_errors, retrying
+from redline.transfer.engine import FileResult, Options, Progress, Summary, retrying
 from redline.transfer.journal import chunks, hash_range
 from redline.transfer.link import Link
 from redline.transfer.source import TransferError
@@ -92,7 +92,6 @@ class Push:
         self.progress = progress or Progress()
         self.streams = options.streams or link.streams(options.per_endpoint)
         self.part_bytes = options.chunk_bytes or link.chunk_bytes()
-        self._retryable = retryable_errors()
 
     def run(self) -> Summary:
         start = time.perf_counter()
@@ -122,7 +121,6 @@ class Push:
             retrying(
                 lambda: self.destination.begin(upload, resumed),
                 self.options.retries,
-                self._retryable,
                 upload.result,
                 lambda: False,
             )
@@ -200,7 +198,7 @@ class Push:
             return tag
 
         try:
-            tag = retrying(send, self.options.retries, self._retryable, upload.result, lambda: upload.failed)
+            tag = retrying(send, self.options.retries, upload.result, lambda: upload.failed)
         except TransferError as exc:
             self._fail(upload, str(exc))
             return
@@ -215,7 +213,6 @@ class Push:
             retrying(
                 lambda: self.destination.finish(upload),
                 self.options.retries,
-                self._retryable,
                 upload.result,
                 lambda: False,
             )
