@@ -8,7 +8,7 @@ import sys
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, monitor, plan, probe, queue, run, stage, transfer, tune, ui
+from redline.cli import bench, catalog, doctor, infer, monitor, plan, probe, queue, run, stage, transfer, tune, ui
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -24,6 +24,7 @@ app.command("bench")(bench.bench)
 app.command("plan")(plan.plan)
 app.command("run", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(run.run)
 app.command("tune", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(tune.tune)
+app.command("infer")(infer.infer)
 app.command("monitor")(monitor.monitor)
 app.command("report")(monitor.report)
 app.command("submit", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(queue.submit)

@@ -166,3 +166,10 @@ def process_state(pid: int) -> str | None:
         return psutil.Process(pid).status()
     except psutil.Error:
         return None
+
+
+def process_rss_bytes() -> int:
+    """This process's resident memory now (what a CPU backend's peak memory is sampled from)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)

@@ -1,0 +1,228 @@
+"""`redline infer`: run a model every way this server can serve it (eager, torch.compile, AOTInductor, ONNX
+Runtime, TensorRT, int8), time each at each batch size, check its outputs against eager fp32, and keep the
+fastest that meets the latency SLO and parity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from redline.cli import ui
+
+if TYPE_CHECKING:
+    from redline.infer.generate import GenerationRow
+    from redline.infer.measure import Row
+
+
+def infer(
+    model: str = typer.Option(
+        ..., "--model", "-m", help="A preset, a Hugging Face config.json, or package.module:factory (as `plan -m`)."
+    ),
+    weights: Path | None = typer.Option(
+        None, "--weights", help="Trained weights: a torch.save'd state_dict, or a `redline run` checkpoint folder."
+    ),
+    batch: str = typer.Option("1,8,32", "--batch", help="Batch sizes to measure, comma-separated."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sequence (language models; default 128)."),
+    input_shape: str | None = typer.Option(None, "--input-shape", help="One sample's shape, 3,224,224."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16, fp16 or int8 (dynamic, linear layers)."),
+    latency_slo: str | None = typer.Option(None, "--latency-slo", help="The p99 latency a pick must meet: 20ms."),
+    backends: str | None = typer.Option(
+        None, "--backends", help="Comma-separated (default: every one that applies; see --list-backends)."
+    ),
+    device: str = typer.Option("auto", "--device", help="auto (a GPU when there is one), cpu or cuda."),
+    iters: int = typer.Option(20, "--iters", help="Timed calls per backend and batch, at least."),
+    generate: int = typer.Option(
+        32, "--generate", help="Decoder LMs: new tokens to time prefill and decode with (0: skip)."
+    ),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Save the pick here (a folder) to serve it."),
+    html: Path | None = typer.Option(None, "--html", help="Write an HTML report (a latency plot) here."),
+    list_backends: bool = typer.Option(False, "--list-backends", help="List the backends and whether each can run."),
+    json_output: bool = typer.Option(False, "--json", help="Every measurement and the pick as JSON."),
+) -> None:
+    """Make a model serve fast on this machine: every backend measured, parity checked, the fastest kept."""
+    from redline.capability import require_torch
+
+    require_torch("redline infer")
+    from redline.infer.backends import PRECISIONS
+
+    if precision not in PRECISIONS:
+        from redline.errors import BadInput
+
+        raise BadInput(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    where = _device(device)
+    if list_backends:
+        _list(where, precision, json_output)
+        return
+    batches, slo_ms = _checked(batch, latency_slo, iters, generate)
+    _check_targets(output, html)
+    from redline.cli.plan import parse_shape
+    from redline.infer.measure import Settings, measure, pick, scratch, selected
+    from redline.infer.models import load_subject
+
+    chosen = selected([b.strip() for b in backends.split(",") if b.strip()] if backends else None, where)
+    subject = load_subject(model, weights=weights, seq_len=seq_len, input_shape=parse_shape(input_shape))
+    settings = Settings(batches, precision=precision, device=where, iters=iters, latency_slo_ms=slo_ms)
+    with scratch() as workdir, ui.progress_bar(enabled=not json_output) as progress:
+        steps = len(chosen) * len(batches)
+        done = [0]
+
+        def advance(what: str) -> None:
+            progress(what, done[0], steps)
+            done[0] += 1
+
+        rows = measure(subject, chosen, settings, Path(workdir), advance)
+        best = pick(rows)
+        generated = _generation(subject, where, generate, advance) if subject.kind == "lm" and generate else []
+        saved = None
+        if output is not None and best is not None:
+            from redline.infer.artifact import save
+
+            saved = save(output, subject, best, where)
+    if html is not None:
+        from redline.infer.report import GENERATOR, html_report
+        from redline.report.output import write_output
+
+        write_output(html, html_report(subject.name, rows, best, generated, settings), marker=GENERATOR)
+    if json_output:
+        ui.print_json(_to_json(subject.name, settings, rows, best, generated, saved))
+    else:
+        _print(subject.name, settings, rows, best, generated, saved)
+    if best is None:
+        raise typer.Exit(1)
+
+
+def _device(device: str) -> str:
+    import torch
+
+    from redline.errors import BadInput
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise BadInput(f"--device must be auto, cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda: this machine has no CUDA GPU that torch can use")
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def _checked(batch: str, latency_slo: str | None, iters: int, generate: int) -> tuple[tuple[int, ...], float | None]:
+    """The batch sizes and the SLO in ms, each bad option a line."""
+    from redline.errors import BadInput
+    from redline.units import parse_duration
+
+    try:
+        batches = tuple(int(part) for part in batch.split(",") if part.strip())
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise BadInput(f"--batch '{batch}' is not a list of positive batch sizes like 1,8,32")
+    if iters < 1 or generate < 0:
+        raise BadInput("--iters must be at least 1 and --generate 0 or more")
+    slo_ms = None
+    if latency_slo is not None:
+        text = latency_slo.strip().lower()
+        try:
+            slo_ms = float(text[:-2]) if text.endswith("ms") else parse_duration(text, bare_unit_s=1e-3) * 1e3
+        except ValueError:
+            slo_ms = -1.0
+        if not 0 < slo_ms < float("inf"):
+            raise BadInput(f"--latency-slo '{latency_slo}' is not a latency like 20ms or 0.5s")
+    return tuple(dict.fromkeys(batches)), slo_ms
+
+
+def _check_targets(output: Path | None, html: Path | None) -> None:
+    from redline.errors import BadInput
+    from redline.infer.artifact import MANIFEST
+    from redline.infer.report import GENERATOR
+    from redline.report.output import check_target
+
+    if html is not None:
+        check_target(html, marker=GENERATOR)
+    if output is not None:
+        if output.exists() and not output.is_dir():
+            raise BadInput(f"-o {output} is a file: the pick is saved as a folder")
+        if output.is_dir() and any(output.iterdir()) and not (output / MANIFEST).exists():
+            raise BadInput(f"-o {output} is not empty and holds no redline artifact: choose a new folder")
+
+
+def _generation(subject: Any, device: str, new_tokens: int, advance: Any) -> list[GenerationRow]:
+    from redline.errors import BadInput
+    from redline.infer.generate import generation
+
+    advance(f"generation: {new_tokens} tokens, eager and compiled")
+    config = subject.hf_config
+    positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)
+    prompt = min(subject.sample_shape[0], positions - new_tokens) if positions else subject.sample_shape[0]
+    if prompt < 1:
+        raise BadInput(f"--generate {new_tokens} leaves no room for a prompt in {positions} positions")
+    return generation(subject, 1, prompt, new_tokens, device)
+
+
+def _list(device: str, precision: str, json_output: bool) -> None:
+    from redline.infer.backends import BACKENDS, default_backends
+
+    defaults = default_backends(device)
+    listed = [
+        {
+            "name": b.name,
+            "summary": b.summary,
+            "absent": b.absent(device, precision),
+            "default": b.name in defaults,
+        }
+        for b in BACKENDS.values()
+    ]
+    if json_output:
+        ui.print_json({"device": device, "precision": precision, "backends": listed})
+        return
+    from rich.table import Table
+
+    table = Table(title=f"backends on {device} at {precision}")
+    for column in ("backend", "what", "here"):
+        table.add_column(column)
+    for entry in listed:
+        here = "yes" if entry["absent"] is None else f"no: {entry['absent']}"
+        here += "" if entry["default"] else " (not by default)"
+        table.add_row(entry["name"], entry["summary"], here)
+    ui.console.print(table)
+
+
+def _to_json(name: str, settings: Any, rows: list[Row], best: Row | None, generated: list, saved: Path | None) -> dict:
+    import dataclasses
+
+    from redline.infer.measure import speedups
+
+    ratios = speedups(rows)
+
+    def row_json(row: Row) -> dict:
+        data = dataclasses.asdict(row)
+        data["files"] = [str(f) for f in row.files]
+        data["latency_vs_eager"] = ratios.get((row.backend, row.batch))
+        return data
+
+    return {
+        "model": name,
+        "device": settings.device,
+        "precision": settings.precision,
+        "batches": list(settings.batches),
+        "latency_slo_ms": settings.latency_slo_ms,
+        "rows": [row_json(r) for r in rows],
+        "pick": None if best is None else {"backend": best.backend, "batch": best.batch},
+        "generation": [dataclasses.asdict(g) for g in generated],
+        "saved": str(saved) if saved else None,
+    }
+
+
+def _print(name: str, settings: Any, rows: list[Row], best: Row | None, generated: list, saved: Path | None) -> None:
+    from redline.infer.report import generation_table, notes, rows_table, verdict
+
+    ui.console.print(rows_table(name, settings, rows, best))
+    for line in notes(rows):
+        ui.console.print(ui.dim(f"  {line}"))
+    if generated:
+        ui.console.print(generation_table(generated))
+        for g in generated:
+            if g.status != "ok":
+                ui.console.print(ui.dim(f"  generation, {g.mode}: {g.note}"))
+    ui.console.print(verdict(rows, best, settings))
+    if saved is not None:
+        ui.console.print(f"saved to {saved}: redline.infer.load('{saved}') serves it")

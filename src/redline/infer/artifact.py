@@ -1,0 +1,134 @@
+"""The picked backend saved as a folder that ``redline.infer.load`` turns back into a callable.
+
+    best/
+      manifest.json   backend, precision, batch, device, how to rebuild the model, the figures it was picked on
+      weights.pt      the fp32 state_dict (eager, compile, int8-dynamic, tensorrt rebuild the module from it)
+      model.pt2       export-aoti: the AOTInductor package (loads with no model code)
+      model.onnx      onnxruntime: the graph (int8 already quantised); loads with no model code
+      check.pt        one input batch and the output it gave when picked: ``Served.verify()`` compares
+
+The exported kinds have static shapes: they take the batch size they were picked at. The others take any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from redline import __version__
+from redline.errors import BadInput
+from redline.infer.backends import BACKENDS, Build, Runner, cast, cast_input, onnx_runner, session_providers
+from redline.infer.measure import TOLERANCES, Parity, Row, compare
+from redline.infer.models import Subject, rebuild
+
+FORMAT = "redline-infer/1"
+MANIFEST = "manifest.json"
+CHECK_ROWS = 16
+EXPORTED = {"export-aoti": "model.pt2", "onnxruntime": "model.onnx", "onnxruntime-trt": "model.onnx"}
+
+
+def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
+    """``row``'s backend as an artifact in ``folder`` (created; refused when it holds anything but an earlier
+    artifact, so no user file is overwritten)."""
+    folder = folder.expanduser()
+    if folder.exists() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
+        raise BadInput(f"{folder} is not empty and holds no redline artifact: choose a new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    if row.backend in EXPORTED:
+        source = next(p for p in row.files if p.suffix in (".pt2", ".onnx"))
+        shutil.copyfile(source, folder / EXPORTED[row.backend])
+    torch.save(subject.served.inner.state_dict(), folder / "weights.pt")
+    x = subject.example(row.batch, seed=1)
+    with torch.inference_mode():
+        expected = subject.served.to("cpu")(x)
+    torch.save({"x": x, "y": check_rows(expected)}, folder / "check.pt")
+    manifest = {
+        "format": FORMAT,
+        "redline": __version__,
+        "torch": torch.__version__,
+        "model": subject.name,
+        "source": subject.source,
+        "kind": subject.kind,
+        "sample_shape": list(subject.sample_shape),
+        "backend": row.backend,
+        "precision": row.precision,
+        "batch": row.batch,
+        "device": device,
+        "picked_on": {
+            "p50_ms": row.p50_ms,
+            "p99_ms": row.p99_ms,
+            "samples_per_s": row.samples_per_s,
+            "parity": dataclasses.asdict(row.parity) if row.parity else None,
+        },
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return folder
+
+
+def check_rows(y: torch.Tensor) -> torch.Tensor:
+    """The first rows of an output, each whole along its last dimension (so top-1 still means something): a
+    language model's logits at batch 32 would be hundreds of MB."""
+    return y.detach().float().cpu().reshape(-1, y.shape[-1] if y.dim() else 1)[:CHECK_ROWS].clone()
+
+
+class Artifact:
+    """A loaded artifact: call it on a batch (on the CPU or the device it was picked on)."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], runner: Runner, device: str, classes: bool) -> None:
+        self.folder = folder
+        self.manifest = manifest
+        self.runner = runner
+        self.device = device
+        self.classes = classes
+
+    @property
+    def batch(self) -> int | None:
+        """The one batch size it takes (exported graphs), None where any will do."""
+        return self.manifest["batch"] if self.manifest["backend"] in EXPORTED else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch is not None and x.shape[0] != self.batch:
+            backend = self.manifest["backend"]
+            raise ValueError(f"this {backend} artifact takes batches of {self.batch}, not {x.shape[0]}")
+        return self.runner(cast_input(x.to(self.device), self.manifest["precision"]))
+
+    def verify(self) -> tuple[bool, Parity]:
+        """The saved input through this artifact against the fp32 output saved with it, at its tolerance."""
+        check = torch.load(self.folder / "check.pt", map_location="cpu", weights_only=True)
+        parity = compare(check_rows(self(check["x"])), check["y"], self.classes)
+        return parity.passes(TOLERANCES[self.manifest["precision"]]), parity
+
+
+def load(path: str | Path, device: str | None = None) -> Artifact:
+    """An artifact ``redline infer -o`` wrote, ready to call. ``device`` defaults to the one it was picked on."""
+    folder = Path(path).expanduser()
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInput(f"{folder}: not a redline inference artifact ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise BadInput(f"{folder}: artifact format {manifest.get('format')!r}, this redline reads {FORMAT}")
+    device = device or manifest["device"]
+    backend, precision = manifest["backend"], manifest["precision"]
+    classes = manifest["kind"] in ("classifier", "lm")
+    if backend == "export-aoti":
+        from torch._inductor import aoti_load_package
+
+        return Artifact(folder, manifest, Runner(aoti_load_package(str(folder / "model.pt2"))), device, classes)
+    if backend in EXPORTED:
+        import onnxruntime
+
+        provider = "TensorrtExecutionProvider" if backend == "onnxruntime-trt" else None
+        runner = onnx_runner(folder / "model.onnx", session_providers(onnxruntime, provider, device))
+        return Artifact(folder, manifest, runner, device, classes)
+    subject = rebuild(manifest["source"], tuple(manifest["sample_shape"]))
+    subject.served.inner.load_state_dict(torch.load(folder / "weights.pt", map_location="cpu", weights_only=True))
+    module = cast(subject.served, precision, device)
+    x = cast_input(subject.example(manifest["batch"]).to(device), precision)
+    runner = BACKENDS[backend].build(Build(module, subject.served, x, precision, device, folder))
+    return Artifact(folder, manifest, runner, device, classes)

@@ -1,0 +1,238 @@
+"""The ways to run a served model, each built from the same fp32 module and one example batch.
+
+A backend turns ``Served`` (one tensor in, one out) into a ``Runner`` for one batch shape: eager PyTorch,
+``torch.compile`` (its default mode and max-autotune), ``torch.export`` + AOTInductor (an ahead-of-time
+compiled ``.pt2`` package), ONNX export + ONNX Runtime (the CPU provider here, CUDA's and TensorRT's on a GPU),
+Torch-TensorRT, and dynamic int8 quantisation of the linear layers. Optional ones (onnxruntime, torch_tensorrt,
+a GPU) say in one line why they cannot run (``Backend.absent``) instead of failing.
+
+Precision is applied before a backend sees the module (``cast``): bf16/fp16 convert the weights (and float
+inputs); int8 swaps ``nn.Linear`` for dynamically quantised ones (int8 weights, activations quantised per call)
+with torch's ``quantize_dynamic`` for the PyTorch backends, and with ONNX Runtime's own ``quantize_dynamic`` on the
+exported graph for ONNX Runtime. The shapes are static: each batch size is built (exported, compiled) anew, and
+that build is the cold start a server pays for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from redline.capability import is_available
+
+Precision = Literal["fp32", "bf16", "fp16", "int8"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
+
+
+@dataclasses.dataclass
+class Build:
+    """What a backend is built from: the module (precision applied, on the device), one batch, a folder."""
+
+    module: nn.Module
+    float_module: nn.Module  # the fp32 original: ONNX Runtime quantises from it (torch's int8 layers do not export)
+    example: torch.Tensor
+    precision: str
+    device: str
+    workdir: Path  # where an export writes its files (kept when the backend is picked)
+
+
+class Runner:
+    """A built backend: call it on a batch of the shape it was built for. ``files`` are what an artifact keeps."""
+
+    def __init__(self, call: Callable[[torch.Tensor], torch.Tensor], files: tuple[Path, ...] = ()) -> None:
+        self.call = call
+        self.files = files
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.call(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    summary: str
+    build: Callable[[Build], Runner]
+    absent: Callable[[str, str], str | None] = lambda device, precision: None  # why not here, else None
+    fixed_precision: str | None = None  # int8-dynamic is int8 whatever --precision says
+    default_on_cpu: bool = True  # max-autotune searches GEMM templates for many minutes on a CPU: opt-in there
+
+
+def cast(module: nn.Module, precision: str, device: str) -> nn.Module:
+    """A copy of ``module`` at ``precision`` on ``device`` (the fp32 original stays the reference)."""
+    module = copy.deepcopy(module).to(device)
+    if precision == "int8":
+        return torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
+    return module.to(DTYPES[precision])
+
+
+def cast_input(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """Float inputs take the weights' dtype; token ids stay integers."""
+    return x.to(DTYPES[precision]) if x.is_floating_point() else x
+
+
+# ---------------------------------------------------------------------------------------------- the backends
+
+
+def _eager(build: Build) -> Runner:
+    return Runner(build.module)
+
+
+def _compile(mode: str | None) -> Callable[[Build], Runner]:
+    def compiled(build: Build) -> Runner:
+        torch._dynamo.reset()  # a fresh cache: each batch size's compile is its own cold start
+        return Runner(torch.compile(build.module, mode=mode, dynamic=False))
+
+    return compiled
+
+
+def _aoti(build: Build) -> Runner:
+    """torch.export's graph, compiled ahead of time by Inductor into a package that loads without Python code."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    with torch.inference_mode(False), torch.no_grad():
+        program = torch.export.export(build.module, (build.example,), strict=False)
+    path = aoti_compile_and_package(program, package_path=str(build.workdir / "model.pt2"))
+    return Runner(aoti_load_package(path), (Path(path),))
+
+
+def _onnx_absent(device: str, precision: str, provider: str = "CPUExecutionProvider") -> str | None:
+    if not (is_available("onnxruntime") and is_available("onnx") and is_available("onnxscript")):
+        return "needs onnxruntime, onnx and onnxscript: pip install onnxruntime onnxscript (onnxruntime-gpu on a GPU)"
+    import onnxruntime
+
+    wanted = "CUDAExecutionProvider" if device == "cuda" and provider == "CPUExecutionProvider" else provider
+    if wanted not in onnxruntime.get_available_providers():
+        return f"onnxruntime {onnxruntime.__version__} has no {wanted} here"
+    if device == "cpu" and precision in ("bf16", "fp16"):
+        return f"ONNX Runtime's CPU provider has few {precision} kernels: it runs fp32 and int8 on the CPU"
+    return None
+
+
+def onnx_export(module: nn.Module, example: torch.Tensor, path: Path) -> Path:
+    """The module as an ONNX graph at ``path`` (torch.export's exporter, with ONNX Script's optimiser)."""
+    # the exporter reports its stages on stdout, which is the CLI's (and --json's): kept off it
+    with torch.inference_mode(False), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        program = torch.onnx.export(
+            module, (example,), dynamo=True, input_names=["x"], output_names=["y"], verbose=False
+        )
+    program.save(str(path))
+    return path
+
+
+def _onnxruntime(provider: str | None) -> Callable[[Build], Runner]:
+    def build_session(build: Build) -> Runner:
+        import onnxruntime
+
+        # ONNX Runtime quantises its own graph: at int8 the fp32 module is exported, then quantised
+        module = build.float_module if build.precision == "int8" else build.module
+        path = onnx_export(module, build.example, build.workdir / "model.onnx")
+        if build.precision == "int8":
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            quantized = build.workdir / "model.int8.onnx"
+            quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8)
+            path.unlink()
+            path = quantized
+        return onnx_runner(path, session_providers(onnxruntime, provider, build.device))
+
+    return build_session
+
+
+def session_providers(onnxruntime: Any, provider: str | None, device: str) -> list[str]:
+    if provider is not None:
+        return [provider, "CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+
+
+def onnx_runner(path: Path, providers: list[str]) -> Runner:
+    """An ONNX Runtime session on ``path``: tensors in and out through NumPy (host memory)."""
+    import onnxruntime
+
+    available = set(onnxruntime.get_available_providers())
+    session = onnxruntime.InferenceSession(str(path), providers=[p for p in providers if p in available])
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        (y,) = session.run(["y"], {"x": x.detach().cpu().numpy()})
+        return torch.from_numpy(y).to(x.device)
+
+    return Runner(run, (path,))
+
+
+def _torch_tensorrt(build: Build) -> Runner:
+    import torch_tensorrt
+
+    dtype = DTYPES[build.precision]
+    compiled = torch_tensorrt.compile(
+        build.module, ir="dynamo", inputs=[build.example], enabled_precisions={dtype}, min_block_size=1
+    )
+    return Runner(compiled)
+
+
+def _gpu_only(what: str) -> Callable[[str, str], str | None]:
+    def absent(device: str, precision: str) -> str | None:
+        if device != "cuda":
+            return f"{what} runs on an NVIDIA GPU, and there is none here"
+        return None
+
+    return absent
+
+
+def _tensorrt_absent(device: str, precision: str) -> str | None:
+    if not is_available("torch_tensorrt"):
+        return "needs Torch-TensorRT: pip install torch-tensorrt (the build matching this torch)"
+    if precision == "int8":
+        return "int8 through TensorRT needs calibration data: not run"
+    return _gpu_only("Torch-TensorRT")(device, precision)
+
+
+def _int8_absent(device: str, precision: str) -> str | None:
+    if device != "cpu":
+        return "torch's dynamic int8 linear layers run on the CPU only"
+    if precision == "int8":
+        return "the same as eager at --precision int8"
+    return None
+
+
+def _ort_trt_absent(device: str, precision: str) -> str | None:
+    return _gpu_only("ONNX Runtime's TensorRT provider")(device, precision) or _onnx_absent(
+        device, precision, "TensorrtExecutionProvider"
+    )
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("eager", "PyTorch eager, inference mode (the reference)", _eager),
+        Backend("compile", "torch.compile, default mode (Inductor)", _compile(None)),
+        Backend(
+            "compile-max-autotune",
+            "torch.compile, mode max-autotune (searches kernel configs)",
+            _compile("max-autotune"),
+            default_on_cpu=False,
+        ),
+        Backend("export-aoti", "torch.export + AOTInductor package (.pt2)", _aoti),
+        Backend("onnxruntime", "ONNX export + ONNX Runtime (CPU or CUDA provider)", _onnxruntime(None), _onnx_absent),
+        Backend(
+            "onnxruntime-trt",
+            "ONNX export + ONNX Runtime's TensorRT provider",
+            _onnxruntime("TensorrtExecutionProvider"),
+            _ort_trt_absent,
+        ),
+        Backend("tensorrt", "Torch-TensorRT (dynamo)", _torch_tensorrt, _tensorrt_absent),
+        Backend("int8-dynamic", "int8 linear layers, dynamic activation scales", _eager, _int8_absent, "int8"),
+    )
+}
+
+
+def default_backends(device: str) -> list[str]:
+    return [name for name, b in BACKENDS.items() if device == "cuda" or b.default_on_cpu]

@@ -1,0 +1,101 @@
+"""A decoder's generation, timed in its two phases, with a static KV cache, eager and compiled.
+
+Prefill runs the prompt through the model once, filling the cache (compute-bound: many tokens per weight
+read); decode then adds one token per call (bound by reading the weights and the cache). A static cache
+(transformers' ``StaticCache``: fixed-size key/value buffers written at ``cache_position``) keeps every decode
+call the same shape, which is what lets ``torch.compile`` compile the decode step once instead of per length.
+Tokens are greedy (arg-max), so eager and compiled must produce the same ones; ``agreement`` is the share that do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from redline.infer.models import Subject
+
+MODES = ("eager", "compile")
+
+
+@dataclasses.dataclass
+class GenerationRow:
+    mode: str
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    status: str = "ok"  # ok | failed
+    note: str = ""
+    cold_s: float | None = None  # the first generation (compiles prefill and decode)
+    prefill_ms: float | None = None
+    decode_tokens_per_s: float | None = None  # new tokens x batch per second of decode
+    agreement: float | None = None  # of the tokens, the share equal to eager's
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _generate(model: Any, forward: Any, ids: torch.Tensor, new_tokens: int, device: str) -> tuple[float, float, Any]:
+    """One greedy generation: prefill and decode seconds, and the tokens."""
+    from transformers import StaticCache
+
+    prompt = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=prompt + new_tokens)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        logits = forward(ids, cache, torch.arange(prompt, device=device))
+        token = logits[:, -1:].argmax(-1)
+        _sync(device)
+        prefill_s = time.perf_counter() - start
+        tokens = [token]
+        start = time.perf_counter()
+        for step in range(new_tokens - 1):
+            position = torch.tensor([prompt + step], device=device)
+            token = forward(token, cache, position)[:, -1:].argmax(-1)
+            tokens.append(token)
+        _sync(device)
+        decode_s = time.perf_counter() - start
+    return prefill_s, decode_s, torch.cat(tokens, dim=1).cpu()
+
+
+def generation(
+    subject: Subject, batch: int, prompt_tokens: int, new_tokens: int, device: str, repeats: int = 3
+) -> list[GenerationRow]:
+    """Eager and compiled generation of ``new_tokens`` after a ``prompt_tokens`` prompt: the best of ``repeats``
+    generations after a first (cold) one."""
+    model = subject.served.inner.to(device)
+    ids = subject.example(batch)[:, :prompt_tokens].to(device)
+    if ids.shape[1] < prompt_tokens:
+        ids = torch.randint(0, subject.vocab or 2, (batch, prompt_tokens), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(device)
+
+    def eager(tokens: torch.Tensor, cache: Any, position: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens, past_key_values=cache, cache_position=position, use_cache=True).logits
+
+    rows: list[GenerationRow] = []
+    reference = None
+    for mode in MODES:
+        row = GenerationRow(mode, batch, prompt_tokens, new_tokens)
+        torch._dynamo.reset()
+        forward = eager if mode == "eager" else torch.compile(eager, dynamic=False)
+        try:
+            start = time.perf_counter()
+            _, _, tokens = _generate(model, forward, ids, new_tokens, device)
+            row.cold_s = time.perf_counter() - start
+            runs = [_generate(model, forward, ids, new_tokens, device) for _ in range(repeats)]
+        except Exception as exc:  # a model whose cache or graph does not compile is a result, not a crash
+            row.status, row.note = "failed", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"[:300]
+            rows.append(row)
+            continue
+        prefill_s = min(r[0] for r in runs)
+        decode_s = min(r[1] for r in runs)
+        row.prefill_ms = prefill_s * 1e3
+        row.decode_tokens_per_s = batch * (new_tokens - 1) / decode_s if new_tokens > 1 else None
+        reference = tokens if reference is None else reference
+        row.agreement = float((tokens == reference).float().mean())
+        rows.append(row)
+    return rows

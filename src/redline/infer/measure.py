@@ -1,0 +1,286 @@
+"""Each backend x batch measured the same way, checked against eager fp32, and the pick among them.
+
+For one backend at one batch size: the cold start (build: export, compile, session; then the first call), peak
+memory while it was built and made its first calls (CUDA's allocator peak on a GPU; on the CPU the process's
+resident memory above where it started, sampled), then at least ``iters`` timed calls (and ``min_s`` of them),
+interleaved with the other backends' in rounds, each call ended by a device sync: latency p50/p99 of those
+calls, throughput = batch / mean latency.
+
+Parity is against the fp32 eager output on the same batch: the largest absolute error, that error over the
+reference's largest magnitude (``max_rel``: one figure whatever the output's scale), and for classifiers and
+language models the share of rows whose arg-max (top-1) agrees. A backend passes when ``max_rel`` and top-1
+agreement are within its precision's tolerance (``TOLERANCES``); one that does not is reported and never picked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from redline.infer.backends import BACKENDS, Backend, Build, Runner, cast, cast_input
+from redline.infer.models import Subject
+
+WARMUP_CALLS = 2
+ROUNDS = 5  # timed calls are spread over at least this many interleaved rounds
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    max_rel: float  # largest error over the reference's largest magnitude
+    top1: float  # least share of rows whose arg-max agrees (classifiers, language models)
+
+
+# fp32 backends reorder sums (fused kernels, other GEMM blockings): ~1e-6 relative; half precisions keep 8
+# (bf16) or 11 (fp16) mantissa bits through a deep stack; int8 weights lose more, and per-call activation
+# scales move with the batch
+TOLERANCES = {
+    "fp32": Tolerance(1e-3, 0.99),
+    "fp16": Tolerance(2e-2, 0.95),
+    "bf16": Tolerance(6e-2, 0.9),
+    "int8": Tolerance(0.15, 0.8),
+}
+
+
+@dataclasses.dataclass
+class Parity:
+    max_abs: float
+    max_rel: float
+    top1: float | None  # None where the output has no classes to agree on
+
+    def passes(self, tolerance: Tolerance) -> bool:
+        return self.max_rel <= tolerance.max_rel and (self.top1 is None or self.top1 >= tolerance.top1)
+
+    def describe(self) -> str:
+        top1 = f", top-1 {self.top1:.1%}" if self.top1 is not None else ""
+        return f"max abs {self.max_abs:.2e}, rel {self.max_rel:.2e}{top1}"
+
+
+@dataclasses.dataclass
+class Row:
+    """One backend at one batch size."""
+
+    backend: str
+    batch: int
+    precision: str
+    status: str  # ok | parity (outputs disagree) | failed (build or call raised) | absent (cannot run here)
+    note: str = ""
+    cold_s: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    samples_per_s: float | None = None
+    peak_memory_bytes: int | None = None
+    calls: int = 0
+    parity: Parity | None = None
+    meets_slo: bool | None = None
+    files: tuple[Path, ...] = ()  # what the backend wrote (an exported graph), kept for the artifact
+
+    @property
+    def usable(self) -> bool:
+        return self.status == "ok"
+
+
+def compare(output: torch.Tensor, reference: torch.Tensor, classes: bool) -> Parity:
+    y, ref = output.detach().float().cpu(), reference.detach().float().cpu()
+    if y.shape != ref.shape:
+        return Parity(float("inf"), float("inf"), 0.0 if classes else None)
+    error = (y - ref).abs()
+    max_abs = float(error.max()) if error.numel() else 0.0
+    if not torch.isfinite(y).all():
+        max_abs = float("inf")
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    top1 = float((y.argmax(-1) == ref.argmax(-1)).float().mean()) if classes and ref.dim() >= 2 else None
+    return Parity(max_abs, max_abs / scale if scale > 0 else max_abs, top1)
+
+
+def latency_stats(seconds: list[float], batch: int) -> tuple[float, float, float]:
+    """p50 and p99 in ms and samples per second, of the timed calls."""
+    ordered = sorted(seconds)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return statistics.median(ordered) * 1e3, p99 * 1e3, batch / statistics.fmean(ordered)
+
+
+class PeakMemory:
+    """The most memory a backend held while built and run: CUDA's allocator peak, else the process's RSS above
+    its level at the start, sampled every few milliseconds by a thread."""
+
+    def __init__(self, device: str, interval_s: float = 0.005) -> None:
+        self.device = device
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @contextmanager
+    def watch(self) -> Iterator[PeakMemory]:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            yield self
+            torch.cuda.synchronize()
+            self.peak = max(0, torch.cuda.max_memory_allocated() - start)
+            return
+        from redline.hw.host_state import process_rss_bytes
+
+        start = process_rss_bytes()
+
+        def sample() -> None:
+            while not self._stop.wait(self.interval_s):
+                self.peak = max(self.peak, process_rss_bytes() - start)
+
+        thread = threading.Thread(target=sample, name="redline-infer-memory", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+            self.peak = max(self.peak, process_rss_bytes() - start)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclasses.dataclass
+class Settings:
+    batches: tuple[int, ...]
+    precision: str = "fp32"
+    device: str = "cpu"
+    iters: int = 20  # timed calls at least
+    min_s: float = 1.0  # and at least this long in all (each backend)
+    max_iters: int = 1000
+    latency_slo_ms: float | None = None
+
+
+def measure(
+    subject: Subject,
+    backends: list[Backend],
+    settings: Settings,
+    workdir: Path,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[Row]:
+    """Every backend at every batch size; what could not run is a row saying why.
+
+    Per batch size, every backend is built first (one after another: cold start, peak memory, parity), then
+    timed in interleaved rounds, so a neighbour's load on a shared machine falls on all of them alike rather
+    than on whichever ran during it. The built backends are all held until their batch's rounds end."""
+    rows: list[Row] = []
+    classes = subject.kind in ("classifier", "lm")
+    runnable: list[tuple[Backend, str]] = []
+    for backend in backends:
+        precision = backend.fixed_precision or settings.precision
+        reason = backend.absent(settings.device, settings.precision)
+        if reason is not None:
+            rows.extend(Row(backend.name, b, precision, "absent", reason) for b in settings.batches)
+        else:
+            runnable.append((backend, precision))
+    for batch in settings.batches:
+        x = subject.example(batch).to(settings.device)
+        with torch.inference_mode():
+            reference = subject.served.to(settings.device)(x).float().cpu()
+        built: list[tuple[Row, Runner, torch.Tensor]] = []
+        for backend, precision in runnable:
+            progress(f"{backend.name} at batch {batch}")
+            folder = workdir / f"{backend.name}-b{batch}"
+            folder.mkdir(parents=True, exist_ok=True)
+            row, runner, output = _build(subject, backend, precision, batch, settings.device, folder)
+            rows.append(row)
+            if runner is None or output is None:
+                continue
+            row.parity = compare(output, reference, classes)
+            if not row.parity.passes(TOLERANCES[precision]):
+                row.status, row.note = "parity", f"outputs differ from eager fp32: {row.parity.describe()}"
+            built.append((row, runner, cast_input(x, precision)))
+        progress(f"timing {len(built)} backend(s) at batch {batch}")
+        _time(built, settings)
+    order = [backend.name for backend in backends]
+    return sorted(rows, key=lambda r: (settings.batches.index(r.batch), order.index(r.backend)))
+
+
+def _build(
+    subject: Subject, backend: Backend, precision: str, batch: int, device: str, folder: Path
+) -> tuple[Row, Runner | None, torch.Tensor | None]:
+    """The row (cold start, peak memory), the built backend and its first output; None, None where it failed."""
+    row = Row(backend.name, batch, precision, "ok")
+    x = cast_input(subject.example(batch).to(device), precision)
+    try:
+        with PeakMemory(device).watch() as memory:
+            start = time.perf_counter()
+            module = cast(subject.served, precision, device)
+            runner = backend.build(Build(module, subject.served, x, precision, device, folder))
+            output = runner(x)
+            _sync(device)
+            row.cold_s = time.perf_counter() - start
+            for _ in range(WARMUP_CALLS):
+                runner(x)
+            _sync(device)
+    except Exception as exc:  # any backend may fail to export or compile a given model: that is a result
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        row.status, row.note = "failed", f"{type(exc).__name__}: {first}"[:300]
+        return row, None, None
+    row.peak_memory_bytes = memory.peak
+    row.files = runner.files
+    return row, runner, output
+
+
+def _time(built: list[tuple[Row, Runner, torch.Tensor]], settings: Settings) -> None:
+    """Rounds in which each backend makes a few calls in turn, until each has made ``iters`` calls and spent
+    ``min_s`` in them; each call ends with a device sync. Fills in the rows' latencies and throughput."""
+    if not built:
+        return
+    per_round = max(1, math.ceil(settings.iters / ROUNDS))
+    seconds: list[list[float]] = [[] for _ in built]
+    while any(
+        len(calls) < settings.max_iters and (len(calls) < settings.iters or sum(calls) < settings.min_s)
+        for calls in seconds
+    ):
+        for (_, runner, x), calls in zip(built, seconds, strict=True):
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                runner(x)
+                _sync(settings.device)
+                calls.append(time.perf_counter() - t0)
+    for (row, _, _), calls in zip(built, seconds, strict=True):
+        row.calls = len(calls)
+        row.p50_ms, row.p99_ms, row.samples_per_s = latency_stats(calls, row.batch)
+        if settings.latency_slo_ms is not None and row.usable:
+            row.meets_slo = row.p99_ms <= settings.latency_slo_ms
+
+
+def pick(rows: list[Row]) -> Row | None:
+    """The most samples per second among rows that pass parity and meet the latency SLO (when one is set)."""
+    eligible = [r for r in rows if r.usable and r.meets_slo is not False and r.samples_per_s]
+    return max(eligible, key=lambda r: r.samples_per_s or 0.0, default=None)
+
+
+def speedups(rows: list[Row]) -> dict[tuple[str, int], float]:
+    """Each usable row's p50 latency over eager's at the same batch (below 1: faster than eager)."""
+    eager = {r.batch: r.p50_ms for r in rows if r.backend == "eager" and r.p50_ms}
+    return {(r.backend, r.batch): r.p50_ms / eager[r.batch] for r in rows if r.p50_ms and eager.get(r.batch)}
+
+
+def selected(names: list[str] | None, device: str) -> list[Backend]:
+    from redline.errors import BadInput
+    from redline.infer.backends import default_backends
+
+    names = names or default_backends(device)
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise BadInput(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
+    if "eager" not in names:  # the reference every ratio is taken against
+        names = ["eager", *names]
+    return [BACKENDS[n] for n in dict.fromkeys(names)]
+
+
+def scratch() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="redline-infer-")

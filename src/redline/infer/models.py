@@ -1,0 +1,258 @@
+"""The model to serve, as ``redline plan -m`` takes it, turned into one module with one tensor in and one out.
+
+Every backend (an exported graph, an ONNX session) sees the same thing: ``Served(x) -> y``, where ``x`` is a
+batch of images (float) or of token ids (long) and ``y`` is the model's first output (a classifier's logits, a
+language model's next-token logits, an encoder's last hidden state). A Hugging Face model's output object, its
+KV cache and its keyword arguments stay inside the wrapper, so export and ONNX see a plain function.
+
+SPEC is a preset (``resnet50``, ``vit-b-16``; ``gpt2``, ``bert-base``, ``llama-*`` built from their published
+configs with random weights), a Hugging Face ``config.json``, or ``package.module:factory``; ``--weights`` loads
+a trained state: a ``torch.save``'d state_dict (or a dict holding one under ``model``/``state_dict``) or a
+``redline run`` checkpoint directory (``step-N/``, read with torch.distributed.checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from redline.errors import BadInput
+from redline.workload.presets import PRESET_NAMES, TRACED_PRESET_NAMES, TRANSFORMER_PRESETS
+from redline.workload.profile import TransformerShape
+
+Kind = Literal["classifier", "lm", "encoder", "other"]
+DEFAULT_SEQ_LEN = 128
+
+
+@dataclasses.dataclass
+class Subject:
+    """The model to serve and how to feed it."""
+
+    name: str
+    served: nn.Module  # eval mode, fp32, on the CPU; one tensor in, one out
+    kind: Kind
+    sample_shape: tuple[int, ...]  # one sample's input, without the batch dimension
+    input_dtype: torch.dtype  # torch.long for token ids
+    vocab: int | None = None  # token ids are drawn below it
+    hf_config: Any = None  # a transformers config, for generation
+    source: dict[str, Any] = dataclasses.field(default_factory=dict)  # how to rebuild it (saved with an artifact)
+
+    def example(self, batch: int, seed: int = 0) -> torch.Tensor:
+        """A batch of inputs, the same for every backend (seeded)."""
+        generator = torch.Generator().manual_seed(seed)
+        if self.input_dtype == torch.long:
+            return torch.randint(0, self.vocab or 2, (batch, *self.sample_shape), generator=generator)
+        return torch.randn((batch, *self.sample_shape), generator=generator)
+
+
+class Served(nn.Module):
+    """``inner(x)``'s first tensor: the logits or hidden states of a Hugging Face output, a module's output."""
+
+    def __init__(self, inner: nn.Module, hugging_face: bool = False, causal: bool = False) -> None:
+        super().__init__()
+        self.inner = inner
+        self.hugging_face = hugging_face
+        self.causal = causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.hugging_face:
+            return first_tensor(self.inner(x))
+        # no KV cache: a serving call is one forward over the whole sequence (generation has its own path)
+        out = self.inner(input_ids=x, use_cache=False) if self.causal else self.inner(input_ids=x)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise BadInput(f"the model returned a {type(out).__name__}: serving needs a tensor (or a tuple starting with one)")
+
+
+def load_subject(
+    model: str,
+    *,
+    weights: Path | None = None,
+    seq_len: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
+) -> Subject:
+    """The model SPEC names, in eval mode with ``weights`` loaded; BadInput (one line) for anything unusable."""
+    if seq_len is not None and seq_len < 1:
+        raise BadInput(f"--seq-len must be at least 1, not {seq_len}")
+    name = model.strip().lower()
+    if name in TRACED_PRESET_NAMES:
+        from redline.workload.presets import traced_presets
+
+        preset = traced_presets()[name]
+        shape = input_shape or preset.input_shape
+        subject = Subject(name, Served(preset.build()), "classifier", shape, torch.float32, source={"preset": name})
+    elif name in TRANSFORMER_PRESETS:
+        subject = _hugging_face(name, preset_config(name), seq_len)
+    elif name in PRESET_NAMES:  # unreachable today; a new preset kind must say how it is served
+        raise BadInput(f"preset '{model}' cannot be served yet")
+    elif ":" in model and not Path(model).expanduser().exists():
+        subject = _factory(model.strip(), input_shape)
+    else:
+        from redline.workload.hf import read_config
+
+        path = Path(model).expanduser()
+        if not (path.exists() or path.suffix == ".json"):
+            raise BadInput(
+                f"unknown model '{model}': not a preset ({', '.join(PRESET_NAMES)}), not a config.json path, "
+                "not package.module:factory"
+            )
+        subject = _hugging_face(str(path), read_config(path), seq_len)
+    subject.served.eval()
+    if weights is not None:
+        load_weights(subject.served, weights)
+        subject.source["weights"] = str(weights)
+    return subject
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    """A transformer preset as the config.json its model type would have (random weights, nothing downloaded)."""
+    shape: TransformerShape = TRANSFORMER_PRESETS[name]
+    if name.startswith("gpt2"):
+        return {
+            "model_type": "gpt2",
+            "n_embd": shape.hidden,
+            "n_layer": shape.layers,
+            "n_head": shape.heads,
+            "vocab_size": shape.vocab,
+            "n_positions": shape.position_embeddings,
+        }
+    if name.startswith("bert"):
+        return {
+            "model_type": "bert",
+            "hidden_size": shape.hidden,
+            "num_hidden_layers": shape.layers,
+            "num_attention_heads": shape.heads,
+            "intermediate_size": shape.ffn_hidden,
+            "vocab_size": shape.vocab,
+            "max_position_embeddings": shape.position_embeddings,
+        }
+    if name.startswith("llama"):
+        return {
+            "model_type": "llama",
+            "hidden_size": shape.hidden,
+            "num_hidden_layers": shape.layers,
+            "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads or shape.heads,
+            "intermediate_size": shape.ffn_hidden,
+            "vocab_size": shape.vocab,
+            "max_position_embeddings": shape.seq_len,
+        }
+    raise BadInput(f"preset '{name}' is an encoder-decoder: serve it from its config.json with a factory")
+
+
+def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Subject:
+    from redline.capability import require_transformers
+
+    require_transformers(f"serving {name}")
+    import transformers
+
+    try:
+        hf_config = transformers.AutoConfig.for_model(**config)
+    except Exception as exc:  # transformers raises its own validation errors, version by version
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadInput(f"{name}: transformers cannot read this config: {message}") from None
+    causal = config["model_type"] != "bert" and not getattr(hf_config, "is_encoder_decoder", False)
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise BadInput(f"{name}: an encoder-decoder model takes two inputs; serve it through a factory")
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    try:
+        inner = auto.from_config(hf_config, attn_implementation="sdpa")
+    except Exception as exc:
+        raise BadInput(f"{name}: transformers cannot build this model: {str(exc).splitlines()[0]}") from None
+    positions = int(getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 0)
+    length = seq_len or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
+    if positions and length > positions:
+        raise BadInput(f"--seq-len {length} is longer than {name}'s {positions} positions")
+    return Subject(
+        name,
+        Served(inner, hugging_face=True, causal=causal),
+        "lm" if causal else "encoder",
+        (length,),
+        torch.long,
+        vocab=int(hf_config.vocab_size),
+        hf_config=hf_config,
+        source={"config": config},
+    )
+
+
+def _factory(spec: str, input_shape: tuple[int, ...] | None) -> Subject:
+    from redline.workload.factory import load_factory
+
+    module, shape = load_factory(spec)()
+    shape = input_shape or shape
+    if shape is None:
+        raise BadInput(f"factory {spec} does not say its input's shape: give one sample's as --input-shape 3,32,32")
+    return Subject(spec, Served(module), "other", tuple(shape), torch.float32, source={"factory": spec})
+
+
+def load_weights(module: Served, path: Path) -> None:
+    """A trained state into ``module``: every parameter the model has must be in it, and nothing else."""
+    path = path.expanduser()
+    if not path.exists():
+        raise BadInput(f"--weights {path}: no such file or directory")
+    target = module.inner
+    if path.is_dir():
+        state = _checkpoint_state(target, path)
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({str(exc).splitlines()[0]})") from None
+        if isinstance(state, dict):
+            state = state.get("model", state.get("state_dict", state))
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise BadInput(f"--weights {path}: holds no state_dict (a mapping of names to tensors)")
+        state = {key.removeprefix("module.").removeprefix("_orig_mod."): value for key, value in state.items()}
+    try:
+        target.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0].rstrip(":")
+        raise BadInput(f"--weights {path} does not fit this model: {first}: {_key_summary(target, state)}") from None
+
+
+def _checkpoint_state(target: nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """The model's state from a ``redline run`` checkpoint (its newest complete step when given the parent)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (path / ".metadata").exists():
+        steps = sorted(p for p in path.glob("step-*") if (p / "COMPLETE").exists())
+        if not steps:
+            raise BadInput(f"--weights {path}: neither a checkpoint step nor a directory of them")
+        path = steps[-1]
+    state = {"model": target.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except Exception as exc:
+        raise BadInput(f"--weights {path}: cannot read the model from it: {str(exc).splitlines()[0]}") from None
+    return state["model"]
+
+
+def _key_summary(target: nn.Module, state: dict[str, Any]) -> str:
+    own, given = set(target.state_dict()), set(state)
+    missing, unexpected = sorted(own - given), sorted(given - own)
+    parts = [f"{len(missing)} missing ({', '.join(missing[:2])}...)" if missing else ""]
+    parts.append(f"{len(unexpected)} unexpected ({', '.join(unexpected[:2])}...)" if unexpected else "")
+    return "; ".join(p for p in parts if p) or "shapes differ"
+
+
+def rebuild(source: dict[str, Any], sample_shape: tuple[int, ...]) -> Subject:
+    """The subject an artifact was made from, random weights (the caller loads the saved ones)."""
+    if "preset" in source:
+        return load_subject(source["preset"], input_shape=sample_shape)
+    if "factory" in source:
+        return load_subject(source["factory"], input_shape=sample_shape)
+    subject = _hugging_face(source.get("name", "the saved model"), source["config"], sample_shape[0])
+    subject.served.eval()
+    return subject
