@@ -9,6 +9,7 @@ fp32 (largest error over the reference's largest magnitude; top-1 agreement for 
 For GPT-2, generation with a static KV cache, eager and compiled: prefill latency and decode tokens/s.
 
     python benchmarks/infer_backends.py [--models resnet50,bert-base,gpt2] [--batches 1,32] [--iters 10] [--json]
+        [--device cuda] [--backends eager,compile,onnxruntime,onnxruntime-trt,tensorrt] [--precision bf16]
 
 The issue's bar: ONNX Runtime and torch.compile each beat eager somewhere (a ratio above 1), or the report says
 why not; the summary lines say which.
@@ -26,23 +27,28 @@ from pathlib import Path
 
 import torch
 
+from redline.infer.backends import BACKENDS as ALL
 from redline.infer.generate import generation
 from redline.infer.measure import Settings, measure, selected, speedups
 from redline.infer.models import load_subject
 
-BACKENDS = ["eager", "compile", "export-aoti", "onnxruntime", "int8-dynamic"]
+# on the CPU: max-autotune's GEMM search takes many minutes here, and the TensorRT ones need a GPU
+CPU_BACKENDS = ["eager", "compile", "export-aoti", "onnxruntime", "int8-dynamic"]
 SEQ_LEN = 128
 NEW_TOKENS = 32
 LINE = "{:10} {:>5} {:14} {:>10} {:>8} {:>7} {:>9} {:>6}"
 
 
-def run_model(name: str, batches: tuple[int, ...], iters: int, min_s: float) -> dict:
+def run_model(
+    name: str, batches: tuple[int, ...], iters: int, min_s: float, device: str, backends: list[str], precision: str
+) -> dict:
     torch.manual_seed(0)
     subject = load_subject(name, seq_len=SEQ_LEN)
-    settings = Settings(batches, iters=iters, min_s=min_s)
+    settings = Settings(batches, precision=precision, device=device, iters=iters, min_s=min_s)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="redline-infer-bench-") as workdir:
-        rows = measure(subject, selected(BACKENDS, "cpu"), settings, Path(workdir), lambda what: _say(name, what))
+        chosen = selected(backends, device)
+        rows = measure(subject, chosen, settings, Path(workdir), lambda what: _say(name, what))
     ratios = speedups(rows)
     result = {
         "model": name,
@@ -67,7 +73,7 @@ def run_model(name: str, batches: tuple[int, ...], iters: int, min_s: float) -> 
     if subject.kind == "lm":
         _say(name, f"generation, {NEW_TOKENS} new tokens")
         prompt = SEQ_LEN - NEW_TOKENS
-        result["generation"] = [dataclasses.asdict(g) for g in generation(subject, 1, prompt, NEW_TOKENS, "cpu")]
+        result["generation"] = [dataclasses.asdict(g) for g in generation(subject, 1, prompt, NEW_TOKENS, device)[0]]
     return result
 
 
@@ -75,10 +81,10 @@ def _say(model: str, what: str) -> None:
     print(f"  {model}: {what}", file=sys.stderr, flush=True)
 
 
-def summary(results: list[dict]) -> list[str]:
-    """Whether ONNX Runtime and compile beat eager anywhere, and where each did best."""
+def summary(results: list[dict], backends: list[str]) -> list[str]:
+    """Whether each backend (ONNX Runtime and compile above all) beat eager anywhere, and where it did best."""
     lines = []
-    for backend in BACKENDS[1:]:
+    for backend in backends[1:]:
         wins = [
             (row["speedup_vs_eager"], result["model"], row["batch"])
             for result in results
@@ -101,10 +107,22 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--iters", type=int, default=10, help="timed calls per backend and batch, at least")
     parser.add_argument("--min-s", type=float, default=2.0, help="seconds of timed calls per backend, at least")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help=f"comma-separated (default: {','.join(CPU_BACKENDS)} on the CPU, every backend on a GPU)",
+    )
+    parser.add_argument("--precision", default="fp32")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
-    results = [run_model(name, batches, args.iters, args.min_s) for name in args.models.split(",")]
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    backends = args.backends.split(",") if args.backends else (CPU_BACKENDS if device == "cpu" else list(ALL))
+    results = [
+        run_model(name, batches, args.iters, args.min_s, device, backends, args.precision)
+        for name in args.models.split(",")
+    ]
     if args.json:
         print(
             json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}, indent=1)
@@ -126,7 +144,7 @@ def main() -> None:
                 f"{result['model']:10} generation {g['mode']}: prefill {g['prefill_ms'] or 0:.1f} ms, "
                 f"decode {g['decode_tokens_per_s'] or 0:.1f} tokens/s, cold {g['cold_s'] or 0:.1f} s {g['note']}"
             )
-    for line in summary(results):
+    for line in summary(results, backends):
         print(line)
 
 

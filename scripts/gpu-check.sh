@@ -255,6 +255,14 @@ print("tune: the planner predicted", r["predicted_samples_per_s"], "samples/s (d
       sum(t["status"] == "pruned" for t in r["trials"]), "trials pruned unrun")
 PY' "$py" "$out"
 
+# redline infer on the GPU: ResNet-50, BERT-base and GPT-2 (random weights) at batch 1 and 32, every backend
+# that applies there (eager, compile and max-autotune, AOTInductor, ONNX Runtime's CUDA and TensorRT providers,
+# Torch-TensorRT: those not installed are one line each), in bf16 beside fp32, with parity and generation
+step infer bash -c '"$0" benchmarks/infer_backends.py --device cuda --iters 20 --min-s 1 --json >"$1/infer.json" &&
+    "$0" benchmarks/infer_backends.py --device cuda --precision bf16 --models resnet50,gpt2 \
+        --backends eager,compile,export-aoti,tensorrt --json >"$1/infer-bf16.json" &&
+    "$0" -c "import json,sys; [print(json.load(open(f))[\"summary\"]) for f in sys.argv[1:]]" "$1/infer.json" "$1/infer-bf16.json"' "$py" "$out"
+
 echo
 echo "== summary"
 "$py" - "$out" <<'PY'

@@ -222,6 +222,11 @@ BASES: dict[tuple[str, ...], dict[str, list[str]]] = {
     ("stage", "ls"): {"*": []},
     ("stage", "evict"): {"*": ["train.py"], "urls": []},
     ("stage", "clear"): {"*": []},
+    # inference: a two-layer factory in the scratch folder, eager only, one batch, one timed call
+    ("infer",): {
+        "*": ["-m", "tinynet:build", "--backends", "eager", "--batch", "1", "--iters", "1", "--generate", "0"],
+        "--model": ["--backends", "eager", "--batch", "1", "--iters", "1"],
+    },
 }
 
 
@@ -281,6 +286,9 @@ def test_no_bad_value_of_any_option_gets_a_traceback(tmp_path: Path) -> None:
     from redline.monitor.store import Store
 
     (tmp_path / "train.py").write_text("print('trained')\n")
+    (tmp_path / "tinynet.py").write_text(
+        "import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (8,)\n"
+    )
     Store.open(tmp_path / "run.rlm").close()  # an empty record: report refuses it, options first
     queue = tmp_path / "queue"
     env = {"REDLINE_HOME": str(tmp_path / "home"), "REDLINE_QUEUE_DIR": str(queue)}

@@ -11,14 +11,18 @@ import typer
 
 from redline.cli import ui
 
+MAX_BATCH = 65536
+MAX_ITERS = 1000  # timed calls per backend and batch (the measure's own ceiling)
+MAX_NEW_TOKENS = 4096
+
 if TYPE_CHECKING:
     from redline.infer.generate import GenerationRow
     from redline.infer.measure import Row
 
 
 def infer(
-    model: str = typer.Option(
-        ..., "--model", "-m", help="A preset, a Hugging Face config.json, or package.module:factory (as `plan -m`)."
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="A preset, a Hugging Face config.json, or package.module:factory (as `plan -m`)."
     ),
     weights: Path | None = typer.Option(
         None, "--weights", help="Trained weights: a torch.save'd state_dict, or a `redline run` checkpoint folder."
@@ -55,15 +59,21 @@ def infer(
     if list_backends:
         _list(where, precision, json_output)
         return
+    if model is None:
+        from redline.errors import BadInput
+
+        raise BadInput("give the model as -m SPEC: a preset, a Hugging Face config.json, or package.module:factory")
     batches, slo_ms = _checked(batch, latency_slo, iters, generate)
     _check_targets(output, html)
     from redline.cli.plan import parse_shape
     from redline.infer.measure import Settings, measure, pick, scratch, selected
     from redline.infer.models import load_subject
 
-    chosen = selected([b.strip() for b in backends.split(",") if b.strip()] if backends else None, where)
+    chosen = selected(_names(backends), where)
     subject = load_subject(model, weights=weights, seq_len=seq_len, input_shape=parse_shape(input_shape))
-    settings = Settings(batches, precision=precision, device=where, iters=iters, latency_slo_ms=slo_ms)
+    settings = Settings(
+        batches, precision=precision, device=where, iters=iters, max_iters=MAX_ITERS, latency_slo_ms=slo_ms
+    )
     with scratch() as workdir, ui.progress_bar(enabled=not json_output) as progress:
         steps = len(chosen) * len(batches)
         done = [0]
@@ -93,6 +103,17 @@ def infer(
         raise typer.Exit(1)
 
 
+def _names(backends: str | None) -> list[str] | None:
+    from redline.errors import BadInput
+
+    if backends is None:
+        return None
+    names = [name.strip() for name in backends.split(",") if name.strip()]
+    if not names:
+        raise BadInput("--backends is empty: name one or more, or leave it out for every one that applies")
+    return names
+
+
 def _device(device: str) -> str:
     import torch
 
@@ -116,8 +137,10 @@ def _checked(batch: str, latency_slo: str | None, iters: int, generate: int) -> 
         batches = ()
     if not batches or min(batches) < 1:
         raise BadInput(f"--batch '{batch}' is not a list of positive batch sizes like 1,8,32")
-    if iters < 1 or generate < 0:
-        raise BadInput("--iters must be at least 1 and --generate 0 or more")
+    if max(batches) > MAX_BATCH:
+        raise BadInput(f"--batch {max(batches)} is past what one call serves (at most {MAX_BATCH})")
+    if not 1 <= iters <= MAX_ITERS or not 0 <= generate <= MAX_NEW_TOKENS:
+        raise BadInput(f"--iters must be 1 to {MAX_ITERS} and --generate 0 to {MAX_NEW_TOKENS}")
     slo_ms = None
     if latency_slo is not None:
         text = latency_slo.strip().lower()
@@ -155,7 +178,7 @@ def _generation(subject: Any, device: str, new_tokens: int, advance: Any) -> lis
     prompt = min(subject.sample_shape[0], positions - new_tokens) if positions else subject.sample_shape[0]
     if prompt < 1:
         raise BadInput(f"--generate {new_tokens} leaves no room for a prompt in {positions} positions")
-    return generation(subject, 1, prompt, new_tokens, device)
+    return generation(subject, 1, prompt, new_tokens, device)[0]
 
 
 def _list(device: str, precision: str, json_output: bool) -> None:

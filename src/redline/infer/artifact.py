@@ -29,6 +29,7 @@ from redline.infer.models import Subject, rebuild
 FORMAT = "redline-infer/1"
 MANIFEST = "manifest.json"
 CHECK_ROWS = 16
+FILES = ("weights.pt", "check.pt")
 EXPORTED = {"export-aoti": "model.pt2", "onnxruntime": "model.onnx", "onnxruntime-trt": "model.onnx"}
 
 
@@ -39,6 +40,8 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     if folder.exists() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
         raise BadInput(f"{folder} is not empty and holds no redline artifact: choose a new folder")
     folder.mkdir(parents=True, exist_ok=True)
+    for name in (MANIFEST, *FILES, *set(EXPORTED.values())):  # an earlier artifact's, which this one replaces
+        (folder / name).unlink(missing_ok=True)
     if row.backend in EXPORTED:
         source = next(p for p in row.files if p.suffix in (".pt2", ".onnx"))
         shutil.copyfile(source, folder / EXPORTED[row.backend])

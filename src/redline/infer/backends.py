@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -71,7 +72,11 @@ def cast(module: nn.Module, precision: str, device: str) -> nn.Module:
     """A copy of ``module`` at ``precision`` on ``device`` (the fp32 original stays the reference)."""
     module = copy.deepcopy(module).to(device)
     if precision == "int8":
-        return torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
+        # torch.ao's eager quantisation warns that it moves to torchao; torchao's int8 layers are fast only under
+        # torch.compile, while these (fbgemm's kernels) are fast in eager on the CPU, so they stay for now
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
+            return torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
     return module.to(DTYPES[precision])
 
 

@@ -10,6 +10,7 @@ Tokens are greedy (arg-max), so eager and compiled must produce the same ones; `
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from typing import Any
 
@@ -64,17 +65,24 @@ def _generate(model: Any, forward: Any, ids: torch.Tensor, new_tokens: int, devi
 
 def generation(
     subject: Subject, batch: int, prompt_tokens: int, new_tokens: int, device: str, repeats: int = 3
-) -> list[GenerationRow]:
+) -> tuple[list[GenerationRow], torch.Tensor | None]:
     """Eager and compiled generation of ``new_tokens`` after a ``prompt_tokens`` prompt: the best of ``repeats``
-    generations after a first (cold) one."""
+    generations after a first (cold) one; and the tokens (eager's, or the first mode's that ran)."""
     model = subject.served.inner.to(device)
     ids = subject.example(batch)[:, :prompt_tokens].to(device)
     if ids.shape[1] < prompt_tokens:
         ids = torch.randint(0, subject.vocab or 2, (batch, prompt_tokens), generator=torch.Generator().manual_seed(0))
         ids = ids.to(device)
 
+    # transformers 5 takes the cache as ``cache`` and finds the positions in it; 4.x as ``past_key_values``, with
+    # the positions written given as ``cache_position``
+    params = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+    positions = "cache_position" in params
+
     def eager(tokens: torch.Tensor, cache: Any, position: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=tokens, past_key_values=cache, cache_position=position, use_cache=True).logits
+        extra = {"cache_position": position} if positions else {}
+        return model(input_ids=tokens, use_cache=True, **{cache_arg: cache}, **extra).logits
 
     rows: list[GenerationRow] = []
     reference = None
@@ -98,4 +106,4 @@ def generation(
         reference = tokens if reference is None else reference
         row.agreement = float((tokens == reference).float().mean())
         rows.append(row)
-    return rows
+    return rows, reference

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from redline.errors import BadInput
 from redline.infer.backends import BACKENDS, Backend, Build, Runner, cast, cast_input
 from redline.infer.models import Subject
 
@@ -186,8 +187,7 @@ def measure(
             runnable.append((backend, precision))
     for batch in settings.batches:
         x = subject.example(batch).to(settings.device)
-        with torch.inference_mode():
-            reference = subject.served.to(settings.device)(x).float().cpu()
+        reference = _reference(subject, x)
         built: list[tuple[Row, Runner, torch.Tensor]] = []
         for backend, precision in runnable:
             progress(f"{backend.name} at batch {batch}")
@@ -205,6 +205,19 @@ def measure(
         _time(built, settings)
     order = [backend.name for backend in backends]
     return sorted(rows, key=lambda r: (settings.batches.index(r.batch), order.index(r.backend)))
+
+
+def _reference(subject: Subject, x: torch.Tensor) -> torch.Tensor:
+    """Eager fp32's output, every backend's yardstick; a model that cannot run this input is the user's to fix."""
+    try:
+        with torch.inference_mode():
+            return subject.served.to(x.device)(x).float().cpu()
+    except BadInput:
+        raise
+    except Exception as exc:  # a wrong --input-shape, a model that needs other inputs, out of memory
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        shape = "x".join(str(n) for n in x.shape)
+        raise BadInput(f"{subject.name} does not run on a {shape} input in eager PyTorch: {first[:200]}") from None
 
 
 def _build(
@@ -238,7 +251,7 @@ def _time(built: list[tuple[Row, Runner, torch.Tensor]], settings: Settings) -> 
     ``min_s`` in them; each call ends with a device sync. Fills in the rows' latencies and throughput."""
     if not built:
         return
-    per_round = max(1, math.ceil(settings.iters / ROUNDS))
+    per_round = max(1, math.ceil(min(settings.iters, settings.max_iters) / ROUNDS))
     seconds: list[list[float]] = [[] for _ in built]
     while any(
         len(calls) < settings.max_iters and (len(calls) < settings.iters or sum(calls) < settings.min_s)
@@ -270,7 +283,6 @@ def speedups(rows: list[Row]) -> dict[tuple[str, int], float]:
 
 
 def selected(names: list[str] | None, device: str) -> list[Backend]:
-    from redline.errors import BadInput
     from redline.infer.backends import default_backends
 
     names = names or default_backends(device)

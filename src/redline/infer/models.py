@@ -14,6 +14,7 @@ a trained state: a ``torch.save``'d state_dict (or a dict holding one under ``mo
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from redline.workload.profile import TransformerShape
 
 Kind = Literal["classifier", "lm", "encoder", "other"]
 DEFAULT_SEQ_LEN = 128
+MAX_SAMPLE_ELEMENTS = 1 << 28  # one sample's input: a 16k x 16k image of 1 channel, 1 GiB as fp32
 
 
 @dataclasses.dataclass
@@ -109,6 +111,10 @@ def load_subject(
                 "not package.module:factory"
             )
         subject = _hugging_face(str(path), read_config(path), seq_len)
+    if math.prod(subject.sample_shape) > MAX_SAMPLE_ELEMENTS:
+        raise BadInput(
+            f"one sample of {subject.sample_shape} is past what redline infer feeds ({MAX_SAMPLE_ELEMENTS:,} values)"
+        )
     subject.served.eval()
     if weights is not None:
         load_weights(subject.served, weights)
@@ -166,15 +172,15 @@ def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Sub
     causal = config["model_type"] != "bert" and not getattr(hf_config, "is_encoder_decoder", False)
     if getattr(hf_config, "is_encoder_decoder", False):
         raise BadInput(f"{name}: an encoder-decoder model takes two inputs; serve it through a factory")
+    positions = int(getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 0)
+    length = seq_len or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
+    if positions and length > positions:
+        raise BadInput(f"--seq-len {length} is longer than {name}'s {positions} positions")
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     try:
         inner = auto.from_config(hf_config, attn_implementation="sdpa")
     except Exception as exc:
         raise BadInput(f"{name}: transformers cannot build this model: {str(exc).splitlines()[0]}") from None
-    positions = int(getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 0)
-    length = seq_len or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
-    if positions and length > positions:
-        raise BadInput(f"--seq-len {length} is longer than {name}'s {positions} positions")
     return Subject(
         name,
         Served(inner, hugging_face=True, causal=causal),

@@ -1,0 +1,306 @@
+"""`redline infer`: parity rejects a broken backend, the pick honours the SLO, the saved artifact reloads in a fresh
+process and matches, missing optional backends are one line, bad input exits 2, and the whole command end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from redline.errors import BadInput
+from redline.infer import artifact, backends
+from redline.infer.backends import Backend, Runner
+from redline.infer.generate import generation
+from redline.infer.measure import TOLERANCES, Row, Settings, compare, measure, pick, selected
+from redline.infer.models import load_subject
+
+HERE = Path(__file__).resolve().parent
+TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 300, "n_positions": 64}
+QUICK = Settings((2,), iters=2, min_s=0.0)
+
+
+@pytest.fixture
+def nets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+
+
+def _python(code: str, *args: str, cwd: Path = HERE) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {"COLUMNS": "120"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=900,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- parity
+
+
+def test_a_backend_whose_outputs_are_wrong_is_reported_and_never_picked(nets: None, tmp_path: Path) -> None:
+    """The broken backend answers with constants: by far the fastest, and excluded for parity."""
+
+    def broken(build: backends.Build) -> Runner:
+        wrong = torch.ones(build.example.shape[0], 10)
+        return Runner(lambda x: wrong)
+
+    subject = load_subject("tiny_nets:classifier")
+    chosen = [*selected(["eager"], "cpu"), Backend("broken", "answers without computing", broken)]
+    rows = measure(subject, chosen, QUICK, tmp_path)
+    by_name = {r.backend: r for r in rows}
+    assert by_name["broken"].status == "parity"
+    assert "outputs differ from eager fp32" in by_name["broken"].note
+    assert by_name["broken"].samples_per_s > by_name["eager"].samples_per_s  # fastest, still not picked
+    assert pick(rows) is by_name["eager"]
+
+
+def test_parity_figures_and_the_tolerance_of_each_precision() -> None:
+    reference = torch.tensor([[1.0, -4.0, 2.0], [0.5, 3.0, -1.0]])
+    exact = compare(reference.clone(), reference, classes=True)
+    assert (exact.max_abs, exact.max_rel, exact.top1) == (0.0, 0.0, 1.0)
+    drifted = compare(reference + 0.04, reference, classes=True)  # 0.04 over a largest magnitude of 4: 1e-2
+    assert drifted.max_rel == pytest.approx(0.01)
+    assert not drifted.passes(TOLERANCES["fp32"]) and drifted.passes(TOLERANCES["bf16"])
+    flipped = compare(torch.tensor([[1.0, -4.0, 2.0], [3.0, 0.5, -1.0]]), reference, classes=True)
+    assert flipped.top1 == 0.5 and not flipped.passes(TOLERANCES["int8"])
+    assert compare(torch.full((2, 3), float("nan")), reference, classes=False).max_rel == float("inf")
+    assert compare(torch.zeros(3, 2), reference, classes=True).max_rel == float("inf")  # a wrong shape
+
+
+def test_int8_dynamic_quantisation_passes_at_its_own_tolerance(nets: None, tmp_path: Path) -> None:
+    rows = measure(load_subject("tiny_nets:classifier"), selected(["int8-dynamic"], "cpu"), QUICK, tmp_path)
+    int8 = next(r for r in rows if r.backend == "int8-dynamic")
+    assert int8.precision == "int8" and int8.status == "ok", int8.note
+    assert 0 < int8.parity.max_rel <= TOLERANCES["int8"].max_rel  # quantised: not exact, within tolerance
+
+
+def test_the_pick_is_the_fastest_within_the_latency_slo() -> None:
+    fast = Row("compile", 32, "fp32", "ok", p99_ms=40.0, samples_per_s=900.0, meets_slo=False)
+    slow = Row("eager", 1, "fp32", "ok", p99_ms=5.0, samples_per_s=300.0, meets_slo=True)
+    failed = Row("export-aoti", 1, "fp32", "failed", "no export")
+    assert pick([fast, slow, failed]) is slow
+    assert pick([fast]) is None
+    fast.meets_slo = None  # no SLO given
+    assert pick([fast, slow]) is fast
+
+
+# -------------------------------------------------------------------------------------------------- artifact
+
+
+@pytest.mark.parametrize("backend", ["eager", "onnxruntime", "int8-dynamic"])
+def test_the_saved_artifact_reloads_in_a_fresh_process_and_matches(nets: None, tmp_path: Path, backend: str) -> None:
+    subject = load_subject("tiny_nets:classifier")
+    rows = measure(subject, selected([backend], "cpu"), QUICK, tmp_path / "work")
+    row = next(r for r in rows if r.backend == backend)
+    assert row.status == "ok", row.note
+    folder = artifact.save(tmp_path / "best", subject, row, "cpu")
+    x = subject.example(2, seed=7)
+    torch.save(x, tmp_path / "x.pt")
+    done = _python(
+        """
+        import sys, torch
+        from redline.infer import load
+        served = load(sys.argv[1])
+        ok, parity = served.verify()
+        assert ok, parity
+        torch.save(served(torch.load(sys.argv[2])), sys.argv[3])
+        """,
+        str(folder),
+        str(tmp_path / "x.pt"),
+        str(tmp_path / "y.pt"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.inference_mode():
+        expected = subject.served(x)
+    tolerance = TOLERANCES[row.precision]
+    assert compare(torch.load(tmp_path / "y.pt"), expected, classes=True).passes(tolerance)
+
+
+@pytest.mark.slow
+def test_an_aot_inductor_artifact_needs_no_model_code_and_takes_its_batch(nets: None, tmp_path: Path) -> None:
+    subject = load_subject("tiny_nets:classifier")
+    rows = measure(subject, selected(["export-aoti"], "cpu"), QUICK, tmp_path / "work")
+    row = next(r for r in rows if r.backend == "export-aoti")
+    assert row.status == "ok", row.note
+    folder = artifact.save(tmp_path / "best", subject, row, "cpu")
+    assert (folder / "model.pt2").is_file()
+    done = _python(  # run from a folder where tiny_nets cannot be imported: the package is the whole model
+        """
+        import sys, torch
+        from redline.infer import load
+        served = load(sys.argv[1])
+        print(served.verify()[0], served.batch)
+        try:
+            served(torch.zeros(3, 16))
+        except ValueError as exc:
+            print(exc)
+        """,
+        str(folder),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "True 2"
+    assert "takes batches of 2, not 3" in lines[1]
+
+
+def test_saving_refuses_a_folder_that_holds_other_files(nets: None, tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    row = Row("eager", 1, "fp32", "ok")
+    with pytest.raises(BadInput, match="not empty and holds no redline artifact"):
+        artifact.save(tmp_path, load_subject("tiny_nets:classifier"), row, "cpu")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------------------------------ optional backends
+
+
+def test_missing_optional_backends_are_one_line_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    listed = run_cli("infer", "--list-backends", "--json")
+    assert listed.returncode == 0, listed.stderr
+    absent = {b["name"]: b["absent"] for b in json.loads(listed.stdout)["backends"]}
+    assert absent["eager"] is None and absent["onnxruntime"] is None  # installed for the tests
+    for name in ("tensorrt", "onnxruntime-trt"):
+        assert absent[name] and "\n" not in absent[name]
+    monkeypatch.setattr(backends, "is_available", lambda package: package != "onnxruntime")
+    reason = backends.BACKENDS["onnxruntime"].absent("cpu", "fp32")
+    assert reason.startswith("needs onnxruntime") and "\n" not in reason
+
+
+def test_a_run_without_onnxruntime_says_so_and_goes_on() -> None:
+    done = _python(
+        """
+        import sys
+        sys.modules["onnxruntime"] = None  # as if not installed: find_spec answers None
+        sys.argv = ["redline", "infer", "-m", "tiny_nets:classifier", "--backends", "onnxruntime,tensorrt",
+                    "--batch", "1", "--iters", "2"]
+        from redline.cli.main import main
+        main()
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "onnxruntime: absent: needs onnxruntime" in done.stdout
+    assert "tensorrt: absent: needs Torch-TensorRT" in done.stdout
+    assert "pick: eager at batch 1" in done.stdout.replace("\n", " ")
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-m", "no-such-model"], "unknown model 'no-such-model'"),
+        (["-m", "tiny_nets:classifier", "--batch", "0"], "--batch '0' is not a list of positive batch sizes"),
+        (["-m", "tiny_nets:classifier", "--batch", "1,x"], "--batch '1,x' is not a list"),
+        (["-m", "tiny_nets:classifier", "--batch", "100000000"], "is past what one call serves"),
+        (["-m", "tiny_nets:classifier", "--precision", "fp64"], "--precision must be one of"),
+        (["-m", "tiny_nets:classifier", "--latency-slo", "soon"], "--latency-slo 'soon' is not a latency"),
+        (["-m", "tiny_nets:classifier", "--backends", "warp"], "unknown backend(s) warp"),
+        (["-m", "tiny_nets:classifier", "--backends", ","], "--backends is empty"),
+        (["-m", "tiny_nets:classifier", "--device", "tpu"], "--device must be auto, cpu or cuda"),
+        (["-m", "tiny_nets:classifier", "--weights", "missing.pt"], "no such file or directory"),
+        (["-m", "tiny_nets:no_shape"], "does not say its input's shape"),
+        (["-m", "tiny_nets:strings", "--backends", "eager"], "serving needs a tensor"),
+        (["-m", "gpt2", "--seq-len", "5000"], "longer than gpt2's 1024 positions"),
+        (["-m", "t5-3b"], "encoder-decoder"),
+        (["-m", "tiny_nets:nothing"], "has no attribute nothing"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    done = run_cli("infer", *args, "--iters", "1", cwd=HERE)
+    assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert message in lines[0], lines[0]
+
+
+def test_weights_of_another_model_are_refused_and_the_output_folder_kept(tmp_path: Path) -> None:
+    torch.save({"weight": torch.zeros(3, 3)}, tmp_path / "other.pt")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    wrong = run_cli("infer", "-m", "tiny_nets:classifier", "--weights", str(tmp_path / "other.pt"), cwd=HERE)
+    assert wrong.returncode == 2 and "does not fit this model" in wrong.stderr, wrong.stderr
+    taken = run_cli("infer", "-m", "tiny_nets:classifier", "-o", str(tmp_path / "out"), cwd=HERE)
+    assert taken.returncode == 2 and "not empty and holds no redline artifact" in taken.stderr, taken.stderr
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------------------------------------- weights
+
+
+def test_trained_weights_load_from_a_state_dict_and_from_a_run_checkpoint(nets: None, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    trained = load_subject("tiny_nets:classifier").served.inner
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.mul_(3.0)
+    torch.save({"model": trained.state_dict(), "step": 10}, tmp_path / "trained.pt")
+    step = tmp_path / "ckpt" / "step-00000010"
+    dcp.save({"model": trained.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    (step / "COMPLETE").write_text("{}")
+    for weights in (tmp_path / "trained.pt", step, tmp_path / "ckpt"):
+        loaded = load_subject("tiny_nets:classifier", weights=weights).served.inner
+        for name, value in trained.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), (weights, name)
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+def test_compiled_generation_with_a_static_cache_gives_eager_s_tokens(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
+    subject = load_subject(str(tmp_path / "config.json"), seq_len=16)
+    rows, tokens = generation(subject, batch=1, prompt_tokens=8, new_tokens=6, device="cpu", repeats=1)
+    assert [r.mode for r in rows] == ["eager", "compile"]
+    for row in rows:
+        assert row.status == "ok", row.note
+        assert row.agreement == 1.0
+        assert row.prefill_ms > 0 and row.decode_tokens_per_s > 0
+    # the cached tokens are the model's: greedy over the whole sequence, recomputed without a cache, gives them
+    sequence = subject.example(1)[:, :8]
+    with torch.inference_mode():
+        for _ in range(6):
+            logits = subject.served.inner(input_ids=sequence, use_cache=False).logits
+            sequence = torch.cat([sequence, logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(tokens, sequence[:, 8:])
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_infer_end_to_end_on_a_language_model(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
+    done = run_cli(
+        "infer", "-m", str(tmp_path / "config.json"), "--seq-len", "16", "--batch", "1,2",
+        "--backends", "compile,onnxruntime", "--iters", "3", "--generate", "4", "--latency-slo", "10s",
+        "-o", str(tmp_path / "best"), "--html", str(tmp_path / "report.html"), "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    statuses = {(r["backend"], r["batch"]): r["status"] for r in report["rows"]}
+    assert statuses == {(b, n): "ok" for b in ("eager", "compile", "onnxruntime") for n in (1, 2)}
+    eager = [r for r in report["rows"] if r["backend"] == "eager"]
+    assert all(r["latency_vs_eager"] == 1.0 and r["calls"] >= 3 and r["meets_slo"] for r in eager)
+    assert report["pick"] is not None and report["saved"] == str(tmp_path / "best")
+    assert [g["mode"] for g in report["generation"]] == ["eager", "compile"]
+    manifest = json.loads((tmp_path / "best" / "manifest.json").read_text())
+    assert (manifest["backend"], manifest["batch"]) == (report["pick"]["backend"], report["pick"]["batch"])
+    assert "redline infer report" in (tmp_path / "report.html").read_text()
+    again = run_cli(  # an artifact folder is replaced by the next run
+        "infer", "-m", str(tmp_path / "config.json"), "--seq-len", "16", "--batch", "1", "--backends", "eager",
+        "--iters", "1", "--generate", "0", "-o", str(tmp_path / "best"),
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "pick: eager at batch 1" in again.stdout.replace("\n", " ")
