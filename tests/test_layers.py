@@ -24,6 +24,7 @@ LAYERS = [
     {"monitor"},
     {"runtime"},
     {"tune"},
+    {"infer"},
     {"queue"},
     {"cli", "__main__", "__init__"},
 ]

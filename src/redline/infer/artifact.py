@@ -124,10 +124,8 @@ def load(path: str | Path, device: str | None = None) -> Artifact:
 
         return Artifact(folder, manifest, Runner(aoti_load_package(str(folder / "model.pt2"))), device, classes)
     if backend in EXPORTED:
-        import onnxruntime
-
         provider = "TensorrtExecutionProvider" if backend == "onnxruntime-trt" else None
-        runner = onnx_runner(folder / "model.onnx", session_providers(onnxruntime, provider, device))
+        runner = onnx_runner(folder / "model.onnx", session_providers(provider, device))
         return Artifact(folder, manifest, runner, device, classes)
     subject = rebuild(manifest["source"], tuple(manifest["sample_shape"]))
     subject.served.inner.load_state_dict(torch.load(folder / "weights.pt", map_location="cpu", weights_only=True))

@@ -22,14 +22,12 @@ import io
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from redline.capability import is_available
 
-Precision = Literal["fp32", "bf16", "fp16", "int8"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
@@ -112,7 +110,7 @@ def _aoti(build: Build) -> Runner:
 
 def _onnx_absent(device: str, precision: str, provider: str = "CPUExecutionProvider") -> str | None:
     if not (is_available("onnxruntime") and is_available("onnx") and is_available("onnxscript")):
-        return "needs onnxruntime, onnx and onnxscript: pip install onnxruntime onnxscript (onnxruntime-gpu on a GPU)"
+        return "needs onnxruntime, onnx and onnxscript: pip install 'redline[infer]' (onnxruntime-gpu on a GPU)"
     import onnxruntime
 
     wanted = "CUDAExecutionProvider" if device == "cuda" and provider == "CPUExecutionProvider" else provider
@@ -136,8 +134,6 @@ def onnx_export(module: nn.Module, example: torch.Tensor, path: Path) -> Path:
 
 def _onnxruntime(provider: str | None) -> Callable[[Build], Runner]:
     def build_session(build: Build) -> Runner:
-        import onnxruntime
-
         # ONNX Runtime quantises its own graph: at int8 the fp32 module is exported, then quantised
         module = build.float_module if build.precision == "int8" else build.module
         path = onnx_export(module, build.example, build.workdir / "model.onnx")
@@ -148,12 +144,13 @@ def _onnxruntime(provider: str | None) -> Callable[[Build], Runner]:
             quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8)
             path.unlink()
             path = quantized
-        return onnx_runner(path, session_providers(onnxruntime, provider, build.device))
+        return onnx_runner(path, session_providers(provider, build.device))
 
     return build_session
 
 
-def session_providers(onnxruntime: Any, provider: str | None, device: str) -> list[str]:
+def session_providers(provider: str | None, device: str) -> list[str]:
+    """The providers to ask for, best first (ONNX Runtime falls back along the list)."""
     if provider is not None:
         return [provider, "CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
