@@ -10,13 +10,14 @@ Parts: ``link`` (chunk size and streams from the link), ``source`` and one modul
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from redline.transfer.engine import Options, Progress, Summary
 from redline.transfer.fetcher import Fetch
 from redline.transfer.link import Link, to_endpoint
 from redline.transfer.session import Session, plan_items
-from redline.transfer.source import Sockets, congestion_allowed
+from redline.transfer.source import Remote, Sockets, congestion_allowed
 
 __all__ = ["Link", "Options", "Progress", "Summary", "fetch", "push", "sockets_for"]
 
@@ -40,13 +41,19 @@ def fetch(
     key_file: Path | None = None,
     progress: Progress | None = None,
     link: Link | None = None,
+    remote: Remote | None = None,
 ) -> Summary:
-    """Fetch ``sources`` (files, or folders ending in /) to ``dest``; see the package's parts."""
+    """Fetch ``sources`` (files, or folders ending in /) to ``dest``; see the package's parts. ``remote``: what
+    a stat of the one source said moments ago (``redline stage`` stats before it admits), not asked again."""
     options = options or Options()
     sockets = sockets or Sockets()  # the system's congestion control: the sender's decides a download's rate
     session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file)
     try:
         items = plan_items(session, sources, dest, sha256)
+        if remote is not None:
+            if len(items) != 1:
+                raise ValueError("remote= describes one file, and this fetch has several")
+            items = [dataclasses.replace(items[0], remote=remote)]
         return Fetch(items, options, link, sockets.congestion, progress).run()
     finally:
         session.close()

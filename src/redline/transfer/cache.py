@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from redline.errors import BadInput
-from redline.transfer.source import TransferError
+from redline.transfer.source import Remote, TransferError
 from redline.units import fmt_bytes
 
 # no cap given: the cache may take this share of the space its disk has for it (free + what it holds)
@@ -195,15 +195,15 @@ class Cache:
         """Fetch ``url`` into the entry (this process holds its pin and its fill lock)."""
         from redline import transfer
 
-        size = self._stat(url)
+        remote = self._stat(url)  # the fetch below takes it rather than asking again: a round trip less
         now = time.time()
-        entry = Entry(url, key, size, "filling", now, now, path=str(self._file(key, ".data")))
+        entry = Entry(url, key, remote.size, "filling", now, now, path=str(self._file(key, ".data")))
         self._admit(entry)
         # overwrite: a data file the cache has no record of (its record lost) is replaced, never refused
         options = dataclasses.replace(self.fetch_options or transfer.Options(), overwrite=True)
         summary = transfer.fetch(
             [url], Path(entry.path), options, sockets=self._sockets(), link=self._link(url), progress=progress,
-            **self.fetch_kw,
+            remote=remote, **self.fetch_kw,
         )  # fmt: skip
         result = summary.files[0]
         if result.status == "failed":
@@ -213,9 +213,9 @@ class Cache:
         _write_json(self._file(key, ".json"), _meta(entry))
         return entry
 
-    def _stat(self, url: str) -> int:
-        """The size of the file at ``url``; a source that is not there (404, no such file) is the user's to
-        fix (NotStageable), a network that fails three tries may mend (StageError)."""
+    def _stat(self, url: str) -> Remote:
+        """What the file at ``url`` is (size, validators); a source that is not there (404, no such file) is the
+        user's to fix (NotStageable), a network that fails three tries may mend (StageError)."""
         from redline.transfer.engine import retryable
         from redline.transfer.session import is_folder
 
@@ -223,7 +223,7 @@ class Cache:
             raise NotStageable(f"{url}: a folder; the cache holds files: name each one")
         for tries in range(STAT_TRIES):
             try:
-                return self._session_for().source(url).stat().size
+                return self._session_for().source(url).stat()
             except TransferError as exc:
                 raise NotStageable(f"cannot stage {_naming(url, str(exc))}") from None
             except Exception as exc:

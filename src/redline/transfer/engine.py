@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from redline.transfer.link import DEFAULT_PER_ENDPOINT, Link
-from redline.transfer.source import Source, TransferError
+from redline.transfer.source import Remote, Source, TransferError
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
@@ -35,6 +35,7 @@ class Item:
     source: Source
     dest: Path
     sha256: str | None = None
+    remote: Remote | None = None  # what a stat of ``source`` said moments ago, when the caller made one
 
 
 @dataclass

@@ -319,9 +319,10 @@ class Fetch:
     # ------------------------------------------------------------------------------------------- per file
 
     def _prepare(self, f: _File) -> None:
-        """Stat the remote file, skip it when the destination already is it, else open its journal."""
+        """Stat the remote file (unless the caller just did), skip it when the destination already is it, else
+        open its journal."""
         try:
-            f.remote = retrying(f.item.source.stat, self.options.retries, f.result, lambda: False)
+            f.remote = f.item.remote or retrying(f.item.source.stat, self.options.retries, f.result, lambda: False)
             f.result.size = f.remote.size
             dest = f.item.dest
             if not journals.journal_path(dest).exists() and dest.exists():
