@@ -66,7 +66,7 @@ def infer(
     batches, slo_ms = _checked(batch, latency_slo, iters, generate)
     _check_targets(output, html)
     from redline.cli.plan import parse_shape
-    from redline.infer.measure import Settings, measure, pick, scratch, selected
+    from redline.infer.measure import Settings, selected
     from redline.infer.models import load_subject
 
     chosen = selected(_names(backends), where)
@@ -74,22 +74,7 @@ def infer(
     settings = Settings(
         batches, precision=precision, device=where, iters=iters, max_iters=MAX_ITERS, latency_slo_ms=slo_ms
     )
-    with scratch() as workdir, ui.progress_bar(enabled=not json_output) as progress:
-        steps = len(chosen) * len(batches)
-        done = [0]
-
-        def advance(what: str) -> None:
-            progress(what, done[0], steps)
-            done[0] += 1
-
-        rows = measure(subject, chosen, settings, Path(workdir), advance)
-        best = pick(rows)
-        generated = _generation(subject, where, generate, advance) if subject.kind == "lm" and generate else []
-        saved = None
-        if output is not None and best is not None:
-            from redline.infer.artifact import save
-
-            saved = save(output, subject, best, where)
+    rows, best, generated, saved = _run(subject, chosen, settings, generate, output, quiet=json_output)
     if html is not None:
         from redline.infer.report import GENERATOR, html_report
         from redline.report.output import write_output
@@ -101,6 +86,32 @@ def infer(
         _print(subject.name, settings, rows, best, generated, saved)
     if best is None:
         raise typer.Exit(1)
+
+
+def _run(
+    subject: Any, chosen: list, settings: Any, generate: int, output: Path | None, quiet: bool
+) -> tuple[list[Row], Row | None, list[GenerationRow], Path | None]:
+    """Every backend measured, the pick, a decoder's generation timed, the pick saved: under a progress bar."""
+    from redline.infer.measure import measure, pick, scratch
+
+    with scratch() as workdir, ui.progress_bar(enabled=not quiet) as progress:
+        steps = (len(chosen) + 1) * len(settings.batches) + 1  # each build, each batch's timing, then generation
+        done = [0]
+
+        def advance(what: str) -> None:
+            progress(what, done[0], steps)
+            done[0] += 1
+
+        rows = measure(subject, chosen, settings, Path(workdir), advance)
+        best = pick(rows)
+        lm = subject.kind == "lm" and generate
+        generated = _generation(subject, settings.device, generate, advance) if lm else []
+        saved = None
+        if output is not None and best is not None:
+            from redline.infer.artifact import save
+
+            saved = save(output, subject, best, settings.device)
+    return rows, best, generated, saved
 
 
 def _names(backends: str | None) -> list[str] | None:
