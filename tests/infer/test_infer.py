@@ -22,7 +22,10 @@ from redline.infer.measure import TOLERANCES, Row, Settings, compare, measure, p
 from redline.infer.models import load_subject
 
 HERE = Path(__file__).resolve().parent
-TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 300, "n_positions": 64}
+TINY_GPT2 = {
+    "model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 300, "n_positions": 64,
+    "bos_token_id": 0, "eos_token_id": 0,
+}  # fmt: skip
 QUICK = Settings((2,), iters=2, min_s=0.0)
 
 
@@ -74,6 +77,75 @@ def test_parity_figures_and_the_tolerance_of_each_precision() -> None:
     assert flipped.top1 == 0.5 and not flipped.passes(TOLERANCES["int8"])
     assert compare(torch.full((2, 3), float("nan")), reference, classes=False).max_rel == float("inf")
     assert compare(torch.zeros(3, 2), reference, classes=True).max_rel == float("inf")  # a wrong shape
+
+
+def test_top1_leaves_out_near_ties_an_allowed_error_may_flip() -> None:
+    reference = torch.tensor([[1.0, 1.0005, -3.0], [5.0, 0.0, -5.0]])  # row 0: a near-tie; row 1 decides
+    flipped_tie = torch.tensor([[1.0005, 1.0, -3.0], [5.0, 0.0, -5.0]])
+    assert compare(flipped_tie, reference, classes=True).top1 == 0.5  # every row, without a tolerance
+    within = compare(flipped_tie, reference, classes=True, tolerance=TOLERANCES["fp32"])
+    assert within.top1 == 1.0 and within.passes(TOLERANCES["fp32"])  # 5e-4 / 5 apart: inside fp32's 1e-3
+    flipped_clear = torch.tensor([[1.0, 1.0005, -3.0], [0.0, 5.0, -5.0]])
+    assert compare(flipped_clear, reference, classes=True, tolerance=TOLERANCES["int8"]).top1 == 0.0
+
+
+def test_a_language_model_serves_the_next_token_s_logits(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
+    subject = load_subject(str(tmp_path / "config.json"), seq_len=16)
+    x = subject.example(3)
+    with torch.inference_mode():
+        served = subject.served(x)
+        every = subject.served.inner(input_ids=x, use_cache=False).logits
+    assert served.shape == (3, 1, 300)
+    assert torch.allclose(served, every[:, -1:], atol=1e-6)
+
+
+def test_int8_quantises_gpt2_s_conv1d_projections_too(tmp_path: Path) -> None:
+    """Hugging Face's GPT-2 keeps its projections in Conv1D (a linear layer stored in x out), which torch's
+    quantiser does not know: cast turns them into nn.Linear first, so every projection is int8."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
+    subject = load_subject(str(tmp_path / "config.json"), seq_len=16)
+    quantised = backends.cast(subject.served, "int8", "cpu")
+    kinds = [type(m).__name__ for m in quantised.modules()]
+    assert "Conv1D" not in kinds
+    assert kinds.count("Linear") == 4 * TINY_GPT2["n_layer"] + 1  # c_attn, c_proj, c_fc, mlp c_proj; lm_head
+    assert all(
+        type(m).__module__.startswith("torch.ao.nn.quantized")
+        for m in quantised.modules()
+        if type(m).__name__ == "Linear"
+    )
+    x = subject.example(2)
+    with torch.inference_mode():
+        parity = compare(quantised(x), subject.served(x), classes=True, tolerance=TOLERANCES["int8"])
+    assert parity.passes(TOLERANCES["int8"]), parity
+
+
+def test_onnx_runtime_refuses_to_fall_back_to_another_provider(nets: None, tmp_path: Path) -> None:
+    subject = load_subject("tiny_nets:classifier")
+    path = backends.onnx_export(subject.served, subject.example(2), tmp_path / "model.onnx")
+    assert backends.onnx_runner(path, ["CPUExecutionProvider"])(subject.example(2)).shape == (2, 10)
+    with pytest.raises(RuntimeError, match="runs this graph on CPUExecutionProvider, not TensorrtExecutionProvider"):
+        backends.onnx_runner(path, ["TensorrtExecutionProvider", "CPUExecutionProvider"])
+
+
+def test_a_backend_that_fails_while_timed_is_reported_and_the_rest_go_on(nets: None, tmp_path: Path) -> None:
+    def flaky(build: backends.Build) -> Runner:
+        calls = [0]
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] > 4:  # the first call and the warm-up pass; a timed one fails
+                raise RuntimeError("out of memory in call 5")
+            return build.module(x)
+
+        return Runner(run)
+
+    chosen = [*selected(["eager"], "cpu"), Backend("flaky", "fails in its fifth call", flaky)]
+    rows = measure(load_subject("tiny_nets:classifier"), chosen, QUICK, tmp_path)
+    by_name = {r.backend: r for r in rows}
+    assert by_name["flaky"].status == "failed" and "while timed: RuntimeError: out of memory" in by_name["flaky"].note
+    assert by_name["eager"].status == "ok" and by_name["eager"].calls >= QUICK.iters
+    assert pick(rows) is by_name["eager"]
 
 
 def test_int8_dynamic_quantisation_passes_at_its_own_tolerance(nets: None, tmp_path: Path) -> None:
@@ -222,6 +294,14 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert message in lines[0], lines[0]
+
+
+def test_generation_that_leaves_no_prompt_is_refused_before_measuring(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
+    done = run_cli("infer", "-m", str(tmp_path / "config.json"), "--generate", "64", "--backends", "eager")
+    assert done.returncode == 2 and done.stdout == "", (done.stdout[-2000:], done.stderr[-2000:])
+    # the last line is redline's (transformers' and torchao's import warnings may come before it)
+    assert done.stderr.strip().splitlines()[-1] == "redline: --generate 64 leaves no room for a prompt in 64 positions"
 
 
 def test_weights_of_another_model_are_refused_and_the_output_folder_kept(tmp_path: Path) -> None:

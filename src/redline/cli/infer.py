@@ -56,6 +56,10 @@ def infer(
 
         raise BadInput(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     where = _device(device)
+    if precision == "int8" and where == "cuda":
+        from redline.errors import BadInput
+
+        raise BadInput("--precision int8 is dynamic quantisation, which runs on the CPU: add --device cpu")
     if list_backends:
         _list(where, precision, json_output)
         return
@@ -74,7 +78,8 @@ def infer(
     settings = Settings(
         batches, precision=precision, device=where, iters=iters, max_iters=MAX_ITERS, latency_slo_ms=slo_ms
     )
-    rows, best, generated, saved = _run(subject, chosen, settings, generate, output, quiet=json_output)
+    prompt = _prompt_tokens(subject, generate) if subject.kind == "lm" and generate else 0
+    rows, best, generated, saved = _run(subject, chosen, settings, prompt, generate, output, quiet=json_output)
     if html is not None:
         from redline.infer.report import GENERATOR, html_report
         from redline.report.output import write_output
@@ -89,13 +94,14 @@ def infer(
 
 
 def _run(
-    subject: Any, chosen: list, settings: Any, generate: int, output: Path | None, quiet: bool
+    subject: Any, chosen: list, settings: Any, prompt: int, generate: int, output: Path | None, quiet: bool
 ) -> tuple[list[Row], Row | None, list[GenerationRow], Path | None]:
     """Every backend measured, the pick, a decoder's generation timed, the pick saved: under a progress bar."""
     from redline.infer.measure import measure, pick, scratch
 
     with scratch() as workdir, ui.progress_bar(enabled=not quiet) as progress:
-        steps = (len(chosen) + 1) * len(settings.batches) + 1  # each build, each batch's timing, then generation
+        runnable = sum(b.absent(settings.device, settings.precision) is None for b in chosen)
+        steps = (runnable + 1) * len(settings.batches) + 1  # each build, each batch's timing, then generation
         done = [0]
 
         def advance(what: str) -> None:
@@ -104,8 +110,12 @@ def _run(
 
         rows = measure(subject, chosen, settings, Path(workdir), advance)
         best = pick(rows)
-        lm = subject.kind == "lm" and generate
-        generated = _generation(subject, settings.device, generate, advance) if lm else []
+        generated = []
+        if prompt:
+            from redline.infer.generate import generation
+
+            advance(f"generation: {generate} tokens, eager and compiled")
+            generated = generation(subject, 1, prompt, generate, settings.device)[0]
         saved = None
         if output is not None and best is not None:
             from redline.infer.artifact import save
@@ -179,17 +189,17 @@ def _check_targets(output: Path | None, html: Path | None) -> None:
             raise BadInput(f"-o {output} is not empty and holds no redline artifact: choose a new folder")
 
 
-def _generation(subject: Any, device: str, new_tokens: int, advance: Any) -> list[GenerationRow]:
+def _prompt_tokens(subject: Any, new_tokens: int) -> int:
+    """The prompt a decoder's generation is timed with: the sequence length, less what the new tokens need of
+    its positions; refused before anything is measured when they leave none."""
     from redline.errors import BadInput
-    from redline.infer.generate import generation
+    from redline.infer.models import position_count
 
-    advance(f"generation: {new_tokens} tokens, eager and compiled")
-    config = subject.hf_config
-    positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)
+    positions = position_count(subject.hf_config)
     prompt = min(subject.sample_shape[0], positions - new_tokens) if positions else subject.sample_shape[0]
     if prompt < 1:
         raise BadInput(f"--generate {new_tokens} leaves no room for a prompt in {positions} positions")
-    return generation(subject, 1, prompt, new_tokens, device)[0]
+    return prompt
 
 
 def _list(device: str, precision: str, json_output: bool) -> None:
@@ -229,7 +239,7 @@ def _to_json(name: str, settings: Any, rows: list[Row], best: Row | None, genera
 
     def row_json(row: Row) -> dict:
         data = dataclasses.asdict(row)
-        data["files"] = [str(f) for f in row.files]
+        del data["files"]  # in the run's scratch folder, gone when it ends (-o keeps the pick's)
         data["latency_vs_eager"] = ratios.get((row.backend, row.batch))
         return data
 

@@ -4,7 +4,8 @@
       manifest.json   backend, precision, batch, device, how to rebuild the model, the figures it was picked on
       weights.pt      the fp32 state_dict (eager, compile, int8-dynamic, tensorrt rebuild the module from it)
       model.pt2       export-aoti: the AOTInductor package (loads with no model code)
-      model.onnx      onnxruntime: the graph (int8 already quantised); loads with no model code
+      model.onnx      onnxruntime: the graph (model.int8.onnx at int8, already quantised; ``.data`` beside it
+                      past 2 GB); loads with no model code
       check.pt        one input batch and the output it gave when picked: ``Served.verify()`` compares
 
 The exported kinds have static shapes: they take the batch size they were picked at. The others take any.
@@ -30,7 +31,7 @@ FORMAT = "redline-infer/1"
 MANIFEST = "manifest.json"
 CHECK_ROWS = 16
 FILES = ("weights.pt", "check.pt")
-EXPORTED = {"export-aoti": "model.pt2", "onnxruntime": "model.onnx", "onnxruntime-trt": "model.onnx"}
+EXPORTED = frozenset({"export-aoti", "onnxruntime", "onnxruntime-trt"})  # a graph that loads without model code
 
 
 def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
@@ -40,11 +41,16 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     if folder.exists() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
         raise BadInput(f"{folder} is not empty and holds no redline artifact: choose a new folder")
     folder.mkdir(parents=True, exist_ok=True)
-    for name in (MANIFEST, *FILES, *set(EXPORTED.values())):  # an earlier artifact's, which this one replaces
-        (folder / name).unlink(missing_ok=True)
+    _remove_earlier(folder)
+    files = list(FILES)
+    model_file = None
     if row.backend in EXPORTED:
         source = next(p for p in row.files if p.suffix in (".pt2", ".onnx"))
-        shutil.copyfile(source, folder / EXPORTED[row.backend])
+        # the graph and what it names beside it (an ONNX model past 2 GB keeps its weights in ``<name>.data``)
+        for part in sorted(source.parent.glob(source.name + "*")):
+            shutil.copyfile(part, folder / part.name)
+            files.append(part.name)
+        model_file = source.name
     torch.save(subject.served.inner.state_dict(), folder / "weights.pt")
     x = subject.example(row.batch, seed=1)
     with torch.inference_mode():
@@ -59,6 +65,8 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
         "kind": subject.kind,
         "sample_shape": list(subject.sample_shape),
         "backend": row.backend,
+        "model_file": model_file,
+        "files": files,
         "precision": row.precision,
         "batch": row.batch,
         "device": device,
@@ -71,6 +79,18 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return folder
+
+
+def _remove_earlier(folder: Path) -> None:
+    """The files of the artifact ``folder`` held, which a new one replaces (nothing else in it is touched)."""
+    try:
+        earlier = json.loads((folder / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    for name in earlier.get("files", []):
+        if "/" not in name and name not in ("", ".", ".."):
+            (folder / name).unlink(missing_ok=True)
+    (folder / MANIFEST).unlink()
 
 
 def check_rows(y: torch.Tensor) -> torch.Tensor:
@@ -103,8 +123,9 @@ class Artifact:
     def verify(self) -> tuple[bool, Parity]:
         """The saved input through this artifact against the fp32 output saved with it, at its tolerance."""
         check = torch.load(self.folder / "check.pt", map_location="cpu", weights_only=True)
-        parity = compare(check_rows(self(check["x"])), check["y"], self.classes)
-        return parity.passes(TOLERANCES[self.manifest["precision"]]), parity
+        tolerance = TOLERANCES[self.manifest["precision"]]
+        parity = compare(check_rows(self(check["x"])), check["y"], self.classes, tolerance)
+        return parity.passes(tolerance), parity
 
 
 def load(path: str | Path, device: str | None = None) -> Artifact:
@@ -119,13 +140,18 @@ def load(path: str | Path, device: str | None = None) -> Artifact:
     device = device or manifest["device"]
     backend, precision = manifest["backend"], manifest["precision"]
     classes = manifest["kind"] in ("classifier", "lm")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInput(f"{folder}: picked on a GPU, and torch sees none here: load it with device='cpu'")
     if backend == "export-aoti":
         from torch._inductor import aoti_load_package
 
-        return Artifact(folder, manifest, Runner(aoti_load_package(str(folder / "model.pt2"))), device, classes)
+        if device != manifest["device"]:  # its kernels were compiled for one device
+            raise BadInput(f"{folder}: an AOTInductor package compiled for {manifest['device']}, not {device}")
+        runner = Runner(aoti_load_package(str(folder / manifest["model_file"])))
+        return Artifact(folder, manifest, runner, device, classes)
     if backend in EXPORTED:
         provider = "TensorrtExecutionProvider" if backend == "onnxruntime-trt" else None
-        runner = onnx_runner(folder / "model.onnx", session_providers(provider, device))
+        runner = onnx_runner(folder / manifest["model_file"], session_providers(provider, device))
         return Artifact(folder, manifest, runner, device, classes)
     subject = rebuild(manifest["source"], tuple(manifest["sample_shape"]))
     subject.served.inner.load_state_dict(torch.load(folder / "weights.pt", map_location="cpu", weights_only=True))

@@ -70,12 +70,29 @@ def cast(module: nn.Module, precision: str, device: str) -> nn.Module:
     """A copy of ``module`` at ``precision`` on ``device`` (the fp32 original stays the reference)."""
     module = copy.deepcopy(module).to(device)
     if precision == "int8":
+        _conv1d_as_linear(module)
         # torch.ao's eager quantisation warns that it moves to torchao; torchao's int8 layers are fast only under
         # torch.compile, while these (fbgemm's kernels) are fast in eager on the CPU, so they stay for now
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
             return torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
     return module.to(DTYPES[precision])
+
+
+def _conv1d_as_linear(module: nn.Module) -> None:
+    """Hugging Face's ``Conv1D`` (GPT-2's projections: a linear layer whose weight is stored in x out) swapped
+    for the ``nn.Linear`` it is, in place, so that quantisation finds it."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ != "Conv1D" or not hasattr(child, "nf"):
+                continue
+            inputs, outputs = child.weight.shape
+            linear = nn.Linear(inputs, outputs, bias=child.bias is not None, device=child.weight.device)
+            with torch.no_grad():
+                linear.weight.copy_(child.weight.t())
+                if child.bias is not None:
+                    linear.bias.copy_(child.bias)
+            setattr(parent, name, linear)
 
 
 def cast_input(x: torch.Tensor, precision: str) -> torch.Tensor:
@@ -92,7 +109,8 @@ def _eager(build: Build) -> Runner:
 
 def _compile(mode: str | None) -> Callable[[Build], Runner]:
     def compiled(build: Build) -> Runner:
-        torch._dynamo.reset()  # a fresh cache: each batch size's compile is its own cold start
+        # static shapes, as the exported backends have them; the caller resets dynamo's caches between batch
+        # sizes (Inductor's on-disk caches stay: the cold start is a restart's on this machine)
         return Runner(torch.compile(build.module, mode=mode, dynamic=False))
 
     return compiled
@@ -116,8 +134,12 @@ def _onnx_absent(device: str, precision: str, provider: str = "CPUExecutionProvi
     wanted = "CUDAExecutionProvider" if device == "cuda" and provider == "CPUExecutionProvider" else provider
     if wanted not in onnxruntime.get_available_providers():
         return f"onnxruntime {onnxruntime.__version__} has no {wanted} here"
-    if device == "cpu" and precision in ("bf16", "fp16"):
-        return f"ONNX Runtime's CPU provider has few {precision} kernels: it runs fp32 and int8 on the CPU"
+    if precision == "bf16":
+        return "ONNX Runtime's inputs and outputs go through NumPy, which has no bfloat16"
+    if device == "cpu" and precision == "fp16":
+        return "ONNX Runtime's CPU provider has few fp16 kernels: it runs fp32 and int8 on the CPU"
+    if device == "cuda" and precision == "int8":
+        return "int8 here is dynamic quantisation, which ONNX Runtime runs on the CPU"
     return None
 
 
@@ -141,8 +163,8 @@ def _onnxruntime(provider: str | None) -> Callable[[Build], Runner]:
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
             quantized = build.workdir / "model.int8.onnx"
-            quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8)
-            path.unlink()
+            large = path.with_name(path.name + ".data").exists()  # past protobuf's 2 GB: weights beside the graph
+            quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8, use_external_data_format=large)
             path = quantized
         return onnx_runner(path, session_providers(provider, build.device))
 
@@ -157,11 +179,19 @@ def session_providers(provider: str | None, device: str) -> list[str]:
 
 
 def onnx_runner(path: Path, providers: list[str]) -> Runner:
-    """An ONNX Runtime session on ``path``: tensors in and out through NumPy (host memory)."""
+    """An ONNX Runtime session on ``path``, on the first of ``providers`` or not at all (ONNX Runtime would fall
+    back along the list quietly, and measure another provider under this one's name): tensors in and out
+    through NumPy (host memory; no I/O binding yet)."""
     import onnxruntime
 
+    options = onnxruntime.SessionOptions()
+    # idle intra-op threads spin by default, taking the cores from whatever runs next: the backends timed
+    # after it in a round, the application's own threads in a server
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     available = set(onnxruntime.get_available_providers())
-    session = onnxruntime.InferenceSession(str(path), providers=[p for p in providers if p in available])
+    session = onnxruntime.InferenceSession(str(path), options, providers=[p for p in providers if p in available])
+    if session.get_providers()[0] != providers[0]:
+        raise RuntimeError(f"ONNX Runtime runs this graph on {session.get_providers()[0]}, not {providers[0]}")
 
     def run(x: torch.Tensor) -> torch.Tensor:
         (y,) = session.run(["y"], {"x": x.detach().cpu().numpy()})
@@ -218,7 +248,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("compile", "torch.compile, default mode (Inductor)", _compile(None)),
         Backend(
             "compile-max-autotune",
-            "torch.compile, mode max-autotune (searches kernel configs)",
+            "torch.compile, mode max-autotune (searches kernel configs; CUDA graphs on a GPU)",
             _compile("max-autotune"),
             default_on_cpu=False,
         ),

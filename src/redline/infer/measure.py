@@ -8,7 +8,8 @@ calls, throughput = batch / mean latency.
 
 Parity is against the fp32 eager output on the same batch: the largest absolute error, that error over the
 reference's largest magnitude (``max_rel``: one figure whatever the output's scale), and for classifiers and
-language models the share of rows whose arg-max (top-1) agrees. A backend passes when ``max_rel`` and top-1
+language models the share of rows whose arg-max (top-1) agrees, among the rows where the reference's top two
+classes are further apart than the tolerance's error. A backend passes when ``max_rel`` and top-1
 agreement are within its precision's tolerance (``TOLERANCES``); one that does not is reported and never picked.
 """
 
@@ -28,7 +29,7 @@ import torch
 
 from redline.errors import BadInput
 from redline.infer.backends import BACKENDS, Backend, Build, Runner, cast, cast_input
-from redline.infer.models import Subject
+from redline.infer.models import Subject, first_line
 
 WARMUP_CALLS = 2
 ROUNDS = 5  # timed calls are spread over at least this many interleaved rounds
@@ -89,7 +90,10 @@ class Row:
         return self.status == "ok"
 
 
-def compare(output: torch.Tensor, reference: torch.Tensor, classes: bool) -> Parity:
+def compare(output: torch.Tensor, reference: torch.Tensor, classes: bool, tolerance: Tolerance | None = None) -> Parity:
+    """``output`` against ``reference``. Top-1 agreement counts the rows where the reference decides: its top
+    two classes further apart than the error ``tolerance`` allows (random weights make near-ties, which an
+    error within the tolerance may flip); every row without a tolerance."""
     y, ref = output.detach().float().cpu(), reference.detach().float().cpu()
     if y.shape != ref.shape:
         return Parity(float("inf"), float("inf"), 0.0 if classes else None)
@@ -98,8 +102,22 @@ def compare(output: torch.Tensor, reference: torch.Tensor, classes: bool) -> Par
     if not torch.isfinite(y).all():
         max_abs = float("inf")
     scale = float(ref.abs().max()) if ref.numel() else 0.0
-    top1 = float((y.argmax(-1) == ref.argmax(-1)).float().mean()) if classes and ref.dim() >= 2 else None
+    top1 = None
+    if classes and ref.dim() >= 2 and ref.shape[-1] >= 2:
+        top1 = _top1(y, ref, tolerance.max_rel * scale if tolerance else 0.0)
     return Parity(max_abs, max_abs / scale if scale > 0 else max_abs, top1)
+
+
+def _top1(y: torch.Tensor, ref: torch.Tensor, margin: float) -> float | None:
+    """The share of rows whose arg-max agrees, over the rows whose reference top two differ by over ``margin``;
+    None where no row does."""
+    ref_rows, y_rows = ref.reshape(-1, ref.shape[-1]), y.reshape(-1, ref.shape[-1])
+    top2 = ref_rows.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > margin
+    if not decisive.any():
+        return None
+    agree = y_rows.argmax(-1) == ref_rows.argmax(-1)
+    return float(agree[decisive].float().mean())
 
 
 def latency_stats(seconds: list[float], batch: int) -> tuple[float, float, float]:
@@ -186,6 +204,9 @@ def measure(
         else:
             runnable.append((backend, precision))
     for batch in settings.batches:
+        # dynamo's caches from the last batch size go (the exported backends are built anew too): each batch's
+        # compile is its own, and the compiled runners of one batch size live together through its rounds
+        torch.compiler.reset()
         x = subject.example(batch).to(settings.device)
         reference = _reference(subject, x)
         built: list[tuple[Row, Runner, torch.Tensor]] = []
@@ -197,7 +218,7 @@ def measure(
             rows.append(row)
             if runner is None or output is None:
                 continue
-            row.parity = compare(output, reference, classes)
+            row.parity = compare(output, reference, classes, TOLERANCES[precision])
             if not row.parity.passes(TOLERANCES[precision]):
                 row.status, row.note = "parity", f"outputs differ from eager fp32: {row.parity.describe()}"
             built.append((row, runner, cast_input(x, precision)))
@@ -210,14 +231,26 @@ def measure(
 def _reference(subject: Subject, x: torch.Tensor) -> torch.Tensor:
     """Eager fp32's output, every backend's yardstick; a model that cannot run this input is the user's to fix."""
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), _full_fp32():
             return subject.served.to(x.device)(x).float().cpu()
     except BadInput:
         raise
     except Exception as exc:  # a wrong --input-shape, a model that needs other inputs, out of memory
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         shape = "x".join(str(n) for n in x.shape)
-        raise BadInput(f"{subject.name} does not run on a {shape} input in eager PyTorch: {first[:200]}") from None
+        raise BadInput(
+            f"{subject.name} does not run on a {shape} input in eager PyTorch: {first_line(exc, 200)}"
+        ) from None
+
+
+@contextmanager
+def _full_fp32() -> Iterator[None]:
+    """No TF32 for the reference on a GPU (cuDNN's convolutions use it by default): fp32 is the yardstick."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _build(
@@ -231,15 +264,15 @@ def _build(
             start = time.perf_counter()
             module = cast(subject.served, precision, device)
             runner = backend.build(Build(module, subject.served, x, precision, device, folder))
-            output = runner(x)
+            # a copy: under CUDA graphs (max-autotune on a GPU) the next call overwrites the output's memory
+            output = runner(x).clone()
             _sync(device)
             row.cold_s = time.perf_counter() - start
             for _ in range(WARMUP_CALLS):
                 runner(x)
             _sync(device)
     except Exception as exc:  # any backend may fail to export or compile a given model: that is a result
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        row.status, row.note = "failed", f"{type(exc).__name__}: {first}"[:300]
+        row.status, row.note = "failed", f"{type(exc).__name__}: {first_line(exc)}"
         return row, None, None
     row.peak_memory_bytes = memory.peak
     row.files = runner.files
@@ -254,16 +287,25 @@ def _time(built: list[tuple[Row, Runner, torch.Tensor]], settings: Settings) -> 
     per_round = max(1, math.ceil(min(settings.iters, settings.max_iters) / ROUNDS))
     seconds: list[list[float]] = [[] for _ in built]
     while any(
-        len(calls) < settings.max_iters and (len(calls) < settings.iters or sum(calls) < settings.min_s)
-        for calls in seconds
+        row.status != "failed"
+        and len(calls) < settings.max_iters
+        and (len(calls) < settings.iters or sum(calls) < settings.min_s)
+        for (row, _, _), calls in zip(built, seconds, strict=True)
     ):
-        for (_, runner, x), calls in zip(built, seconds, strict=True):
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                runner(x)
-                _sync(settings.device)
-                calls.append(time.perf_counter() - t0)
+        for (row, runner, x), calls in zip(built, seconds, strict=True):
+            if row.status == "failed":
+                continue
+            try:
+                for _ in range(per_round):
+                    t0 = time.perf_counter()
+                    runner(x)
+                    _sync(settings.device)
+                    calls.append(time.perf_counter() - t0)
+            except Exception as exc:  # out of memory in a later call, a runtime error: this backend is out
+                row.status, row.note = "failed", f"while timed: {type(exc).__name__}: {first_line(exc)}"
     for (row, _, _), calls in zip(built, seconds, strict=True):
+        if row.status == "failed" or not calls:
+            continue
         row.calls = len(calls)
         row.p50_ms, row.p99_ms, row.samples_per_s = latency_stats(calls, row.batch)
         if settings.latency_slo_ms is not None and row.usable:

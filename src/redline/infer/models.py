@@ -14,6 +14,7 @@ a trained state: a ``torch.save``'d state_dict (or a dict holding one under ``mo
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +28,10 @@ from redline.workload.profile import TransformerShape
 
 Kind = Literal["classifier", "lm", "encoder", "other"]
 DEFAULT_SEQ_LEN = 128
+# encoder-only layouts, served as their bare model (the last hidden state); any other model type as a causal LM
+ENCODERS = frozenset(
+    {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "mpnet"}
+)
 MAX_SAMPLE_ELEMENTS = 1 << 28  # one sample's input: a 16k x 16k image of 1 channel, 1 GiB as fp32
 
 
@@ -59,13 +64,25 @@ class Served(nn.Module):
         self.inner = inner
         self.hugging_face = hugging_face
         self.causal = causal
+        # transformers 4.50+ computes the logits of the last positions only when asked (``logits_to_keep``)
+        self.keep_last = causal and "logits_to_keep" in inspect.signature(inner.forward).parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.hugging_face:
             return first_tensor(self.inner(x))
-        # no KV cache: a serving call is one forward over the whole sequence (generation has its own path)
-        out = self.inner(input_ids=x, use_cache=False) if self.causal else self.inner(input_ids=x)
-        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+        if not self.causal:
+            return self.inner(input_ids=x).last_hidden_state
+        # a serving call of an LM: the whole sequence once, no KV cache (generation has its own path), and the
+        # next token's logits only: the vocabulary projection of every position is most of the time otherwise
+        if self.keep_last:
+            return self.inner(input_ids=x, use_cache=False, logits_to_keep=1).logits
+        return self.inner(input_ids=x, use_cache=False).logits[:, -1:]
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line, its type where it has no message (a failure's note, a BadInput's cause)."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
 
 
 def first_tensor(out: Any) -> torch.Tensor:
@@ -167,12 +184,11 @@ def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Sub
     try:
         hf_config = transformers.AutoConfig.for_model(**config)
     except Exception as exc:  # transformers raises its own validation errors, version by version
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise BadInput(f"{name}: transformers cannot read this config: {message}") from None
-    causal = config["model_type"] != "bert" and not getattr(hf_config, "is_encoder_decoder", False)
+        raise BadInput(f"{name}: transformers cannot read this config: {first_line(exc)}") from None
     if getattr(hf_config, "is_encoder_decoder", False):
         raise BadInput(f"{name}: an encoder-decoder model takes two inputs; serve it through a factory")
-    positions = int(getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 0)
+    causal = config["model_type"] not in ENCODERS
+    positions = position_count(hf_config)
     length = seq_len or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
     if positions and length > positions:
         raise BadInput(f"--seq-len {length} is longer than {name}'s {positions} positions")
@@ -180,7 +196,7 @@ def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Sub
     try:
         inner = auto.from_config(hf_config, attn_implementation="sdpa")
     except Exception as exc:
-        raise BadInput(f"{name}: transformers cannot build this model: {str(exc).splitlines()[0]}") from None
+        raise BadInput(f"{name}: transformers cannot build this model: {first_line(exc)}") from None
     return Subject(
         name,
         Served(inner, hugging_face=True, causal=causal),
@@ -191,6 +207,11 @@ def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Sub
         hf_config=hf_config,
         source={"config": config},
     )
+
+
+def position_count(config: Any) -> int:
+    """The positions a transformers config has room for (0 where it does not say: rotary models may not)."""
+    return int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)
 
 
 def _factory(spec: str, input_shape: tuple[int, ...] | None) -> Subject:
@@ -215,7 +236,7 @@ def load_weights(module: Served, path: Path) -> None:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({str(exc).splitlines()[0]})") from None
+            raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({first_line(exc)})") from None
         if isinstance(state, dict):
             state = state.get("model", state.get("state_dict", state))
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -224,7 +245,7 @@ def load_weights(module: Served, path: Path) -> None:
     try:
         target.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        first = str(exc).splitlines()[0].rstrip(":")
+        first = first_line(exc).rstrip(":")
         raise BadInput(f"--weights {path} does not fit this model: {first}: {_key_summary(target, state)}") from None
 
 
@@ -241,7 +262,7 @@ def _checkpoint_state(target: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception as exc:
-        raise BadInput(f"--weights {path}: cannot read the model from it: {str(exc).splitlines()[0]}") from None
+        raise BadInput(f"--weights {path}: cannot read the model from it: {first_line(exc)}") from None
     return state["model"]
 
 
