@@ -56,6 +56,11 @@ FLAGS: dict[str, set[str]] = {
         *("--dir", "--policy", "--max-jobs-per-user", "--max-gpus-per-user", "--retry-backoff", "--metrics-port"),
     },
     "queue unit": set(),
+    # serving (issue 20)
+    "infer": {
+        *("--model", "-m", "--weights", "--batch", "--seq-len", "--input-shape", "--precision", "--latency-slo"),
+        *("--backends", "--device", "--iters", "--generate", "--output", "-o", "--html", "--list-backends", "--json"),
+    },
     # transfers (issue 19)
     "fetch": {
         *("--streams", "--per-endpoint", "--chunk-size", "--checksum", "--overwrite", "--congestion", "--retries"),
