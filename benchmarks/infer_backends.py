@@ -124,9 +124,9 @@ def main() -> None:
         for name in args.models.split(",")
     ]
     if args.json:
-        print(
-            json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}, indent=1)
-        )
+        meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
+        lines = summary(results, backends)
+        print(json.dumps({**meta, "precision": args.precision, "results": results, "summary": lines}, indent=1))
         return
     print(LINE.format("model", "batch", "backend", "p50 ms", "x eager", "cold s", "rel err", "top-1"))
     for result in results:
