@@ -285,19 +285,26 @@ def test_no_bad_value_of_any_option_gets_a_traceback(tmp_path: Path) -> None:
 
     from redline.monitor.store import Store
 
-    (tmp_path / "train.py").write_text("print('trained')\n")
-    (tmp_path / "tinynet.py").write_text(
+    # each case runs in a copy of this folder: two cases at once never write one path (a push and a push to
+    # pushed.py, an infer -o abc and a probe -o abc), which would test the race, not the value
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "train.py").write_text("print('trained')\n")
+    (template / "tinynet.py").write_text(
         "import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (8,)\n"
     )
-    Store.open(tmp_path / "run.rlm").close()  # an empty record: report refuses it, options first
+    Store.open(template / "run.rlm").close()  # an empty record: report refuses it, options first
     queue = tmp_path / "queue"
     env = {"REDLINE_HOME": str(tmp_path / "home"), "REDLINE_QUEUE_DIR": str(queue)}
     assert run_cli("queue", "status", env=env).returncode == 0  # the queue's daemon: started on first use
 
-    def run(case):
+    def run(numbered):
+        index, case = numbered
         argv = case[2]
+        workdir = tmp_path / f"case-{index}"
+        shutil.copytree(template, workdir)
         try:
-            result = run_cli(*argv, env=env, timeout=CASE_TIMEOUT_S, cwd=tmp_path)
+            result = run_cli(*argv, env=env, timeout=CASE_TIMEOUT_S, cwd=workdir)
         except subprocess.TimeoutExpired:
             return f"redline {' '.join(argv)}: still running after {CASE_TIMEOUT_S} s"
         output = result.stdout + result.stderr
@@ -312,7 +319,7 @@ def test_no_bad_value_of_any_option_gets_a_traceback(tmp_path: Path) -> None:
     cases = _cases()
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
-            problems = [p for p in pool.map(run, cases) if p]
+            problems = [p for p in pool.map(run, enumerate(cases)) if p]
     finally:
         os.kill(int((queue / "daemon.lock").read_text()), signal.SIGTERM)
     assert not problems, f"{len(problems)} of {len(cases)} cases:\n" + "\n".join(problems)
