@@ -175,18 +175,14 @@ def _checked(batch: str, latency_slo: str | None, iters: int, generate: int) -> 
 
 
 def _check_targets(output: Path | None, html: Path | None) -> None:
-    from redline.errors import BadInput
-    from redline.infer.artifact import MANIFEST
+    from redline.infer.artifact import check_folder
     from redline.infer.report import GENERATOR
     from redline.report.output import check_target
 
     if html is not None:
         check_target(html, marker=GENERATOR)
     if output is not None:
-        if output.exists() and not output.is_dir():
-            raise BadInput(f"-o {output} is a file: the pick is saved as a folder")
-        if output.is_dir() and any(output.iterdir()) and not (output / MANIFEST).exists():
-            raise BadInput(f"-o {output} is not empty and holds no redline artifact: choose a new folder")
+        check_folder(output.expanduser())
 
 
 def _prompt_tokens(subject: Any, new_tokens: int) -> int:

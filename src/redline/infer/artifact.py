@@ -38,8 +38,7 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     """``row``'s backend as an artifact in ``folder`` (created; refused when it holds anything but an earlier
     artifact, so no user file is overwritten)."""
     folder = folder.expanduser()
-    if folder.exists() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
-        raise BadInput(f"{folder} is not empty and holds no redline artifact: choose a new folder")
+    check_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_earlier(folder)
     files = list(FILES)
@@ -79,6 +78,14 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return folder
+
+
+def check_folder(folder: Path) -> None:
+    """Refuse (BadInput) a file, or a folder holding anything but an earlier artifact: no user file is replaced."""
+    if folder.exists() and not folder.is_dir():
+        raise BadInput(f"{folder} is a file: an artifact is saved as a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
+        raise BadInput(f"{folder} is not empty and holds no redline artifact: choose a new folder")
 
 
 def _remove_earlier(folder: Path) -> None:

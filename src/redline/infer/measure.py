@@ -214,7 +214,7 @@ def measure(
             progress(f"{backend.name} at batch {batch}")
             folder = workdir / f"{backend.name}-b{batch}"
             folder.mkdir(parents=True, exist_ok=True)
-            row, runner, output = _build(subject, backend, precision, batch, settings.device, folder)
+            row, runner, output = _build(subject, backend, precision, x, folder)
             rows.append(row)
             if runner is None or output is None:
                 continue
@@ -254,11 +254,13 @@ def _full_fp32() -> Iterator[None]:
 
 
 def _build(
-    subject: Subject, backend: Backend, precision: str, batch: int, device: str, folder: Path
+    subject: Subject, backend: Backend, precision: str, batch: torch.Tensor, folder: Path
 ) -> tuple[Row, Runner | None, torch.Tensor | None]:
-    """The row (cold start, peak memory), the built backend and its first output; None, None where it failed."""
-    row = Row(backend.name, batch, precision, "ok")
-    x = cast_input(subject.example(batch).to(device), precision)
+    """The row (cold start, peak memory), the built backend and its first output on ``batch`` (the batch every
+    backend gets, on the device); None, None where it failed."""
+    device = batch.device.type
+    row = Row(backend.name, batch.shape[0], precision, "ok")
+    x = cast_input(batch, precision)
     try:
         with PeakMemory(device).watch() as memory:
             start = time.perf_counter()
