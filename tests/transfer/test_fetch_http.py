@@ -124,6 +124,39 @@ def _wait_for_chunks(path: Path, count: int, process: subprocess.Popen) -> int:
         time.sleep(0.02)
 
 
+def test_a_fetch_of_a_destination_another_process_is_fetching_waits_for_it(nginx, tmp_path: Path) -> None:
+    """The lock a fetch holds on its destination, held here as another redline would: the second fetch says it
+    waits, writes nothing meanwhile, and fetches the file once the lock is let go."""
+    import json
+    import queue
+
+    from redline.lockfile import WriterLock
+
+    data = _data(nginx.root / "shared.bin", 3 * MiB)
+    dest = tmp_path / "out" / "shared.bin"
+    dest.parent.mkdir()
+    holder = WriterLock(journal.journal_path(dest), "download").acquire()
+    second = subprocess.Popen(
+        [sys.executable, "-m", "redline", "fetch", f"{nginx.url}/shared.bin", str(dest), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in second.stderr], daemon=True).start()
+    try:
+        told = lines.get(timeout=300)  # a hang guard: the line comes once the file is stat'ed
+        assert f"pid {os.getpid()} is fetching it; waiting" in told and str(dest) in told, told
+        assert not journal.part_path(dest).exists() and not dest.exists()
+    finally:
+        holder.release()
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, list(lines.queue)
+    assert json.loads(out)["files"][0]["status"] == "fetched"
+    assert dest.read_bytes() == data
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["shared.bin"]  # no lock file left beside it
+
+
 def test_a_corrupted_byte_on_the_server_is_detected_and_nothing_lands(nginx, tmp_path: Path) -> None:
     source = nginx.root / "model.pt"
     data = _data(source, 3 * MiB)

@@ -176,8 +176,12 @@ def transfer_progress(enabled: bool = True) -> Iterator[Any]:
     stderr not a terminal) it draws nothing. Yields an engine ``Progress``."""
     from redline.transfer.engine import Progress as Quiet
 
+    class _Told(Quiet):  # no bar, but a wait on another process is still said
+        def note(self, message: str) -> None:
+            err_console.print(message, markup=False, highlight=False, soft_wrap=True)
+
     if not enabled or not err_console.is_terminal:
-        yield Quiet()
+        yield _Told()
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -205,5 +209,8 @@ def transfer_progress(enabled: bool = True) -> Iterator[Any]:
 
             def finished(self, result) -> None:
                 bar.update(task, files=bar.tasks[0].fields["files"] + 1)
+
+            def note(self, message: str) -> None:
+                bar.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
         yield _Drawn()

@@ -63,6 +63,7 @@ class Progress:
     def advance(self, size: int) -> None: ...  # negative when a failed chunk's bytes are fetched again
     def active(self, streams: int) -> None: ...
     def finished(self, result: FileResult) -> None: ...
+    def note(self, message: str) -> None: ...  # something the user should hear of once (a wait on another process)
 
 
 @dataclass

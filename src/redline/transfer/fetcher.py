@@ -11,18 +11,26 @@ transfer is then read by every stream, not by the unluckiest one alone, whose wi
 
 A failure a retry may cure is retried from the first block not yet on disk; a kill, a dropped link, or Ctrl-C
 loses at most the block each stream was reading.
+
+One process writes a destination at a time: a file's journal is locked (``redline.lockfile``, released by the
+kernel if its holder dies) from before its destination is looked at until it lands or fails. A second fetch of
+the same destination waits for the first, then finds the file there (as huggingface_hub's downloads wait on
+each other's locks) instead of writing the same part file under it. Each locked file holds a descriptor, so
+files are admitted a bounded number ahead of the streams.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redline.lockfile import HeldElsewhere, WriterLock
 from redline.transfer import journal as journals
 from redline.transfer.engine import FileResult, Item, Options, Progress, Summary, retrying
 from redline.transfer.link import MIN_CHUNK_BYTES, Link, to_endpoint
@@ -33,6 +41,8 @@ BLOCK_BYTES = MiB
 STAT_AHEAD = 8  # files stat'ed at once, ahead of the streams
 SPLIT_POLL_S = 0.25  # how often an idle stream looks again for a segment to share
 SPLIT_AFTER_S = 1.0  # a stream this far from the end of its segment gives half of what waits to an idle one
+LOCK_POLL_S = 0.2  # how often a file another process is fetching is looked at again
+MAX_FILES_AHEAD = 256  # files admitted (locked, their journal open) and not yet landed or failed, at most
 
 
 @dataclass
@@ -42,6 +52,8 @@ class _File:
     result: FileResult
     remote: Remote | None = None
     journal: journals.Journal | None = None
+    admitted: bool = False  # counts among the files admitted ahead of the streams
+    writer: WriterLock | None = None  # held from before the destination is looked at until it lands or fails
     holes: list[list[int]] = field(default_factory=list)  # [first, end) block runs neither done nor handed out
     left: int = 0  # blocks not yet on disk
     failed: bool = False
@@ -99,6 +111,8 @@ class Fetch:
         self._per_endpoint: dict[str, int] = dict.fromkeys(self.endpoints, 0)
         self._all_admitted = False
         self._stop = threading.Event()
+        self._files_ahead = _files_ahead()
+        self._open_files = 0  # admitted, not yet landed or failed
 
     def run(self) -> Summary:
         start = time.perf_counter()
@@ -117,13 +131,15 @@ class Fetch:
                         for future in streams:
                             future.result()
                     except BaseException:  # Ctrl-C: each stream stops at its next piece; the journal keeps the rest
-                        self._stop.set()
-                        with self._cond:
-                            self._cond.notify_all()
+                        self._halt()
                         raise
             except BaseException:
+                self._halt()
                 stats.shutdown(cancel_futures=True)
                 raise
+            finally:
+                for f in self.files:  # a stopped run's files: their part file and journal stay for the next run
+                    self._unlock(f)
         return Summary(
             [f.result for f in self.files],
             time.perf_counter() - start,
@@ -132,6 +148,11 @@ class Fetch:
             self.link,
             self.congestion,
         )
+
+    def _halt(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
 
     def _size_to_link(self) -> None:
         """Streams and chunk size from the link, measured now (while the first files are stat'ed) when not given."""
@@ -144,6 +165,13 @@ class Fetch:
     # ------------------------------------------------------------------------------------- handing out work
 
     def _admit(self, f: _File) -> None:
+        with self._cond:
+            while self._open_files >= self._files_ahead and not self._stop.is_set():
+                self._cond.wait()
+            if self._stop.is_set():
+                return
+            self._open_files += 1
+            f.admitted = True
         self._prepare(f)
         if f.failed or f.journal is None:
             return
@@ -325,14 +353,16 @@ class Fetch:
             f.remote = f.item.remote or retrying(f.item.source.stat, self.options.retries, f.result, lambda: False)
             f.result.size = f.remote.size
             dest = f.item.dest
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self._lock(f)
             if not journals.journal_path(dest).exists() and dest.exists():
                 if _is_same(dest, f.remote):
                     f.result.status = "present"
+                    self._unlock(f)
                     self.progress.finished(f.result)
                     return
                 if not self.options.overwrite:
                     raise TransferError(f"{dest}: exists and is not {f.remote.url} (--overwrite replaces it)")
-            dest.parent.mkdir(parents=True, exist_ok=True)
             f.journal = journals.Journal.open(dest, f.remote, self.block_bytes)
         except TransferError as exc:
             self._fail(f, str(exc))
@@ -346,6 +376,35 @@ class Fetch:
         f.left = len(spans) - len(f.journal.done)
         self.progress.add_total(f.remote.size)
         self.progress.advance(f.result.resumed_bytes)
+
+    def _lock(self, f: _File) -> None:
+        """Hold ``f``'s journal lock, waiting (told once) while another process fetches the same destination."""
+        writer = WriterLock(journals.journal_path(f.item.dest), "download")
+        told = False
+        while True:
+            try:
+                f.writer = writer.acquire()
+                return
+            except HeldElsewhere as held:
+                if not told:
+                    who = f"pid {held.holder}" if held.holder else "another process"
+                    self.progress.note(f"{f.item.dest}: {who} is fetching it; waiting for it to finish")
+                    told = True
+            if self._stop.wait(LOCK_POLL_S):
+                raise TransferError(f"{f.item.source.url}: stopped")
+
+    def _unlock(self, f: _File) -> None:
+        """Let go of ``f``'s lock and its place among the files admitted, once: it landed, failed, or the run
+        stopped."""
+        with f.lock:
+            writer, admitted = f.writer, f.admitted
+            f.writer, f.admitted = None, False
+        if writer is not None:
+            writer.release()
+        if admitted:
+            with self._cond:
+                self._open_files -= 1
+                self._cond.notify_all()
 
     def _finish(self, f: _File) -> None:
         """Verify the whole file, then put it in place: fsync, rename over the destination, fsync the folder."""
@@ -368,6 +427,7 @@ class Fetch:
             os.replace(part, dest)
             _fsync_dir(dest.parent)
             f.journal.discard()
+            self._unlock(f)
         except TransferError as exc:
             self._fail(f, str(exc))
             return
@@ -385,7 +445,17 @@ class Fetch:
         f.result.status, f.result.error = "failed", message
         if f.journal is not None:
             f.journal.close()  # the part file and journal stay: a later run resumes from them
+        self._unlock(f)
         self.progress.finished(f.result)
+
+
+def _files_ahead() -> int:
+    """Files admitted at once: each holds its lock's descriptor, so a quarter of the descriptors this process
+    may open (the streams' sockets and part files need theirs), at least as many as are stat'ed at once."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FILES_AHEAD
+    return max(STAT_AHEAD, min(MAX_FILES_AHEAD, soft // 4))
 
 
 def _reference(f: _File) -> tuple[str | None, str | None]:
