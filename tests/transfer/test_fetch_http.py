@@ -20,6 +20,7 @@ import pytest
 from conftest import run_cli
 from redline import transfer
 from redline.transfer import journal
+from redline.transfer.fetcher import BLOCK_BYTES as BLOCK
 from transfer_servers import start_nginx, stop
 
 pytestmark = pytest.mark.skipif(not shutil.which("nginx"), reason="needs nginx (apt-get install nginx-light)")
@@ -63,11 +64,11 @@ def test_a_file_arrives_whole_in_ranged_chunks_and_lands_only_when_complete(ngin
             r["range"].removeprefix("bytes=").split("-") for r in nginx.requests() if r["range"] != "bytes=0-0"
         )
     )
-    # every byte asked for, in requests of whole 1 MiB blocks (the last block what is left), a chunk each but
-    # where a stream's segment (4 blocks: 11 over 3 streams) or the file ends
+    # every byte asked for, in requests of whole blocks (the last block what is left), a chunk each but where a
+    # stream's segment (14 blocks of 256 KiB: 41 over 3 streams) or the file ends
     covered = 0
     for a, b in spans:
-        assert a <= covered and a % MiB == 0 and (b % MiB == 0 or b == len(data)), spans
+        assert a <= covered and a % BLOCK == 0 and (b % BLOCK == 0 or b == len(data)), spans
         covered = max(covered, b)
     assert covered == len(data) and spans[0] == (0, 2 * MiB), spans
     # run again: the destination is already that file, so nothing moves
@@ -97,7 +98,7 @@ def test_kill_9_mid_transfer_then_resume_fetches_at_most_one_chunk_per_connectio
         result = run_cli("fetch", f"{fast.url}/big.bin", *argv, "--json")
         assert result.returncode == 0, result.stderr
         assert dest.read_bytes() == data
-        assert _kept(result) >= done * MiB  # every recorded block (1 MiB) was kept, none fetched again
+        assert _kept(result) >= done * BLOCK  # every recorded block was kept, none fetched again
         # all both servers sent, less the file: the blocks in flight at the kill (and one byte per run's stat),
         # within one chunk per connection
         wasted = slow.sent_bytes("/big.bin") + fast.sent_bytes("/big.bin") - size
@@ -227,10 +228,11 @@ def test_several_files_and_folders_land_under_a_directory(nginx, tmp_path: Path)
 
 
 class _Flaky(http.server.BaseHTTPRequestHandler):
-    """Serves one file with ranges; the first ``drops`` ranged GETs send half their bytes and hang up."""
+    """Serves one file with ranges; the first ``drops`` ranged GETs send ``cut`` of their bytes and hang up."""
 
     data = b""
     drops = 0
+    cut = 0
     lock = threading.Lock()
 
     def do_GET(self) -> None:
@@ -244,7 +246,7 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("ETag", '"v1"')
         self.end_headers()
-        self.wfile.write(body[: len(body) // 2] if drop else body)
+        self.wfile.write(body[: self.cut] if drop else body)
         if drop:
             self.close_connection = True
 
@@ -253,7 +255,8 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_connection_dropped_mid_chunk_is_retried_and_the_bytes_counted_once(tmp_path: Path) -> None:
-    _Flaky.data, _Flaky.drops = hashlib.shake_256(b"flaky").digest(6 * MiB), 3
+    # each drop mid-block: the blocks before it are kept, the partial one comes again
+    _Flaky.data, _Flaky.drops, _Flaky.cut = hashlib.shake_256(b"flaky").digest(6 * MiB), 3, 2 * BLOCK + 100_000
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -273,7 +276,7 @@ def test_a_connection_dropped_mid_chunk_is_retried_and_the_bytes_counted_once(tm
     assert result.status == "fetched" and (tmp_path / "f.bin").read_bytes() == _Flaky.data
     assert result.retries == 3
     assert sum(seen) == 6 * MiB  # the progress took back each dropped chunk's bytes
-    assert result.moved_bytes == 6 * MiB + 3 * MiB // 2  # what came over the wire, the wasted halves too
+    assert result.moved_bytes == 6 * MiB + 3 * 100_000  # what came over the wire, the partial blocks too
 
 
 def test_a_missing_file_and_bad_options_are_one_line(nginx, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 from netem import EmulatedLink, LinkSpec, unavailable_reason
 from netem.link import A_ADDR
 from redline.transfer import journal
+from redline.transfer.fetcher import BLOCK_BYTES as BLOCK
 from transfer_servers import S3_ENV, start_nginx, start_s3, start_sshd, stop
 
 MiB = 1 << 20
@@ -65,7 +66,7 @@ def test_over_a_long_link_fetch_sizes_itself_and_resumes_after_kill_9(far_nginx,
     argv = (url, str(dest), "--streams", "3", "--chunk-size", "1M")
     first = _redline(link, tmp_path, "fetch", *argv)
     path = journal.journal_path(dest)
-    while not path.exists() or len(path.read_text().splitlines()) < 4:  # the header and three chunks
+    while not path.exists() or len(path.read_text().splitlines()) < 1 + 3 * MiB // BLOCK:  # the header, 3 MiB
         assert first.poll() is None, first.stderr.read().decode()
     first.send_signal(signal.SIGKILL)  # ip netns exec execs the command: this is redline itself
     first.wait()

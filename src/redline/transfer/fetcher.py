@@ -1,13 +1,18 @@
 """The download engine: streams that each read a long range of a file, and take over half of another's when
 they run out, as aria2 splits segments; files verified and renamed into place when their last block lands.
 
-A file is cut into blocks (1 MiB, or the chunk size when smaller): the journal's unit, each recorded with its
-SHA-256 as soon as it is on disk. A stream takes a segment: a run of blocks as long as the file's remaining
-work shared over the streams, read in requests of a chunk (max(8 MiB, 2 x BDP)) each, so a request keeps its
-stream busy for many round trips. Segments go out in file order, so files finish in the order given (what a
-loader reading shard after shard wants), at most ``per_endpoint`` at once to any one server. When no block is
-left to hand out, an idle stream takes the second half of the longest segment still being read: the tail of a
-transfer is then read by every stream, not by the unluckiest one alone, whose window a loss just halved.
+A file is cut into blocks (256 KiB, or the chunk size when smaller): the journal's unit, each recorded with
+its SHA-256 as soon as it is on disk, and the smallest piece of work one stream hands another. Small, because
+at the end of a transfer over a lossy long link one stream whose window a loss just halved reads at 2-3 Mbit/s:
+a 1 MiB block it holds would keep the whole fetch waiting some 3 s, a 256 KiB one under 1 s.
+
+A stream takes a segment: a run of blocks as long as the file's remaining work shared over the streams, read in
+requests of a chunk (max(8 MiB, 2 x BDP)) each, so a request keeps its stream busy for many round trips.
+Segments go out in file order, so files finish in the order given (what a loader reading shard after shard
+wants), at most ``per_endpoint`` at once to any one server. When no block is left to hand out, an idle stream
+takes the second half of the longest segment still being read: the tail of a transfer is then read by every
+stream, not by the unluckiest one alone. The stream that gave it up stops within a few packets of the new
+segment's start (bytes are taken as they arrive, not a block at a time).
 
 A failure a retry may cure is retried from the first block not yet on disk; a kill, a dropped link, or Ctrl-C
 loses at most the block each stream was reading.
@@ -35,9 +40,9 @@ from redline.transfer import journal as journals
 from redline.transfer.engine import FileResult, Item, Options, Progress, Summary, retrying
 from redline.transfer.link import MIN_CHUNK_BYTES, Link, to_endpoint
 from redline.transfer.source import Remote, TransferError
-from redline.units import MiB
+from redline.units import KiB
 
-BLOCK_BYTES = MiB
+BLOCK_BYTES = 256 * KiB
 STAT_AHEAD = 8  # files stat'ed at once, ahead of the streams
 SPLIT_POLL_S = 0.25  # how often an idle stream looks again for a segment to share
 SPLIT_AFTER_S = 1.0  # a stream this far from the end of its segment gives half of what waits to an idle one

@@ -133,7 +133,9 @@ class HttpSource(Source):
             elif start != 0 or end != remote.size:
                 raise TransferError(f"{self.display}: the server does not serve byte ranges")
             received = 0
-            for piece in response.stream(PIECE_BYTES, decode_content=False):
+            # read1: what has arrived, up to a piece, at once (read() would wait for a whole piece): a stream
+            # whose tail another took stops within a few packets of the point where that one began
+            while piece := response.read1(PIECE_BYTES, decode_content=False):
                 received += len(piece)
                 if received > end - start:
                     raise Changed(f"{self.display}: the server sent more bytes than the range holds")
