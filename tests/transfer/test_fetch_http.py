@@ -158,6 +158,16 @@ def test_a_fetch_of_a_destination_another_process_is_fetching_waits_for_it(nginx
     assert sorted(p.name for p in dest.parent.iterdir()) == ["shared.bin"]  # no lock file left beside it
 
 
+def test_a_destination_whose_lock_cannot_be_made_fails_that_file_in_one_line(tmp_path: Path) -> None:
+    source = tmp_path / "src.txt"
+    source.write_text("hi")
+    dest = tmp_path / ("a" * 240)  # a name the filesystem takes, its lock's name (+21 characters) not
+    result = run_cli("fetch", str(source), str(dest))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "File name too long" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and not dest.exists()
+
+
 def test_a_corrupted_byte_on_the_server_is_detected_and_nothing_lands(nginx, tmp_path: Path) -> None:
     source = nginx.root / "model.pt"
     data = _data(source, 3 * MiB)

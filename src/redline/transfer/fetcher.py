@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redline.errors import BadInput
 from redline.lockfile import HeldElsewhere, WriterLock
 from redline.transfer import journal as journals
 from redline.transfer.engine import FileResult, Item, Options, Progress, Summary, retrying
@@ -395,6 +396,8 @@ class Fetch:
                     who = f"pid {held.holder}" if held.holder else "another process"
                     self.progress.note(f"{f.item.dest}: {who} is fetching it; waiting for it to finish")
                     told = True
+            except BadInput as exc:  # the lock cannot be made there (a name too long, a read-only folder)
+                raise TransferError(str(exc)) from None
             if self._stop.wait(LOCK_POLL_S):
                 raise TransferError(f"{f.item.source.url}: stopped")
 
