@@ -142,8 +142,9 @@ def test_agrees_with_torch_utils_benchmark(monkeypatch):
     from compute_vs_torch import compare
 
     # the best round of each side: other jobs on a 2-core host slow a round of either side at random (the medians
-    # of three were seen at 0.54 beside a four-rank test), while neither side's best round can beat its true rate
-    ours, peer, ratio = compare("fp32", 768, rounds=3, repeats=15, min_run_time_s=0.2, statistic=max)
+    # of three were seen at 0.54 beside a four-rank test, and the best of three at 2.99 while another test suite
+    # started beside it), while neither side's best round can beat its true rate; five rounds, so one is quiet
+    ours, peer, ratio = compare("fp32", 768, rounds=5, repeats=15, min_run_time_s=0.2, statistic=max)
     assert ours > 0 and peer > 0
     # a factor-of-2 mistake lands outside; a loaded 2-core runner has been seen at 0.6 and 1.6
     assert 0.55 < ratio < 1.8, f"redline {ours:.4f} vs torch.utils.benchmark {peer:.4f} TFLOP/s"
