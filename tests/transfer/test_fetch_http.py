@@ -168,6 +168,18 @@ def test_a_destination_whose_lock_cannot_be_made_fails_that_file_in_one_line(tmp
     assert "Traceback" not in result.stderr and not dest.exists()
 
 
+def test_a_server_that_refuses_connections_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run_cli("fetch", f"http://127.0.0.1:{port}/x.bin", str(tmp_path / "x.bin"), "--retries", "0")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "refused" in lines[0], result.stderr
+    assert "internal error" not in result.stderr
+
+
 def test_a_corrupted_byte_on_the_server_is_detected_and_nothing_lands(nginx, tmp_path: Path) -> None:
     source = nginx.root / "model.pt"
     data = _data(source, 3 * MiB)

@@ -48,7 +48,7 @@ class Pools:
         try:
             if not conn.is_connected:
                 conn.connect()
-        except OSError:
+        except (OSError, urllib3.exceptions.HTTPError):  # refused, unreachable, timed out (NewConnectionError...)
             conn.close()  # the request that follows meets the same failure and reports it
         finally:
             pool._put_conn(conn)
