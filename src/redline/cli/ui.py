@@ -197,7 +197,7 @@ def transfer_progress(enabled: bool = True) -> Iterator[Any]:
     ) as bar:
         task = bar.add_task("moving", total=0, streams=0, files=0)
 
-        class _Drawn(Quiet):
+        class _Drawn(_Told):  # err_console is the bar's: a note prints above it
             def add_total(self, size: int) -> None:
                 bar.update(task, total=(bar.tasks[0].total or 0) + size)
 
@@ -209,8 +209,5 @@ def transfer_progress(enabled: bool = True) -> Iterator[Any]:
 
             def finished(self, result) -> None:
                 bar.update(task, files=bar.tasks[0].fields["files"] + 1)
-
-            def note(self, message: str) -> None:
-                bar.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
         yield _Drawn()
