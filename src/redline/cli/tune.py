@@ -340,6 +340,7 @@ def _to_json(outcome: Outcome, journal: Path) -> dict[str, Any]:
         "winner_samples_per_s": outcome.winner_speed,
         "speedup": outcome.speedup,
         "spread": outcome.spread,
+        "noise": outcome.noise,
         "configs": [
             {"config": key, "runs": list(runs), "median": statistics.median(runs), "spread": spread(runs)}
             for key, runs in outcome.scores.items()

@@ -88,8 +88,9 @@ NUMERIC = COLUMNS[2:8]  # right-aligned
 def noise_line(outcome: Outcome) -> str:
     """What the repeats measured, as a sentence."""
     return (
-        f"Runs of one config differed by up to {outcome.spread:.1%} of their median: a change had to gain more "
-        "(its median over repeats against the leader's) to count."
+        f"Runs of one config differed by up to {outcome.spread:.1%} of their median ({outcome.noise or 0.0:.1%} "
+        "but for the config whose runs differed most): a change had to gain more than that (its median over "
+        "repeats against the leader's) to count."
     )
 
 

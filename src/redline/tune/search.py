@@ -13,9 +13,13 @@
    ``PREDICTED_SLOWER`` is pruned unrun; activation checkpointing is tried at the largest micro-batch it is
    predicted to let fit; and a micro-batch's peak is predicted from the nearest measured one plus the planner's
    difference. Every prediction is anchored on a measured trial.
-5. A config's score is the median of its runs; the noise is the largest relative spread of any config's runs.
-   A challenger whose first run beats the leader's median by more than the noise (and ``MIN_GAIN``) runs
+5. A config's score is the median of its runs; the noise is the relative spread of one config's runs, the
+   largest but one over the configs run more than once: on a shared machine one run in a slow spell can be
+   30-40% slower than the config's others, and the largest spread would let that one run set the bar for every
+   later change. A challenger whose first run beats the leader's median by more than the noise (and ``MIN_GAIN``) runs
    again, and replaces the leader only when its median still does: one lucky run does not move the search.
+   Two runs of a config that disagree by more than ``OUTLIER`` times the others' noise get a third, whose
+   median outvotes the slow (or lucky) one.
 6. The choice: the ``LEADERS`` fastest configs each run ``REPEATS`` times; of those whose median beats the
    default's by more than the noise (the default wins ties), the fastest whose loss matches the baseline's,
    step by step on the same data (loss parity), within a tolerance by precision; one that fails is excluded
@@ -48,6 +52,7 @@ from redline.tune.trial import Setup, TrialResult, run_trial
 PARITY_RTOL = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2, "fp8": 5e-2}
 MIN_GAIN = 0.03  # a change must be this much faster (or beyond the measured noise, if more) to be kept
 REPEATS = 2  # runs of a config before it may lead or win: its score is their median
+OUTLIER = 2.0  # two runs of a config further apart than this many times the others' noise: one more run decides
 LEADERS = 3  # the fastest configs, each run REPEATS times before the choice
 FINAL_RUNS = 3  # runs of the chosen config and of the default, before the one replaces the other
 MEMORY_MARGIN = 0.05  # of the device's memory, kept free when a predicted peak prunes a micro-batch
@@ -90,7 +95,8 @@ class Outcome:
     trials: list[Trial] = field(default_factory=list)
     winner: Candidate | None = None
     winner_speed: float | None = None  # the winner's median
-    spread: float | None = None  # the noise: the largest relative spread of the runs of one config
+    spread: float | None = None  # the largest relative spread of the runs of one config
+    noise: float | None = None  # the typical one (``Tuner.noise``): what a change had to gain beyond
     scores: dict[str, tuple[float, ...]] = field(default_factory=dict)  # each config's runs' speeds, by key
     parity: str = ""
     plan: dict[str, Any] | None = None  # the winner's plan file
@@ -320,13 +326,19 @@ class Tuner:
         speeds = self.runs(candidate)
         return statistics.median(speeds) if speeds else 0.0
 
-    def noise(self) -> float | None:
-        """The largest relative spread, (fastest - slowest) / median, of the runs of any config that ran to the
-        end more than once in this search (a failed run is the config's fault, not the measurement's); None
-        before any did."""
-        ok = [[speed for speed in self.runs(c) if speed > 0] for c in self._candidates()]
-        spreads = [spread(speeds) for speeds in ok if len(speeds) > 1]
-        return max(spreads) if spreads else None
+    def spreads(self, *, besides: Candidate | None = None) -> list[float]:
+        """The relative spread, (fastest - slowest) / median, of the runs of each config (but ``besides``) that
+        ran to the end more than once in this search (a failed run is the config's fault, not the
+        measurement's)."""
+        ok = [[speed for speed in self.runs(c) if speed > 0] for c in self._candidates() if c != besides]
+        return [spread(speeds) for speeds in ok if len(speeds) > 1]
+
+    def noise(self, *, besides: Candidate | None = None) -> float | None:
+        """The spread runs of one config show, one slow spell aside: the largest of ``spreads`` but the
+        largest, once three or more configs ran twice (one run in a slow spell makes its config's spread the
+        largest, and would otherwise set the bar for every later change); None before any config ran twice."""
+        spreads = sorted(self.spreads(besides=besides))
+        return spreads[-2] if len(spreads) >= 3 else spreads[-1] if spreads else None
 
     def _beats(self, candidate: Candidate, incumbent: Candidate) -> bool:
         """``candidate``'s median is faster than ``incumbent``'s by more than the noise (and ``MIN_GAIN``)."""
@@ -334,10 +346,15 @@ class Tuner:
         return self.score(candidate) > self.score(incumbent) * (1 + gain)
 
     def _repeat(self, label: str, candidate: Candidate, runs: int = REPEATS) -> None:
-        """Run ``candidate`` again until it has ``runs`` runs (or the budget is spent)."""
+        """Run ``candidate`` again until it has ``runs`` runs (or the budget is spent); two that disagree by more
+        than ``OUTLIER`` times the other configs' noise (``MIN_GAIN`` before any) get a third."""
         for repeat in range(len(self.runs(candidate)) + 1, runs + 1):
             if self._run(label, candidate, repeat=repeat) is None:
                 return
+        speeds = self.runs(candidate)
+        others = max(MIN_GAIN, self.noise(besides=candidate) or 0.0)
+        if len(speeds) == 2 and min(speeds) > 0 and spread(speeds) > OUTLIER * others:
+            self._run(label, candidate, repeat=3)
 
     def _candidates(self) -> list[Candidate]:
         """Every config this search has a trial of, in the order first tried."""
@@ -466,7 +483,8 @@ class Tuner:
         outcome.parity = verdict or "not checked"
         outcome.plan = self.plan_for(winner)
         outcome.baseline_speed = self.score(start)
-        outcome.spread = self.noise()
+        outcome.spread = max(self.spreads(), default=None)
+        outcome.noise = self.noise()
         outcome.stopped = self.stopped
         outcome.trials = self.trials
         outcome.scores = {c.key(): tuple(self.runs(c)) for c in dict.fromkeys([start, *self._candidates()])}
