@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from tune_vs_grid import TARGETS  # the targets as the grid benchmark runs them (this script's folder is on the path)
+from tune_vs_grid import TARGETS, side_by_side  # as the grid benchmark runs them (this script's folder is on the path)
 
 from redline.errors import BadInput
 from redline.tune.search import spread
 from redline.tune.space import Candidate, Machine, default_plan, restrict, trial_plan
-from redline.tune.trial import Setup, run_trial
+from redline.tune.trial import Setup
 
 
 def candidate(default: Candidate, spec: str) -> Candidate:
@@ -60,14 +59,9 @@ def main() -> None:
     except BadInput as exc:
         parser.error(str(exc))
     setup = Setup(script=str(script), args=script_args, warmup_steps=args.warmup, steps=args.trial_steps)
-    speeds: dict[str, list[float]] = {name: [] for name in configs}
+    plans = {name: trial_plan(config, base=base, per_rank_batch=batch, ranks=1) for name, config in configs.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        for index in range(args.rounds):
-            for name, config in configs.items():
-                plan = trial_plan(config, base=base, per_rank_batch=batch, ranks=1)
-                result = run_trial(setup, plan, Path(tmp) / f"{index}-{len(speeds[name])}-{name}")
-                speeds[name].append(result.samples_per_s or 0.0 if result.status == "ok" else 0.0)
-                print(f"  round {index + 1} {name:24} {speeds[name][-1]:10.1f} samples/s", file=sys.stderr)
+        speeds = side_by_side(setup, plans, Path(tmp), args.rounds)
     reference = statistics.median(speeds["default"])
     rows = [
         {

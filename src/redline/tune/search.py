@@ -16,8 +16,9 @@
 5. A config's score is the median of its runs; the noise is the relative spread of one config's runs, the
    largest but one over the configs run more than once: on a shared machine one run in a slow spell can be
    30-40% slower than the config's others, and the largest spread would let that one run set the bar for every
-   later change. A challenger whose first run beats the leader's median by more than the noise (and ``MIN_GAIN``) runs
-   again, and replaces the leader only when its median still does: one lucky run does not move the search.
+   later change. A challenger whose first run beats the leader's median by more than the noise (and
+   ``MIN_GAIN``) runs again, and replaces the leader only when its median still does: one lucky run does not
+   move the search.
    Two runs of a config that disagree by more than ``OUTLIER`` times the others' noise get a third, whose
    median outvotes the slow (or lucky) one.
 6. The choice: the ``LEADERS`` fastest configs each run ``REPEATS`` times; of those whose median beats the
@@ -96,7 +97,7 @@ class Outcome:
     winner: Candidate | None = None
     winner_speed: float | None = None  # the winner's median
     spread: float | None = None  # the largest relative spread of the runs of one config
-    noise: float | None = None  # the typical one (``Tuner.noise``): what a change had to gain beyond
+    noise: float | None = None  # the largest but one (``Tuner.noise``): what a change had to gain beyond
     scores: dict[str, tuple[float, ...]] = field(default_factory=dict)  # each config's runs' speeds, by key
     parity: str = ""
     plan: dict[str, Any] | None = None  # the winner's plan file
