@@ -16,10 +16,12 @@ on all three), and the ratios are of those medians. Reported per target:
 - the trial counts, and the spread of the side-by-side runs ((fastest - slowest) / median, the largest of the
   three): a ratio within it is a tie.
 
-    python benchmarks/tune_vs_grid.py [--targets cnn,gpt,hf-gpt2] [--trial-steps 4] [--rounds 3] [--json]
+    python benchmarks/tune_vs_grid.py [--targets cnn,gpt,hf-gpt2] [--trial-steps 4] [--warmup 2] [--rounds 3]
+                                      [--json]
 
-``--trial-steps``: the measured optimizer steps of every trial, after one warm-up step (the grid's and the
-tune's alike); on a noisy machine longer trials rank closer configs, for more time.
+``--trial-steps``: the measured optimizer steps of every trial, after ``--warmup`` unmeasured ones (2, as
+`redline tune` runs them), the grid's and the tune's alike; on a noisy machine longer trials rank closer
+configs, for more time.
 
 The space (``SPACE``): the micro-batch over every divisor of the batch, precision (fp32, bf16), DataLoader
 workers (the script's, 1) and CPU threads (torch's, 1); not compile, as a compiled CPU trial spends most of its
@@ -103,9 +105,9 @@ def planner(load: dict) -> Predictor | None:
         return None
 
 
-def bench(name: str, workdir: Path, *, steps: int, rounds: int) -> dict:
+def bench(name: str, workdir: Path, *, steps: int, warmup: int, rounds: int) -> dict:
     script, args, load = TARGETS[name]
-    setup = Setup(script=str(script), args=args, warmup_steps=1, steps=steps, timeout_s=600)
+    setup = Setup(script=str(script), args=args, warmup_steps=warmup, steps=steps, timeout_s=600)
     machine = Machine.here(1)
     space = restrict(default_space(machine), SPACE)
     baseline = run_trial(setup, None, workdir / "baseline")
@@ -140,7 +142,8 @@ def bench(name: str, workdir: Path, *, steps: int, rounds: int) -> dict:
         "grid_pick_over_best": measured[pick][0] / measured[best_key][0] if pick in measured else None,
         "grid_best_samples_per_s": measured[best_key][0],
         "tune_reported_speedup": outcome.speedup,
-        "tune_noise": outcome.spread,
+        "tune_noise": outcome.noise,  # what its decisions used: the largest spread of one config's runs but one
+        "tune_spread": outcome.spread,
     }
 
 
@@ -148,11 +151,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--trial-steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.trial_steps < 1 or args.rounds < 1:
-        parser.error("--trial-steps and --rounds must be at least 1")
+    if args.trial_steps < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error("--trial-steps and --rounds must be at least 1, --warmup at least 0")
     unknown = set(args.targets.split(",")) - set(TARGETS)
     if unknown:
         parser.error(f"unknown target {', '.join(sorted(unknown))}; known: {', '.join(TARGETS)}")
@@ -160,7 +164,7 @@ def main() -> None:
     for name in args.targets.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             print(f"{name}:", file=sys.stderr)
-            rows.append(bench(name, Path(tmp), steps=args.trial_steps, rounds=args.rounds))
+            rows.append(bench(name, Path(tmp), steps=args.trial_steps, warmup=args.warmup, rounds=args.rounds))
     if args.json:
         print(json.dumps(rows, indent=2))
         return
