@@ -5,10 +5,11 @@ each config's median, its runs and its ratio to the default's median.
     python benchmarks/tune_configs.py [--target hf-gpt2] [--configs precision=bf16,num_workers=1,mb=8]
                                       [--rounds 4] [--trial-steps 12] [--warmup 2] [--json]
 
-A config is the default (the runtime's defaults at the script's batch) with one change: ``KNOB=VALUE`` as
-``redline tune --space`` spells a value, or ``mb=N`` for the micro-batch. On a shared machine one run of a
-config can be 20-40% slower than its others; a tune's choice is right when it matches what many interleaved
-rounds here show, not what one of its own runs showed.
+A config is the default (the runtime's defaults at the script's batch) with the changes its spec names, joined
+by ``+``: ``KNOB=VALUE`` as ``redline tune --space`` spells a value, or ``mb=N`` for the micro-batch
+(``mb=8+precision=bf16`` is a combination a tune's coordinate descent reaches one change at a time). On a
+shared machine one run of a config can be 20-40% slower than its others; a tune's choice is right when it
+matches what many interleaved rounds here show, not what one of its own runs showed.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from redline.tune.trial import Setup
 
 
 def candidate(default: Candidate, spec: str) -> Candidate:
-    """``default`` with the one change ``spec`` names (``mb=N`` or ``KNOB=VALUE``)."""
-    knob, _, value = spec.partition("=")
-    if knob == "mb":
-        if not value.isdigit() or int(value) < 1:
-            raise BadInput(f"mb takes a whole number from 1; not {value!r}")
-        return default.with_micro_batch(int(value))
-    (parsed,) = restrict({}, [spec])[knob][1:]
-    return default.with_value(knob, parsed)
+    """``default`` with the changes ``spec`` names (``mb=N`` or ``KNOB=VALUE``, joined by ``+``)."""
+    config = default
+    for change in spec.split("+"):
+        knob, _, value = change.partition("=")
+        if knob == "mb":
+            if not value.isdigit() or int(value) < 1:
+                raise BadInput(f"mb takes a whole number from 1; not {value!r}")
+            config = config.with_micro_batch(int(value))
+        else:
+            (parsed,) = restrict({}, [change])[knob][1:]
+            config = config.with_value(knob, parsed)
+    return config
 
 
 def main() -> None:
