@@ -84,7 +84,7 @@ def main() -> None:
     for row in rows:
         runs = ", ".join(f"{speed:.0f}" for speed in row["runs"])
         print(
-            f"{args.target:8} {row['config']:24} {row['median_samples_per_s']:8.1f} samples/s  "
+            f"{args.target:8} {row['config']:30} {row['median_samples_per_s']:8.1f} samples/s  "
             f"{row['over_default']:.2f}x the default  spread {row['spread']:.0%}  ({runs})"
         )
 

@@ -198,31 +198,55 @@ def test_the_saved_artifact_reloads_in_a_fresh_process_and_matches(nets: None, t
 
 
 @pytest.mark.slow
-def test_an_aot_inductor_artifact_needs_no_model_code_and_takes_its_batch(nets: None, tmp_path: Path) -> None:
+def test_an_aot_inductor_artifact_needs_no_model_code_and_takes_any_batch(nets: None, tmp_path: Path) -> None:
+    """Measured at batch 2 (a static graph), saved exported again with the batch free: run where the model's code
+    cannot be imported, it verifies and serves batches of 3 and 1 as eager does."""
     subject = load_subject("tiny_nets:classifier")
     rows = measure(subject, selected(["export-aoti"], "cpu"), QUICK, tmp_path / "work")
     row = next(r for r in rows if r.backend == "export-aoti")
     assert row.status == "ok", row.note
     folder = artifact.save(tmp_path / "best", subject, row, "cpu")
-    assert (folder / "model.pt2").is_file()
+    assert (folder / "model.pt2").is_file() and artifact.read_manifest(folder)["fixed_batch"] is None
+    x = subject.example(3, seed=7)
+    torch.save(x, tmp_path / "x.pt")
     done = _python(  # run from a folder where tiny_nets cannot be imported: the package is the whole model
         """
         import sys, torch
         from redline.infer import load
         served = load(sys.argv[1])
+        x = torch.load(sys.argv[2])
         print(served.verify()[0], served.batch)
-        try:
-            served(torch.zeros(3, 16))
-        except ValueError as exc:
-            print(exc)
+        torch.save((served(x), served(x[:1])), sys.argv[3])
         """,
         str(folder),
+        str(tmp_path / "x.pt"),
+        str(tmp_path / "y.pt"),
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    assert lines[0] == "True 2"
-    assert "takes batches of 2, not 3" in lines[1]
+    assert done.stdout.strip() == "True None"
+    three, one = torch.load(tmp_path / "y.pt")
+    with torch.inference_mode():
+        expected = subject.served(x)
+    assert three.shape == (3, 10) and one.shape == (1, 10)
+    assert compare(three, expected, classes=True).passes(TOLERANCES["fp32"])
+    assert compare(one, expected[:1], classes=True).passes(TOLERANCES["fp32"])
+
+
+def test_a_model_that_pins_its_batch_is_saved_for_that_batch_and_says_why(nets: None, tmp_path: Path) -> None:
+    """A model whose code works at batch 2 only does not export for any batch: the artifact keeps the measured
+    graph, its manifest says why, and the loaded artifact refuses another batch size in one line."""
+    subject = load_subject("tiny_nets:pinned_batch")
+    rows = measure(subject, selected(["onnxruntime"], "cpu"), QUICK, tmp_path / "work")
+    row = next(r for r in rows if r.backend == "onnxruntime")
+    assert row.status == "ok", row.note
+    folder = artifact.save(tmp_path / "best", subject, row, "cpu")
+    why = artifact.read_manifest(folder)["fixed_batch"]  # the exporter pins the batch at 2 and does not say so
+    assert why.startswith("exported for any batch size, it fails at batch 1: ") and "invalid dimensions" in why
+    served = artifact.load(folder)
+    assert served.batch == 2 and served.verify()[0]
+    with pytest.raises(ValueError, match="this onnxruntime artifact takes batches of 2, not 3"):
+        served(torch.zeros(3, 16))
 
 
 def test_saving_refuses_a_folder_that_holds_other_files(nets: None, tmp_path: Path) -> None:
@@ -377,6 +401,7 @@ def test_infer_end_to_end_on_a_language_model(tmp_path: Path) -> None:
     assert [g["mode"] for g in report["generation"]] == ["eager", "compile"]
     manifest = json.loads((tmp_path / "best" / "manifest.json").read_text())
     assert (manifest["backend"], manifest["batch"]) == (report["pick"]["backend"], report["pick"]["batch"])
+    assert report["saved_fixed_batch"] is None  # eager and compile take any batch, and GPT-2 exports for any
     assert "redline infer report" in (tmp_path / "report.html").read_text()
     again = run_cli(  # an artifact folder is replaced by the next run
         "infer", "-m", str(tmp_path / "config.json"), "--seq-len", "16", "--batch", "1", "--backends", "eager",

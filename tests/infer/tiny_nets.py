@@ -22,3 +22,19 @@ def strings() -> tuple[nn.Module, tuple[int, ...]]:
             return "not a tensor"
 
     return Words(), (4,)
+
+
+def pinned_batch() -> tuple[nn.Module, tuple[int, ...]]:
+    """The classifier plus a bias per row of a batch of 2: it runs at batch 2 only, and cannot be exported for
+    any other."""
+
+    class PerRow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, _ = classifier()
+            self.bias = nn.Parameter(torch.zeros(2, 10))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + self.bias
+
+    return PerRow(), (16,)

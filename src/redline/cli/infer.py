@@ -229,6 +229,7 @@ def _list(device: str, precision: str, json_output: bool) -> None:
 def _to_json(name: str, settings: Any, rows: list[Row], best: Row | None, generated: list, saved: Path | None) -> dict:
     import dataclasses
 
+    from redline.infer.artifact import read_manifest
     from redline.infer.measure import speedups
 
     ratios = speedups(rows)
@@ -249,6 +250,8 @@ def _to_json(name: str, settings: Any, rows: list[Row], best: Row | None, genera
         "pick": None if best is None else {"backend": best.backend, "batch": best.batch},
         "generation": [dataclasses.asdict(g) for g in generated],
         "saved": str(saved) if saved else None,
+        # why the saved exported graph takes its batch size only; None: it takes any (or nothing was saved)
+        "saved_fixed_batch": read_manifest(saved)["fixed_batch"] if saved else None,
     }
 
 
@@ -265,4 +268,10 @@ def _print(name: str, settings: Any, rows: list[Row], best: Row | None, generate
                 ui.console.print(ui.dim(f"  generation, {g.mode}: {g.note}"))
     ui.console.print(verdict(rows, best, settings))
     if saved is not None:
-        ui.console.print(f"saved to {saved}: redline.infer.load('{saved}') serves it")
+        from redline.infer.artifact import read_manifest
+
+        manifest = read_manifest(saved)
+        batches = "any batch size" if manifest["fixed_batch"] is None else f"batches of {manifest['batch']} only"
+        ui.console.print(f"saved to {saved}: redline.infer.load('{saved}') serves it, {batches}")
+        if manifest["fixed_batch"] is not None:
+            ui.console.print(ui.dim(f"  {manifest['fixed_batch']}"))

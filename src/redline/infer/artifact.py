@@ -8,7 +8,12 @@
                       past 2 GB); loads with no model code
       check.pt        one input batch and the output it gave when picked: ``Served.verify()`` compares
 
-The exported kinds have static shapes: they take the batch size they were picked at. The others take any.
+The exported graphs were measured with static shapes; the artifact exports the picked one again with its batch
+dimension free and keeps that graph when it gives eager's outputs at the picked batch and at another (a model
+whose code pins the batch size cannot be exported so): the artifact then takes any batch size, as the
+non-exported kinds do. Otherwise it keeps the measured graph, which takes the picked batch size only, and the
+manifest says why (``fixed_batch``). ONNX Runtime's TensorRT provider keeps its static graph: it builds an engine
+per input shape.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +31,14 @@ from redline import __version__
 from redline.errors import BadInput
 from redline.infer.backends import BACKENDS, Build, Runner, cast, cast_input, onnx_runner, session_providers
 from redline.infer.measure import TOLERANCES, Parity, Row, compare
-from redline.infer.models import Subject, rebuild
+from redline.infer.models import Subject, first_line, rebuild
 
 FORMAT = "redline-infer/1"
 MANIFEST = "manifest.json"
 CHECK_ROWS = 16
 FILES = ("weights.pt", "check.pt")
 EXPORTED = frozenset({"export-aoti", "onnxruntime", "onnxruntime-trt"})  # a graph that loads without model code
+ANY_BATCH = frozenset({"export-aoti", "onnxruntime"})  # exported again, for any batch size, when saved
 
 
 def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
@@ -42,13 +49,15 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     _remove_earlier(folder)
     files = list(FILES)
-    model_file = None
+    model_file, fixed = None, None
     if row.backend in EXPORTED:
-        source = next(p for p in row.files if p.suffix in (".pt2", ".onnx"))
-        # the graph and what it names beside it (an ONNX model past 2 GB keeps its weights in ``<name>.data``)
-        for part in sorted(source.parent.glob(source.name + "*")):
-            shutil.copyfile(part, folder / part.name)
-            files.append(part.name)
+        with tempfile.TemporaryDirectory(prefix="redline-infer-") as workdir:
+            source, fixed = _export_any_batch(subject, row, device, Path(workdir))
+            source = source or next(p for p in row.files if p.suffix in (".pt2", ".onnx"))
+            # the graph and what it names beside it (an ONNX model past 2 GB keeps its weights in ``<name>.data``)
+            for part in sorted(source.parent.glob(source.name + "*")):
+                shutil.copyfile(part, folder / part.name)
+                files.append(part.name)
         model_file = source.name
     torch.save(subject.served.inner.state_dict(), folder / "weights.pt")
     x = subject.example(row.batch, seed=1)
@@ -68,6 +77,7 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
         "files": files,
         "precision": row.precision,
         "batch": row.batch,
+        "fixed_batch": fixed,  # why the exported graph takes ``batch`` only; None: any batch size
         "device": device,
         "picked_on": {
             "p50_ms": row.p50_ms,
@@ -78,6 +88,34 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return folder
+
+
+def _export_any_batch(subject: Subject, row: Row, device: str, workdir: Path) -> tuple[Path | None, str | None]:
+    """``row``'s exported backend built again with the batch dimension free, in ``workdir``, and checked against
+    eager fp32 at the picked batch and at one other, at the precision's tolerance: (its graph, None), or (None,
+    why the measured static graph stays)."""
+    if row.backend not in ANY_BATCH:
+        return None, "ONNX Runtime's TensorRT provider builds an engine per input shape: the measured one is kept"
+    tolerance = TOLERANCES[row.precision]
+    module = cast(subject.served, row.precision, device)
+    example = cast_input(subject.example(max(2, row.batch)).to(device), row.precision)  # export pins a size of 1
+    try:
+        build = Build(module, subject.served, example, row.precision, device, workdir, any_batch=True)
+        runner = BACKENDS[row.backend].build(build)
+    except Exception as exc:  # a model whose code pins the batch size (a branch on it, a parameter per row)
+        return None, f"it does not export for any batch size: {type(exc).__name__}: {first_line(exc)}"
+    for size in (row.batch, 1 if row.batch > 1 else 3):
+        x = subject.example(size, seed=2)
+        with torch.inference_mode():
+            expected = subject.served.to("cpu")(x)
+        try:  # an exporter may pin the dimension where the code does, and say nothing
+            served = check_rows(runner(cast_input(x.to(device), row.precision)))
+        except Exception as exc:
+            return None, f"exported for any batch size, it fails at batch {size}: {first_line(exc)}"
+        parity = compare(served, check_rows(expected), subject.kind in ("classifier", "lm"), tolerance)
+        if not parity.passes(tolerance):
+            return None, f"exported for any batch size, it differs from eager at batch {size}: {parity.describe()}"
+    return next(p for p in runner.files if p.suffix in (".pt2", ".onnx")), None
 
 
 def check_folder(folder: Path) -> None:
@@ -118,8 +156,11 @@ class Artifact:
 
     @property
     def batch(self) -> int | None:
-        """The one batch size it takes (exported graphs), None where any will do."""
-        return self.manifest["batch"] if self.manifest["backend"] in EXPORTED else None
+        """The one batch size it takes (an exported graph that could not be saved for any), None where any will
+        do."""
+        fixed = self.manifest.get("fixed_batch", "saved by an earlier redline")  # which saved every graph static
+        fixed = self.manifest["backend"] in EXPORTED and fixed is not None
+        return self.manifest["batch"] if fixed else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch is not None and x.shape[0] != self.batch:
@@ -135,15 +176,21 @@ class Artifact:
         return parity.passes(tolerance), parity
 
 
-def load(path: str | Path, device: str | None = None) -> Artifact:
-    """An artifact ``redline infer -o`` wrote, ready to call. ``device`` defaults to the one it was picked on."""
-    folder = Path(path).expanduser()
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The artifact's manifest (BadInput where ``folder`` holds none this redline reads)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise BadInput(f"{folder}: not a redline inference artifact ({exc})") from None
     if manifest.get("format") != FORMAT:
         raise BadInput(f"{folder}: artifact format {manifest.get('format')!r}, this redline reads {FORMAT}")
+    return manifest
+
+
+def load(path: str | Path, device: str | None = None) -> Artifact:
+    """An artifact ``redline infer -o`` wrote, ready to call. ``device`` defaults to the one it was picked on."""
+    folder = Path(path).expanduser()
+    manifest = read_manifest(folder)
     device = device or manifest["device"]
     backend, precision = manifest["backend"], manifest["precision"]
     classes = manifest["kind"] in ("classifier", "lm")

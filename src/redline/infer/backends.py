@@ -10,7 +10,8 @@ Precision is applied before a backend sees the module (``cast``): bf16/fp16 conv
 inputs); int8 swaps ``nn.Linear`` for dynamically quantised ones (int8 weights, activations quantised per call)
 with torch's ``quantize_dynamic`` for the PyTorch backends, and with ONNX Runtime's own ``quantize_dynamic`` on the
 exported graph for ONNX Runtime. The shapes are static: each batch size is built (exported, compiled) anew, and
-that build is the cold start a server pays for it.
+that build is the cold start a server pays for it. The exported graphs can also be built for any batch size
+(``Build.any_batch``): how an artifact saves them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class Build:
     precision: str
     device: str
     workdir: Path  # where an export writes its files (kept when the backend is picked)
+    any_batch: bool = False  # exported graphs: the batch dimension free (from 1), not the example's size
+
+
+def batch_free(build: Build) -> tuple[dict[int, torch.export.Dim], ...] | None:
+    """torch.export's ``dynamic_shapes`` for the one input: its first dimension any size from 1, or None (every
+    size as the example's). The example itself must have 2 or more rows: export pins a dimension of size 0 or 1."""
+    return ({0: torch.export.Dim("batch", min=1)},) if build.any_batch else None
 
 
 class Runner:
@@ -121,7 +129,7 @@ def _aoti(build: Build) -> Runner:
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
     with torch.inference_mode(False), torch.no_grad():
-        program = torch.export.export(build.module, (build.example,), strict=False)
+        program = torch.export.export(build.module, (build.example,), strict=False, dynamic_shapes=batch_free(build))
     path = aoti_compile_and_package(program, package_path=str(build.workdir / "model.pt2"))
     return Runner(aoti_load_package(path), (Path(path),))
 
@@ -143,12 +151,19 @@ def _onnx_absent(device: str, precision: str, provider: str = "CPUExecutionProvi
     return None
 
 
-def onnx_export(module: nn.Module, example: torch.Tensor, path: Path) -> Path:
-    """The module as an ONNX graph at ``path`` (torch.export's exporter, with ONNX Script's optimiser)."""
+def onnx_export(module: nn.Module, example: torch.Tensor, path: Path, dynamic_shapes: tuple | None = None) -> Path:
+    """The module as an ONNX graph at ``path`` (torch.export's exporter, with ONNX Script's optimiser);
+    ``dynamic_shapes`` as torch.export takes them (``batch_free``)."""
     # the exporter reports its stages on stdout, which is the CLI's (and --json's): kept off it
     with torch.inference_mode(False), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
         program = torch.onnx.export(
-            module, (example,), dynamo=True, input_names=["x"], output_names=["y"], verbose=False
+            module,
+            (example,),
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            input_names=["x"],
+            output_names=["y"],
+            verbose=False,
         )
     program.save(str(path))
     return path
@@ -158,7 +173,7 @@ def _onnxruntime(provider: str | None) -> Callable[[Build], Runner]:
     def build_session(build: Build) -> Runner:
         # ONNX Runtime quantises its own graph: at int8 the fp32 module is exported, then quantised
         module = build.float_module if build.precision == "int8" else build.module
-        path = onnx_export(module, build.example, build.workdir / "model.onnx")
+        path = onnx_export(module, build.example, build.workdir / "model.onnx", batch_free(build))
         if build.precision == "int8":
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
