@@ -175,7 +175,8 @@ def test_the_saved_artifact_reloads_in_a_fresh_process_and_matches(nets: None, t
     row = next(r for r in rows if r.backend == backend)
     assert row.status == "ok", row.note
     folder = artifact.save(tmp_path / "best", subject, row, "cpu")
-    x = subject.example(2, seed=7)
+    assert artifact.read_manifest(folder)["fixed_batch"] is None  # ONNX Runtime's graph exported for any batch
+    x = subject.example(3, seed=7)  # picked at batch 2
     torch.save(x, tmp_path / "x.pt")
     done = _python(
         """
@@ -241,12 +242,37 @@ def test_a_model_that_pins_its_batch_is_saved_for_that_batch_and_says_why(nets: 
     row = next(r for r in rows if r.backend == "onnxruntime")
     assert row.status == "ok", row.note
     folder = artifact.save(tmp_path / "best", subject, row, "cpu")
-    why = artifact.read_manifest(folder)["fixed_batch"]  # the exporter pins the batch at 2 and does not say so
-    assert why.startswith("exported for any batch size, it fails at batch 1: ") and "invalid dimensions" in why
+    assert artifact.read_manifest(folder)["fixed_batch"].startswith("it does not export for any batch size: ")
     served = artifact.load(folder)
     assert served.batch == 2 and served.verify()[0]
     with pytest.raises(ValueError, match="this onnxruntime artifact takes batches of 2, not 3"):
         served(torch.zeros(3, 16))
+
+
+def test_a_graph_for_any_batch_that_is_wrong_at_another_batch_is_not_saved(
+    nets: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exported backend whose any-batch graph is right at the picked batch and wrong at batch 1: the measured
+    static graph is saved instead, and the manifest says why. An artifact saved before graphs were exported for
+    any batch (no ``fixed_batch`` in its manifest) takes its batch only."""
+    subject = load_subject("tiny_nets:classifier")
+
+    def build(spec: backends.Build) -> Runner:
+        assert spec.any_batch and spec.example.shape[0] == 2
+        graph = spec.workdir / "model.onnx"
+        graph.write_bytes(b"any batch")
+        return Runner(lambda x: spec.module(x) * (1.0 if x.shape[0] == 2 else 2.0), (graph,))
+
+    monkeypatch.setitem(backends.BACKENDS, "onnxruntime", Backend("onnxruntime", "wrong at other sizes", build))
+    (tmp_path / "static").mkdir()
+    (tmp_path / "static" / "model.onnx").write_bytes(b"static")
+    row = Row("onnxruntime", 2, "fp32", "ok", files=(tmp_path / "static" / "model.onnx",))
+    folder = artifact.save(tmp_path / "best", subject, row, "cpu")
+    manifest = artifact.read_manifest(folder)
+    assert manifest["fixed_batch"].startswith("exported for any batch size, it differs from eager at batch 1: ")
+    assert (folder / "model.onnx").read_bytes() == b"static"
+    del manifest["fixed_batch"]
+    assert artifact.Artifact(folder, manifest, Runner(lambda x: x), "cpu", classes=True).batch == 2
 
 
 def test_saving_refuses_a_folder_that_holds_other_files(nets: None, tmp_path: Path) -> None:

@@ -153,17 +153,17 @@ def _onnx_absent(device: str, precision: str, provider: str = "CPUExecutionProvi
 
 def onnx_export(module: nn.Module, example: torch.Tensor, path: Path, dynamic_shapes: tuple | None = None) -> Path:
     """The module as an ONNX graph at ``path`` (torch.export's exporter, with ONNX Script's optimiser);
-    ``dynamic_shapes`` as torch.export takes them (``batch_free``)."""
+    ``dynamic_shapes`` as torch.export takes them (``batch_free``). Those go through ``torch.export`` first, which
+    raises where the code pins a free dimension: the ONNX exporter would export again with the dimension narrowed
+    or pinned, say nothing, and leave it free in the graph, where ONNX Runtime would run sizes outside the range
+    the graph is right for."""
     # the exporter reports its stages on stdout, which is the CLI's (and --json's): kept off it
     with torch.inference_mode(False), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        model: nn.Module | torch.export.ExportedProgram = module
+        if dynamic_shapes is not None:
+            model = torch.export.export(module, (example,), strict=False, dynamic_shapes=dynamic_shapes)
         program = torch.onnx.export(
-            module,
-            (example,),
-            dynamo=True,
-            dynamic_shapes=dynamic_shapes,
-            input_names=["x"],
-            output_names=["y"],
-            verbose=False,
+            model, (example,), dynamo=True, input_names=["x"], output_names=["y"], verbose=False
         )
     program.save(str(path))
     return path

@@ -208,7 +208,7 @@ def measure(
         # compile is its own, and the compiled runners of one batch size live together through its rounds
         torch.compiler.reset()
         x = subject.example(batch).to(settings.device)
-        reference = _reference(subject, x)
+        reference = eager_reference(subject, x)
         built: list[tuple[Row, Runner, torch.Tensor]] = []
         for backend, precision in runnable:
             progress(f"{backend.name} at batch {batch}")
@@ -228,7 +228,7 @@ def measure(
     return sorted(rows, key=lambda r: (settings.batches.index(r.batch), order.index(r.backend)))
 
 
-def _reference(subject: Subject, x: torch.Tensor) -> torch.Tensor:
+def eager_reference(subject: Subject, x: torch.Tensor) -> torch.Tensor:
     """Eager fp32's output, every backend's yardstick; a model that cannot run this input is the user's to fix."""
     try:
         with torch.inference_mode(), _full_fp32():
