@@ -16,18 +16,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from infer_backends import SEQ_LEN, add_timing_arguments, say  # this folder is on the path
 
 from redline.infer.backends import BACKENDS, Backend, Build, Runner
 from redline.infer.measure import Settings, measure
 from redline.infer.models import load_subject
 
 EXPORTED = ("onnxruntime", "export-aoti")
-SEQ_LEN = 128
 
 
 def any_batch(backend: Backend) -> Backend:
@@ -49,7 +48,7 @@ def run_model(name: str, batches: tuple[int, ...], iters: int, min_s: float) -> 
         backends += [BACKENDS[exported], any_batch(BACKENDS[exported])]
     settings = Settings(batches, iters=iters, min_s=min_s)
     with tempfile.TemporaryDirectory(prefix="redline-any-batch-") as workdir:
-        rows = measure(subject, backends, settings, Path(workdir), lambda what: _say(name, what))
+        rows = measure(subject, backends, settings, Path(workdir), lambda what: say(name, what))
     by = {(r.backend, r.batch): r for r in rows}
     out = []
     for batch in batches:
@@ -74,16 +73,9 @@ def run_model(name: str, batches: tuple[int, ...], iters: int, min_s: float) -> 
     return out
 
 
-def _say(model: str, what: str) -> None:
-    print(f"  {model}: {what}", file=sys.stderr, flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="resnet50,bert-base,gpt2")
-    parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--iters", type=int, default=10, help="timed calls per backend and batch, at least")
-    parser.add_argument("--min-s", type=float, default=2.0, help="seconds of timed calls per backend, at least")
+    add_timing_arguments(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))

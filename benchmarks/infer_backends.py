@@ -48,7 +48,7 @@ def run_model(
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="redline-infer-bench-") as workdir:
         chosen = selected(backends, device)
-        rows = measure(subject, chosen, settings, Path(workdir), lambda what: _say(name, what))
+        rows = measure(subject, chosen, settings, Path(workdir), lambda what: say(name, what))
     ratios = speedups(rows)
     result = {
         "model": name,
@@ -71,13 +71,13 @@ def run_model(
         ],
     }
     if subject.kind == "lm":
-        _say(name, f"generation, {NEW_TOKENS} new tokens")
+        say(name, f"generation, {NEW_TOKENS} new tokens")
         prompt = SEQ_LEN - NEW_TOKENS
         result["generation"] = [dataclasses.asdict(g) for g in generation(subject, 1, prompt, NEW_TOKENS, device)[0]]
     return result
 
 
-def _say(model: str, what: str) -> None:
+def say(model: str, what: str) -> None:
     print(f"  {model}: {what}", file=sys.stderr, flush=True)
 
 
@@ -101,12 +101,17 @@ def summary(results: list[dict], backends: list[str]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options the inference benchmarks share: the models, the batch sizes, how long each is timed."""
     parser.add_argument("--models", default="resnet50,bert-base,gpt2")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--iters", type=int, default=10, help="timed calls per backend and batch, at least")
     parser.add_argument("--min-s", type=float, default=2.0, help="seconds of timed calls per backend, at least")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_timing_arguments(parser)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument(
         "--backends",
