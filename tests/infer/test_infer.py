@@ -273,6 +273,11 @@ def test_a_graph_for_any_batch_that_is_wrong_at_another_batch_is_not_saved(
     assert (folder / "model.onnx").read_bytes() == b"static"
     del manifest["fixed_batch"]
     assert artifact.Artifact(folder, manifest, Runner(lambda x: x), "cpu", classes=True).batch == 2
+    # Torch-TensorRT is rebuilt on load for the picked batch: it says so, and takes that batch only
+    folder = artifact.save(tmp_path / "trt", subject, Row("tensorrt", 4, "fp32", "ok"), "cpu")
+    manifest = artifact.read_manifest(folder)
+    assert manifest["fixed_batch"].startswith("Torch-TensorRT's engines are built for one input shape")
+    assert artifact.Artifact(folder, manifest, Runner(lambda x: x), "cpu", classes=True).batch == 4
 
 
 def test_saving_refuses_a_folder_that_holds_other_files(nets: None, tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ The exported graphs were measured with static shapes; the artifact exports the p
 dimension free and keeps that graph when it gives eager's outputs at the picked batch and at another (a model
 whose code pins the batch size cannot be exported so): the artifact then takes any batch size, as the
 non-exported kinds do. Otherwise it keeps the measured graph, which takes the picked batch size only, and the
-manifest says why (``fixed_batch``). ONNX Runtime's TensorRT provider keeps its static graph: it builds an engine
-per input shape.
+manifest says why (``fixed_batch``). ONNX Runtime's TensorRT provider keeps its static graph (it builds an engine
+per input shape), and Torch-TensorRT, rebuilt from the weights on load, builds its engines for the picked batch.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ MANIFEST = "manifest.json"
 CHECK_ROWS = 16
 FILES = ("weights.pt", "check.pt")
 EXPORTED = frozenset({"export-aoti", "onnxruntime", "onnxruntime-trt"})  # a graph that loads without model code
+ONE_SHAPE = EXPORTED | {"tensorrt"}  # kinds that may take the picked batch size only (``fixed_batch`` says)
 ANY_BATCH = frozenset({"export-aoti", "onnxruntime"})  # exported again, for any batch size, when saved
 
 
@@ -50,6 +51,8 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     _remove_earlier(folder)
     files = list(FILES)
     model_file, fixed = None, None
+    if row.backend == "tensorrt":
+        fixed = "Torch-TensorRT's engines are built for one input shape: on load, for the picked batch"
     if row.backend in EXPORTED:
         with tempfile.TemporaryDirectory(prefix="redline-infer-") as workdir:
             source, fixed = _export_any_batch(subject, row, device, Path(workdir))
@@ -77,7 +80,7 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
         "files": files,
         "precision": row.precision,
         "batch": row.batch,
-        "fixed_batch": fixed,  # why the exported graph takes ``batch`` only; None: any batch size
+        "fixed_batch": fixed,  # why it takes ``batch`` only; None: any batch size
         "device": device,
         "picked_on": {
             "p50_ms": row.p50_ms,
@@ -158,7 +161,7 @@ class Artifact:
         """The one batch size it takes (an exported graph that could not be saved for any), None where any will
         do."""
         why = self.manifest.get("fixed_batch", "saved by an earlier redline")  # which saved every graph static
-        return self.manifest["batch"] if self.manifest["backend"] in EXPORTED and why is not None else None
+        return self.manifest["batch"] if self.manifest["backend"] in ONE_SHAPE and why is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch is not None and x.shape[0] != self.batch:
