@@ -158,8 +158,8 @@ class Artifact:
 
     @property
     def batch(self) -> int | None:
-        """The one batch size it takes (an exported graph that could not be saved for any), None where any will
-        do."""
+        """The one batch size it takes (a graph or engine built for that batch only: ``fixed_batch`` says why),
+        None where any will do."""
         why = self.manifest.get("fixed_batch", "saved by an earlier redline")  # which saved every graph static
         return self.manifest["batch"] if self.manifest["backend"] in ONE_SHAPE and why is not None else None
 
