@@ -20,7 +20,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from tune_vs_grid import TARGETS, side_by_side  # as the grid benchmark runs them (this script's folder is on the path)
+# the targets and their trials as the grid benchmark runs them (this script's folder is on the path)
+from tune_vs_grid import TARGETS, add_trial_arguments, parse_trial_arguments, side_by_side
 
 from redline.errors import BadInput
 from redline.tune.search import spread
@@ -47,13 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="hf-gpt2", choices=sorted(TARGETS))
     parser.add_argument("--configs", default="precision=bf16,num_workers=1,mb=8")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--trial-steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    if args.rounds < 1 or args.trial_steps < 1 or args.warmup < 0:
-        parser.error("--rounds and --trial-steps must be at least 1, --warmup at least 0")
+    add_trial_arguments(parser, trial_steps=12, rounds=4)
+    args = parse_trial_arguments(parser)
     script, script_args, _ = TARGETS[args.target]
     batch = int(script_args[script_args.index("--batch") + 1])
     machine = Machine.here(1)

@@ -147,16 +147,27 @@ def bench(name: str, workdir: Path, *, steps: int, warmup: int, rounds: int) -> 
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--targets", default=",".join(TARGETS))
-    parser.add_argument("--trial-steps", type=int, default=4)
+def add_trial_arguments(parser: argparse.ArgumentParser, *, trial_steps: int, rounds: int) -> None:
+    """The options the tune benchmarks share: each trial's measured and warm-up steps, the side-by-side rounds."""
+    parser.add_argument("--trial-steps", type=int, default=trial_steps)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--json", action="store_true")
+
+
+def parse_trial_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s arguments, the trial options checked (a usage error where one is out of range)."""
     args = parser.parse_args()
     if args.trial_steps < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--trial-steps and --rounds must be at least 1, --warmup at least 0")
+    return args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    add_trial_arguments(parser, trial_steps=4, rounds=3)
+    args = parse_trial_arguments(parser)
     unknown = set(args.targets.split(",")) - set(TARGETS)
     if unknown:
         parser.error(f"unknown target {', '.join(sorted(unknown))}; known: {', '.join(TARGETS)}")
