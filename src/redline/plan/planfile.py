@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from redline.errors import BadInput, read_user_file
+from redline.errors import BadInput
+from redline.files import read_user_file
 from redline.plan.estimate import Estimate, Goal
 from redline.plan.hardware import Cluster
 from redline.plan.memory import pipeline_stages

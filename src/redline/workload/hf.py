@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from redline.errors import BadInput, read_user_file
+from redline.errors import BadInput
+from redline.files import read_user_file
 from redline.workload.profile import TransformerShape
 
 # past this many positions (Llama 3.1 declares 131072) the default training length is capped; --seq-len wins
