@@ -12,6 +12,9 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
+# fixtures of their own modules: a queue folder per test (``queue``), a second Unix user (``other_user``)
+pytest_plugins = ("queue_daemons", "unix_users")
+
 
 def _no_gpu_reason() -> str | None:
     """Why the tests marked ``gpu`` cannot run here; None on a machine with an NVIDIA GPU PyTorch can use."""

@@ -3,7 +3,6 @@ by the test with its options), jobs that are real processes, `redline` commands 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -11,94 +10,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
+import unix_users
 from conftest import run_cli
 from prometheus_server import start_prometheus, stop
-from redline.errors import BadInput
-from redline.queue.client import QueueUnavailable, request
+from queue_daemons import alive, jobs, start_daemon, stop_daemon, submit, until, wait_for
+from redline.queue.client import request
 from redline.queue.spec import JobSpec
-
-WAIT_S = 180.0  # a hang guard only: every wait below ends as soon as the jobs reach their states
-
-
-@pytest.fixture
-def queue(tmp_path: Path):
-    """A queue directory of the test's own; whatever daemon and jobs the test started are stopped after."""
-    directory = tmp_path / "q"
-    yield {"REDLINE_QUEUE_DIR": str(directory)}
-    stop_daemon(directory)
-    for pid_file in directory.glob("jobs/*/*/pid.json"):
-        for key in ("pid", "shim"):
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.killpg(json.loads(pid_file.read_text())[key], signal.SIGKILL)
-    # anything else of this queue's still running (a daemon a failed test left, a shim that had not written its
-    # pid): its command line names the directory
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            if entry.name.isdigit() and str(directory).encode() in (entry / "cmdline").read_bytes():
-                os.kill(int(entry.name), signal.SIGKILL)
-
-
-def stop_daemon(directory: Path) -> None:
-    try:
-        pid = int((directory / "daemon.lock").read_text().strip())
-        os.kill(pid, signal.SIGTERM)
-    except (OSError, ValueError):
-        return
-    wait_for(lambda: not alive(pid), "the daemon's end")
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs: not gone, and not a zombie waiting for its parent (this test, or init) to reap it."""
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def start_daemon(directory: Path, *options: str) -> subprocess.Popen:
-    """The daemon started as the systemd unit starts it, with ``options``; returns once it answers."""
-    directory.mkdir(parents=True, exist_ok=True)
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "redline", "queue", "daemon", "--dir", str(directory), *options],
-        stdout=subprocess.DEVNULL,
-        stderr=open(directory / "daemon.log", "ab"),  # noqa: SIM115 (the child keeps it)
-    )
-    wait_for(lambda: (directory / "queue.sock").exists() and request({"op": "status"}, directory, start=False))
-    return daemon
-
-
-def wait_for(condition, what: str = "the queue"):
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        try:
-            result = condition()
-        except (FileNotFoundError, ConnectionRefusedError, QueueUnavailable):
-            result = None
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not get there in {WAIT_S} s")
-
-
-def jobs(env: dict[str, str]) -> dict[int, dict]:
-    return {j["id"]: j for j in request({"op": "jobs", "all": True}, Path(env["REDLINE_QUEUE_DIR"]))["jobs"]}
-
-
-def until(env: dict[str, str], job: int, *states: str) -> dict:
-    return wait_for(lambda: (j := jobs(env)[job])["state"] in states and j, f"job {job} in {states}")
-
-
-def submit(env: dict[str, str], *args: str) -> int:
-    result = run_cli("submit", "--json", *args, env=env)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["id"]
 
 
 def test_jobs_run_in_order_with_their_logs_states_and_dependencies(tmp_path: Path, queue: dict[str, str]) -> None:
@@ -217,42 +138,13 @@ def test_bad_input_is_one_line(queue: dict[str, str]) -> None:
         assert message in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
 
 
-OTHER = "redline-qtest"
-
-
-@pytest.fixture
-def other_user():
-    """A second Unix user (made for the test, removed after): its uid."""
-    import pwd
-
-    made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], capture_output=True)
-    if made.returncode not in (0, 9):  # 9: it exists (a test run killed before its cleanup)
-        pytest.skip(f"cannot make a second user: {made.stderr.decode().strip()}")
-    yield pwd.getpwnam(OTHER).pw_uid
-    subprocess.run(["userdel", OTHER], capture_output=True)
-
-
 def as_user(uid: int, payload: dict, directory: Path) -> dict:
-    """``payload`` sent to the daemon by a process running as ``uid`` (forked, then setuid: the kernel reports
-    that uid to the daemon); its answer, or {"error": the one line} when it refused."""
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover (runs in the child)
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                answer = request(payload, directory, start=False)
-            except BadInput as exc:
-                answer = {"error": str(exc)}
-            os.write(write, json.dumps(answer).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        answer = json.loads(pipe.read())
-    os.waitpid(child, 0)
-    return answer
+    """``payload`` sent to the daemon by a process running as ``uid``: its answer, or {"error": the one line}."""
+    try:
+        return unix_users.as_user(uid, lambda: request(payload, directory, start=False))
+    except unix_users.Refused as exc:
+        assert exc.kind == "BadInput", exc
+        return {"error": exc.message}
 
 
 def test_users_change_and_read_only_their_own_jobs(queue: dict[str, str], other_user: int) -> None:

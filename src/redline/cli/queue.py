@@ -76,6 +76,7 @@ def submit(
         time_limit_s=limit,
         cwd=os.getcwd(),
         env=dict(os.environ),
+        umask=_umask(),
         plan=str(plan.resolve()) if plan is not None else None,
         nodes=nodes,
         queue=queue,
@@ -249,34 +250,40 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing as the job writes, until it ends."),
 ) -> None:
     """A job's output (its stdout and stderr, every attempt)."""
-    import sys
-
-    from redline.queue.client import request
+    from redline.queue.client import open_log
+    from redline.queue.spec import LIVE
 
     if not job.isdigit():
         raise BadInput(f"a job id is a number, not {job!r}")
-    answer = request({"op": "log", "id": job}, start=False)
-    path = Path(answer["path"])
-    try:
-        with open(path, "rb") as log:
-            while True:
-                chunk = log.read(1 << 16)
-                if chunk:
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.buffer.flush()
-                    continue
-                if not follow or request({"op": "log", "id": job}, start=False)["state"] not in (
-                    "queued",
-                    "held",
-                    "starting",
-                    "running",
-                ):
-                    if follow:  # what it wrote between the last read and its end
-                        sys.stdout.buffer.write(log.read())
-                    return
-                time.sleep(0.25)
-    except PermissionError:
-        raise BadInput(f"{path}: not readable by you (job {job} is another user's)") from None
+    answer, fd = open_log(job)
+    while fd is None:  # not started yet: nothing written
+        if not follow or answer["state"] not in LIVE:
+            ui.warn(f"job {job} is {answer['state']} and has written nothing")
+            return
+        time.sleep(0.25)
+        answer, fd = open_log(job)
+    with open(fd, "rb") as log:
+        _copy_log(job, log, follow)
+
+
+def _copy_log(job: str, log: Any, follow: bool) -> None:
+    """The log's bytes to stdout as they come; with ``follow``, until the job has ended."""
+    import sys
+
+    from redline.queue.client import request
+    from redline.queue.spec import LIVE
+
+    while True:
+        chunk = log.read(1 << 16)
+        if chunk:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            continue
+        if not follow or request({"op": "job", "id": job}, start=False)["job"]["state"] not in LIVE:
+            if follow:  # what it wrote between the last read and its end
+                sys.stdout.buffer.write(log.read())
+            return
+        time.sleep(0.25)
 
 
 @app.command("status")
@@ -352,6 +359,8 @@ Restart=on-failure
 # a stop or restart of the daemon leaves its jobs running: the next daemon adopts them
 KillMode=process
 StateDirectory=redline/queue
+# users reach the socket in it and list nothing; what is inside is private (the daemon makes it so)
+StateDirectoryMode=0711
 
 [Install]
 WantedBy=multi-user.target
@@ -365,6 +374,13 @@ def unit() -> None:
     import sys
 
     typer.echo(UNIT.format(python=sys.executable), nl=False)
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _option(parse: Any, option: str, text: str | None) -> Any:

@@ -2,7 +2,8 @@
 
 The directory: ``$REDLINE_QUEUE_DIR``; else the machine's queue (``/var/lib/redline/queue``, run by root, by
 the shipped systemd unit or by root's first use) where it answers; else the user's own under the data
-directory, which the first request starts.
+directory, which the first request starts. A daemon that does not answer within ``CLIENT_WAIT_S`` is said to
+be stuck, in one line, rather than waited on for good.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from redline.errors import BadInput, RedlineError
+from redline.errors import RedlineError
+from redline.queue.protocol import CLIENT_WAIT_S, MAX_ANSWER_BYTES, Op, check_answer, request_line
 
 DIR_ENV = "REDLINE_QUEUE_DIR"
 MACHINE_DIR = Path("/var/lib/redline/queue")
@@ -37,8 +39,26 @@ def queue_dir() -> Path:
 
 
 def request(payload: dict[str, Any], directory: Path | None = None, *, start: bool = True) -> dict[str, Any]:
-    """The daemon's answer to ``payload``; BadInput with the daemon's one line when it refuses. Without a
-    daemon, one is started (``start``) where this user may run one."""
+    """The daemon's answer to ``payload`` (``{"op": ..., fields}``); BadInput with the daemon's one line when it
+    refuses. Without a daemon, one is started (``start``) where this user may run one. A descriptor the daemon
+    sends along (a log's) is closed: ``open_log`` keeps it."""
+    answer, fds = exchange(payload, directory, start=start)
+    for fd in fds:
+        os.close(fd)
+    return answer
+
+
+def open_log(job: str, directory: Path | None = None) -> tuple[dict[str, Any], int | None]:
+    """The daemon's answer about job ``job``'s log and the log's descriptor (None: nothing written yet)."""
+    answer, fds = exchange({"op": Op.LOG, "id": job}, directory, start=False)
+    for extra in fds[1:]:
+        os.close(extra)
+    return answer, fds[0] if fds else None
+
+
+def exchange(
+    payload: dict[str, Any], directory: Path | None = None, *, start: bool = True
+) -> tuple[dict[str, Any], list[int]]:
     directory = directory or queue_dir()
     try:
         return _ask(directory / "queue.sock", payload)
@@ -49,22 +69,53 @@ def request(payload: dict[str, Any], directory: Path | None = None, *, start: bo
     return _ask(directory / "queue.sock", payload)
 
 
-def _ask(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
+def _ask(path: Path, payload: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    fields = dict(payload)
+    line = request_line(Op(fields.pop("op")), **fields)
+    data, fds = bytearray(), []
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.connect(str(path))
-        sock.sendall(json.dumps(payload).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            data += chunk
+        sock.settimeout(CLIENT_WAIT_S)
+        try:
+            _connect(sock, path)
+            sock.sendall(line)
+            while not data.endswith(b"\n") and len(data) <= MAX_ANSWER_BYTES:
+                chunk, received, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+                fds += received
+                if not chunk:
+                    break
+                data += chunk
+        except TimeoutError:
+            _close(fds)
+            raise QueueUnavailable(
+                f"the queue daemon at {path.parent} did not answer within {CLIENT_WAIT_S:g} s: it is stuck or "
+                f"overloaded (its log: {path.parent / 'daemon.log'}, or `journalctl -u redline-queue`)"
+            ) from None
     if not data:
+        _close(fds)
         raise QueueUnavailable(f"the queue daemon at {path.parent} closed the connection without an answer")
-    answer = json.loads(data)
-    if not answer.pop("ok"):
-        raise BadInput(answer["error"])
-    return answer
+    try:
+        return check_answer(json.loads(data), str(path.parent)), fds
+    except BaseException:
+        _close(fds)
+        raise
+
+
+def _connect(sock: socket.socket, path: Path) -> None:
+    """Connect, waiting while the daemon's backlog is full (a unix socket with a timeout says EAGAIN then)."""
+    deadline = time.monotonic() + CLIENT_WAIT_S
+    while True:
+        try:
+            sock.connect(str(path))
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError from None
+            time.sleep(0.05)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def start_daemon(directory: Path) -> None:
@@ -74,8 +125,9 @@ def start_daemon(directory: Path) -> None:
         raise QueueUnavailable(
             f"the machine's queue at {directory} is not running: `systemctl start redline-queue` (as root)"
         )
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "daemon.log", "ab") as log:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log_fd = os.open(directory / "daemon.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with open(log_fd, "ab") as log:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "redline", "queue", "daemon", "--dir", str(directory)],
             stdin=subprocess.DEVNULL,
@@ -86,7 +138,7 @@ def start_daemon(directory: Path) -> None:
     deadline = time.monotonic() + START_WAIT_S
     while time.monotonic() < deadline:
         try:
-            _ask(directory / "queue.sock", {"op": "status"})
+            _ask(directory / "queue.sock", {"op": Op.STATUS})
             return
         except (FileNotFoundError, ConnectionRefusedError):
             if daemon.poll() not in (None, 0):

@@ -1,15 +1,22 @@
 """The queue's daemon: one per machine (or per user, where no machine-wide one runs), serving a unix socket.
 
-Clients send one JSON request per connection (``client.request``); the kernel tells the daemon who is asking
+Clients send one request per connection (``protocol``, ``server``); the kernel tells the daemon who is asking
 (SO_PEERCRED), and only a job's owner or root may cancel, hold or release it, or read its log (unless it was
 submitted with ``--share-logs``). A daemon run by root (the shipped systemd unit) runs each job as the user
 who submitted it; one run by a user serves that user only.
 
 Every moment of a job's life is in the store (``store.Store``) and in its attempt's directory
-(``jobs/<id>/<attempt>/``: run.json, lock, pid.json, exit.json, output.log), so the daemon can be killed with -9
-at any instant: the next one ``recover``s every job (running ones are adopted, queued ones stay queued), and
-none runs twice. See ``shim.py`` for the lock that makes "is this attempt still running" a question the kernel
-answers.
+(``jobs/<id>/<attempt>/``: run.json, lock, pid.json, exit.json), so the daemon can be killed with -9 at any
+instant: the next one ``recover``s every job (running ones are adopted, queued ones stay queued), and none runs
+twice. See ``shim.py`` for the lock that makes "is this attempt still running" a question the kernel answers,
+and ``layout.py`` for the folder and its modes: everything the daemon writes is private.
+
+Root acts as the user on the user's paths (OpenSSH's privilege separation): the job's folder is entered by the
+job's own process after it has become the user, and the one file a job leaves for the daemon (its out-of-memory
+record) is opened without following links or blocking, and only when it is the user's regular file.
+
+A full disk stops nothing that runs: submits are refused in one line, nothing new starts, and each state change
+is written once there is room again (the shims' records need none: ``shim.preallocate``).
 """
 
 from __future__ import annotations
@@ -21,34 +28,39 @@ import json
 import os
 import pwd
 import random
+import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from redline.errors import BadInput
+from redline.files import read_user_bytes
 from redline.lockfile import HeldElsewhere, WriterLock
+from redline.queue import layout
 from redline.queue.health import GpuHealth, new_xids, sampled_health
 from redline.queue.placement import Devices, Placement, Request, Reservation, Slot
 from redline.queue.policy import Limits, Running, Waiting, decide
-from redline.queue.spec import JobSpec
-from redline.queue.store import LIVE, Job, Store
+from redline.queue.protocol import Op
+from redline.queue.server import Answer, Server, say
+from redline.queue.shim import preallocate, read_record
+from redline.queue.spec import ACTIVE, FINAL_STATES, LIVE, JobSpec, JobState
+from redline.queue.store import Job, Store
 
 SHIM = Path(__file__).with_name("shim.py")
 TICK_S = 0.5  # how often the daemon looks at its jobs when nothing wakes it
 BACKOFF_S = 10.0  # a retry waits this, doubling per attempt (with jitter)
 MAX_BACKOFF_S = 300.0
-# a directory of the attempt's that its user may write: the runtime records there the smaller micro-batch it
-# chose after running out of memory (runtime.oom.OOM_RECORD), and the queue requeues the job
+# a folder of the attempt's that its user may write (in the spool): the runtime records there the smaller
+# micro-batch it chose after running out of memory (runtime.oom's QUEUE_RECORDS_ENV), and the queue requeues
 RECORDS_ENV = "REDLINE_QUEUE_RECORDS"
 OOM_RECORD = "oom.json"
+
+ENDED_BADLY = (JobState.FAILED, JobState.CANCELLED, JobState.LOST)
 
 GpuSource = Callable[[set[int]], list[Slot]]  # the devices now, the queue's own pids given
 
@@ -73,6 +85,7 @@ class Daemon:
     store: Store = field(init=False)
     _slots: dict[str, Slot] = field(default_factory=dict, init=False)  # the devices as last read
     wake: asyncio.Event | None = field(default=None, init=False)
+    full: bool = field(default=False, init=False)  # the disk was full at the last tick
 
     @property
     def socket_path(self) -> Path:
@@ -82,13 +95,20 @@ class Daemon:
 
     def serve(self) -> None:
         """Run until SIGTERM or SIGINT: one daemon per directory (a second one exits at once, said)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        os.umask(0o077)  # private unless said otherwise (layout.py)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             lock = WriterLock(self.directory / "daemon", what="queue daemon").acquire()
         except HeldElsewhere as exc:
             raise BadInput(f"a queue daemon already serves {self.directory} (pid {exc.holder})") from None
         try:
             self.store = Store(self.directory / "queue.db")
+            shared_logs = {j.key for j in self.store.jobs() if j.share_logs}
+            changed = layout.make_private(self.directory, shared_logs)
+            if changed:
+                say(f"made {changed} files and folders under {self.directory} private (the modes in layout.py)")
+            for folder in ("jobs", "spool"):
+                layout.make_folder(self.directory / folder, self.directory)
             if self.health is None:
                 self.health = sampled_health()
             self.recover()
@@ -101,20 +121,23 @@ class Daemon:
     async def _main(self) -> None:
         self.wake = asyncio.Event()
         self.socket_path.unlink(missing_ok=True)
-        server = await asyncio.start_unix_server(self._connection, path=str(self.socket_path))
+        server = Server(self.handle, self.wake.set)
+        server.start(str(self.socket_path))
         # root's queue is the machine's: every user may connect (the peer's uid decides what it may do)
-        os.chmod(self.socket_path, 0o666 if os.geteuid() == 0 else 0o600)
+        os.chmod(self.socket_path, 0o666 if layout.shared() else 0o600)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
-        async with server:
+        try:
             while not stopping.is_set():
-                self.tick()
+                self._tick_through_a_full_disk()
                 self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(_first(self.wake.wait(), stopping.wait()), TICK_S)
-        self.socket_path.unlink(missing_ok=True)
+        finally:
+            server.close()
+            self.socket_path.unlink(missing_ok=True)
 
     def _serve_metrics(self) -> None:
         """The queue's series on ``metrics_port``, on a thread of prometheus_client's; the port it bound is
@@ -137,17 +160,33 @@ class Daemon:
         when its shim still holds its attempt's lock, finished when its shim wrote how it ended, requeued when
         its shim never started (it did not run), and marked lost (retried if it may) when its shim is gone
         without a word: a reboot, or the shim killed."""
-        for job in self.store.jobs(("starting", "running")):
+        for job in self.store.jobs(ACTIVE):
             self._follow(job)
 
     # ------------------------------------------------------------------------------------------- the loop
+
+    def _tick_through_a_full_disk(self) -> None:
+        """``tick``, unless the queue's disk is full: then said once, and tried again at the next tick (what
+        runs goes on; each job's end is in its shim's record, which needs no room)."""
+        try:
+            self.tick()
+        except Exception as exc:
+            if not layout.disk_full(exc):
+                raise
+            if not self.full:
+                say(f"the disk of {self.directory} is full: nothing starts and no state is written until there is room")
+            self.full = True
+            return
+        if self.full:
+            say(f"the disk of {self.directory} has room again")
+        self.full = False
 
     def tick(self) -> None:
         """Reap the shims, follow the running jobs, settle dependencies, start what may start."""
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0] > 0:
                 pass
-        for job in self.store.jobs(("starting", "running")):
+        for job in self.store.jobs(ACTIVE):
             self._follow(job)
         self._settle_dependencies()
         if self.health is not None:
@@ -156,37 +195,62 @@ class Daemon:
 
     def _follow(self, job: Job) -> None:
         attempt = self._attempt_dir(job)
-        started = _read(attempt / "pid.json")
-        if started is not None and job.state == "starting":
-            self.store.update(job.id, state="running", started_at=started["started_at"])
-        ended = _read(attempt / "exit.json")
-        if ended is not None:
+        started = read_record(attempt / "pid.json")
+        if started is not None and job.state == JobState.STARTING:
+            self.store.update(job.id, state=JobState.RUNNING, started_at=started["started_at"])
+        ended = read_record(attempt / "exit.json")
+        if ended is not None:  # the shim's word on how it ended is final, whatever else is found
             self._finish(job, ended)
             return
         if _locked(attempt / "lock"):
             return
-        if started is None:  # the shim never started the job: it did not run, it waits again
-            self.store.update(job.id, state="queued", attempt=job.attempt - 1, placement=None, reason="")
+        if started is None:  # the shim never let the job run: it did not run, it waits again
+            self.store.update(job.id, state=JobState.QUEUED, attempt=job.attempt - 1, placement=None, reason="")
             return
         _kill_group(started["pid"])  # the job may outlive its shim: stop it before it could run twice
-        self._end(job, "lost", None, "its shim vanished (a reboot, or the shim killed)", retry=True)
+        self._end(job, JobState.LOST, None, "its shim vanished (a reboot, or the shim killed)", retry=True)
 
     def _finish(self, job: Job, ended: dict[str, Any]) -> None:
         code, reason = ended["returncode"], ended.get("reason") or ""
-        oom = _read(self._attempt_dir(job) / "records" / OOM_RECORD)
+        oom, refused = self._oom_record(job)
         if reason == "cancelled":
-            self._end(job, "cancelled", code, "cancelled")
+            self._end(job, JobState.CANCELLED, code, "cancelled")
         elif code == 0:
-            self._end(job, "done", 0, "")
+            self._end(job, JobState.DONE, 0, "")
         elif oom is not None and not reason:  # the next attempt resumes with it, from its checkpoints
             why = f"out of memory; the runtime recorded micro-batch {oom.get('micro_batch')}"
-            self._end(job, "failed", code, why, retry=True)
+            self._end(job, JobState.FAILED, code, why, retry=True)
         elif code < 0 and not reason:  # killed by a signal it did not ask for: preempted, the OOM killer
-            self._end(job, "failed", code, f"killed by signal {-code}", retry=True)
+            self._end(job, JobState.FAILED, code, f"killed by signal {-code}", retry=True)
         elif not reason and (faults := self._gpu_faults(job)):  # a GPU fault, not the job's own
-            self._end(job, "failed", code, f"exit {code} after {faults}", retry=True)
+            self._end(job, JobState.FAILED, code, f"exit {code} after {faults}", retry=True)
         else:
-            self._end(job, "failed", code, reason or f"exit {code}")
+            self._end(job, JobState.FAILED, code, "; ".join(filter(None, (reason or f"exit {code}", refused))))
+
+    def _oom_record(self, job: Job) -> tuple[dict[str, Any] | None, str]:
+        """The out-of-memory record the job's runtime left, and why one there was not taken (""). The folder is
+        the job's user's: the record is taken only when it is that user's regular file, under a size cap,
+        opened without following a link or waiting on a FIFO."""
+        run = read_record(self._attempt_dir(job) / "run.json") or {}
+        records = (run.get("env") or {}).get(RECORDS_ENV)
+        if not records or not os.path.lexists(Path(records, OOM_RECORD)):
+            return None, ""
+        try:
+            data = read_user_bytes(
+                Path(records, OOM_RECORD),
+                "out-of-memory record",
+                limit_bytes=layout.RECORD_LIMIT_BYTES,
+                follow=False,
+                owner=job.uid,
+            )
+            record = json.loads(data)
+            if not isinstance(record, dict) or not isinstance(record.get("micro_batch"), int):
+                raise ValueError("no micro_batch in it")
+            return record, ""
+        except BadInput as exc:
+            return None, f"not taken: {exc}"
+        except ValueError as exc:
+            return None, f"not taken: its out-of-memory record is not JSON ({exc})"
 
     def _gpu_faults(self, job: Job) -> str:
         """The critical Xids that appeared on the job's GPUs while it ran, in words ("" for none)."""
@@ -197,13 +261,13 @@ class Daemon:
         grew = new_xids(placement["xids"], self.health.critical_xids({u: p for u, p in pci.items() if p}))
         return "; ".join(f"Xid {', '.join(codes)} on {uuid}" for uuid, codes in sorted(grew.items()))
 
-    def _end(self, job: Job, state: str, code: int | None, why: str, *, retry: bool = False) -> None:
+    def _end(self, job: Job, state: JobState, code: int | None, why: str, *, retry: bool = False) -> None:
         """The job's attempt is over: requeued after a backoff when it may retry, else ended as ``state``."""
         if retry and job.retries_left > 0:
             backoff = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (job.attempt - 1)) * random.uniform(0.8, 1.2)
             self.store.update(
                 job.id,
-                state="queued",
+                state=JobState.QUEUED,
                 reason=f"{why}; retry {job.spec.retries - job.retries_left + 1} of {job.spec.retries}",
                 retries_left=job.retries_left - 1,
                 not_before=time.time() + backoff,
@@ -216,22 +280,22 @@ class Daemon:
     def _settle_dependencies(self) -> None:
         """A job waiting for one that ended badly fails, said; one whose dependencies all ended well may go."""
         states = {}
-        for job in self.store.jobs(("queued",)):
+        for job in self.store.jobs((JobState.QUEUED,)):
             for other in job.spec.after:
                 if other not in states:
                     found = self.store.get(int(other))
                     states[other] = found.state if found else "missing"
-            failed = [o for o in job.spec.after if states[o] in ("failed", "cancelled", "lost", "missing")]
+            failed = [o for o in job.spec.after if states[o] in (*ENDED_BADLY, "missing")]
             if failed:
-                self._end(job, "failed", None, f"job {failed[0]} it runs after {states[failed[0]]}")
+                self._end(job, JobState.FAILED, None, f"job {failed[0]} it runs after {states[failed[0]]}")
 
     def _schedule(self) -> None:
         now = time.time()
-        queued = [j for j in self.store.jobs(("queued",)) if j.not_before <= now]
-        running = self.store.jobs(("starting", "running"))
+        queued = [j for j in self.store.jobs((JobState.QUEUED,)) if j.not_before <= now]
+        running = self.store.jobs(ACTIVE)
         ready = []
         for job in queued:
-            waiting_for = [o for o in job.spec.after if (self.store.get(int(o)) or job).state != "done"]
+            waiting_for = [o for o in job.spec.after if (self.store.get(int(o)) or job).state != JobState.DONE]
             if waiting_for:
                 self._say(job, f"waits for job {waiting_for[0]}")
             else:
@@ -265,7 +329,7 @@ class Daemon:
 
         trees = {}
         for job in running:
-            started = _read(self._attempt_dir(job) / "pid.json")
+            started = read_record(self._attempt_dir(job) / "pid.json")
             trees[job.key] = process_tree(started["pid"]) if started is not None else set()
         found = self.gpus(set().union(*trees.values()))
         slots = {slot.uuid: slot for slot in (self.health.drain(found) if self.health is not None else found)}
@@ -294,18 +358,56 @@ class Daemon:
         return {"pci_bus_ids": [pci.get(uuid) for uuid in placement.uuids], "xids": self.health.critical_xids(pci)}
 
     def _launch(self, job: Job, placement: Placement) -> None:
-        """Start the job's next attempt: its directory and lock first, then "starting" committed, then the shim
-        (which inherits the locked descriptor), then the daemon's copy of the descriptor closed. A kill -9
-        between any two steps leaves a state ``recover`` reads right."""
+        """Start the job's next attempt: its directory, records and lock first, then "starting" committed, then
+        the shim (which inherits the locked descriptor), then the daemon's copy of the descriptor closed. A kill
+        -9 between any two steps leaves a state ``recover`` reads right. A disk too full for the first steps
+        leaves the job queued, said."""
         number = job.attempt + 1
         attempt = self._attempt_dir(job, number)
-        attempt.mkdir(parents=True, exist_ok=True)
-        records = attempt / "records"
-        records.mkdir(exist_ok=True)
-        log = attempt.parent / "output.log"
-        log.touch()
+        try:
+            self._prepare(job, placement, attempt)
+        except OSError as exc:
+            shutil.rmtree(attempt, ignore_errors=True)  # the daemon's own folder: what this try made of it
+            if not layout.disk_full(exc):
+                raise
+            self._say(job, f"waits: the disk of {self.directory} is full")
+            return
+        lock = os.open(attempt / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            placed = {"uuids": list(placement.uuids), "reserved_bytes": list(placement.reserved_bytes)}
+            placed |= self._xid_baseline(placement)
+            self.store.update(job.id, state=JobState.STARTING, attempt=number, placement=placed, reason=placement.note)
+            with open(attempt / "shim.log", "wb") as shim_log:
+                subprocess.Popen(
+                    # -I -S: the shim needs only the standard library, and starts faster without site-packages
+                    [sys.executable, "-I", "-S", str(SHIM), str(attempt)],
+                    pass_fds=(lock,),
+                    stdin=subprocess.DEVNULL,
+                    stdout=shim_log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd="/",
+                )
+        finally:
+            os.close(lock)
+
+    def _prepare(self, job: Job, placement: Placement, attempt: Path) -> None:
+        """The attempt's folder, its shim's orders (run.json), its records made ahead (they need no room later),
+        the job's log and its records folder in the spool, both its user's. An attempt whose shim never let
+        its job run (``_follow``) is made anew."""
+        shutil.rmtree(attempt, ignore_errors=True)
+        layout.make_folder(attempt.parent, self.directory)
+        layout.make_folder(attempt, self.directory)
         owner = pwd.getpwuid(job.uid)
-        _own(job, log, records, owner.pw_gid)
+        log = attempt.parent / "output.log"
+        records = self.directory / "spool" / f"{job.id}.{attempt.name}"
+        os.close(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        records.mkdir(mode=0o700, exist_ok=True)
+        if layout.shared():
+            for path in (log, records):
+                os.chown(path, job.uid, owner.pw_gid, follow_symlinks=False)
+        os.chmod(log, 0o644 if job.share_logs else 0o600)
         env = dict(job.spec.env) | {
             "REDLINE_JOB_ID": job.key,
             RECORDS_ENV: str(records),
@@ -318,73 +420,39 @@ class Daemon:
             "argv": list(job.spec.argv),
             "cwd": job.spec.cwd,
             "env": env,
+            "umask": job.spec.umask,
             "log": str(log),
             "time_limit_s": job.spec.time_limit_s,
             "uid": job.uid,
             "gid": owner.pw_gid,
-            "groups": os.getgrouplist(owner.pw_name, owner.pw_gid) if os.geteuid() == 0 else [],
+            "groups": os.getgrouplist(owner.pw_name, owner.pw_gid) if layout.shared() else [],
         }
+        for name in ("pid.json", "exit.json"):
+            preallocate(attempt / name)
         (attempt / "run.json").write_text(json.dumps(run))
-        lock = os.open(attempt / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            placed = {"uuids": list(placement.uuids), "reserved_bytes": list(placement.reserved_bytes)}
-            placed |= self._xid_baseline(placement)
-            reason = placement.note
-            self.store.update(job.id, state="starting", attempt=number, placement=placed, reason=reason)
-            with open(attempt / "shim.log", "wb") as shim_log:
-                subprocess.Popen(
-                    # -I -S: the shim needs only the standard library, and starts faster without site-packages
-                    [sys.executable, "-I", "-S", str(SHIM), str(attempt)],
-                    pass_fds=(lock,),
-                    stdin=subprocess.DEVNULL,
-                    stdout=shim_log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-        finally:
-            os.close(lock)
 
     # -------------------------------------------------------------------------------------------- requests
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            sock = writer.get_extra_info("socket")
-            _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            line = await reader.readline()
-            try:
-                request = json.loads(line)
-                answer = {"ok": True, **self.handle(request, uid)}
-            except BadInput as exc:
-                answer = {"ok": False, "error": str(exc)}
-            except (ValueError, KeyError, TypeError) as exc:
-                answer = {"ok": False, "error": f"a malformed request: {exc}"}
-            except Exception as exc:  # a bug of ours: said to the client and logged, and the daemon serves on
-                print(f"request {line[:200]!r} failed:", file=sys.stderr)  # into daemon.log
-                traceback.print_exc()
-                answer = {"ok": False, "error": f"the queue's daemon failed on this request: {exc!r}"}
-            writer.write(json.dumps(answer).encode() + b"\n")
-            await writer.drain()
-        finally:
-            writer.close()
-        if self.wake is not None:
-            self.wake.set()
-
-    def handle(self, request: dict[str, Any], uid: int) -> dict[str, Any]:
+    def handle(self, op: Op, request: dict[str, Any], uid: int) -> Answer:
         """One request from user ``uid``: its answer, or BadInput saying why not."""
-        op = request["op"]
-        if op == "submit":
-            return {"job": self._submit(request, uid).to_dict(private=True)}
-        if op == "jobs":
-            return {"jobs": [j.to_dict(private=_may(uid, j)) for j in self._listed(request)]}
-        if op in ("cancel", "hold", "release"):
-            return {"jobs": [self._change(op, int(key), uid) for key in request["ids"]]}
-        if op == "log":
-            job = self._owned(int(request["id"]), uid, reading=True)
-            return {"path": str(self.directory / "jobs" / str(job.id) / "output.log"), "state": job.state}
-        if op == "status":
-            return self._status()
-        raise BadInput(f"unknown request {op!r}")
+        if op == Op.SUBMIT:
+            return Answer({"job": self._submit(request, uid).to_dict(private=True)})
+        if op == Op.JOBS:
+            return Answer({"jobs": [j.to_dict(private=_may(uid, j)) for j in self._listed(request)]})
+        if op == Op.JOB:
+            job = self._job(request["id"])
+            return Answer({"job": job.to_dict(private=_may(uid, job))})
+        if op in (Op.CANCEL, Op.HOLD, Op.RELEASE):
+            return Answer({"jobs": [self._change(op, key, uid) for key in request["ids"]]})
+        if op == Op.LOG:
+            job = self._owned(request["id"], uid, reading=True)
+            log = self.directory / "jobs" / job.key / "output.log"
+            try:
+                fd = os.open(log, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:  # queued, not started yet: nothing written
+                return Answer({"state": job.state, "log": False})
+            return Answer({"state": job.state, "log": True}, fd=fd)
+        return Answer(self._status())
 
     def _submit(self, request: dict[str, Any], uid: int) -> Job:
         spec = JobSpec.from_dict(request["spec"])
@@ -400,45 +468,62 @@ class Daemon:
             largest = max(s.total_bytes for s in slots)
             if spec.gpu_memory_bytes and spec.gpu_memory_bytes > largest:
                 raise BadInput(f"the job asks {spec.gpu_memory_bytes} bytes per GPU; the largest has {largest}")
-        user = _user_name(uid)
-        return self.store.add(spec, uid, user, held=bool(request.get("hold")), share=bool(request.get("share")))
+        free = layout.free_bytes(self.directory)
+        full = BadInput(
+            f"the queue's disk is full ({free} bytes free at {self.directory}): running jobs go on; "
+            "submit again once there is room"
+        )
+        if free < layout.MIN_FREE_BYTES:
+            raise full
+        try:
+            return self.store.add(
+                spec, uid, _user_name(uid), held=bool(request.get("hold")), share=bool(request.get("share"))
+            )
+        except Exception as exc:
+            if layout.disk_full(exc):
+                raise full from None
+            raise
 
     def _listed(self, request: dict[str, Any]) -> list[Job]:
         if request.get("all"):
             return self.store.jobs()
-        return self.store.jobs(LIVE) + self.store.jobs(("done", "failed", "cancelled", "lost"), limit=20)
+        return self.store.jobs(LIVE) + self.store.jobs(FINAL_STATES, limit=20)
 
-    def _owned(self, job_id: int, uid: int, *, reading: bool = False) -> Job:
-        job = self.store.get(job_id)
+    def _job(self, key: Any) -> Job:
+        job = self.store.get(int(key)) if str(key).isdigit() else None
         if job is None:
-            raise BadInput(f"no job {job_id}")
-        if not (_may(uid, job) or (reading and job.share_logs)):
-            raise BadInput(f"job {job_id} is {job.user}'s: only its owner or root may do that")
+            raise BadInput(f"no job {key}")
         return job
 
-    def _change(self, op: str, job_id: int, uid: int) -> dict[str, Any]:
-        job = self._owned(job_id, uid)
-        if op == "hold" and job.state == "queued":
-            self.store.update(job.id, state="held", reason="held")
-        elif op == "release" and job.state == "held":
-            self.store.update(job.id, state="queued", reason="")
-        elif op == "cancel" and job.state in ("queued", "held"):
-            self.store.update(job.id, state="cancelled", reason="cancelled", ended_at=time.time())
-        elif op == "cancel" and job.state in ("starting", "running"):
+    def _owned(self, key: Any, uid: int, *, reading: bool = False) -> Job:
+        job = self._job(key)
+        if not (_may(uid, job) or (reading and job.share_logs)):
+            raise BadInput(f"job {job.id} is {job.user}'s: only its owner or root may do that")
+        return job
+
+    def _change(self, op: Op, key: Any, uid: int) -> dict[str, Any]:
+        job = self._owned(key, uid)
+        if op == Op.HOLD and job.state == JobState.QUEUED:
+            self.store.update(job.id, state=JobState.HELD, reason="held")
+        elif op == Op.RELEASE and job.state == JobState.HELD:
+            self.store.update(job.id, state=JobState.QUEUED, reason="")
+        elif op == Op.CANCEL and job.state in (JobState.QUEUED, JobState.HELD):
+            self.store.update(job.id, state=JobState.CANCELLED, reason="cancelled", ended_at=time.time())
+        elif op == Op.CANCEL and job.state in ACTIVE:
             attempt = self._attempt_dir(job)
             (attempt / "cancel").touch()
-            started = _read(attempt / "pid.json")
+            started = read_record(attempt / "pid.json")
             if started is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(started["shim"], signal.SIGTERM)
-        elif op != "cancel" or job.state not in ("done", "failed", "cancelled", "lost"):
-            raise BadInput(f"job {job_id} is {job.state}: it cannot be {op}{'ed' if op != 'hold' else ''}")
+        elif op != Op.CANCEL or job.state not in FINAL_STATES:
+            raise BadInput(f"job {job.id} is {job.state}: it cannot be {op}{'ed' if op != Op.HOLD else ''}")
         changed = self.store.get(job.id)
         assert changed is not None
         return changed.to_dict(private=True)
 
     def _status(self) -> dict[str, Any]:
-        running = self.store.jobs(("starting", "running"))
+        running = self.store.jobs(ACTIVE)
         devices = self._devices(running)
         gpus = []
         for slot in devices.slots:
@@ -491,13 +576,6 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _locked(path: Path) -> bool:
     """Whether a shim holds the attempt's lock (a lock the daemon can take has no holder)."""
     try:
@@ -516,14 +594,3 @@ def _locked(path: Path) -> bool:
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-
-
-def _own(job: Job, log: Path, records: Path, gid: int) -> None:
-    """The log and the records directory belong to the job's user (root's daemon makes them); the attempt's
-    control files (run.json, the lock, pid.json, exit.json) stay the daemon's, so a job cannot change how its
-    shim runs it. The log is readable by others only when the job was submitted with --share-logs."""
-    if os.geteuid() == 0:
-        for path in (log, records):
-            os.chown(path, job.uid, gid)
-    os.chmod(log, 0o644 if job.share_logs else 0o600)
-    os.chmod(records, 0o700)

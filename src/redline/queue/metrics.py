@@ -12,7 +12,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from redline.queue.store import STATES, Store
+from redline.queue.spec import JobState
+from redline.queue.store import Store
 
 WAIT_BUCKETS_S = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 
@@ -30,11 +31,11 @@ class QueueCollector(Collector):
     def _collect(self) -> Iterator[Any]:
         jobs = self.store.jobs()
         counts = GaugeMetricFamily("redline_queue_jobs", "Jobs in the queue by state.", labels=["state"])
-        for state in STATES:
-            counts.add_metric([state], sum(j.state == state for j in jobs))
+        for state in JobState:
+            counts.add_metric([state.value], sum(j.state == state for j in jobs))
         yield counts
         now = time.time()
-        waiting = [now - j.submitted_at for j in jobs if j.state == "queued"]
+        waiting = [now - j.submitted_at for j in jobs if j.state == JobState.QUEUED]
         yield GaugeMetricFamily(
             "redline_queue_oldest_wait_seconds",
             "How long the longest-waiting queued job has waited.",

@@ -9,12 +9,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from redline.errors import BadInput
 
-STATES = ("queued", "held", "running", "done", "failed", "cancelled", "lost")
-FINAL_STATES = ("done", "failed", "cancelled", "lost")
+
+class JobState(StrEnum):
+    """Where a job is in its life (task-spooler's ``enum Jobstate``). ``starting`` is the embedded queue's
+    moment between its decision and the job's shim having started it; the other engines report the rest."""
+
+    QUEUED = "queued"
+    HELD = "held"
+    STARTING = "starting"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+
+STATES = tuple(JobState)
+FINAL_STATES = (JobState.DONE, JobState.FAILED, JobState.CANCELLED, JobState.LOST)
+LIVE = (JobState.QUEUED, JobState.HELD, JobState.STARTING, JobState.RUNNING)
+ACTIVE = (JobState.STARTING, JobState.RUNNING)  # a shim holds (or is about to hold) the attempt
 
 
 @dataclass(frozen=True)
@@ -33,6 +51,7 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     plan: str | None = None  # a redline plan file: its predicted peak is the job's memory, the job runs with it
     queue: str | None = None  # the engine's queue: a Slurm partition, a Kueue LocalQueue
+    umask: int | None = None  # the submitter's (the embedded queue's daemon runs with 077); None: 022
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
@@ -47,6 +66,8 @@ class JobSpec:
             raise BadInput(f"--gpu-memory must be positive, not {self.gpu_memory_bytes}")
         if self.time_limit_s is not None and self.time_limit_s <= 0:
             raise BadInput(f"--time-limit must be positive, not {self.time_limit_s}")
+        if self.umask is not None and (not isinstance(self.umask, int) or not 0 <= self.umask <= 0o777):
+            raise BadInput(f"a umask is 0 to 0o777, not {self.umask!r}")
 
     @property
     def label(self) -> str:

@@ -5,9 +5,11 @@ in a state the next daemon can act on (``daemon.Daemon.recover``). WAL lets `red
 daemon writes; ``synchronous=NORMAL`` survives a process crash (not a power cut, which a reboot's recovery
 handles as jobs lost).
 
-States: queued -> (held <-> queued) -> starting -> running -> done | failed | cancelled | lost; a job that may
-retry goes back to queued with ``not_before`` (its backoff). "starting" is the moment between the daemon's
-decision and the job's shim having started: see ``daemon.Daemon._launch``.
+States (``spec.JobState``): queued -> (held <-> queued) -> starting -> running -> done | failed | cancelled |
+lost; a job that may retry goes back to queued with ``not_before`` (its backoff). "starting" is the moment
+between the daemon's decision and the job's shim having started: see ``daemon.Daemon._launch``.
+
+The database holds every job's environment: it is the daemon's alone (0600, in a private folder; layout.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from redline.queue.spec import STATES, JobSpec
+from redline.queue.spec import LIVE, STATES, JobSpec, JobState
 
 __all__ = ["LIVE", "STATES", "Job", "Store"]
 
@@ -45,8 +47,6 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 """
 
-LIVE = ("queued", "held", "starting", "running")
-
 
 @dataclass(frozen=True)
 class Job:
@@ -54,7 +54,7 @@ class Job:
     uid: int
     user: str
     spec: JobSpec
-    state: str
+    state: JobState
     reason: str
     submitted_at: float
     started_at: float | None
@@ -114,7 +114,7 @@ class Store:
                 uid,
                 user,
                 json.dumps(spec.to_dict()),
-                *(("held",) * 2 if held else ("queued", "")),
+                *((JobState.HELD, "held") if held else (JobState.QUEUED, "")),
                 time.time(),
                 spec.retries,
                 share,
@@ -160,7 +160,7 @@ def _job(row: sqlite3.Row) -> Job:
         uid=row["uid"],
         user=row["user"],
         spec=JobSpec.from_dict(json.loads(row["spec"])),
-        state=row["state"],
+        state=JobState(row["state"]),
         reason=row["reason"],
         submitted_at=row["submitted_at"],
         started_at=row["started_at"],
