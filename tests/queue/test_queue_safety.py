@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import resource
+import select
 import shutil
 import socket
 import stat
@@ -235,21 +236,31 @@ def test_a_full_disk_refuses_submits_keeps_jobs_running_and_runs_nothing_twice(t
         job = submit(
             env, "--retries", "2", "--", "sh", "-c", f"echo run >> {runs}; while [ ! -e {go} ]; do sleep 0.05; done"
         )
-        until(env, job, "running")
-        filler = fill(disk)
+        try:
+            until(env, job, "running")
+            _fill_and_finish(env, directory, job, disk, go)
+            assert until(env, job, "done")["attempt"] == 1
+            assert runs.read_text() == "run\n"
+            assert alive(daemon.pid)
+        finally:
+            go.touch()  # the job ends whatever failed
+            stop_daemon(directory)
+
+
+def _fill_and_finish(env: dict[str, str], directory: Path, job: int, disk: Path, go: Path) -> None:
+    """With the disk full: a submit refused, the listing answered, the job ended and its record written, the
+    daemon alive; then the room given back."""
+    filler = fill(disk)
+    try:
         refused = run_cli("submit", "--", "true", env=env)
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
         assert "the queue's disk is full" in refused.stderr and "running jobs go on" in refused.stderr
-        assert run_cli("jobs", env=env).returncode == 0
+        assert run_cli("jobs", env=env, timeout=120).returncode == 0
         go.touch()
         ended = wait_for(lambda: read_record(directory / "jobs" / str(job) / "1" / "exit.json"), "the shim's record")
         assert ended["returncode"] == 0
-        assert alive(daemon.pid)
+    finally:
         filler.unlink()
-        assert until(env, job, "done")["attempt"] == 1
-        assert runs.read_text() == "run\n"
-        assert alive(daemon.pid)
-        stop_daemon(directory)
 
 
 def test_idle_connections_of_one_user_leave_the_others_served(machine_queue: Path, other_user: int) -> None:
@@ -264,7 +275,7 @@ def test_idle_connections_of_one_user_leave_the_others_served(machine_queue: Pat
     try:
         wait_for(lambda: request({"op": "status"}, directory, start=False))
         env = {"REDLINE_QUEUE_DIR": str(directory)}
-        holding = _hold_connections(other_user, directory / "queue.sock", 400)
+        holding = HeldConnections(other_user, directory / "queue.sock", 400)
         try:
             holding.wait_until_open()
             listed = run_cli("jobs", "--json", env=env, timeout=120)  # a hung daemon would be a timeout, not a hang
@@ -281,9 +292,12 @@ def test_idle_connections_of_one_user_leave_the_others_served(machine_queue: Pat
         daemon.wait()
 
 
-class _hold_connections:
+class HeldConnections:
     """A process of user ``uid`` that opens ``count`` connections to the socket and sends nothing; at
-    ``answers()`` it reads what the daemon said on each (waiting for every one to be answered or closed)."""
+    ``answers()`` it reads what the daemon said on each (waiting for every one to be answered or closed). A
+    daemon that stops accepting or answering makes its answers "" after ``HANG_GUARD_S``, not a hang."""
+
+    HANG_GUARD_S = 300.0
 
     def __init__(self, uid: int, path: Path, count: int) -> None:
         self._opened, opened = os.pipe()  # the child says its connections are open
@@ -294,16 +308,12 @@ class _hold_connections:
             try:
                 os.setgid(uid)
                 os.setuid(uid)
-                socks = []
-                for _ in range(count):
-                    sock = socket.socket(socket.AF_UNIX)
-                    sock.settimeout(300)
-                    while sock.connect_ex(str(path)) == errno.EAGAIN:  # the daemon's backlog is full: in a moment
-                        time.sleep(0.01)
-                    socks.append(sock)
+                deadline = time.monotonic() + self.HANG_GUARD_S
+                socks = [_connected(path, deadline) for _ in range(count)]
                 os.write(opened, b"x")
                 os.read(go_on, 1)
-                said = [_answer_of(sock) for sock in socks]
+                deadline = time.monotonic() + self.HANG_GUARD_S
+                said = [_answer_of(sock, deadline) for sock in socks]
                 os.write(answers, json.dumps(said).encode())
             finally:
                 os._exit(0)
@@ -311,7 +321,8 @@ class _hold_connections:
             os.close(fd)
 
     def wait_until_open(self) -> None:
-        assert os.read(self._opened, 1) == b"x", "the other user's connections did not open"
+        ready, _, _ = select.select([self._opened], [], [], 2 * self.HANG_GUARD_S)
+        assert ready and os.read(self._opened, 1) == b"x", "the other user's connections did not open"
 
     def answers(self) -> list[str]:
         os.write(self._go_on, b"x")
@@ -321,10 +332,22 @@ class _hold_connections:
         return said
 
 
-def _answer_of(sock: socket.socket) -> str:
+def _connected(path: Path, deadline: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.setblocking(False)
+    while sock.connect_ex(str(path)) == errno.EAGAIN and time.monotonic() < deadline:
+        time.sleep(0.01)  # the daemon's backlog is full: it may accept in a moment
+    return sock
+
+
+def _answer_of(sock: socket.socket, deadline: float) -> str:
     data = b""
-    while chunk := sock.recv(1 << 16):
-        data += chunk
+    try:
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except OSError:
+        return ""
     return json.loads(data).get("error", "") if data else ""
 
 
