@@ -126,6 +126,11 @@ def test_bad_input_is_one_line(queue: dict[str, str]) -> None:
         (["submit", "--time-limit", "soon", "--", "true"], "--time-limit: 'soon' is not a duration"),
         (["submit", "--after", "999", "--", "true"], "--after 999: no such job"),
         (["submit", "--retries", "-1", "--", "true"], "--retries must be a whole number from 0"),
+        # past SQLite's integers, or past any real job: refused, not a daemon's OverflowError
+        (["submit", "--retries", "99999999999999999999", "--", "true"], "--retries must be a whole number from 0 to"),
+        (["submit", "--priority", "-99999999999999999999", "--", "true"], "--priority must be a whole number from"),
+        (["submit", "--time-limit", "99999h", "--", "true"], "--time-limit must be positive and at most a year"),
+        (["submit", "--name", "n" * 201, "--", "true"], "--name takes at most 200 characters"),
         (["cancel", "abc"], "a job id is a number, not 'abc'"),
         (["cancel", "999"], "no job 999"),
         (["logs", "999"], "no job 999"),

@@ -35,6 +35,15 @@ LIVE = (JobState.QUEUED, JobState.HELD, JobState.STARTING, JobState.RUNNING)
 ACTIVE = (JobState.STARTING, JobState.RUNNING)  # a shim holds (or is about to hold) the attempt
 
 
+# the counts a job asks for, and their bounds: past these a value is a typo (or an attack on the queue's
+# SQLite integers), not a job; GPUs are checked against the machine at submit as well
+COUNTS = (("gpus", 0, 4096), ("nodes", 1, 65536), ("retries", 0, 1000), ("priority", -(10**6), 10**6))
+MAX_GPU_MEMORY_BYTES = 2**50
+MAX_TIME_LIMIT_S = 366 * 86400.0
+MAX_NAME_CHARS = 200
+MAX_AFTER = 1000
+
+
 @dataclass(frozen=True)
 class JobSpec:
     argv: tuple[str, ...]
@@ -56,16 +65,16 @@ class JobSpec:
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv):
             raise BadInput("a job is a command and its arguments: give them after --")
-        for name in ("gpus", "retries", "priority"):
+        for name, low, high in COUNTS:
             value = getattr(self, name)
-            if not isinstance(value, int) or (name != "priority" and value < 0):
-                raise BadInput(f"--{name} must be a whole number{' from 0' if name != 'priority' else ''}, not {value}")
-        if not isinstance(self.nodes, int) or self.nodes < 1:
-            raise BadInput(f"--nodes must be at least 1, not {self.nodes}")
-        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
-            raise BadInput(f"--gpu-memory must be positive, not {self.gpu_memory_bytes}")
-        if self.time_limit_s is not None and self.time_limit_s <= 0:
-            raise BadInput(f"--time-limit must be positive, not {self.time_limit_s}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise BadInput(f"--{name} must be a whole number from {low} to {high}, not {value}")
+        if self.gpu_memory_bytes is not None and not 0 < self.gpu_memory_bytes <= MAX_GPU_MEMORY_BYTES:
+            raise BadInput(f"--gpu-memory must be positive and at most 1 PiB, not {self.gpu_memory_bytes}")
+        if self.time_limit_s is not None and not 0 < self.time_limit_s <= MAX_TIME_LIMIT_S:
+            raise BadInput(f"--time-limit must be positive and at most a year, not {self.time_limit_s} s")
+        if len(self.name) > MAX_NAME_CHARS or len(self.after) > MAX_AFTER:
+            raise BadInput(f"--name takes at most {MAX_NAME_CHARS} characters, --after at most {MAX_AFTER} jobs")
         if self.umask is not None and (not isinstance(self.umask, int) or not 0 <= self.umask <= 0o777):
             raise BadInput(f"a umask is 0 to 0o777, not {self.umask!r}")
 
