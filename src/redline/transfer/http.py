@@ -191,6 +191,7 @@ class HttpSource(Source):
             check_status(response, self.display)
             etag, modified = _strong_etag(response), _http_time(response.headers.get("Last-Modified"))
             if response.status == 206:
+                _size_header(response, "Content-Length", self.display)  # a malformed one is said here, once
                 total = _content_range(response, self.display)[2]
                 if total is None:
                     raise TransferError(f"{self.display}: the server's Content-Range gives no size")
@@ -230,6 +231,8 @@ class HttpSource(Source):
             self._check_same(response, remote, total)
             if (first, past) != (start, end):
                 raise TransferError(f"{self.display}: the server answered another range ({first}-{past - 1})")
+            if _size_header(response, "Content-Length", self.display) not in (None, past - first):
+                raise TransferError(f"{self.display}: the server's Content-Length is not that of the range it sent")
             return 0
         if response.status != 200:
             raise TransferError(f"{self.display}: the server answered {response.status} to a GET of the file")
