@@ -63,19 +63,18 @@ class LocalSource(Source):
 def walk_local(root: Path, follow: bool) -> tuple[list[tuple[Path, str]], list[str]]:
     """The regular files below the folder ``root`` (each with its path below it, sorted) and the entries left
     out, each with why. A symlink is left out unless ``follow`` (rclone's rule: skipped with a notice, followed
-    with -L/--copy-links; the SFTP listing keeps the same one); a folder reached twice through links is walked
-    once; FIFOs, devices and sockets are never files to copy."""
+    with -L/--copy-links; the SFTP listing keeps the same one); a link back to a folder above it is not walked
+    again (a loop); FIFOs, devices and sockets are never files to copy."""
     files: list[tuple[Path, str]] = []
     skipped: list[str] = []
-    seen: set[tuple[int, int]] = set()
-    pending = [root]
+    pending: list[tuple[Path, frozenset]] = [(root, frozenset())]
     while pending:
-        folder = pending.pop()
+        folder, above = pending.pop()
         info = os.stat(folder)
-        if (info.st_dev, info.st_ino) in seen:
-            skipped.append(f"{folder.relative_to(root).as_posix()} (a folder already copied through a link)")
+        if (info.st_dev, info.st_ino) in above:
+            skipped.append(f"{folder.relative_to(root).as_posix()} (a link to a folder above it)")
             continue
-        seen.add((info.st_dev, info.st_ino))
+        above = above | {(info.st_dev, info.st_ino)}
         with os.scandir(folder) as entries:
             for entry in entries:
                 path = Path(entry.path)
@@ -83,7 +82,7 @@ def walk_local(root: Path, follow: bool) -> tuple[list[tuple[Path, str]], list[s
                 if entry.is_symlink() and not follow:
                     skipped.append(f"{relative} (a symlink)")
                 elif entry.is_dir():
-                    pending.append(path)
+                    pending.append((path, above))
                 elif entry.is_file():
                     files.append((path, relative))
                 else:

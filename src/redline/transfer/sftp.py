@@ -149,20 +149,19 @@ def listing(pool: SshPool, url: str, follow: bool = False) -> tuple[list[tuple[s
     base = address.path.rstrip("/")
     out: list[tuple[str, str]] = []
     skipped: list[str] = []
-    seen: set[str] = set()  # folders walked, by their real path: a link back up is walked once
-    pending = [""]
+    pending: list[tuple[str, frozenset]] = [("", frozenset())]  # each folder with the real paths above it
     prefix = url.rstrip("/")
     while pending:
-        relative = pending.pop()
+        relative, above = pending.pop()
         folder = f"{base}/{relative}".rstrip("/") or "/"
         try:
             real = session.normalize(folder)
-            entries = [] if real in seen else session.listdir_attr(folder)
+            entries = [] if real in above else session.listdir_attr(folder)
         except OSError as exc:
             raise _missing(exc, url) or TransferError(f"{url}: cannot list: {exc}") from None
-        if real in seen:
-            skipped.append(f"{relative} (a folder already copied through a link)")
-        seen.add(real)
+        if real in above:
+            skipped.append(f"{relative} (a link to a folder above it)")
+        above = above | {real}
         for entry in sorted(entries, key=lambda e: e.filename):
             name = f"{relative}/{entry.filename}".lstrip("/")
             mode = entry.st_mode or 0
@@ -172,7 +171,7 @@ def listing(pool: SshPool, url: str, follow: bool = False) -> tuple[list[tuple[s
                     continue
                 mode = _target_mode(session, f"{base}/{name}")
             if stat_mode.S_ISDIR(mode):
-                pending.append(name)
+                pending.append((name, above))
             elif stat_mode.S_ISREG(mode):
                 out.append((f"{prefix}/{name}", name))
             else:
