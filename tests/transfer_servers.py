@@ -269,3 +269,96 @@ class SlowProxy:
     def close(self) -> None:
         self._stop = True
         self._listener.close()
+
+
+@dataclass
+class Misbehaviour:
+    """How ``HostileServer`` answers a GET of its one file; each field a way real servers go wrong."""
+
+    ranges: bool = True  # honour Range (always ignoring If-Range, as S3 and some servers do); False: 200 whole
+    etag: str | None = '"v1"'
+    last_modified: str | None = "Mon, 01 Jan 2024 00:00:00 GMT"
+    replace_after: int | None = None  # the file is replaced (new bytes, ETag, Last-Modified) after this many GETs
+    length: str = "exact"  # "exact", "chunked" (no Content-Length), or a literal Content-Length to send instead
+    redirect: str | None = None  # every GET answered 302 to this Location
+    cut_first: int | None = None  # the first GET after the stat (the second) is cut after this many body bytes
+
+
+class HostileServer:
+    """A small HTTP/1.1 server on loopback (``host`` "::1" for IPv6) serving one file at any path, misbehaving
+    as ``how`` says; ``gets`` counts the GETs it answered. Started by the constructor, stopped by ``close``."""
+
+    def __init__(self, data: bytes, how: Misbehaviour, replacement: bytes | None = None, host: str = "127.0.0.1"):
+        import http.server
+        import threading
+
+        self.data, self.how, self.replacement = data, how, replacement
+        self.gets = 0
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                server._answer(self)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        class Server(http.server.ThreadingHTTPServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            daemon_threads = True
+
+        self._server = Server((host, 0), Handler)
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self._server.server_address[1]}/file.bin"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _answer(self, handler) -> None:
+        how = self.how
+        with self._lock:
+            self.gets += 1
+            number = self.gets
+        if how.redirect:
+            handler.send_response(302)
+            handler.send_header("Location", how.redirect)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        replaced = how.replace_after is not None and number > how.replace_after
+        data = self.replacement if replaced else self.data
+        status, body, headers = 200, data, {}
+        asked = handler.headers.get("Range")
+        if how.ranges and asked:
+            start, end = (int(x) for x in asked.removeprefix("bytes=").split("-"))
+            status, body = 206, data[start : end + 1]
+            headers["Content-Range"] = f"bytes {start}-{start + len(body) - 1}/{len(data)}"
+        if how.etag:
+            headers["ETag"] = '"v2"' if replaced else how.etag
+        if how.last_modified:
+            headers["Last-Modified"] = "Tue, 02 Jan 2024 00:00:00 GMT" if replaced else how.last_modified
+        self._send(handler, status, headers, body, cut=how.cut_first if number == 2 else None)
+
+    def _send(self, handler, status: int, headers: dict[str, str], body: bytes, cut: int | None) -> None:
+        how = self.how
+        handler.send_response(status)
+        for name, value in headers.items():
+            handler.send_header(name, value)
+        if how.length == "chunked":
+            handler.send_header("Transfer-Encoding", "chunked")
+        else:
+            handler.send_header("Content-Length", str(len(body)) if how.length == "exact" else how.length)
+            handler.close_connection = how.length != "exact" or cut is not None
+        handler.end_headers()
+        if how.length == "chunked":
+            for offset in range(0, len(body), 100_000):
+                piece = body[offset : offset + 100_000]
+                handler.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            handler.wfile.write(b"0\r\n\r\n")
+        else:
+            with contextlib.suppress(OSError):  # the client may hang up on a body it has refused
+                handler.wfile.write(body[:cut] if cut is not None else body)

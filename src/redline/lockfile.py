@@ -40,7 +40,8 @@ class WriterLock:
     def acquire(self) -> WriterLock:
         while self._fd is None:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # O_NOFOLLOW: a symlink planted at the lock's name (a shared folder) is refused, not written through
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             except OSError as exc:
                 raise BadInput(
                     f"cannot write {self.what} {self.target}: creating its lock {self.path.name} failed "

@@ -65,10 +65,12 @@ FLAGS: dict[str, set[str]] = {
     "fetch": {
         *("--streams", "--per-endpoint", "--chunk-size", "--checksum", "--overwrite", "--congestion", "--retries"),
         *("--read-timeout", "--endpoint-url", "--known-hosts", "--ssh-key", "--json"),
+        *("--copy-links", "-L"),  # issue 40: a folder's symlinks followed, as rclone's -L
     },
     "push": {
         *("--streams", "--per-endpoint", "--chunk-size", "--congestion", "--retries", "--read-timeout"),
         *("--endpoint-url", "--known-hosts", "--ssh-key", "--json"),
+        *("--copy-links", "-L"),  # issue 40
     },
     "stage add": {"--cache", "--max-size", "--json"},
     "stage ls": {"--cache", "--json"},

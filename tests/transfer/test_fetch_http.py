@@ -205,7 +205,7 @@ def test_a_file_replaced_on_the_server_between_runs_is_fetched_anew(nginx, tmp_p
     dest = tmp_path / "data.bin"
     remote = transfer.source.Remote(f"{nginx.url}/data.bin", 4 * MiB, None, source.stat().st_mtime)
     # an earlier run's state: two chunks recorded for the old file
-    state = journal.Journal.open(dest, remote, MiB)
+    state = journal.Journal.open(journal.landing(dest), remote, MiB)
     state.record(0, "0" * 64)
     state.close()
     new = _data(source, 5 * MiB, seed=2)

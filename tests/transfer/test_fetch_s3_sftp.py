@@ -120,3 +120,71 @@ def test_sftp_refuses_a_host_it_does_not_know_in_one_line(sshd, tmp_path: Path) 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown host key" in lines[0] and "ssh-keyscan" in lines[0], result.stderr
     assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["plain", "versioned"])
+def test_an_object_replaced_mid_fetch_is_never_spliced(s3, tmp_path: Path, versioned: bool) -> None:
+    """S3 ignores If-Range: the object is put anew (same size) once the first blocks have arrived. Its GETs are
+    pinned: by If-Match (the store answers 412, the file fails in one line, nothing lands), or, in a bucket
+    with versions, by the version id (the fetch finishes with the version it began on)."""
+    client = s3.client()
+    client.create_bucket(Bucket="data")
+    if versioned:
+        client.put_bucket_versioning(Bucket="data", VersioningConfiguration={"Status": "Enabled"})
+    old, new = _blob(4 * MiB, 10), _blob(4 * MiB, 11)
+    client.put_object(Bucket="data", Key="shard.tar", Body=old)
+
+    class ReplaceAfterFirstBlocks(transfer.Progress):
+        moved = 0
+
+        def advance(self, size: int) -> None:
+            self.moved += size
+            if self.moved >= MiB and self.moved - size < MiB:  # once, after the first request's bytes
+                client.put_object(Bucket="data", Key="shard.tar", Body=new)
+
+    dest = tmp_path / "shard.tar"
+    options = transfer.Options(streams=1, chunk_bytes=MiB)
+    summary = transfer.fetch(
+        ["s3://data/shard.tar"], dest, options, endpoint_url=s3.endpoint_url, progress=ReplaceAfterFirstBlocks()
+    )
+    result = summary.files[0]
+    if versioned:
+        assert result.status == "fetched", result.error
+        assert dest.read_bytes() == old
+    else:
+        assert result.status == "failed" and not dest.exists(), result
+        assert "s3://data/shard.tar" in result.error and "replaced during the fetch" in result.error, result.error
+        assert result.retries == 0
+
+
+def test_sftp_and_local_folders_treat_symlinks_alike(sshd, tmp_path: Path) -> None:
+    """A folder holding a symlinked file, a symlinked folder and a link back up to itself: skipped and named by
+    both (rclone's default); followed by both with copy_links (-L/--copy-links), the loop walked once."""
+    folder = tmp_path / "folder"
+    (folder / "real").mkdir(parents=True)
+    (folder / "real" / "a.bin").write_bytes(_blob(1000, 20))
+    (tmp_path / "outside.bin").write_bytes(_blob(2000, 21))
+    (folder / "linked.bin").symlink_to(tmp_path / "outside.bin")
+    (folder / "linked-dir").symlink_to(folder / "real")
+    (folder / "real" / "up").symlink_to(folder)
+    keys = {"known_hosts": sshd.known_hosts, "key_file": sshd.key_file}
+    for follow, expected in [
+        (False, ["real/a.bin"]),
+        (True, ["linked-dir/a.bin", "linked.bin", "real/a.bin"]),
+    ]:
+        options = transfer.Options(copy_links=True) if follow else transfer.Options()  # the default: skip them
+        landed, skipped = {}, {}
+        for name, url in [("sftp", sshd.url(folder) + "/"), ("local", f"{folder}/")]:
+            out = tmp_path / f"{name}-{follow}"
+            summary = transfer.fetch([url], out, options, **keys)
+            assert all(f.status == "fetched" for f in summary.files), summary.files
+            landed[name] = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+            skipped[name] = sorted(s.removeprefix(url.rstrip("/") + "/") for s in getattr(summary, "skipped", []))
+        assert landed == {"sftp": expected, "local": expected}
+        said = (
+            ["linked-dir/up (a link to a folder above it)", "real/up (a link to a folder above it)"]
+            if follow
+            else ["linked-dir (a symlink)", "linked.bin (a symlink)", "real/up (a symlink)"]
+        )
+        assert skipped == {"sftp": said, "local": said}
+    assert (tmp_path / "sftp-True" / "linked.bin").read_bytes() == (tmp_path / "outside.bin").read_bytes()

@@ -47,16 +47,26 @@ def fetch(
     a stat of the one source said moments ago (``redline stage`` stats before it admits), not asked again."""
     options = options or Options()
     sockets = sockets or Sockets()  # the system's congestion control: the sender's decides a download's rate
-    session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file)
+    session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file, options.copy_links)
     try:
         items = plan_items(session, sources, dest, sha256)
         if remote is not None:
             if len(items) != 1:
                 raise ValueError("remote= describes one file, and this fetch has several")
             items = [dataclasses.replace(items[0], remote=remote)]
-        return Fetch(items, options, link, sockets.congestion, progress).run()
+        _say_skipped(session.skipped, progress)
+        summary = Fetch(items, options, link, sockets.congestion, progress).run()
+        summary.skipped = session.skipped
+        return summary
     finally:
         session.close()
+
+
+def _say_skipped(skipped: list[str], progress: Progress | None) -> None:
+    """One notice for a folder's entries left out (symlinks without --copy-links, FIFOs, devices)."""
+    if skipped and progress is not None:
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        progress.note(f"skipped {len(skipped)} entries, not regular files (--copy-links follows symlinks): {shown}")
 
 
 def push(
@@ -73,7 +83,7 @@ def push(
 ) -> Summary:
     """Upload local files or folders to ``dest``: s3://bucket/key (or prefix/), sftp://host/path, or a path."""
     from redline.errors import BadInput
-    from redline.transfer.session import kind, local_path
+    from redline.transfer.session import check_url, kind, local_path
     from redline.transfer.upload import Push, S3Destination, SftpDestination, plan_uploads
 
     scheme = kind(dest)
@@ -83,7 +93,9 @@ def push(
         raise BadInput(f"{dest}: redline push sends to s3://, sftp:// or a path")
     options = options or Options()
     sockets = sockets or sockets_for("bbr")
-    uploads = plan_uploads(sources, dest)
+    check_url(dest)
+    uploads, skipped = plan_uploads(sources, dest, options.copy_links)
+    _say_skipped(skipped, progress)
     session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file)
     try:
         if scheme == "s3":
@@ -94,6 +106,8 @@ def push(
             destination = SftpDestination(session.ssh, Address.parse(dest))
         if link is None:
             link = to_endpoint(destination.endpoint, "up")
-        return Push(uploads, destination, options, link, sockets.congestion, progress).run()
+        summary = Push(uploads, destination, options, link, sockets.congestion, progress).run()
+        summary.skipped = skipped
+        return summary
     finally:
         session.close()

@@ -223,7 +223,10 @@ class Cache:
             raise NotStageable(f"{url}: a folder; the cache holds files: name each one")
         for tries in range(STAT_TRIES):
             try:
-                return self._session_for().source(url).stat()
+                remote = self._session_for().source(url).stat()
+                if remote.size is None:
+                    raise TransferError(f"{url}: the server gives no length, and the cache makes room before a fill")
+                return remote
             except TransferError as exc:
                 raise NotStageable(f"cannot stage {_naming(url, str(exc))}") from None
             except Exception as exc:

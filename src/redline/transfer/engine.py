@@ -9,9 +9,10 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from redline.transfer.limits import check_chunk, check_count, check_retries
 from redline.transfer.link import DEFAULT_PER_ENDPOINT, Link
 from redline.transfer.source import Remote, Source, TransferError
 
@@ -26,6 +27,14 @@ class Options:
     chunk_bytes: int | None = None  # None: max(8 MiB, 2 x BDP)
     retries: int = 10  # per chunk, for failures a retry may fix
     overwrite: bool = False  # replace a destination that exists and differs from the remote file
+    copy_links: bool = False  # a folder's symlinks: followed (True), or skipped with a notice (rclone's -L)
+
+    def __post_init__(self) -> None:
+        """Each count checked as the command line checks it, in its words (BadInput, one line)."""
+        check_count("--streams", self.streams)
+        check_count("--per-endpoint", self.per_endpoint)
+        check_chunk(self.chunk_bytes)
+        check_retries(self.retries)
 
 
 @dataclass
@@ -74,6 +83,7 @@ class Summary:
     chunk_bytes: int
     link: Link
     congestion: str | None
+    skipped: list[str] = field(default_factory=list)  # a folder's entries not moved (symlinks...), each said
 
     @property
     def moved_bytes(self) -> int:
@@ -97,6 +107,7 @@ class Summary:
             "chunk_bytes": self.chunk_bytes,
             "link": self.link.__dict__ | {"described": self.link.describe()},
             "congestion_control": self.congestion,
+            "skipped": self.skipped,
         }
 
 

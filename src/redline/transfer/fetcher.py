@@ -26,6 +26,7 @@ files are admitted a bounded number ahead of the streams.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import resource
@@ -33,15 +34,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from redline.errors import BadInput
 from redline.lockfile import HeldElsewhere, WriterLock
 from redline.transfer import journal as journals
 from redline.transfer.engine import FileResult, Item, Options, Progress, Summary, retrying
+from redline.transfer.landing import Landing, NoSpace, no_space
+from redline.transfer.limits import host_streams
 from redline.transfer.link import MIN_CHUNK_BYTES, Link, to_endpoint
 from redline.transfer.source import Remote, TransferError
-from redline.units import KiB
+from redline.units import KiB, fmt_bytes
 
 BLOCK_BYTES = 256 * KiB
 STAT_AHEAD = 8  # files stat'ed at once, ahead of the streams
@@ -49,6 +51,7 @@ SPLIT_POLL_S = 0.25  # how often an idle stream looks again for a segment to sha
 SPLIT_AFTER_S = 1.0  # a stream this far from the end of its segment gives half of what waits to an idle one
 LOCK_POLL_S = 0.2  # how often a file another process is fetching is looked at again
 MAX_FILES_AHEAD = 256  # files admitted (locked, their journal open) and not yet landed or failed, at most
+JOURNAL_LINE_BYTES = 100  # a block's line in the journal: {"chunk": N, "sha256": 64 hex digits}, with room
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _File:
     result: FileResult
     remote: Remote | None = None
     journal: journals.Journal | None = None
+    landing: Landing | None = None  # the destination's folder, open while the file is admitted
     admitted: bool = False  # counts among the files admitted ahead of the streams
     writer: WriterLock | None = None  # held from before the destination is looked at until it lands or fails
     holes: list[list[int]] = field(default_factory=list)  # [first, end) block runs neither done nor handed out
@@ -164,7 +168,7 @@ class Fetch:
         """Streams and chunk size from the link, measured now (while the first files are stat'ed) when not given."""
         if self.link is None:
             self.link = to_endpoint(self.files[0].item.source.endpoint, "down")
-        cap = self.options.per_endpoint * max(1, len(self.endpoints))
+        cap = min(self.options.per_endpoint * max(1, len(self.endpoints)), host_streams())
         self.streams = self.options.streams or self.link.streams(cap)
         self.chunk_bytes = self.options.chunk_bytes or self.link.chunk_bytes()
 
@@ -180,6 +184,9 @@ class Fetch:
             f.admitted = True
         self._prepare(f)
         if f.failed or f.journal is None:
+            return
+        if f.remote.size is None:  # no length given: read to its end here, in one piece
+            self._whole(f)
             return
         if f.left == 0:  # empty, or every block kept from an earlier run
             self._finish(f)
@@ -224,6 +231,8 @@ class Fetch:
             first, end = f.holes[0]
             share = -(-sum(b - a for a, b in f.holes) // self.streams)
             take = min(end - first, max(share, self.chunk_bytes // f.journal.chunk_bytes, 1))
+            if not f.remote.ranged:  # each request brings the whole file: one stream reads all of it
+                take = end - first
             if take == end - first:
                 f.holes.pop(0)
             else:
@@ -237,7 +246,7 @@ class Fetch:
         that, at the rate it has had, will finish last, when that is over SPLIT_AFTER_S away (on a lossy link
         one stream whose window a loss just halved crawls while the others are done; it stops where the new
         segment begins and drops its connection, with what was on the way)."""
-        victims = [s for s in self._active if not s.file.failed and self._room(s.file)]
+        victims = [s for s in self._active if not s.file.failed and s.file.remote.ranged and self._room(s.file)]
         if not victims:
             return None
         roomiest = max(victims, key=lambda s: s.end - max(s.requested, s.start + 1))
@@ -291,6 +300,8 @@ class Fetch:
         """Read the segment's blocks from the first not yet on disk to its end (which may move closer while
         it is read), in requests of a chunk each."""
         per_request = max(1, self.chunk_bytes // segment.file.journal.chunk_bytes)
+        if not segment.file.remote.ranged:
+            per_request = segment.end  # one request for all of it, however long
         while True:
             with self._cond:
                 first, end = segment.start, min(segment.end, segment.start + per_request)
@@ -306,7 +317,7 @@ class Fetch:
         block = first
         block_start, block_end = f.block_span(block)
         position, digest = block_start, hashlib.sha256()
-        fd = os.open(journals.part_path(f.item.dest), os.O_WRONLY)
+        fd = self._open_part(f)
 
         def sink(piece: bytes) -> None:
             nonlocal block, block_start, block_end, position, digest
@@ -336,11 +347,19 @@ class Fetch:
             f.item.source.read(f.remote, f.block_span(first)[0], f.block_span(end - 1)[1], sink)
         except _Enough:
             pass
-        except BaseException:
+        except BaseException as exc:
             self.progress.advance(-(position - block_start))  # the block in flight comes again
+            if isinstance(exc, OSError) and no_space(exc):
+                raise self._full(f, exc) from None
             raise
         finally:
             os.close(fd)
+
+    def _open_part(self, f: _File) -> int:
+        with f.lock:
+            if f.failed or f.landing is None:
+                raise TransferError(f"{f.item.source.url}: stopped")
+            return f.landing.open_part()
 
     def _landed(self, segment: _Segment, block: int, sha256: str) -> None:
         f = segment.file
@@ -354,34 +373,83 @@ class Fetch:
 
     def _prepare(self, f: _File) -> None:
         """Stat the remote file (unless the caller just did), skip it when the destination already is it, else
-        open its journal."""
+        open its journal, once its disk has room for it."""
         try:
             f.remote = f.item.remote or retrying(f.item.source.stat, self.options.retries, f.result, lambda: False)
             f.result.size = f.remote.size
-            dest = f.item.dest
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            f.landing = journals.landing(f.item.dest)
+            f.landing.destination()  # a symlink, a device, a FIFO: refused before a lock is made beside it
             self._lock(f)
-            if not journals.journal_path(dest).exists() and dest.exists():
-                if _is_same(dest, f.remote):
-                    f.result.status = "present"
-                    self._unlock(f)
-                    self.progress.finished(f.result)
-                    return
-                if not self.options.overwrite:
-                    raise TransferError(f"{dest}: exists and is not {f.remote.url} (--overwrite replaces it)")
-            f.journal = journals.Journal.open(dest, f.remote, self.block_bytes)
+            if self._present(f):
+                return
+            f.journal = journals.Journal.open(f.landing, f.remote, self.block_bytes)
+            self._from_scratch_without_ranges(f)
+            self._check_room(f)
         except TransferError as exc:
             self._fail(f, str(exc))
             return
         except OSError as exc:
             self._fail(f, f"{f.item.dest}: {exc.strerror or exc}")
             return
-        f.result.note = f.journal.restarted_because and f"started anew: {f.journal.restarted_because}"
-        spans = journals.chunks(f.remote.size, f.journal.chunk_bytes)
-        f.result.resumed_bytes = sum(end - start for i, (start, end) in enumerate(spans) if i in f.journal.done)
-        f.left = len(spans) - len(f.journal.done)
-        self.progress.add_total(f.remote.size)
+        f.result.note = f.result.note or (
+            f.journal.restarted_because and f"started anew: {f.journal.restarted_because}"
+        )
+        f.result.resumed_bytes = self._kept_bytes(f)
+        f.left = len(journals.chunks(f.remote.size or 0, f.journal.chunk_bytes)) - len(f.journal.done)
+        self.progress.add_total(f.remote.size or 0)
         self.progress.advance(f.result.resumed_bytes)
+
+    def _present(self, f: _File) -> bool:
+        """Whether the destination already is the remote file (then it is done); TransferError when it is
+        another file and --overwrite was not given."""
+        found = f.landing.destination()
+        if found is None or f.landing.lstat(f.landing.journal) is not None:
+            return False
+        if _is_same(found, f.remote):
+            f.result.status = "present"
+            self._unlock(f)
+            self.progress.finished(f.result)
+            return True
+        if not self.options.overwrite:
+            raise TransferError(f"{f.item.dest}: exists and is not {f.remote.url} (--overwrite replaces it)")
+        return False
+
+    def _from_scratch_without_ranges(self, f: _File) -> None:
+        """A server without byte ranges cannot send the blocks an earlier run lacked alone: it starts over."""
+        if f.remote.ranged or not f.journal.done:
+            return
+        kept = self._kept_bytes(f)
+        f.journal.forget()
+        f.result.note = f"the server serves no byte ranges: the {fmt_bytes(kept)} an earlier run kept come again"
+
+    def _kept_bytes(self, f: _File) -> int:
+        spans = journals.chunks(f.remote.size or 0, f.journal.chunk_bytes)
+        return sum(end - start for i, (start, end) in enumerate(spans) if i in f.journal.done)
+
+    def _check_room(self, f: _File) -> None:
+        """NoSpace when the destination's disk cannot hold what is left of the file and its journal (the
+        part file is sparse: blocks already there take no more); then nothing is left behind but what an
+        earlier run verified."""
+        if f.remote.size is None:
+            return  # not known until it is read: a full disk fails it then, at once
+        blocks = len(journals.chunks(f.remote.size, f.journal.chunk_bytes))
+        need = f.remote.size - self._kept_bytes(f) + (blocks - len(f.journal.done)) * JOURNAL_LINE_BYTES
+        free = f.landing.free_bytes()
+        if need > free:
+            if not f.journal.done:
+                f.journal.discard()
+            raise NoSpace(
+                f"{f.item.dest}: needs {fmt_bytes(need)} free (the file and its journal) and its disk has "
+                f"{fmt_bytes(free)}; nothing was fetched"
+            )
+
+    def _full(self, f: _File, exc: OSError) -> NoSpace:
+        """The failure of a file whose disk filled up mid-fetch: at once, no retry; its verified blocks stay."""
+        kept = fmt_bytes(self._kept_bytes(f)) if f.journal else "nothing"
+        return NoSpace(
+            f"{f.item.dest}: its disk is full ({exc.strerror}); {kept} verified is kept: free some space and "
+            "run again to resume"
+        )
 
     def _lock(self, f: _File) -> None:
         """Hold ``f``'s journal lock, waiting (told once) while another process fetches the same destination."""
@@ -404,11 +472,13 @@ class Fetch:
     def _unlock(self, f: _File) -> None:
         """Let go of ``f``'s lock and its place among the files admitted, once: it landed, failed, or the run
         stopped."""
-        with f.lock:
-            writer, admitted = f.writer, f.admitted
-            f.writer, f.admitted = None, False
+        with f.lock:  # a stream opens the part file under it (_open_part): none can use the folder once closed
+            writer, admitted, landing = f.writer, f.admitted, f.landing
+            f.writer, f.admitted, f.landing = None, False, None
         if writer is not None:
             writer.release()
+        if landing is not None:
+            landing.close()
         if admitted:
             with self._cond:
                 self._open_files -= 1
@@ -416,34 +486,78 @@ class Fetch:
 
     def _finish(self, f: _File) -> None:
         """Verify the whole file, then put it in place: fsync, rename over the destination, fsync the folder."""
-        dest, part = f.item.dest, journals.part_path(f.item.dest)
         try:
-            with open(part, "rb") as data:
-                os.fsync(data.fileno())
-                f.result.sha256 = journals.hash_range(data.fileno(), 0, f.remote.size)
-            expected, against = _reference(f)
-            if expected is not None:
-                f.result.verified_against = against
-                if expected.lower() != f.result.sha256:
-                    f.journal.discard()
-                    raise TransferError(
-                        f"{f.remote.url}: SHA-256 {f.result.sha256} is not {expected.lower()} ({against}): the data "
-                        "is corrupt at the source or was corrupted on the way; nothing was written to the destination"
-                    )
-            if f.remote.last_modified is not None:
-                os.utime(part, (f.remote.last_modified, f.remote.last_modified))
-            os.replace(part, dest)
-            _fsync_dir(dest.parent)
+            landing = f.landing
+            fd = self._open_part(f)
+            try:
+                f.result.sha256 = journals.hash_range(fd, 0, f.remote.size)
+                self._verify(f)
+                landing.land(fd, f.remote.last_modified)
+            finally:
+                os.close(fd)
             f.journal.discard()
             self._unlock(f)
         except TransferError as exc:
             self._fail(f, str(exc))
             return
         except OSError as exc:
-            self._fail(f, f"{dest}: {exc.strerror or exc}")
+            self._fail(f, f"{f.item.dest}: {exc.strerror or exc}")
             return
         f.result.status = "fetched"
         self.progress.finished(f.result)
+
+    def _verify(self, f: _File) -> None:
+        expected, against = _reference(f)
+        if expected is None:
+            return
+        f.result.verified_against = against
+        if expected.lower() != f.result.sha256:
+            f.journal.discard()
+            raise TransferError(
+                f"{f.remote.url}: SHA-256 {f.result.sha256} is not {expected.lower()} ({against}): the data "
+                "is corrupt at the source or was corrupted on the way; nothing was written to the destination"
+            )
+
+    def _whole(self, f: _File) -> None:
+        """A file of unknown length (a chunked answer, no Content-Length): read to its end in one request,
+        each retry from the start again, then its size is what came; no block is recorded (nothing to resume
+        from, as a server without a length has no ranges either)."""
+        written = 0
+
+        def attempt() -> None:
+            nonlocal written
+            fd = self._open_part(f)
+            self.progress.advance(-written)
+            written = 0
+            os.ftruncate(fd, 0)
+
+            def sink(piece: bytes) -> None:
+                nonlocal written
+                if self._stop.is_set() or f.failed:
+                    raise TransferError(f"{f.item.source.url}: stopped")
+                os.pwrite(fd, piece, written)
+                written += len(piece)
+                f.result.moved_bytes += len(piece)
+                self.progress.advance(len(piece))
+
+            try:
+                f.item.source.read(f.remote, 0, None, sink)
+            except OSError as exc:
+                if no_space(exc):
+                    raise self._full(f, exc) from None
+                raise
+            finally:
+                os.close(fd)
+
+        try:
+            retrying(attempt, self.options.retries, f.result, lambda: f.failed or self._stop.is_set())
+        except TransferError as exc:
+            self._fail(f, str(exc))
+            return
+        f.remote = dataclasses.replace(f.remote, size=written)
+        f.result.size = written
+        self.progress.add_total(written)
+        self._finish(f)
 
     def _fail(self, f: _File, message: str) -> None:
         with f.lock:
@@ -458,12 +572,13 @@ class Fetch:
 
 
 def _files_ahead() -> int:
-    """Files admitted at once: each holds its lock's descriptor, so a quarter of the descriptors this process
-    may open (the streams' sockets and part files need theirs), at least as many as are stat'ed at once."""
+    """Files admitted at once: each holds two descriptors (its lock, its folder), so an eighth of those this
+    process may open (a quarter for the files; the streams' sockets and part files need half, ``host_streams``),
+    at least as many as are stat'ed at once."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return MAX_FILES_AHEAD
-    return max(STAT_AHEAD, min(MAX_FILES_AHEAD, soft // 4))
+    return max(STAT_AHEAD, min(MAX_FILES_AHEAD, soft // 8))
 
 
 def _reference(f: _File) -> tuple[str | None, str | None]:
@@ -474,18 +589,9 @@ def _reference(f: _File) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _is_same(dest: Path, remote: Remote) -> bool:
+def _is_same(found: os.stat_result, remote: Remote) -> bool:
     """A destination already holding the remote file, as a fetch leaves it: its size, and its mtime set to
     the remote's Last-Modified (rclone and wget -N judge by the same two)."""
-    info = dest.stat()
-    if info.st_size != remote.size:
+    if found.st_size != remote.size:
         return False
-    return remote.last_modified is None or abs(info.st_mtime - remote.last_modified) < 1.0
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return remote.last_modified is None or abs(found.st_mtime - remote.last_modified) < 1.0

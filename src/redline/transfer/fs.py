@@ -8,9 +8,11 @@ different offsets keep the link busy, as parallel HTTP ranges do. The validators
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from redline.capability import is_available
+from redline.files import kind_of
 from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Source, TransferError
 
 
@@ -21,16 +23,31 @@ class LocalSource(Source):
         self.endpoint = f"file://{_mount_of(path)}"
 
     def stat(self) -> Remote:
+        fd = self._open()
         try:
-            info = self.path.stat()
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return Remote(self.url, info.st_size, etag=None, last_modified=info.st_mtime)
+
+    def _open(self) -> int:
+        """The file, opened without blocking (a FIFO opens at once) and refused unless regular: a FIFO, a
+        device (/dev/zero reads without end, /dev/null as nothing) or a folder is not a file to copy."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise TransferError(f"{self.path}: no such file") from None
         except OSError as exc:
             raise TransferError(f"{self.path}: {exc.strerror}") from None
-        return Remote(self.url, info.st_size, etag=None, last_modified=info.st_mtime)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise TransferError(f"{self.path}: {kind_of(mode)}, not a regular file; fetch copies regular files")
+        os.set_blocking(fd, True)
+        return fd
 
     def read(self, remote: Remote, start: int, end: int, sink: Sink) -> None:
-        with open(self.path, "rb", buffering=0) as f:
+        with open(self._open(), "rb", buffering=0) as f:
             info = os.fstat(f.fileno())
             if (info.st_size, info.st_mtime) != (remote.size, remote.last_modified):
                 raise Changed(f"{self.path}: changed since the transfer began; run again to copy it anew")
@@ -41,6 +58,43 @@ class LocalSource(Source):
                     raise Changed(f"{self.path}: shorter than when the transfer began")
                 sink(piece)
                 offset += len(piece)
+
+
+def walk_local(root: Path, follow: bool) -> tuple[list[tuple[Path, str]], list[str]]:
+    """The regular files below the folder ``root`` (each with its path below it, sorted) and the entries left
+    out, each with why. A symlink is left out unless ``follow`` (rclone's rule: skipped with a notice, followed
+    with -L/--copy-links; the SFTP listing keeps the same one); a link back to a folder above it is not walked
+    again (a loop); FIFOs, devices and sockets are never files to copy."""
+    files: list[tuple[Path, str]] = []
+    skipped: list[str] = []
+    pending: list[tuple[Path, frozenset]] = [(root, frozenset())]
+    while pending:
+        folder, above = pending.pop()
+        info = os.stat(folder)
+        if (info.st_dev, info.st_ino) in above:
+            skipped.append(f"{folder.relative_to(root).as_posix()} (a link to a folder above it)")
+            continue
+        above = above | {(info.st_dev, info.st_ino)}
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                path = Path(entry.path)
+                relative = path.relative_to(root).as_posix()
+                if entry.is_symlink() and not follow:
+                    skipped.append(f"{relative} (a symlink)")
+                elif entry.is_dir():
+                    pending.append((path, above))
+                elif entry.is_file():
+                    files.append((path, relative))
+                else:
+                    skipped.append(f"{relative} ({_kind(path)})")
+    return sorted(files, key=lambda item: item[1]), sorted(skipped)
+
+
+def _kind(path: Path) -> str:
+    try:
+        return kind_of(os.stat(path).st_mode)
+    except OSError:
+        return "a broken symlink"
 
 
 def _mount_of(path: Path) -> str:
@@ -89,5 +143,14 @@ def fsspec_filesystem(url: str):
 
     try:
         return fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as exc:
-        raise TransferError(f"{url}: {exc}") from None
+    except (ImportError, ValueError, OSError) as exc:  # a filesystem that connects when made (ftp://) may fail so
+        raise TransferError(f"{url}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}") from None
+
+
+def fsspec_knows(scheme: str) -> bool:
+    """Whether fsspec (when installed) has a filesystem for ``scheme``."""
+    if not is_available("fsspec"):
+        return False
+    import fsspec
+
+    return scheme in fsspec.available_protocols()

@@ -8,7 +8,9 @@ rewritten: a line torn by a kill is ignored, and so is a chunk whose bytes no lo
 file's pages did not all reach the disk before a power cut).
 
 When the transfer finishes, the part file is renamed over the destination (atomically, after fsync) and the
-journal removed; until then the destination, if it existed, is untouched.
+journal removed; until then the destination, if it existed, is untouched. Both files are opened inside the
+destination's folder without following a symlink (``landing``), and an earlier run's are taken up only when
+they are this user's regular files.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from redline.transfer.source import Remote
+from redline.transfer.landing import Landing
+from redline.transfer.source import Remote, TransferError
 
 VERSION = 1
 PART = ".redline-part"
@@ -35,6 +38,11 @@ def part_path(dest: Path) -> Path:
 
 def journal_path(dest: Path) -> Path:
     return dest.with_name(dest.name + JOURNAL)
+
+
+def landing(dest: Path) -> Landing:
+    """``dest``'s folder, opened, with the names of its part file and journal."""
+    return Landing(dest, dest.name + PART, dest.name + JOURNAL)
 
 
 def chunks(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -56,9 +64,10 @@ def hash_range(fd: int, start: int, end: int) -> str:
 
 @dataclass
 class Journal:
-    """The state of one destination. ``done`` maps chunk index to SHA-256 of the chunks verified on disk."""
+    """The state of one destination. ``done`` maps chunk index to SHA-256 of the chunks verified on disk. Its
+    files are opened inside the destination's folder (``landing``), never through a symlink."""
 
-    dest: Path
+    landing: Landing
     remote: Remote
     chunk_bytes: int
     done: dict[int, str] = field(default_factory=dict)
@@ -68,35 +77,50 @@ class Journal:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def open(cls, dest: Path, remote: Remote, chunk_bytes: int) -> Journal:
+    def open(cls, landing: Landing, remote: Remote, chunk_bytes: int) -> Journal:
         """Resume from an earlier run's state when it describes the same remote file, else start anew.
-        The part file is sized to the remote file (sparse until written)."""
-        journal = cls(dest, remote, chunk_bytes)
+        The part file is sized to the remote file (sparse until written; empty while its size is unknown)."""
+        journal = cls(landing, remote, chunk_bytes)
         header = {"version": VERSION, "source": remote.url, "chunk_bytes": chunk_bytes, **remote.validators()}
-        earlier = journal._read_earlier()
-        part = part_path(dest)
+        earlier = journal._read_earlier() if remote.size is not None else None
         if earlier is not None:
             old_header, done = earlier
             # the chunk size is the earlier run's, whatever this run's link suggests: its chunks stay valid
             header["chunk_bytes"] = journal.chunk_bytes = int(old_header.get("chunk_bytes") or chunk_bytes)
-            why = _why_differs(old_header, header) or (None if part.exists() else "no part file")
+            why = _why_differs(old_header, header)
             if why is None:
                 journal.done = journal._verified(done)
                 journal.resumed = bool(journal.done)
                 header = old_header
-            else:
-                journal.restarted_because = why
+                why = None if journal.done or done == {} else "its recorded blocks are not in the part file"
+            journal.restarted_because = why
         if not journal.resumed:
-            with open(part, "wb") as f:
-                f.truncate(remote.size)
-            journal_path(dest).write_text(json.dumps(header) + "\n", encoding="utf-8")
+            journal._start(header)
         return journal
 
-    def _read_earlier(self) -> tuple[dict, dict[int, str]] | None:
+    def _start(self, header: dict) -> None:
+        """A new part file (sized, sparse) and a journal holding ``header``, each made afresh."""
+        fd = self.landing.create(self.landing.part)
         try:
-            lines = journal_path(self.dest).read_text(encoding="utf-8").splitlines()
-        except (FileNotFoundError, UnicodeDecodeError):
+            os.ftruncate(fd, self.remote.size or 0)
+        finally:
+            os.close(fd)
+        fd = self.landing.create(self.landing.journal)
+        try:
+            os.write(fd, (json.dumps(header) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def _read_earlier(self) -> tuple[dict, dict[int, str]] | None:
+        """An earlier run's header and recorded blocks, from a journal that is this user's regular file."""
+        fd = self.landing.open_own(self.landing.journal, os.O_RDONLY)
+        if fd is None:
             return None
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                lines = f.read().decode("utf-8", errors="replace").splitlines()
+        finally:
+            os.close(fd)
         records = []
         for line in lines:
             with contextlib.suppress(json.JSONDecodeError):
@@ -107,16 +131,24 @@ class Journal:
         return records[0], done
 
     def _verified(self, done: dict[int, str]) -> dict[int, str]:
-        """The recorded chunks whose bytes in the part file still hash to what was recorded."""
+        """The recorded chunks whose bytes in the part file (this user's, not a link) still hash to what was
+        recorded."""
+        fd = self.landing.open_own(self.landing.part, os.O_RDONLY)
+        if fd is None:
+            return {}
         spans = chunks(self.remote.size, self.chunk_bytes)
-        kept = {}
-        with open(part_path(self.dest), "rb") as f:
-            if os.fstat(f.fileno()).st_size != self.remote.size:
+        try:
+            if os.fstat(fd).st_size != self.remote.size:
                 return {}
-            for index, sha in done.items():
-                if 0 <= index < len(spans) and hash_range(f.fileno(), *spans[index]) == sha:
-                    kept[index] = sha
-        return kept
+            return {i: sha for i, sha in done.items() if 0 <= i < len(spans) and hash_range(fd, *spans[i]) == sha}
+        finally:
+            os.close(fd)
+
+    def forget(self) -> None:
+        """Start over: no block kept (a server without ranges cannot send the ones missing alone)."""
+        self.done, self.resumed = {}, False
+        self._start({"version": VERSION, "source": self.remote.url, "chunk_bytes": self.chunk_bytes,
+                     **self.remote.validators()})  # fmt: skip
 
     def record(self, index: int, sha256: str) -> None:
         with self._lock:
@@ -124,8 +156,13 @@ class Journal:
                 return
             self.done[index] = sha256
             # opened per record, not held: a fetch of 100,000 files must not hold a descriptor per file
-            with open(journal_path(self.dest), "a", encoding="utf-8") as log:
-                log.write(json.dumps({"chunk": index, "sha256": sha256}) + "\n")
+            fd = self.landing.open_own(self.landing.journal, os.O_WRONLY | os.O_APPEND)
+            if fd is None:
+                raise TransferError(f"{journal_path(self.landing.dest)}: replaced by something else during the fetch")
+            try:
+                os.write(fd, (json.dumps({"chunk": index, "sha256": sha256}) + "\n").encode())
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         with self._lock:
@@ -134,8 +171,8 @@ class Journal:
     def discard(self) -> None:
         """Remove the part file and the journal (a finished or hopeless transfer)."""
         self.close()
-        for path in (part_path(self.dest), journal_path(self.dest)):
-            path.unlink(missing_ok=True)
+        self.landing.remove(self.landing.part)
+        self.landing.remove(self.landing.journal)
 
 
 def _why_differs(old: dict, new: dict) -> str | None:

@@ -80,10 +80,16 @@ class S3Source(HttpSource):
         super().__init__(self.request_url(), pools, display=url)
         self.url = url
 
-    def request_url(self) -> str:
-        return self.s3.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": self.key}, ExpiresIn=PRESIGN_S
-        )
+    def request_url(self, remote: Remote | None = None) -> str:
+        params = {"Bucket": self.bucket, "Key": self.key}
+        if remote is not None and remote.version:
+            params["VersionId"] = remote.version  # that version's bytes, whatever is put over the key meanwhile
+        return self.s3.generate_presigned_url("get_object", Params=params, ExpiresIn=PRESIGN_S)
+
+    def pinned(self, remote: Remote) -> dict[str, str]:
+        """If-Match with the ETag the fetch began on: S3 ignores If-Range, so without it a range of an object
+        replaced mid-fetch would come back as a 206 of the new one; with it, a 412."""
+        return {"If-Match": remote.etag} if remote.etag else {}
 
     def stat(self) -> Remote:
         try:
@@ -98,6 +104,7 @@ class S3Source(HttpSource):
             etag=head.get("ETag"),
             last_modified=head["LastModified"].timestamp() if head.get("LastModified") else None,
             checksum=("sha256", sha) if sha else None,
+            version=head.get("VersionId") if head.get("VersionId") not in (None, "null") else None,
             ranged=True,
         )
 
@@ -105,7 +112,10 @@ class S3Source(HttpSource):
         try:
             super().read(remote, start, end, sink)
         except Changed:
-            raise Changed(f"{self.display}: the object changed since the transfer began; run again") from None
+            raise Changed(
+                f"{self.display}: the object was replaced during the fetch; nothing of the new one was kept: "
+                "run again to fetch it anew"
+            ) from None
 
 
 def listing(s3, url: str) -> list[tuple[str, str]]:

@@ -4,7 +4,10 @@ holds, and where each file lands.
 A URL ending in ``/`` (or a local directory) stands for every file below it; each lands under DEST at its
 path below that URL. One source file and a DEST that is not a directory: DEST is the file. A listing's
 names never leave DEST: a path with ``..`` or a leading ``/`` is refused (a hostile server must not write
-elsewhere on this machine).
+elsewhere on this machine). A folder's symlinks, local or over SFTP, are skipped and said unless
+``copy_links`` (rclone's rule). A URL of an unknown scheme or with a port out of range, a source that is not
+a regular file (a FIFO, ``/dev/zero``) and a DEST that is neither a regular file nor a folder (a symlink, a
+device) are BadInput before anything moves.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 
 from redline.errors import BadInput
+from redline.files import refuse_non_regular
 from redline.transfer.engine import Item
-from redline.transfer.fs import FsspecSource, LocalSource, fsspec_filesystem
-from redline.transfer.http import HttpSource, Pools
+from redline.transfer.fs import FsspecSource, LocalSource, fsspec_filesystem, fsspec_knows, walk_local
+from redline.transfer.http import HttpSource, Pools, host_port
+from redline.transfer.landing import refusal
 from redline.transfer.source import Sockets, Source, TransferError
+
+OWN_SCHEMES = ("http", "https", "s3", "sftp", "file")
 
 
 class Session:
@@ -31,8 +38,10 @@ class Session:
         endpoint_url: str | None = None,
         known_hosts: Path | None = None,
         key_file: Path | None = None,
+        copy_links: bool = False,
     ) -> None:
-        self.sockets, self.per_endpoint = sockets, per_endpoint
+        self.sockets, self.per_endpoint, self.copy_links = sockets, per_endpoint, copy_links
+        self.skipped: list[str] = []  # entries of the folders listed that are not moved, each with why
         self.endpoint_url, self.known_hosts, self.key_file = endpoint_url, known_hosts, key_file
         self._pools: Pools | None = None
         self._ssh = None
@@ -61,6 +70,7 @@ class Session:
         return self._s3
 
     def source(self, url: str) -> Source:
+        check_url(url)
         scheme = kind(url)
         if scheme in ("http", "https"):
             return HttpSource(url, self.pools)
@@ -89,10 +99,14 @@ class Session:
         if scheme == "sftp":
             from redline.transfer import sftp
 
-            return sftp.listing(self.ssh, url)
+            files, skipped = sftp.listing(self.ssh, url, self.copy_links)
+            self.skipped += [f"{url.rstrip('/')}/{name}" for name in skipped]
+            return files
         if scheme == "file":
             root = local_path(url)
-            return sorted((str(path), path.relative_to(root).as_posix()) for path in root.rglob("*") if path.is_file())
+            found, skipped = walk_local(root, self.copy_links)
+            self.skipped += [f"{root / name}" for name in skipped]
+            return [(str(path), name) for path, name in found]
         fs, path = fsspec_filesystem(url)
         base = path.rstrip("/")
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -120,6 +134,44 @@ def is_folder(url: str) -> bool:
     return url.endswith("/") or (kind(url) == "file" and local_path(url).is_dir())
 
 
+def check_url(url: str) -> None:
+    """BadInput, one line, for a URL no source can be made of: an unknown scheme, no host, a port out of range."""
+    scheme = kind(url)
+    if scheme not in OWN_SCHEMES and not fsspec_knows(scheme):
+        raise BadInput(
+            f"{url}: fetch reads http(s)://, s3://, sftp://, paths and the URLs fsspec knows, not {scheme}://"
+        )
+    if scheme in ("http", "https", "sftp") and not urlsplit(url).hostname:
+        raise BadInput(f"{url}: names no host")
+    if scheme in ("http", "https", "sftp"):
+        try:
+            host_port(url)
+        except TransferError as exc:
+            raise BadInput(str(exc)) from None
+        if urlsplit(url).port == 0:
+            raise BadInput(f"{url}: the port is not a number from 1 to 65535")
+
+
+def check_local_source(url: str) -> None:
+    """BadInput for a path that is there and is not a regular file or a folder (a FIFO, a device)."""
+    path = local_path(url)
+    if not path.is_dir():
+        refuse_non_regular(path, "source")
+
+
+def check_dest(dest: Path) -> None:
+    """BadInput for a DEST that is there and is neither a folder nor a regular file: a symlink to a file is
+    neither followed nor replaced, a device or a FIFO never replaced (``--overwrite`` or not)."""
+    try:
+        found = os.lstat(dest)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise BadInput(f"{dest}: {exc.strerror or exc}") from None
+    if not (dest.is_dir() or (why := refusal(dest, found.st_mode)) is None):
+        raise BadInput(why)
+
+
 def safe_relative(name: str, url: str) -> PurePosixPath:
     relative = PurePosixPath(name)
     if not name or relative.is_absolute() or ".." in relative.parts:
@@ -134,6 +186,11 @@ def plan_items(session: Session, sources: list[str], dest: Path, sha256: str | N
         raise BadInput("--checksum names the hash of one file: give one source file and a file destination")
     if into_folder and dest.exists() and not dest.is_dir():
         raise BadInput(f"{dest}: not a directory (several files, or a folder, go into a directory)")
+    check_dest(dest)
+    for url in sources:
+        check_url(url)
+        if kind(url) == "file":
+            check_local_source(url)
     items = []
     for url in sources:
         if is_folder(url):

@@ -141,24 +141,47 @@ class SftpSource(Source):
                 sink(piece)
 
 
-def listing(pool: SshPool, url: str) -> list[tuple[str, str]]:
-    """Every file below the directory ``url`` names: (its URL, its path below that directory)."""
+def listing(pool: SshPool, url: str, follow: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
+    """Every regular file below the directory ``url`` names (its URL, its path below that directory), and the
+    entries left out with why: symlinks unless ``follow``, as a local folder's (``fs.walk_local``)."""
     address = Address.parse(url)
     session = pool.sftp(address)
     base = address.path.rstrip("/")
     out: list[tuple[str, str]] = []
-    pending = [""]
+    skipped: list[str] = []
+    pending: list[tuple[str, frozenset]] = [("", frozenset())]  # each folder with the real paths above it
     prefix = url.rstrip("/")
     while pending:
-        relative = pending.pop()
+        relative, above = pending.pop()
+        folder = f"{base}/{relative}".rstrip("/") or "/"
         try:
-            entries = session.listdir_attr(f"{base}/{relative}".rstrip("/") or "/")
+            real = session.normalize(folder)
+            entries = [] if real in above else session.listdir_attr(folder)
         except OSError as exc:
             raise _missing(exc, url) or TransferError(f"{url}: cannot list: {exc}") from None
+        if real in above:
+            skipped.append(f"{relative} (a link to a folder above it)")
+        above = above | {real}
         for entry in sorted(entries, key=lambda e: e.filename):
             name = f"{relative}/{entry.filename}".lstrip("/")
-            if stat_mode.S_ISDIR(entry.st_mode or 0):
-                pending.append(name)
-            elif stat_mode.S_ISREG(entry.st_mode or 0):
+            mode = entry.st_mode or 0
+            if stat_mode.S_ISLNK(mode):
+                if not follow:
+                    skipped.append(f"{name} (a symlink)")
+                    continue
+                mode = _target_mode(session, f"{base}/{name}")
+            if stat_mode.S_ISDIR(mode):
+                pending.append((name, above))
+            elif stat_mode.S_ISREG(mode):
                 out.append((f"{prefix}/{name}", name))
-    return sorted(out, key=lambda item: item[1])
+            else:
+                skipped.append(f"{name} ({'a broken symlink' if mode == 0 else 'not a regular file'})")
+    return sorted(out, key=lambda item: item[1]), sorted(skipped)
+
+
+def _target_mode(session, path: str) -> int:
+    """The mode of what the symlink ``path`` points to; 0 when it points nowhere."""
+    try:
+        return session.stat(path).st_mode or 0
+    except OSError:
+        return 0

@@ -31,11 +31,12 @@ class Changed(TransferError):
 @dataclass(frozen=True)
 class Remote:
     url: str
-    size: int
+    size: int | None  # None: the server gives no length (a chunked answer); known once it is read
     etag: str | None = None
     last_modified: float | None = None  # seconds since the epoch
     checksum: tuple[str, str] | None = None  # ("sha256", hex) of the whole file, where the store keeps one
-    ranged: bool = True  # honours byte ranges; when not, the file comes in one piece
+    version: str | None = None  # the object version an S3 bucket with versioning gives: its bytes never change
+    ranged: bool = True  # honours byte ranges; when not, the file comes in one piece, over one stream
 
     def validators(self) -> dict:
         return {"size": self.size, "etag": self.etag, "last_modified": self.last_modified}

@@ -373,23 +373,28 @@ def _mkdirs(session, folder: str) -> None:
         session.mkdir(path)
 
 
-def plan_uploads(sources: list[str], dest: str) -> list[Upload]:
+def plan_uploads(sources: list[str], dest: str, follow: bool = False) -> tuple[list[Upload], list[str]]:
     """Local files and folders to upload, each with its destination URL: one file to a URL not ending in /
-    goes to that URL; anything else lands below ``dest`` by name (a folder's files by their path in it)."""
+    goes to that URL; anything else lands below ``dest`` by name (a folder's files by their path in it). The
+    entries of a folder left out (symlinks unless ``follow``), each with why."""
     from redline.errors import BadInput
+    from redline.files import refuse_non_regular
+    from redline.transfer.fs import walk_local
 
     into_folder = len(sources) > 1 or dest.endswith("/") or any(Path(s).is_dir() for s in sources)
     base = dest.rstrip("/")
-    uploads = []
+    uploads, skipped = [], []
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file())
+            files, left_out = walk_local(path, follow)
+            skipped += [str(path / name) for name in left_out]
             if not files:
                 raise BadInput(f"{path}: holds no files")
-            uploads += [Upload(p, f"{base}/{p.relative_to(path).as_posix()}") for p in files]
-        elif path.is_file():
+            uploads += [Upload(p, f"{base}/{name}") for p, name in files]
+        elif path.exists():
+            refuse_non_regular(path, "source")
             uploads.append(Upload(path, f"{base}/{path.name}" if into_folder else dest))
         else:
             raise BadInput(f"{path}: no such file or folder")
-    return uploads
+    return uploads, skipped
