@@ -20,11 +20,12 @@ from conftest import run_cli
 from redline import transfer
 from redline.errors import BadInput
 from redline.transfer import journal
+from small_disk import small_disk
 from transfer_servers import HostileServer, Misbehaviour
+from unix_users import as_user
 
 MiB = 1 << 20
 NARROW = {"COLUMNS": "80"}
-OTHER = "redline-xfer-test"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a second user, mount, mknod)")
 
 
@@ -52,20 +53,6 @@ def server():
 
 
 @pytest.fixture
-def other_user():
-    """A second Unix user (made for the test, removed after): its uid."""
-    import pwd
-
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a second user")
-    made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], capture_output=True)
-    if made.returncode not in (0, 9):  # 9: it exists (a test run killed before its cleanup)
-        pytest.skip(f"cannot make a second user: {made.stderr.decode().strip()}")
-    yield pwd.getpwnam(OTHER).pw_uid
-    subprocess.run(["userdel", OTHER], capture_output=True)
-
-
-@pytest.fixture
 def shared():
     """A shared sticky folder, as /tmp is: anyone may make names in it, only their owner remove them."""
     folder = Path(tempfile.mkdtemp(prefix="redline-shared-", dir="/tmp"))
@@ -75,20 +62,13 @@ def shared():
 
 
 def _plant(uid: int, links: dict[Path, Path]) -> None:
-    """Symlinks made by the user ``uid`` (a child process that drops to it), each name -> target."""
-    child = os.fork()
-    if child == 0:  # pragma: no cover (runs in the child)
-        code = 1
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            for name, target in links.items():
-                os.symlink(target, name)
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    """Symlinks made by the user ``uid`` (a child process that became it), each name -> target."""
+
+    def plant() -> None:
+        for name, target in links.items():
+            os.symlink(target, name)
+
+    as_user(uid, plant)
 
 
 def _victims(folder: Path, count: int) -> list[Path]:
@@ -159,22 +139,9 @@ def test_a_fifo_or_a_device_as_the_source_is_refused_without_blocking(tmp_path: 
         assert not (tmp_path / "copy").exists()
 
 
-@contextlib.contextmanager
-def _small_disk(folder: Path, size: str):
-    """A tmpfs of ``size`` mounted at ``folder``, unmounted after, whatever happens."""
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
 @root_only
 def test_a_disk_too_small_fails_the_file_before_a_byte_moves(server, tmp_path: Path) -> None:
-    with _small_disk(tmp_path / "small", "1m") as disk:
+    with small_disk(tmp_path / "small", "1m") as disk:
         result = run_cli("fetch", server.url, str(disk / "file.bin"), env=NARROW)
         line = _one_line(result, 1)
         assert "needs 2.0 MiB free" in line and "nothing was fetched" in line, line
@@ -185,7 +152,7 @@ def test_a_disk_too_small_fails_the_file_before_a_byte_moves(server, tmp_path: P
 def test_a_disk_filled_mid_fetch_fails_at_once_and_keeps_what_was_verified(server, tmp_path: Path) -> None:
     """Another writer fills the disk after the first blocks land: the file fails at once (no retries), its
     verified blocks stay, and once there is room again a run resumes from them."""
-    with _small_disk(tmp_path / "small", "3m") as disk:
+    with small_disk(tmp_path / "small", "3m") as disk:
         filler = disk / "filler"
 
         class FillAfterFirstBlocks(transfer.Progress):
