@@ -13,6 +13,7 @@ checks a user's keys (``check_trusted``): nobody but this user and root may have
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -175,6 +176,18 @@ def check_trusted(path: str | os.PathLike[str], what: str) -> None:
     refusal = _untrusted(real, set(), real)
     if refusal is not None:
         raise BadInput(f"refusing {what} {path}: {refusal}")
+
+
+def drop_write_for_others(folder: str | os.PathLike[str]) -> None:
+    """No write permission for the group or everyone on ``folder`` and what it holds (a umask of 002 leaves
+    them), so that what this user just saved passes ``check_trusted``. A file of another user (written by a
+    rank on another node) is theirs to set: left as it is."""
+    root = Path(folder)
+    for path in _entries(root):
+        with contextlib.suppress(OSError):
+            mode = path.lstat().st_mode
+            if mode & 0o022 and not stat.S_ISLNK(mode):
+                path.chmod(stat.S_IMODE(mode) & ~0o022)
 
 
 def _untrusted(real: Path, seen: set[Path], top: Path) -> str | None:
