@@ -93,7 +93,7 @@ PACKED = ".packed"
 # A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
 # test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
 SLOW_SAVE_ENV = "REDLINE_TEST_SLOW_SAVE_S"
-MARKER_LIMIT_BYTES = MiB  # a COMPLETE marker is a few lines of JSON
+MARKER_LIMIT_BYTES = MiB  # a COMPLETE marker, the attempts count, the micro-batch record: a few bytes of JSON
 
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 _OURS = re.compile(r"step-\d{8,}(\.partial|\.trash)?")
@@ -269,8 +269,8 @@ class Checkpointer:
         if self.rank == 0:
             path = self.directory / ATTEMPTS_FILE
             try:
-                number[0] = int(path.read_text(encoding="utf-8")) + 1
-            except (OSError, ValueError):
+                number[0] = int(read_user_bytes(path, "attempts file", limit_bytes=MARKER_LIMIT_BYTES)) + 1
+            except (BadInput, ValueError):  # none yet, or not ours (a FIFO in its place is not waited on)
                 number[0] = 0
             self.directory.mkdir(parents=True, exist_ok=True)
             _replace_file(path, str(number[0]).encode())
@@ -303,9 +303,10 @@ class Checkpointer:
     def recorded_micro_batch(self) -> tuple[int, int] | None:
         """``(micro_batch, accumulation)`` recorded by ``record_micro_batch``; None if none (or unreadable)."""
         try:
-            data = json.loads((self.directory / MICRO_BATCH_FILE).read_text(encoding="utf-8"))
+            path = self.directory / MICRO_BATCH_FILE
+            data = json.loads(read_user_bytes(path, "micro-batch record", limit_bytes=MARKER_LIMIT_BYTES))
             micro, accumulation = int(data["micro_batch"]), int(data["accumulation"])
-        except (OSError, ValueError, TypeError, KeyError):
+        except (BadInput, ValueError, TypeError, KeyError):
             return None
         return (micro, accumulation) if micro >= 1 and accumulation >= 1 else None
 
