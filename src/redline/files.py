@@ -17,6 +17,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from redline.errors import BadInput
@@ -112,27 +113,25 @@ def refuse_non_regular(path: str | os.PathLike[str], what: str) -> None:
     """For a file about to be written or read: BadInput when ``path`` exists and is not a regular file (a FIFO
     would block the open, a device would swallow or yield without end, a folder cannot be one). A symlink is
     judged by what it points to."""
-    try:
-        found = os.stat(Path(path))
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise BadInput(f"cannot use {what} {path}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(found.st_mode):
-        raise BadInput(f"{what} {path} is {kind_of(found.st_mode)}, not a file")
+    _refuse_unless(path, what, stat.S_ISREG, "a file")
 
 
 def refuse_non_folder(path: str | os.PathLike[str], what: str) -> None:
     """For a folder about to be made or used: BadInput when ``path`` exists and is not a folder (a file, a
     FIFO, a device). A symlink is judged by what it points to."""
+    _refuse_unless(path, what, stat.S_ISDIR, "a folder")
+
+
+def _refuse_unless(path: str | os.PathLike[str], what: str, wanted: Callable[[int], bool], noun: str) -> None:
+    """BadInput when ``path`` exists and its kind is not ``wanted`` (``noun`` names what it should be)."""
     try:
         found = os.stat(Path(path))
     except FileNotFoundError:
         return
     except OSError as exc:
         raise BadInput(f"cannot use {what} {path}: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(found.st_mode):
-        raise BadInput(f"{what} {path} is {kind_of(found.st_mode)}, not a folder")
+    if not wanted(found.st_mode):
+        raise BadInput(f"{what} {path} is {kind_of(found.st_mode)}, not {noun}")
 
 
 def open_append(path: str | os.PathLike[str], what: str) -> int:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_monitor_cli import monitor_serving
 
 SCRAPERS = 200
 HANG_GUARD_S = 300.0
@@ -30,12 +31,6 @@ def deep_enough_kernel() -> None:
     somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
     if somaxconn < SCRAPERS:
         pytest.skip(f"net.core.somaxconn is {somaxconn}: the kernel cuts every backlog below {SCRAPERS}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def connect_while_stopped(pid: int, port: int) -> list[socket.socket]:
@@ -99,19 +94,8 @@ def answers(sockets: list[socket.socket]) -> list[bytes]:
 
 
 def test_the_exporter_answers_200_scrapes_that_land_at_once() -> None:
-    port = free_port()
-    monitor = subprocess.Popen(
-        [sys.executable, "-m", "redline", "monitor", "--port", str(port), "--interval", "0.2", "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert monitor.stdout is not None and monitor.stdout.readline()  # sampling, and so serving
+    with monitor_serving() as (monitor, port):
         replies = answers(connect_while_stopped(monitor.pid, port))
-    finally:
-        monitor.send_signal(signal.SIGTERM)
-        monitor.communicate(timeout=HANG_GUARD_S)
     good = [r for r in replies if r.startswith(b"HTTP/1.0 200") and b"redline_host_memory_total_bytes" in r]
     assert len(good) == SCRAPERS, f"{len(good)} of {SCRAPERS} scrapes answered"
 
