@@ -107,3 +107,21 @@ def test_a_fifo_or_a_device_where_a_file_is_expected_is_refused_unread(
 ) -> None:
     refused(args, needle, scratch)
     assert not (scratch / "ran").exists()
+
+
+# ------------------------------------------------------------------------------------------- trusted folders
+
+
+def test_run_refuses_a_checkpoint_directory_others_may_write_before_the_script_starts(scratch: Path) -> None:
+    """The resume would refuse it inside the script (its .metadata is a pickle: code); the launch says so first."""
+    saved = scratch / "ckpt" / "step-00000001"
+    saved.mkdir(parents=True)
+    (saved / ".metadata").write_bytes(b"anything")
+    (saved / ".metadata").chmod(0o666)
+    line = refused(
+        ["run", "--checkpoint-dir", "ckpt", "train.py", "ran"], "refusing checkpoint directory ckpt", scratch
+    )
+    assert line.endswith(
+        f"is writable by its group and everyone (mode 0666), and it runs as code here: chmod -R go-w {scratch / 'ckpt'}"
+    )
+    assert not (scratch / "ran").exists()
