@@ -455,6 +455,9 @@ def test_trained_weights_load_from_a_state_dict_and_from_a_run_checkpoint(nets: 
         loaded = load_subject("tiny_nets:classifier", weights=weights).served.inner
         for name, value in trained.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], value), (weights, name)
+    (step / ".metadata").chmod(0o666)  # a pickle anyone could have replaced: not read
+    with pytest.raises(BadInput, match=f"^refusing --weights checkpoint directory {tmp_path / 'ckpt'}: "):
+        load_subject("tiny_nets:classifier", weights=tmp_path / "ckpt")
 
 
 # ---------------------------------------------------------------------------------------------- generation
