@@ -103,18 +103,19 @@ def _checked_plan(plan: Path | None, runtime: dict) -> Strategy | None:
     checked as the resume will check it (``files.check_trusted``), so a refusal is one line here, not a
     traceback of the script's."""
     from redline.files import check_trusted
-    from redline.runtime.config import RunConfig, check_runnable, check_settings, from_plan_file
+    from redline.runtime.config import check_runnable, check_settings, from_plan_file
 
     check_settings(runtime)
-    config = RunConfig().with_settings(runtime)
+    config = None
     if plan is not None:
         from redline.plan.planfile import load_plan
 
         check_runnable(load_plan(plan).strategy, str(plan))
         config = from_plan_file(plan).with_settings(runtime)
-    if config.checkpoint.dir:
-        check_trusted(config.checkpoint.dir, "checkpoint directory")
-    return config.strategy if plan is not None else None
+    checkpoints = config.checkpoint.dir if config is not None else runtime.get("checkpoint_dir")
+    if checkpoints:
+        check_trusted(checkpoints, "checkpoint directory")
+    return config.strategy if config is not None else None
 
 
 def _describe(spec: Launch, why: str, plan_label: str | None) -> str:
