@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from redline.errors import BadInput
-from redline.files import open_regular, read_user_bytes, read_user_file, refuse_non_regular
+from redline.files import (
+    check_trusted,
+    open_append,
+    open_regular,
+    read_user_bytes,
+    read_user_file,
+    refuse_non_folder,
+    refuse_non_regular,
+)
 
 
 def refused(call, *args, **kwargs) -> str:
@@ -74,3 +82,93 @@ def test_an_unreadable_file_is_one_line(tmp_path: Path) -> None:
     locked.write_text("x")
     locked.chmod(0)
     assert refused(read_user_file, locked, "plan file") == f"cannot read plan file {locked}: Permission denied"
+
+
+def test_a_folder_is_refused_where_a_folder_is_not_and_appends_never_block(tmp_path: Path) -> None:
+    fifo = tmp_path / "steps.jsonl"
+    os.mkfifo(fifo)
+    assert refused(refuse_non_folder, fifo, "checkpoint folder") == f"checkpoint folder {fifo} is a FIFO, not a folder"
+    (tmp_path / "file").write_text("x")
+    assert refused(refuse_non_folder, tmp_path / "file", "output folder").endswith("is a regular file, not a folder")
+    refuse_non_folder(tmp_path, "output folder")
+    refuse_non_folder(tmp_path / "absent", "output folder")
+    assert refused(open_append, fifo, "step metrics") == f"step metrics {fifo} is a FIFO, not a file"
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # with a reader the open succeeds: fstat still says no
+    try:
+        assert refused(open_append, fifo, "step metrics") == f"step metrics {fifo} is a FIFO, not a file"
+    finally:
+        os.close(reader)
+    device = refused(open_append, "/dev/null", "step metrics")
+    assert device == "step metrics /dev/null is a character device, not a file"
+    fd = open_append(tmp_path / "new.jsonl", "step metrics")
+    os.write(fd, b"one\n")
+    os.close(fd)
+    assert (tmp_path / "new.jsonl").read_bytes() == b"one\n"
+
+
+# ------------------------------------------------------------------------------------------ trusted folders
+
+
+def code_folder(parent: Path) -> Path:
+    """A folder as a checkpoint or an artifact is: a file, and a folder holding one."""
+    folder = parent / "ckpt"
+    (folder / "step-1").mkdir(parents=True)
+    (folder / "step-1" / ".metadata").write_bytes(b"pickle")
+    (folder / "manifest.json").write_text("{}")
+    for path in (folder, folder / "step-1"):
+        path.chmod(0o755)
+    return folder
+
+
+def test_a_folder_only_this_user_could_write_is_trusted(tmp_path: Path) -> None:
+    folder = code_folder(tmp_path)
+    check_trusted(folder, "checkpoint folder")
+    check_trusted(tmp_path / "absent", "checkpoint folder")  # nothing there: nothing runs
+    sticky = tmp_path / "shared"
+    sticky.mkdir()
+    sticky.chmod(0o1777)  # as /tmp is: others add their own entries there, and cannot rename ours
+    check_trusted(code_folder(sticky), "checkpoint folder")
+
+
+@pytest.mark.parametrize(("where", "mode", "writers"), [
+    (".", 0o775, "its group"), ("step-1", 0o757, "everyone"), ("step-1/.metadata", 0o666, "its group and everyone"),
+])  # fmt: skip
+def test_a_folder_or_file_others_may_write_is_refused(tmp_path: Path, where: str, mode: int, writers: str) -> None:
+    folder = code_folder(tmp_path)
+    (folder / where).chmod(mode)
+    line = refused(check_trusted, folder, "checkpoint folder")
+    named = "it" if where == "." else str(folder / where)
+    assert line == (
+        f"refusing checkpoint folder {folder}: {named} is writable by {writers} (mode {mode:04o}), and it runs as "
+        f"code here: chmod -R go-w {folder}"
+    )
+
+
+def test_a_parent_anyone_may_write_without_the_sticky_bit_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    folder = code_folder(shared)
+    assert refused(check_trusted, folder / "step-1", "checkpoint folder") == (
+        f"refusing checkpoint folder {folder / 'step-1'}: the folder above it, {shared}, is writable by its group "
+        f"and everyone without the sticky bit (mode 0777), so anyone could swap it for another: chmod go-w {shared}"
+    )
+
+
+def test_what_another_user_owns_is_refused_even_to_root(tmp_path: Path, stranger: int) -> None:
+    folder = code_folder(tmp_path)
+    os.chown(folder / "step-1" / ".metadata", stranger, stranger)
+    line = refused(check_trusted, folder, "artifact")
+    assert line.startswith(f"refusing artifact {folder}: {folder}/step-1/.metadata belongs to redline-stranger (uid ")
+    assert line.endswith("not to you or root, and it runs as code here: copy what you trust into a folder of your own")
+    os.chown(folder / "step-1" / ".metadata", 0, 0)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, stranger, stranger)  # their folder: they may rename ours inside it and put theirs there
+    inside = code_folder(theirs)
+    assert f"the folder above it, {theirs}, belongs to redline-stranger" in refused(check_trusted, inside, "artifact")
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"weights")
+    os.chown(elsewhere, stranger, stranger)
+    (folder / "weights.pt").symlink_to(elsewhere)  # a link is judged by what it points to
+    assert f"{elsewhere} belongs to redline-stranger" in refused(check_trusted, folder, "artifact")

@@ -6,13 +6,18 @@ someone else. Every file redline reads whole goes through ``open_regular``: it o
 (``O_NONBLOCK``: a FIFO opens at once), looks at what it opened (``fstat`` of the descriptor, not of the path,
 so nothing can be swapped in between) and refuses anything but a regular file, in one line, before reading a
 byte. A size cap keeps a huge file from being read into memory.
+
+A folder whose files run as code when loaded (a checkpoint, an inference artifact) is first checked as OpenSSH
+checks a user's keys (``check_trusted``): nobody but this user and root may have been able to write it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from redline.errors import BadInput
@@ -108,11 +113,162 @@ def refuse_non_regular(path: str | os.PathLike[str], what: str) -> None:
     """For a file about to be written or read: BadInput when ``path`` exists and is not a regular file (a FIFO
     would block the open, a device would swallow or yield without end, a folder cannot be one). A symlink is
     judged by what it points to."""
+    _refuse_unless(path, what, stat.S_ISREG, "a file")
+
+
+def refuse_non_folder(path: str | os.PathLike[str], what: str) -> None:
+    """For a folder about to be made or used: BadInput when ``path`` exists and is not a folder (a file, a
+    FIFO, a device). A symlink is judged by what it points to."""
+    _refuse_unless(path, what, stat.S_ISDIR, "a folder")
+
+
+def _refuse_unless(path: str | os.PathLike[str], what: str, wanted: Callable[[int], bool], noun: str) -> None:
+    """BadInput when ``path`` exists and its kind is not ``wanted`` (``noun`` names what it should be)."""
     try:
         found = os.stat(Path(path))
     except FileNotFoundError:
         return
     except OSError as exc:
         raise BadInput(f"cannot use {what} {path}: {exc.strerror or exc}") from None
+    if not wanted(found.st_mode):
+        raise BadInput(f"{what} {path} is {kind_of(found.st_mode)}, not {noun}")
+
+
+def open_append(path: str | os.PathLike[str], what: str) -> int:
+    """A descriptor that appends to the regular file at ``path`` (made if missing); BadInput, one line, when
+    it is a FIFO, a device or a folder. Opened without blocking (a FIFO with a reader would otherwise take
+    the writes, one without would block the open) and judged by ``fstat`` of what was opened."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO no one reads
+            raise BadInput(f"{what} {path} is a FIFO, not a file") from None
+        raise BadInput(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    found = os.fstat(fd)
     if not stat.S_ISREG(found.st_mode):
+        os.close(fd)
         raise BadInput(f"{what} {path} is {kind_of(found.st_mode)}, not a file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+# --------------------------------------------------------------------------------------- trusted folders
+#
+# A checkpoint (PyTorch's sharded metadata is a pickle) and an inference artifact (a compiled model, a factory
+# module) run code when loaded. As OpenSSH's StrictModes does for a user's keys, such a folder is used only
+# when no one but this user and root could have written what it holds, or swapped it for another:
+#
+# - the folder and everything under it (what a symlink in it points to too) belong to this user or root, and
+#   none of it is writable by its group or by everyone;
+# - every folder above it belongs to this user or root, and is not writable by its group or by everyone unless
+#   it has the sticky bit (/tmp: others may add entries there, but not rename or remove ours).
+
+
+def check_trusted(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse (BadInput, one line naming the path and the fix) ``what`` at ``path`` when a user other than this
+    one or root could have written it or swapped it (the rules above). A path that does not exist holds no
+    code: nothing to check."""
+    real = Path(os.path.realpath(path))
+    if not real.exists():
+        return
+    refusal = _untrusted(real, set(), real)
+    if refusal is not None:
+        raise BadInput(f"refusing {what} {path}: {refusal}")
+
+
+def drop_write_for_others(folder: str | os.PathLike[str]) -> None:
+    """No write permission for the group or everyone on ``folder`` and what it holds (a umask of 002 leaves
+    them), so that what this user just saved passes ``check_trusted``. A file of another user (written by a
+    rank on another node) is theirs to set: left as it is."""
+    root = Path(folder)
+    for path in _entries(root):
+        with contextlib.suppress(OSError):
+            mode = path.lstat().st_mode
+            if mode & 0o022 and not stat.S_ISLNK(mode):
+                path.chmod(stat.S_IMODE(mode) & ~0o022)
+
+
+def _untrusted(real: Path, seen: set[Path], top: Path) -> str | None:
+    """Why ``real`` (a resolved path: ``top``, the one asked about, or what a symlink under it points to) is not
+    to be trusted, or None: its parents, then it and what it holds."""
+    seen.add(real)
+    for parent in reversed(real.parents):
+        why = _parent_problem(parent)
+        if why is not None:
+            return why
+    for entry in _entries(real):
+        found = _lstat(entry)
+        if stat.S_ISLNK(found.st_mode):
+            target = Path(os.path.realpath(entry))
+            why = None if target in seen or not target.exists() else _untrusted(target, seen, top)
+        else:
+            why = _entry_problem(entry, found, real, top)
+        if why is not None:
+            return why
+    return None
+
+
+def _entries(root: Path) -> list[Path]:
+    """``root`` and everything under it, symlinks as themselves (not walked into: they are judged apart)."""
+    if not root.is_dir():
+        return [root]
+    found = [root]
+    for folder, folders, files in os.walk(root, followlinks=False):
+        found += [Path(folder, name) for name in (*folders, *files)]
+    return found
+
+
+def _lstat(path: Path) -> os.stat_result:
+    try:
+        return os.lstat(path)
+    except OSError as exc:
+        raise BadInput(f"cannot check {path}: {exc.strerror or exc}") from None
+
+
+def _entry_problem(entry: Path, found: os.stat_result, root: Path, top: Path) -> str | None:
+    where = "it" if entry == top else str(entry)
+    if not _trusted_owner(found.st_uid):
+        return (
+            f"{where} belongs to {_user(found.st_uid)}, not to you or root, and it runs as code here: "
+            "copy what you trust into a folder of your own"
+        )
+    if found.st_mode & 0o022:
+        return (
+            f"{where} is writable by {_writers(found.st_mode)} (mode {found.st_mode & 0o7777:04o}), and it runs "
+            f"as code here: chmod -R go-w {root}"
+        )
+    return None
+
+
+def _parent_problem(parent: Path) -> str | None:
+    found = _lstat(parent)
+    if not _trusted_owner(found.st_uid):
+        return (
+            f"the folder above it, {parent}, belongs to {_user(found.st_uid)}, who could swap it for another: "
+            "keep it under folders that belong to you or root"
+        )
+    if found.st_mode & 0o022 and not found.st_mode & stat.S_ISVTX:
+        return (
+            f"the folder above it, {parent}, is writable by {_writers(found.st_mode)} without the sticky bit "
+            f"(mode {found.st_mode & 0o7777:04o}), so anyone could swap it for another: chmod go-w {parent}"
+        )
+    return None
+
+
+def _trusted_owner(uid: int) -> bool:
+    return uid in (0, os.geteuid())
+
+
+def _writers(mode: int) -> str:
+    return {0o020: "its group", 0o002: "everyone"}.get(mode & 0o022, "its group and everyone")
+
+
+def _user(uid: int) -> str:
+    """``uid`` as ``name (uid N)``, or ``uid N`` where it has no name here."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"

@@ -148,7 +148,7 @@ def test_bad_snapshot_is_one_line_and_exit_2(tmp_path, content, needle):
 
 
 def test_missing_snapshot_file(tmp_path):
-    assert_one_line_error(run_cli("doctor", "--from", str(tmp_path / "nope.json")), 2, "cannot read")
+    assert_one_line_error(run_cli("doctor", "--from", str(tmp_path / "nope.json")), 2, "no such snapshot")
 
 
 def test_binary_snapshot_file(tmp_path):

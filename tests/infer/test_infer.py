@@ -288,6 +288,73 @@ def test_saving_refuses_a_folder_that_holds_other_files(nets: None, tmp_path: Pa
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+# ------------------------------------------------------------------------------------- an artifact is code
+
+
+@pytest.fixture
+def eager_artifact(nets: None, tmp_path: Path) -> Path:
+    """The eager pick of tiny_nets:classifier saved as an artifact (its factory's module copied into it)."""
+    subject = load_subject("tiny_nets:classifier")
+    row = next(r for r in measure(subject, selected(["eager"], "cpu"), QUICK, tmp_path / "work") if r.status == "ok")
+    return artifact.save(tmp_path / "best", subject, row, "cpu")
+
+
+def test_an_artifact_others_may_write_is_refused_before_it_is_read(eager_artifact: Path) -> None:
+    weights = eager_artifact / "weights.pt"
+    weights.chmod(0o664)
+    with pytest.raises(BadInput) as caught:
+        artifact.load(eager_artifact)
+    assert str(caught.value) == (
+        f"refusing artifact {eager_artifact}: {weights} is writable by its group (mode 0664), and it runs as code "
+        f"here: chmod -R go-w {eager_artifact}"
+    )
+    weights.chmod(0o644)
+    assert artifact.load(eager_artifact).verify()[0]
+
+
+def test_root_refuses_an_artifact_another_user_owns(eager_artifact: Path, stranger: int) -> None:
+    os.chown(eager_artifact / "weights.pt", stranger, stranger)  # they could have put anything in it
+    with pytest.raises(BadInput, match=f"weights.pt belongs to redline-stranger \\(uid {stranger}\\)"):
+        artifact.load(eager_artifact)
+
+
+PLANTED = """
+import pathlib
+pathlib.Path(__file__).with_name("planted-ran").touch()
+from torch import nn
+def classifier():
+    return nn.Linear(16, 10), (16,)
+"""
+LOAD = """
+import sys
+from redline.errors import BadInput
+from redline.infer import load
+try:
+    print(load(sys.argv[1]).verify()[0])
+except BadInput as exc:
+    print(exc)
+"""
+
+
+def test_a_factory_module_planted_in_the_current_folder_is_never_imported(eager_artifact: Path, tmp_path: Path) -> None:
+    """Loaded by `python -c` (whose sys.path starts with the current folder) from a folder where someone left a
+    module of the factory's name: the artifact's own copy is imported; without it, nothing."""
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    (here / "tiny_nets.py").write_text(PLANTED)
+    done = _python(LOAD, str(eager_artifact), cwd=here)
+    assert not (here / "planted-ran").exists()
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-3000:]
+    assert "tiny_nets.py" in artifact.read_manifest(eager_artifact)["files"]
+    (eager_artifact / "tiny_nets.py").unlink()
+    done = _python(LOAD, str(eager_artifact), cwd=here)
+    assert done.stdout.strip() == (
+        "factory tiny_nets:classifier: cannot import tiny_nets: ModuleNotFoundError: No module named 'tiny_nets' "
+        f"(an artifact's factory comes from {eager_artifact} or an installed package)"
+    ), done.stderr[-3000:]
+    assert not (here / "planted-ran").exists()
+
+
 # ------------------------------------------------------------------------------------------ optional backends
 
 
@@ -388,6 +455,9 @@ def test_trained_weights_load_from_a_state_dict_and_from_a_run_checkpoint(nets: 
         loaded = load_subject("tiny_nets:classifier", weights=weights).served.inner
         for name, value in trained.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], value), (weights, name)
+    (step / ".metadata").chmod(0o666)  # a pickle anyone could have replaced: not read
+    with pytest.raises(BadInput, match=f"^refusing --weights checkpoint directory {tmp_path / 'ckpt'}: "):
+        load_subject("tiny_nets:classifier", weights=tmp_path / "ckpt")
 
 
 # ---------------------------------------------------------------------------------------------- generation

@@ -3,12 +3,14 @@ records made from the fake-NVML traces for the GPU side, and every bad input one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,26 +90,34 @@ def test_sigterm_closes_the_record_with_every_sample(tmp_path: Path) -> None:
         assert store.count() == printed
 
 
-def test_the_metrics_endpoint_serves_while_monitoring(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def monitor_serving() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """`redline monitor --port PORT` (a free port) once it has taken a sample, and so serves: (it, PORT);
+    stopped with SIGTERM after."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "redline", "monitor", "--port", str(port), "--interval", "0.2", "--json"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline()  # one sample taken
+        yield proc, port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+        proc.kill()
+
+
+def test_the_metrics_endpoint_serves_while_monitoring() -> None:
+    with monitor_serving() as (_, port):
         import urllib.request
 
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "redline_host_memory_total_bytes" in body and "redline_monitor_up 1.0" in body
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=120)
-        proc.kill()
 
 
 def test_report_diagnoses_a_recorded_trace_and_writes_html_and_pngs(tmp_path: Path) -> None:

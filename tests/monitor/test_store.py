@@ -347,7 +347,7 @@ def test_a_folder_is_created_and_an_unwritable_place_is_a_clear_error(tmp_path):
     with pytest.raises(BadInput, match="cannot create the folder") as err:
         Store.open(tmp_path / "file" / "rec.db")
     assert "\n" not in str(err.value)
-    with pytest.raises(BadInput, match="directory"):
+    with pytest.raises(BadInput, match="is a folder, not a file"):
         Store.open(tmp_path / "new")
 
 

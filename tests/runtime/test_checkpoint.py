@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import runpy
@@ -103,6 +104,69 @@ def weights_equal(a: nn.Module | dict, b: nn.Module | dict) -> bool:
     a = a.state_dict() if isinstance(a, nn.Module) else a
     b = b.state_dict() if isinstance(b, nn.Module) else b
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------- a checkpoint is code
+
+
+class RunsACommand:
+    """What a replaced ``.metadata`` can hold: unpickling it runs a shell command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def planted(tmp_path: Path, loop) -> tuple[Path, Path, Path]:
+    """A checkpoint whose ``.metadata`` runs ``touch ran`` when read: (its directory, the metadata, ran)."""
+    model, optimizer, _ = loop["build"](0)
+    folder = tmp_path / "ckpt"
+    Checkpointer(folder).save(1, model=model, optimizer=optimizer)
+    metadata = folder / "step-00000001" / ".metadata"
+    ran = tmp_path / "ran"
+    metadata.write_bytes(pickle.dumps(RunsACommand(f"touch {ran}")))
+    return folder, metadata, ran
+
+
+def test_a_checkpoint_others_may_write_is_refused_before_its_pickle_runs(tmp_path, loop):
+    folder, metadata, ran = planted(tmp_path, loop)
+    metadata.chmod(0o666)  # anyone on the server may have replaced it
+    model, optimizer, _ = loop["build"](0)
+    with pytest.raises(BadInput) as caught:
+        Checkpointer(folder).load_latest(model=model, optimizer=optimizer)
+    assert str(caught.value) == (
+        f"refusing checkpoint directory {folder}: {metadata} is writable by its group and everyone (mode 0666), "
+        f"and it runs as code here: chmod -R go-w {folder}"
+    )
+    assert not ran.exists()
+
+
+def test_root_refuses_to_resume_from_a_checkpoint_another_user_owns(tmp_path, loop, stranger):
+    folder, _, ran = planted(tmp_path, loop)
+    for path in (folder, *folder.rglob("*")):
+        os.chown(path, stranger, stranger)
+    model, optimizer, _ = loop["build"](0)
+    with pytest.raises(BadInput) as caught:
+        Checkpointer(folder).load_latest(model=model, optimizer=optimizer)
+    assert str(caught.value) == (
+        f"refusing checkpoint directory {folder}: it belongs to redline-stranger (uid {stranger}), not to you or "
+        "root, and it runs as code here: copy what you trust into a folder of your own"
+    )
+    assert not ran.exists()
+
+
+def test_a_checkpoint_saved_under_a_loose_umask_is_still_one_this_user_may_resume(tmp_path, loop):
+    model, optimizer, _ = loop["build"](0)
+    before = os.umask(0o002)  # a shared server's habit: everything group-writable
+    try:
+        Checkpointer(tmp_path / "ckpt").save(1, model=model, optimizer=optimizer)
+    finally:
+        os.umask(before)
+    saved = tmp_path / "ckpt" / "step-00000001"
+    assert all(not p.stat().st_mode & 0o022 for p in (saved.parent, saved, *saved.iterdir()))
+    assert Checkpointer(tmp_path / "ckpt").load_latest(model=model, optimizer=optimizer)[0] == 1
 
 
 # --------------------------------------------------------------------------------------------- one process
@@ -261,7 +325,7 @@ def test_a_foreign_directory_is_bad_input(tmp_path, loop):
     ):
         with pytest.raises(BadInput, match="is not a redline checkpoint directory"):
             call()
-    with pytest.raises(BadInput, match="is a file"):
+    with pytest.raises(BadInput, match="is a regular file, not a folder"):
         Checkpointer(tmp_path / "config.json").latest_step()
     with pytest.raises(BadInput, match="at least 1"):
         Checkpointer(tmp_path, keep=0)

@@ -98,9 +98,11 @@ def latest_here() -> BenchRun | None:
 
 def load(path: Path) -> BenchRun:
     """Read a saved run; a malformed file is bad input with the reason, never a traceback."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    from redline.files import read_user_file
+
+    try:  # never a FIFO or a device, never past the cap
+        data = json.loads(read_user_file(path, "bench results"))
+    except json.JSONDecodeError as exc:
         raise BadInput(f"cannot read bench results {path}: {exc}") from None
     if not isinstance(data, dict) or data.get("schema_version") != BENCH_SCHEMA_VERSION:
         raise BadInput(f"{path} is not a redline bench result of schema {BENCH_SCHEMA_VERSION}")

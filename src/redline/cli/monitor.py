@@ -87,6 +87,8 @@ def monitor(
     from redline.monitor.sampler import Sampler
     from redline.monitor.steps import default_steps
 
+    _check_step_files(steps)
+    _check_pids(job_pids)
     steps = steps or default_steps()
 
     with contextlib.ExitStack() as stack:
@@ -101,6 +103,28 @@ def monitor(
             session.run(json_out, stop_after_s)
     if record is not None and session.recorded:
         ui.warn(f"recorded {session.recorded} samples to {record}")
+
+
+def _check_pids(pids: list[int]) -> None:
+    """A --job-pid this kernel could never have given out: refused, rather than watched for in vain."""
+    from redline.hw.limits import pid_cap
+
+    cap = pid_cap()
+    for pid in pids:
+        if pid < 1 or (cap is not None and pid > cap.most):
+            most = f"{cap.most} ({cap.why})" if cap is not None else "the kernel's pid_max"
+            raise BadInput(f"--job-pid {pid} is not a process id on this host: they run from 1 to {most}")
+
+
+def _check_step_files(patterns: list[str]) -> None:
+    """A --steps path named outright (no glob, no ``{rank}``) that is a FIFO, a device or a folder: refused."""
+    import glob
+
+    from redline.files import refuse_non_regular
+
+    for pattern in patterns:
+        if not glob.has_magic(pattern) and "{rank}" not in pattern:
+            refuse_non_regular(pattern, "--steps")
 
 
 def _warn_short_window(option: str, window_s: float, interval_s: float) -> None:
@@ -285,6 +309,10 @@ def report(
     from redline.monitor.store import Store
 
     window_s = _duration("--window", window)
+    if png is not None:
+        from redline.files import refuse_non_folder
+
+        refuse_non_folder(png, "--png")
     with contextlib.closing(Store.read(record)) as store:
         span = store.time_range()
         if span is None:

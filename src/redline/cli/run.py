@@ -99,16 +99,23 @@ def run(
 
 def _checked_plan(plan: Path | None, runtime: dict) -> Strategy | None:
     """The plan's strategy, with the runtime options over its ``runtime:`` section, checked before any rank
-    starts (each would fail the same way): None without a plan."""
+    starts (each would fail the same way): None without a plan. A checkpoint directory to resume from is
+    checked as the resume will check it (``files.check_trusted``), so a refusal is one line here, not a
+    traceback of the script's."""
+    from redline.files import check_trusted
     from redline.runtime.config import check_runnable, check_settings, from_plan_file
 
     check_settings(runtime)
-    if plan is None:
-        return None
-    from redline.plan.planfile import load_plan
+    config = None
+    if plan is not None:
+        from redline.plan.planfile import load_plan
 
-    check_runnable(load_plan(plan).strategy, str(plan))
-    return from_plan_file(plan).with_settings(runtime).strategy
+        check_runnable(load_plan(plan).strategy, str(plan))
+        config = from_plan_file(plan).with_settings(runtime)
+    checkpoints = config.checkpoint.dir if config is not None else runtime.get("checkpoint_dir")
+    if checkpoints:
+        check_trusted(checkpoints, "checkpoint directory")
+    return config.strategy if config is not None else None
 
 
 def _describe(spec: Launch, why: str, plan_label: str | None) -> str:

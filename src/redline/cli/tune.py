@@ -56,7 +56,7 @@ def tune(
     from redline.tune.trial import Setup
 
     seconds, timeout_s = _checked(script, nproc_per_node, trial_steps, warmup, max_trials, steps, budget, trial_timeout)
-    _check_targets(output, html)
+    _check_targets(output, html, cache_dir)
     base = _base_plan(plan, nproc_per_node)
     machine = Machine.here(nproc_per_node)
     knobs = restrict(default_space(machine), space)
@@ -99,8 +99,10 @@ def _checked(
 ) -> tuple[float | None, float]:
     """The options checked, each bad one a line: the budget's and a trial's limit in seconds."""
     from redline.errors import BadInput
+    from redline.files import refuse_non_regular
     from redline.units import parse_duration
 
+    refuse_non_regular(script, "script")
     if not Path(script).is_file():
         raise BadInput(f"{script}: no such script")
     for name, value, lowest in (("--nproc-per-node", nproc_per_node, 1), ("--trial-steps", trial_steps, 1)):
@@ -108,13 +110,16 @@ def _checked(
             raise BadInput(f"{name} must be at least {lowest}, not {value}")
     if warmup < 0 or (max_trials is not None and max_trials < 1) or (steps is not None and steps < 1):
         raise BadInput("--warmup must be 0 or more, --max-trials and --steps 1 or more")
+    from redline.runtime.launch import check_nproc_per_node, visible_cuda_gpus
+
+    check_nproc_per_node(nproc_per_node, visible_cuda_gpus)  # each trial launches that many
     try:
         return (parse_duration(budget) if budget is not None else None), parse_duration(trial_timeout)
     except ValueError as exc:
         raise BadInput(f"--budget/--trial-timeout: {exc}") from None
 
 
-def _check_targets(output: Path | None, html: Path | None) -> None:
+def _check_targets(output: Path | None, html: Path | None, cache_dir: Path | None) -> None:
     """The files the tune will write, refused now rather than after the trials."""
     from redline.plan.planfile import PLAN_MARKER
     from redline.report.output import check_target
@@ -123,6 +128,10 @@ def _check_targets(output: Path | None, html: Path | None) -> None:
     for target, marker in ((output, PLAN_MARKER), (html, GENERATOR)):
         if target is not None:
             check_target(target, marker=marker)
+    if cache_dir is not None:
+        from redline.files import refuse_non_folder
+
+        refuse_non_folder(cache_dir, "--cache-dir")
 
 
 def _planner(
@@ -211,7 +220,9 @@ def _base_plan(plan: Path | None, ranks: int) -> dict[str, Any] | None:
             f"{plan} is laid out for {config.strategy.gpus} processes: tune with --nproc-per-node "
             f"{config.strategy.gpus}"
         )
-    return yaml.safe_load(plan.read_text())
+    from redline.files import read_user_file
+
+    return yaml.safe_load(read_user_file(plan, "plan file"))
 
 
 def _device_memory() -> int | None:

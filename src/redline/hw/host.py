@@ -232,6 +232,17 @@ def _cgroup_cpu_limit(fs: SysFs) -> float | None:
     return quota_us / period_us
 
 
+def cgroup_pids_limit(fs: SysFs) -> int | None:
+    """The most tasks (processes and threads) this process's cgroup may hold (v2 pids.max, else v1's); None
+    when unlimited or without the controller."""
+    own = _own_cgroups(fs)
+    path = _cgroup_file(fs, "/sys/fs/cgroup", own.get(""), "pids.max") or _cgroup_file(
+        fs, "/sys/fs/cgroup/pids", own.get("pids"), "pids.max"
+    )
+    text = fs.read(path) if path else None
+    return None if text in ("max", "", None) else _to_int(fs, path, text)
+
+
 def _cgroup_memory_limit(fs: SysFs) -> int | None:
     """The memory limit in bytes (cgroup v2 memory.max, else v1 limit_in_bytes); None when unlimited."""
     own = _own_cgroups(fs)

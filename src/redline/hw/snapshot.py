@@ -451,12 +451,19 @@ def load_snapshot(path: str | Path) -> Snapshot:
     """Read a snapshot written by ``redline probe --json``; '-' reads standard input."""
     import sys
 
+    from redline.files import TEXT_LIMIT_BYTES, read_user_file
+
     try:
-        text = sys.stdin.read() if str(path) == "-" else Path(path).read_text(encoding="utf-8")
+        # never a FIFO or a device, never past the cap (a snapshot is tens of KiB)
+        text = sys.stdin.read(TEXT_LIMIT_BYTES + 1) if str(path) == "-" else read_user_file(path, "snapshot")
+    except BadInput as exc:
+        raise SnapshotError(str(exc)) from None
     except OSError as exc:
         raise SnapshotError(f"cannot read snapshot {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise SnapshotError(f"snapshot {path} is not UTF-8 text") from None
+    if len(text) > TEXT_LIMIT_BYTES:
+        raise SnapshotError(f"snapshot {path} is over the {TEXT_LIMIT_BYTES // 2**20} MiB one may be")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -7,6 +7,11 @@
       model.onnx      onnxruntime: the graph (model.int8.onnx at int8, already quantised; ``.data`` beside it
                       past 2 GB); loads with no model code
       check.pt        one input batch and the output it gave when picked: ``Served.verify()`` compares
+      NAME.py         a factory's module when it is one file (not a package), which a load imports from here
+
+An artifact is code (a compiled model, a factory's module): ``load`` refuses a folder that someone other than
+this user or root could have written or swapped (``redline.files.check_trusted``), and imports a factory from
+the artifact's folder or an installed package, never from the folder the loading program runs in.
 
 The exported graphs were measured with static shapes; the artifact exports the picked one again with its batch
 dimension free and keeps that graph when it gives eager's outputs at the picked batch and at another (a model
@@ -21,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,7 @@ import torch
 
 from redline import __version__
 from redline.errors import BadInput
+from redline.files import check_trusted, drop_write_for_others, kind_of, read_user_file
 from redline.infer.backends import BACKENDS, Build, Runner, cast, cast_input, onnx_runner, session_providers
 from redline.infer.measure import TOLERANCES, Parity, Row, compare, eager_reference
 from redline.infer.models import Subject, first_line, rebuild
@@ -62,6 +70,10 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
                 shutil.copyfile(part, folder / part.name)
                 files.append(part.name)
         model_file = source.name
+    module = None if row.backend in EXPORTED else factory_module(subject)
+    if module is not None:  # a load imports it from here, not from wherever it runs
+        shutil.copyfile(module, folder / module.name)
+        files.append(module.name)
     torch.save(subject.served.inner.state_dict(), folder / "weights.pt")
     x = subject.example(row.batch, seed=1)
     with torch.inference_mode():
@@ -90,7 +102,20 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
         },
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    drop_write_for_others(folder)  # whatever the umask: a load refuses what others may write
     return folder
+
+
+def factory_module(subject: Subject) -> Path | None:
+    """The file of the module that defines ``subject``'s factory when it is one file of the user's (not a
+    package, not installed), which the artifact keeps a copy of; None otherwise."""
+    spec = subject.source.get("factory")
+    top = sys.modules.get(spec.split(":")[0].split(".")[0]) if spec else None
+    path = Path(getattr(top, "__file__", None) or "__init__.py")
+    if path.name == "__init__.py" or path.suffix != ".py":
+        return None
+    installed = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return None if any(path.resolve().is_relative_to(Path(p).resolve()) for p in installed) else path
 
 
 def _export_any_batch(subject: Subject, row: Row, device: str, workdir: Path) -> tuple[Path | None, str | None]:
@@ -123,7 +148,7 @@ def _export_any_batch(subject: Subject, row: Row, device: str, workdir: Path) ->
 def check_folder(folder: Path) -> None:
     """Refuse (BadInput) a file, or a folder holding anything but an earlier artifact: no user file is replaced."""
     if folder.exists() and not folder.is_dir():
-        raise BadInput(f"{folder} is a file: an artifact is saved as a folder")
+        raise BadInput(f"{folder} is {kind_of(folder.stat().st_mode)}: an artifact is saved as a folder")
     if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).exists():
         raise BadInput(f"{folder} is not empty and holds no redline artifact: choose a new folder")
 
@@ -131,8 +156,8 @@ def check_folder(folder: Path) -> None:
 def _remove_earlier(folder: Path) -> None:
     """The files of the artifact ``folder`` held, which a new one replaces (nothing else in it is touched)."""
     try:
-        earlier = json.loads((folder / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+        earlier = json.loads(read_user_file(folder / MANIFEST, "artifact manifest"))
+    except (BadInput, json.JSONDecodeError):
         return
     for name in earlier.get("files", []):
         if "/" not in name and name not in ("", ".", ".."):
@@ -180,8 +205,8 @@ class Artifact:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """The artifact's manifest (BadInput where ``folder`` holds none this redline reads)."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        manifest = json.loads(read_user_file(folder / MANIFEST, "artifact manifest"))
+    except (BadInput, json.JSONDecodeError) as exc:
         raise BadInput(f"{folder}: not a redline inference artifact ({exc})") from None
     if manifest.get("format") != FORMAT:
         raise BadInput(f"{folder}: artifact format {manifest.get('format')!r}, this redline reads {FORMAT}")
@@ -191,6 +216,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 def load(path: str | Path, device: str | None = None) -> Artifact:
     """An artifact ``redline infer -o`` wrote, ready to call. ``device`` defaults to the one it was picked on."""
     folder = Path(path).expanduser()
+    check_trusted(folder, "artifact")  # before any of it is read: it holds code
     manifest = read_manifest(folder)
     device = device or manifest["device"]
     backend, precision = manifest["backend"], manifest["precision"]
@@ -208,7 +234,7 @@ def load(path: str | Path, device: str | None = None) -> Artifact:
         provider = "TensorrtExecutionProvider" if backend == "onnxruntime-trt" else None
         runner = onnx_runner(folder / manifest["model_file"], session_providers(provider, device))
         return Artifact(folder, manifest, runner, device, classes)
-    subject = rebuild(manifest["source"], tuple(manifest["sample_shape"]))
+    subject = rebuild(manifest["source"], tuple(manifest["sample_shape"]), folder)
     subject.served.inner.load_state_dict(torch.load(folder / "weights.pt", map_location="cpu", weights_only=True))
     module = cast(subject.served, precision, device)
     x = cast_input(subject.example(manifest["batch"]).to(device), precision)

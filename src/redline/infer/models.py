@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,8 +102,10 @@ def load_subject(
     weights: Path | None = None,
     seq_len: int | None = None,
     input_shape: tuple[int, ...] | None = None,
+    factory_folder: Path | None = None,
 ) -> Subject:
-    """The model SPEC names, in eval mode with ``weights`` loaded; BadInput (one line) for anything unusable."""
+    """The model SPEC names, in eval mode with ``weights`` loaded; BadInput (one line) for anything unusable.
+    ``factory_folder``: a factory is imported from there or an installed package only (an artifact's)."""
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be at least 1, not {seq_len}")
     name = model.strip().lower()
@@ -117,7 +120,7 @@ def load_subject(
     elif name in PRESET_NAMES:  # unreachable today; a new preset kind must say how it is served
         raise BadInput(f"preset '{model}' cannot be served yet")
     elif ":" in model and not Path(model).expanduser().exists():
-        subject = _factory(model.strip(), input_shape)
+        subject = _factory(model.strip(), input_shape, factory_folder)
     else:
         from redline.workload.hf import read_config
 
@@ -214,10 +217,10 @@ def position_count(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)
 
 
-def _factory(spec: str, input_shape: tuple[int, ...] | None) -> Subject:
+def _factory(spec: str, input_shape: tuple[int, ...] | None, folder: Path | None) -> Subject:
     from redline.workload.factory import load_factory
 
-    module, shape = load_factory(spec)()
+    module, shape = load_factory(spec, folder=folder)()
     shape = input_shape or shape
     if shape is None:
         raise BadInput(f"factory {spec} does not say its input's shape: give one sample's as --input-shape 3,32,32")
@@ -233,8 +236,12 @@ def load_weights(module: Served, path: Path) -> None:
     if path.is_dir():
         state = _checkpoint_state(target, path)
     else:
+        from redline.files import open_regular
+
+        fd = open_regular(path, "--weights")  # a FIFO or a device refused before torch reads from it
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with os.fdopen(fd, "rb") as f:
+                state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({first_line(exc)})") from None
         if isinstance(state, dict):
@@ -253,6 +260,9 @@ def _checkpoint_state(target: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     """The model's state from a ``redline run`` checkpoint (its newest complete step when given the parent)."""
     import torch.distributed.checkpoint as dcp
 
+    from redline.files import check_trusted
+
+    check_trusted(path, "--weights checkpoint directory")  # DCP's metadata is a pickle: it runs code
     if not (path / ".metadata").exists():
         steps = sorted(p for p in path.glob("step-*") if (p / "COMPLETE").exists())
         if not steps:
@@ -274,12 +284,13 @@ def _key_summary(target: nn.Module, state: dict[str, Any]) -> str:
     return "; ".join(p for p in parts if p) or "shapes differ"
 
 
-def rebuild(source: dict[str, Any], sample_shape: tuple[int, ...]) -> Subject:
-    """The subject an artifact was made from, random weights (the caller loads the saved ones)."""
+def rebuild(source: dict[str, Any], sample_shape: tuple[int, ...], folder: Path) -> Subject:
+    """The subject the artifact in ``folder`` was made from, random weights (the caller loads the saved ones);
+    a factory imported from ``folder`` or an installed package."""
     if "preset" in source:
         return load_subject(source["preset"], input_shape=sample_shape)
     if "factory" in source:
-        return load_subject(source["factory"], input_shape=sample_shape)
+        return load_subject(source["factory"], input_shape=sample_shape, factory_folder=folder)
     subject = _hugging_face(source.get("name", "the saved model"), source["config"], sample_shape[0])
     subject.served.eval()
     return subject

@@ -27,12 +27,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from redline.errors import BadInput
 from redline.hw.nvml.device import CLOCK_EVENT_REASON_NAMES
+from redline.monitor.metrics_server import start_metrics_server
 from redline.monitor.sample import GpuSample, HostSample, Sample, StepSample
 
 DEFAULT_HOST = "127.0.0.1"
@@ -374,12 +375,13 @@ def serve(exporter: Exporter, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
 
     Loopback by default: the metrics name the processes on the GPUs and the machine's load, which is not
     for every host on the network; the CLI's ``--listen ADDR`` is the explicit way out. ``port=0`` picks
-    a free port (the bound one is ``.port``). A port or address we cannot use is BadInput, one line.
+    a free port (the bound one is ``.port``). A port or address we cannot use is BadInput, one line. It holds
+    ``metrics_server.LISTEN_BACKLOG`` connections pending, so a crowd of scrapers landing at once is answered.
     """
     if not 0 <= port <= 65535:
         raise BadInput(f"port {port} is not a TCP port (0-65535): pick another with --port")
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=exporter.registry)
+        httpd, thread = start_metrics_server(port, addr=host, registry=exporter.registry)
     except OSError as exc:
         raise BadInput(_listen_error(exc, host, port)) from None
     bound_host, bound_port = httpd.server_address[:2]  # what the socket really got: the port when 0 was asked

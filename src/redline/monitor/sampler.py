@@ -28,8 +28,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from stat import S_ISREG
 from typing import Any
 
+from redline.files import kind_of
 from redline.hw.host_state import HostReader, HostReading, host_sample, read_host
 from redline.hw.kernel_log import count_xids_by_device, read_kernel_log
 from redline.hw.nvml.live import GpuStateReader
@@ -106,6 +108,9 @@ class StepTail:
             stat = os.stat(path)
         except OSError:
             self._files.pop(path, None)
+            return []
+        if not S_ISREG(stat.st_mode):  # a FIFO would block the open, a device read without end
+            notes.append(f"steps: {path} is {kind_of(stat.st_mode)}, not a file: not read")
             return []
         identity = (stat.st_dev, stat.st_ino)
         tailed = self._files.get(path)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from redline.errors import BadInput, RedlineError
+from redline.files import open_regular
 from redline.lockfile import WriterLock
 from redline.monitor import record_query
 from redline.monitor.record_format import (
@@ -87,15 +88,18 @@ def _check_header(path: Path) -> bool:
     """Refuse, from the file's first bytes alone, anything that is not a redline record; True when the file is
     absent or empty (a new record). SQLite never opens a refused file, so it cannot change a byte of it."""
     try:
-        if path.is_dir():
-            raise BadInput(f"cannot use {path} as a monitor record: it is a directory")
-        with path.open("rb") as fh:
-            header = fh.read(_HEADER_BYTES)
-        size = path.stat().st_size
+        path.stat()
     except (FileNotFoundError, NotADirectoryError):  # the caller makes the folder, or says why it cannot
         return True
     except OSError as exc:
         raise BadInput(f"cannot read monitor record {path}: {exc.strerror or exc}") from None
+    fd = open_regular(path, "monitor record")  # a folder, a FIFO or a device: refused, never opened blocking
+    try:
+        header, size = os.read(fd, _HEADER_BYTES), os.fstat(fd).st_size
+    except OSError as exc:
+        raise BadInput(f"cannot read monitor record {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
     if not header:
         return True
     if not header.startswith(_SQLITE_MAGIC[: len(header)]):

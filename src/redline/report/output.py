@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from redline.errors import BadInput
+from redline.files import open_regular, refuse_non_regular
 
 
 def write_output(
@@ -31,10 +32,12 @@ def check_target(
     path: Path, *, marker: str, protect: Path | None = None, protected: str = "the input snapshot"
 ) -> None:
     """The rules ``write_output`` applies, for a caller to check before a long render rather than after it:
-    never a folder, never the input, never a file redline did not write."""
+    never a folder, never the input, never a file redline did not write, never a FIFO or a device (whose open
+    would block, or which would swallow the output)."""
     try:
         if path.is_dir():
             raise BadInput(f"{path} is a directory; give a file name")
+        refuse_non_regular(path, "output file")
         if protect is not None and path.resolve() == protect.resolve():
             raise BadInput(f"refusing to overwrite {protected} {path}")
         exists = path.exists()
@@ -46,7 +49,12 @@ def check_target(
 
 def _head(path: Path, size: int = 512) -> bytes:
     try:
-        with path.open("rb") as f:
-            return f.read(size)
+        fd = open_regular(path, "output file")  # not blocking, should a FIFO have come in its place since
+    except BadInput:
+        return b""
+    try:
+        return os.read(fd, size)
     except OSError:
         return b""
+    finally:
+        os.close(fd)

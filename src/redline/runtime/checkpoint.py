@@ -36,6 +36,10 @@ saved sharded, each rank writing its shards. Loading with another world size:
 Collectives: ``save`` and ``load_latest`` must be called by every rank (they barrier); ``latest_step`` only
 reads the directory and may be called by any rank alone. The directory must be on a filesystem every rank
 sees (a shared one across nodes).
+
+A checkpoint is code: DCP's ``.metadata`` is a pickle, which runs what it names when read. ``load_latest``
+refuses a directory someone other than this user or root could have written or swapped
+(``redline.files.check_trusted``), and ``save`` writes nothing its group or everyone may write.
 """
 
 from __future__ import annotations
@@ -68,7 +72,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from redline import __version__
 from redline.errors import BadInput, RedlineError
+from redline.files import check_trusted, drop_write_for_others, read_user_bytes, refuse_non_folder
 from redline.runtime.tensor_parallel import join_packed, packed_dim, split_packed
+from redline.units import MiB
 
 # the optimizer's state dict keyed by parameter name throughout ("param_groups.<name>.lr"): torchtitan's choice,
 # and what pipeline stages need (a nested "param_groups" list is one object DCP writes from one rank only)
@@ -87,6 +93,7 @@ PACKED = ".packed"
 # A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
 # test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
 SLOW_SAVE_ENV = "REDLINE_TEST_SLOW_SAVE_S"
+MARKER_LIMIT_BYTES = MiB  # a COMPLETE marker, the attempts count, the micro-batch record: a few bytes of JSON
 
 _STEP_DIR = re.compile(r"step-(\d{8,})")
 _OURS = re.compile(r"step-\d{8,}(\.partial|\.trash)?")
@@ -152,10 +159,10 @@ class Checkpointer:
         partial = final.with_name(final.name + ".partial")
 
         if rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
             self._remove_leftovers()
         _barrier()  # no rank writes into a .partial directory rank 0 is still removing
-        partial.mkdir(parents=True, exist_ok=True)
+        partial.mkdir(mode=0o755, parents=True, exist_ok=True)
 
         had_optimizer_state = bool(optimizer.state)
         state, zero_shard = _sharded_state(model, optimizer)
@@ -209,6 +216,7 @@ class Checkpointer:
             "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         _write_synced(partial / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
+        drop_write_for_others(partial)  # whatever the umask: a resume refuses what others may write
         replaced = final.with_name(final.name + ".trash")
         if final.exists():  # the same step saved again
             final.rename(replaced)
@@ -261,8 +269,8 @@ class Checkpointer:
         if self.rank == 0:
             path = self.directory / ATTEMPTS_FILE
             try:
-                number[0] = int(path.read_text(encoding="utf-8")) + 1
-            except (OSError, ValueError):
+                number[0] = int(read_user_bytes(path, "attempts file", limit_bytes=MARKER_LIMIT_BYTES)) + 1
+            except (BadInput, ValueError):  # none yet, or not ours (a FIFO in its place is not waited on)
                 number[0] = 0
             self.directory.mkdir(parents=True, exist_ok=True)
             _replace_file(path, str(number[0]).encode())
@@ -295,9 +303,10 @@ class Checkpointer:
     def recorded_micro_batch(self) -> tuple[int, int] | None:
         """``(micro_batch, accumulation)`` recorded by ``record_micro_batch``; None if none (or unreadable)."""
         try:
-            data = json.loads((self.directory / MICRO_BATCH_FILE).read_text(encoding="utf-8"))
+            path = self.directory / MICRO_BATCH_FILE
+            data = json.loads(read_user_bytes(path, "micro-batch record", limit_bytes=MARKER_LIMIT_BYTES))
             micro, accumulation = int(data["micro_batch"]), int(data["accumulation"])
-        except (OSError, ValueError, TypeError, KeyError):
+        except (BadInput, ValueError, TypeError, KeyError):
             return None
         return (micro, accumulation) if micro >= 1 and accumulation >= 1 else None
 
@@ -313,6 +322,10 @@ class Checkpointer:
         overwrites them all.
         """
         self._check_layout()
+        # before any file is read, on every rank (each sees the files as it sees them), and refused on all
+        refusal = _first_error_of_all_ranks(_trust_refusal(self.directory))
+        if refusal is not None:
+            raise BadInput(refusal)
         candidates = sorted(self._step_dirs(), reverse=True) if self.rank == 0 else []
         if _distributed():
             # every rank tries the same checkpoints in the same order, whatever each one's view of the directory
@@ -436,8 +449,7 @@ class Checkpointer:
     def _check_layout(self) -> None:
         """BadInput when ``directory`` is not ours: a file, or a directory of things none of which is a
         checkpoint of ours (hidden files aside)."""
-        if self.directory.exists() and not self.directory.is_dir():
-            raise BadInput(f"checkpoint directory {self.directory} is a file")
+        refuse_non_folder(self.directory, "checkpoint directory")
         if not self.directory.is_dir():
             return
         names = [p.name for p in self.directory.iterdir() if not p.name.startswith(".")]
@@ -545,14 +557,23 @@ def _rank_file(rank: int) -> str:
 def _read_marker(path: Path, step: int) -> dict | None:
     """The COMPLETE marker of ``path`` when it is valid JSON and names ``step``, else None."""
     try:
-        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        marker = json.loads(read_user_bytes(path / MARKER, "checkpoint marker", limit_bytes=MARKER_LIMIT_BYTES))
+    except (BadInput, ValueError):
         return None
     if not isinstance(marker, dict) or marker.get("step") != step:
         return None
     if not isinstance(marker.get("world_size"), int) or marker["world_size"] < 1:
         return None
     return marker
+
+
+def _trust_refusal(directory: Path) -> str | None:
+    """Why the checkpoints in ``directory`` may not be loaded (someone else could have written them), or None."""
+    try:
+        check_trusted(directory, "checkpoint directory")
+    except BadInput as exc:
+        return str(exc)
+    return None
 
 
 def _write_synced(path: Path, write) -> None:

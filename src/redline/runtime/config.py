@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from redline.capability import is_available
 from redline.errors import BadInput
+from redline.files import refuse_non_folder, refuse_non_regular
 from redline.plan.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ class NumericsConfig:
             raise BadInput(f"grad_clip_norm must be positive, not {self.grad_clip_norm}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise BadInput(f"cpu_threads must be 1 or more, not {self.cpu_threads}")
+        if self.cpu_threads is not None:
+            from redline.hw.limits import check_count, thread_cap
+
+            check_count("cpu_threads", self.cpu_threads, "CPU threads per rank", thread_cap())
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,10 @@ class DataConfig:
             raise BadInput(f"loader_stall_s must be 0 (no limit) or more, not {self.loader_stall_s}")
         if self.num_workers is not None and self.num_workers < 0:
             raise BadInput(f"num_workers must be 0 or more, not {self.num_workers}")
+        if self.num_workers is not None:  # each a process: hundreds on a few cores take the machine down
+            from redline.hw.limits import check_count, worker_cap
+
+            check_count("num_workers", self.num_workers, "DataLoader workers per rank", worker_cap())
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,8 @@ class CheckpointConfig:
             raise BadInput(f"checkpoint_every must be 0 or more, not {self.every}")
         if self.dir is not None and not self.dir.strip():
             raise BadInput("checkpoint_dir is empty: give a directory, or none for no checkpoints")
+        if self.dir is not None:
+            refuse_non_folder(self.dir, "checkpoint_dir")
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,8 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if self.path is not None and not self.path.strip():
             raise BadInput("metrics_path is empty: give a file, or none for no step metrics")
+        if self.path is not None and "{rank}" not in self.path:  # each rank's own file is checked as it opens
+            refuse_non_regular(self.path, "metrics_path")
 
 
 @dataclass(frozen=True)
@@ -299,14 +312,19 @@ def setting(keyword: str) -> Setting:
     raise BadInput(f"unknown runtime setting '{keyword}'; known: {', '.join(s.keyword for s in SETTINGS)}")
 
 
-def check_settings(settings: dict[str, Any]) -> None:
+def check_settings(settings: dict[str, Any], where: str | None = None) -> None:
     """Each setting's value as its section checks it, alone (a command line's options, before anything
-    runs): BadInput naming the option."""
+    runs): BadInput naming the option (or ``where``)."""
     for keyword, value in settings.items():
         known = setting(keyword)
         section, name = known.path.split(".")
         owner = Strategy if section == "strategy" else SECTIONS[section]
-        _replaced(owner(), {name: value}, where=known.flag or keyword)
+        option = where or known.flag or keyword
+        try:
+            _replaced(owner(), {name: value}, where=option)
+        except BadInput as exc:  # a section's own words, said of the option the user typed
+            message = str(exc)
+            raise BadInput(message if message.startswith(option) else f"{option}: {message}") from None
 
 
 def check_runnable(strategy: Strategy, where: str = "the plan", device: torch.device | None = None) -> None:

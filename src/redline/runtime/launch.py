@@ -27,6 +27,8 @@ from typing import Any
 
 from redline.capability import is_available
 from redline.errors import BadInput
+from redline.files import refuse_non_regular
+from redline.plan.hardware import MAX_NODES
 from redline.plan.strategy import Strategy
 from redline.runtime.config import RUNTIME_ENV
 from redline.runtime.supervised import die_with_parent
@@ -49,8 +51,8 @@ class Nodes:
     max: int = 1
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min <= self.max:
-            raise ValueError(f"need 1 <= MIN <= MAX nodes, not {self.min}:{self.max}")
+        if not 1 <= self.min <= self.max <= MAX_NODES:
+            raise ValueError(f"need 1 <= MIN <= MAX <= {MAX_NODES} nodes, not {self.min}:{self.max}")
 
     @property
     def elastic(self) -> bool:
@@ -71,7 +73,10 @@ def parse_nodes(text: str) -> Nodes:
             return Nodes(int(parts[0]), int(parts[1]))
     except ValueError:
         pass
-    raise BadInput(f"--nnodes takes N or MIN:MAX with 1 <= MIN <= MAX, not {text!r}")
+    raise BadInput(
+        f"--nnodes takes N or MIN:MAX with 1 <= MIN <= MAX <= {MAX_NODES} (the largest cluster redline plans for), "
+        f"not {text!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -125,14 +130,26 @@ def resolve_nproc_per_node(
             count = 0
         if count < 1:
             raise BadInput(f"--nproc-per-node takes a positive number or auto, not {value!r}")
+        check_nproc_per_node(count, cuda_gpus)
         return count, "as given"
     gpus = cuda_gpus()
     if gpus > 0:
         return gpus, f"auto: {gpus} CUDA GPU{'s' if gpus != 1 else ''}"
     if strategy is not None:
         # a world the nodes cannot share evenly is left to check_world_size, which says so
-        return max(1, strategy.gpus // nodes.max), "auto: no CUDA GPU, the plan's processes per node"
+        count = max(1, strategy.gpus // nodes.max)
+        check_nproc_per_node(count, lambda: 0)
+        return count, "auto: no CUDA GPU, the plan's processes per node"
     return 1, "auto: no CUDA GPU and no plan"
+
+
+def check_nproc_per_node(count: int, cuda_gpus: Callable[[], int]) -> None:
+    """BadInput when ``count`` processes per node are more than this node runs (``hw.limits.rank_cap``); the
+    GPUs are counted only for a count the cores alone do not allow (counting costs a child that imports torch)."""
+    from redline.hw.limits import check_count, rank_cap
+
+    if count > rank_cap(0).most:
+        check_count("--nproc-per-node", count, "processes per node", rank_cap(cuda_gpus()))
 
 
 def check_world_size(strategy: Strategy, nproc_per_node: int, nodes: Nodes, plan_path: str) -> None:
@@ -174,6 +191,7 @@ def build_launch(
 ) -> Launch:
     """The command that runs ``script``: plain python for one process on one node with nothing to restart,
     else torchrun (``--standalone`` on one node without a rendezvous endpoint, c10d rendezvous otherwise)."""
+    refuse_non_regular(script, "script")
     if not Path(script).is_file():
         raise BadInput(f"no such script: {script}")
     if max_restarts < 0:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -193,8 +194,11 @@ class _JsonLines:
     """
 
     def __init__(self, path: Path) -> None:
+        from redline.files import open_append
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = path.open("a", encoding="utf-8", buffering=1)
+        fd = open_append(path, "metrics_path")  # a FIFO (or a device) in its place would block the rank or eat it
+        self._file: IO[str] | None = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
 
     def write(self, record: StepRecord) -> None:
         if self._file is not None:

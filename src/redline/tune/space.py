@@ -141,6 +141,10 @@ def _parse(knob: str, value: str) -> Any:
         lowest = 0 if knob == "num_workers" else 1
         if not value.isdigit() or int(value) < lowest:
             raise BadInput(f"--space {knob} takes whole numbers from {lowest}; not {value!r}")
+        if knob != "ddp_bucket_cap_mb":  # processes or threads: no more than this host runs
+            from redline.runtime.config import check_settings
+
+            check_settings({knob: int(value)}, where=f"--space {knob}")
         return int(value)
     choices = {
         "precision": ("fp32", "bf16", "fp16", "fp8"),

@@ -2,8 +2,10 @@
 
 The factory takes no arguments and returns an ``nn.Module``, or ``(module, example_input_shape)`` where the
 shape is one sample's, without the batch dimension. It is imported the way ``python -m`` would import it: the
-current directory comes first on ``sys.path``. Every way this can go wrong is a ``BadInput`` of one line that
-names the spec and the cause.
+current directory comes first on ``sys.path``. A factory that an inference artifact names is imported from the
+artifact's own folder or an installed package only (``folder``): never from whatever folder the program that
+loads the artifact runs in. Every way this can go wrong is a ``BadInput`` of one line that names the spec and the
+cause.
 
 ``load_factory`` only imports; the returned ``build`` calls the factory, so that ``trace_module`` can call it
 under its fake-tensor mode and the model costs no memory::
@@ -13,11 +15,13 @@ under its fake-tensor mode and the model costs no memory::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from redline.errors import BadInput
@@ -27,23 +31,27 @@ _SPEC = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>
 Build = Callable[[], tuple[Any, tuple[int, ...] | None]]
 
 
-def load_factory(spec: str) -> Build:
+def load_factory(spec: str, *, folder: str | os.PathLike[str] | None = None) -> Build:
     """Import ``spec``'s module and find its callable; return a ``build()`` that calls it and checks the result.
 
     ``build()`` returns ``(module, input_shape or None)``. Raises ``BadInput`` for a malformed spec, a module
     that does not import, a missing or non-callable attribute, and (from ``build``) a factory that raises or
-    returns something other than an ``nn.Module``.
+    returns something other than an ``nn.Module``. ``folder``: import from there or an installed package, not
+    from the current directory (an artifact's factory).
     """
     match = _SPEC.match(spec.strip())
     if match is None:
         raise BadInput(f"bad factory spec {spec!r}: expected package.module:callable, e.g. mypkg.models:build")
     spec = spec.strip()
     module_name, attribute = match["module"], match["attribute"]
-    _cwd_importable()
+    if folder is None:
+        _cwd_importable()
+    where = "" if folder is None else f" (an artifact's factory comes from {folder} or an installed package)"
     try:
-        module = importlib.import_module(module_name)
+        with contextlib.nullcontext() if folder is None else _only_from(Path(folder)):
+            module = importlib.import_module(module_name)
     except (Exception, SystemExit) as error:  # ImportError, SyntaxError, a script that calls sys.exit on import
-        raise BadInput(f"factory {spec}: cannot import {module_name}: {_describe(error)}") from error
+        raise BadInput(f"factory {spec}: cannot import {module_name}: {_describe(error)}{where}") from error
     factory: Any = module
     for part in attribute.split("."):
         try:
@@ -86,6 +94,19 @@ def _cwd_importable() -> None:
     cwd = os.getcwd()
     if not any(entry in ("", ".", cwd) for entry in sys.path):
         sys.path.insert(0, cwd)
+
+
+@contextlib.contextmanager
+def _only_from(folder: Path) -> Iterator[None]:
+    """``sys.path`` for one import: ``folder`` first, then every entry but the current directory ('', '.' and
+    its own path all mean it: ``python -c`` and a shell's PYTHONPATH=. put it there), restored after."""
+    saved = list(sys.path)
+    here = os.path.realpath(os.getcwd())
+    sys.path[:] = [str(folder)] + [e for e in saved if e not in ("", ".") and os.path.realpath(e) != here]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
 
 
 def _describe(error: BaseException) -> str:
