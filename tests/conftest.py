@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,24 +73,3 @@ def measured_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = run_cli("bench", "compute", "memory", "--save", "--quick", env={"REDLINE_HOME": str(home)}, timeout=300)
     assert result.returncode == 0, result.stderr
     return home
-
-
-STRANGER = "redline-stranger"  # not the queue tests' second user: both may be made at once on one machine
-
-
-@pytest.fixture
-def stranger() -> Iterator[int]:
-    """The uid of a Unix user that is neither root nor the one running the tests, made for the test with
-    useradd and removed after; skipped where users cannot be made (not root)."""
-    import pwd
-
-    if os.geteuid() != 0:
-        pytest.skip("making a second Unix user needs root")
-    command = ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", STRANGER]
-    made = subprocess.run(command, capture_output=True)
-    if made.returncode not in (0, 9):  # 9: left by a run killed before its clean-up
-        pytest.skip(f"useradd failed: {made.stderr.decode().strip()}")
-    try:
-        yield pwd.getpwnam(STRANGER).pw_uid
-    finally:
-        subprocess.run(["userdel", STRANGER], capture_output=True)

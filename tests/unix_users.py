@@ -1,10 +1,10 @@
 """A second Unix user, for the tests of what one user may do to another's files, processes and sockets.
 
 ``second_user()`` makes one (``useradd``, no home, no shell) and removes it after; the tests run as root (CI
-does), elsewhere they are skipped; the ``other_user`` fixture is one per test (a plugin: tests/conftest.py
-names this module). ``as_user(uid, call)`` runs ``call()`` in a forked child that has become that user (groups,
-gid, uid), so it is the kernel, not the test, that says what the user may do; the child's result or its
-exception comes back as JSON.
+does), elsewhere they are skipped. The fixtures ``other_user`` and ``stranger`` are two such users, one per
+test (a plugin: tests/conftest.py names this module). ``as_user(uid, call)`` runs ``call()`` in a forked
+child that has become that user (groups, gid, uid), so it is the kernel, not the test, that says what the user
+may do; the child's result or its exception comes back as JSON.
 """
 
 from __future__ import annotations
@@ -41,6 +41,14 @@ def second_user(name: str = "redline-other") -> Iterator[int]:
 def other_user() -> Iterator[int]:
     """A second Unix user, made for the test and removed after: its uid."""
     with second_user("redline-qtest") as uid:
+        yield uid
+
+
+@pytest.fixture
+def stranger() -> Iterator[int]:
+    """Another user, of another name (a test may want two, and suites running at once each their own): its
+    uid; the trust checks' messages name it (redline-stranger)."""
+    with second_user("redline-stranger") as uid:
         yield uid
 
 

@@ -142,8 +142,9 @@ class Daemon:
     def _serve_metrics(self) -> None:
         """The queue's series on ``metrics_port``, on a thread of prometheus_client's; the port it bound is
         written to ``metrics.port`` (for a port of 0)."""
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
+        from redline.monitor.metrics_server import start_metrics_server
         from redline.queue.metrics import QueueCollector
 
         # the scrapes' own view of the queue: its own connection, used by one scrape at a time (QueueCollector)
@@ -152,7 +153,7 @@ class Daemon:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(QueueCollector(view.store, view._status))
         assert self.metrics_port is not None
-        server, _ = start_http_server(self.metrics_port, addr="127.0.0.1", registry=registry)
+        server, _ = start_metrics_server(self.metrics_port, addr="127.0.0.1", registry=registry)
         (self.directory / "metrics.port").write_text(str(server.server_address[1]))
 
     def recover(self) -> None:

@@ -9,10 +9,10 @@ host runs out of sockets and threads, not bandwidth.
 
 from __future__ import annotations
 
-import os
 import resource
 
 from redline.errors import BadInput
+from redline.hw.limits import task_cap
 from redline.units import fmt_bytes
 
 MAX_STREAMS = 1024
@@ -23,8 +23,8 @@ MAX_CHUNK_BYTES = 1 << 30  # a failed chunk is fetched again whole
 
 
 def host_streams() -> int:
-    """The most streams this process can run: MAX_STREAMS, or fewer where its descriptor limit (or, for a
-    user other than root, its limit on threads) is lower."""
+    """The most streams this process can run: MAX_STREAMS, or fewer where its descriptor limit (or the tasks
+    the kernel lets this user start: ``hw.limits.task_cap``) is lower."""
     return _host_limit()[0]
 
 
@@ -35,10 +35,10 @@ def _host_limit() -> tuple[int, str]:
     if files != resource.RLIM_INFINITY and files // 2 // FDS_PER_STREAM < cap:
         cap = max(1, files // 2 // FDS_PER_STREAM)
         why = f"this process may open {files} files (ulimit -n), {FDS_PER_STREAM} per stream, half for streams"
-    threads, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-    if os.geteuid() != 0 and threads != resource.RLIM_INFINITY and threads // 2 < cap:
-        cap = max(1, threads // 2)
-        why = f"this user may run {threads} threads (ulimit -u), half for streams"
+    tasks = task_cap()  # a stream is a thread: the kernel counts it against the user's tasks
+    if tasks is not None and tasks.most // 2 < cap:
+        cap = max(1, tasks.most // 2)
+        why = f"this user may run {tasks.most} threads ({tasks.why}), half for streams"
     return cap, why
 
 
