@@ -4,11 +4,14 @@ its paths, a full disk runs nothing twice, and no client starves the others (roo
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import re
 import resource
 import select
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -26,9 +29,10 @@ from queue_daemons import alive, start_daemon, stop_daemon, submit, until, wait_
 from redline.errors import BadInput
 from redline.queue import client
 from redline.queue.client import QueueUnavailable, open_log, request
+from redline.queue.daemon import SHIM, _locked
 from redline.queue.metrics import QueueCollector
 from redline.queue.protocol import CONNECTIONS_PER_USER
-from redline.queue.shim import read_record
+from redline.queue.shim import identity, preallocate, read_record, recorded
 from redline.queue.spec import JobSpec, JobState
 from redline.queue.store import Store
 from small_disk import fill, small_disk
@@ -70,6 +74,7 @@ def read_log(job: int, directory: Path) -> str:
     _, fd = open_log(str(job), directory)
     if fd is None:
         return ""
+    assert not os.get_inheritable(fd)  # nothing this process starts may hold it
     with open(fd, "rb") as log:
         return log.read().decode()
 
@@ -190,6 +195,7 @@ def test_root_takes_no_record_a_user_planted_and_waits_on_none(
     marker = scratch / "first"
     true_record = f"if [ ! -e {marker} ]; then touch {marker}; echo '{{\"micro_batch\": 2}}' > {record}; exit 1; fi"
     assert until(env, submit_as(other_user, directory, true_record, retries=1), "done")["attempt"] == 2
+    assert list((directory / "spool").iterdir()) == []  # each attempt's records folder went once read
 
 
 def _listed(env: dict[str, str]) -> dict[int, dict]:
@@ -360,6 +366,8 @@ def test_a_request_of_another_protocol_or_an_unknown_one_is_refused_in_one_line(
     assert _raw(directory, {"v": 2, "op": "frobnicate"})["error"] == "unknown request 'frobnicate'"
     assert _raw(directory, {"v": 2, "op": "job", "id": "12"})["error"] == "no job 12"
     assert _raw(directory, {"v": 2, "op": "log", "id": "x"})["error"] == "no job x"
+    huge = "9" * 20  # past SQLite's integers
+    assert _raw(directory, {"v": 2, "op": "cancel", "ids": [huge]})["error"] == f"no job {huge}"
 
 
 def _raw(directory: Path, request: dict) -> dict:
@@ -410,3 +418,128 @@ def test_prometheus_has_a_series_for_every_state_starting_included(tmp_path: Pat
         for sample in family.samples
     }
     assert counts == {state.value: float(state in ("starting", "running", "queued")) for state in JobState}
+
+
+# ------------------------------------------------------------------------------------------ the shim alone
+
+
+def shim_attempt(tmp_path: Path, script: str, **run: object) -> tuple[Path, int]:
+    """An attempt folder as the daemon makes it (run.json, the records made ahead, the log) and its lock,
+    held: the descriptor to hand the shim."""
+    attempt = tmp_path / "attempt"
+    attempt.mkdir()
+    log = tmp_path / "output.log"
+    log.touch()
+    orders = {"argv": ["sh", "-c", script], "cwd": str(tmp_path), "env": USER_PATH, "log": str(log)} | run
+    (attempt / "run.json").write_text(json.dumps(orders))
+    for name in ("pid.json", "exit.json"):
+        preallocate(attempt / name)
+    lock = os.open(attempt / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return attempt, lock
+
+
+def start_shim(attempt: Path, lock: int) -> subprocess.Popen:
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", str(SHIM), str(attempt)], pass_fds=(lock,))
+    finally:
+        os.close(lock)
+
+
+def test_a_shim_killed_before_its_go_leaves_a_job_that_never_runs(tmp_path: Path) -> None:
+    """pid.json is a FIFO here, so the shim blocks writing it, after its job's process was forked and before
+    the go. Killed there, the job's process must end without running (the go pipe's end), and the lock must be
+    free, so the daemon requeues the job instead of waiting on it for good."""
+    marker = tmp_path / "ran"
+    attempt, lock = shim_attempt(tmp_path, f"touch {marker}")
+    (attempt / "pid.json").unlink()
+    os.mkfifo(attempt / "pid.json")
+    shim = start_shim(attempt, lock)
+    wait_for(lambda: _children_of(shim.pid), "the job's process forked")
+    shim.kill()
+    shim.wait()
+    wait_for(lambda: not _locked(attempt / "lock"), "the attempt's lock freed")
+    assert not marker.exists()
+
+
+def _children_of(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_cancel_that_came_while_starting_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    attempt, lock = shim_attempt(tmp_path, f"touch {marker}")
+    (attempt / "cancel").touch()  # what the daemon leaves when cancelled before pid.json
+    assert start_shim(attempt, lock).wait() == 0
+    assert read_record(attempt / "exit.json")["reason"] == "cancelled"
+    assert not marker.exists()
+
+
+def test_a_job_starts_with_default_signals_none_blocked_and_the_daemons_descriptor_limit(tmp_path: Path) -> None:
+    """The shim started with SIGINT and SIGHUP ignored and SIGUSR1 blocked (a daemon under nohup, or started
+    from a shell in the background), and the descriptor limit raised: the job sees none of it."""
+    argv = ["cat", "/proc/self/status", "/proc/self/limits"]  # the job's own process: no shell between
+    attempt, lock = shim_attempt(tmp_path, "", argv=argv, nofile=512)
+
+    def as_a_daemon_left_it() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    try:
+        shim = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(SHIM), str(attempt)], pass_fds=(lock,), preexec_fn=as_a_daemon_left_it
+        )
+    finally:
+        os.close(lock)
+    assert shim.wait() == 0 and read_record(attempt / "exit.json")["returncode"] == 0
+    seen = (tmp_path / "output.log").read_text()
+    masks = dict(line.split(":\t") for line in seen.splitlines() if line.startswith(("SigIgn", "SigBlk")))
+    assert masks == {"SigIgn": "0" * 16, "SigBlk": "0" * 16}, seen
+    assert re.search(r"^Max open files\s+512\s", seen, re.MULTILINE), seen
+
+
+def test_a_recorded_process_is_told_from_a_later_one_with_its_number() -> None:
+    mine = identity(os.getpid())
+    assert recorded(mine, "pid") and recorded(mine, "shim")
+    assert not recorded(mine | {"boot_id": "another-boot"}, "pid")  # a reboot: the number is someone else's
+    assert not recorded(mine | {"pid_ticks": mine["pid_ticks"] - 1}, "pid")  # the number given again
+    older = {"pid": os.getpid(), "started_at": 1.0}  # an older daemon's record, from before this boot
+    assert not recorded(older, "pid")
+    assert recorded(mine | {"pid": 2**22 + 12345, "pid_ticks": 7}, "pid")  # gone: its group may still be there
+
+
+def test_a_job_whose_user_is_gone_fails_alone(machine_queue: Path, other_user: int) -> None:
+    directory = machine_queue
+    start_daemon(directory)
+    env = {"REDLINE_QUEUE_DIR": str(directory)}
+    spec = JobSpec(argv=("true",), cwd="/tmp", env=USER_PATH).to_dict()
+    held = {"op": "submit", "spec": spec, "hold": True}
+    theirs = as_user(other_user, lambda: request(held, directory, start=False))["job"]["id"]
+    subprocess.run(["userdel", "redline-qtest"], check=True, capture_output=True)
+    assert run_cli("release", str(theirs), env=env).returncode == 0  # root may
+    ended = until(env, theirs, "failed", "done")
+    assert (
+        ended["state"] == "failed"
+        and ended["reason"] == f"its user (uid {other_user}) is not known to this machine now"
+    )
+    until(env, submit(env, "--", "true"), "done")  # the daemon serves on
+
+
+def test_what_other_users_name_their_jobs_reaches_no_terminal_as_markup_or_escapes(queue: dict[str, str]) -> None:
+    for name in ("\x1b]0;owned\x07", "a\x1b[31mred", "tab\there"):
+        with pytest.raises(BadInput, match="--name must be printable text"):
+            JobSpec(argv=("true",), name=name)
+    with pytest.raises(BadInput, match="--name must be printable text"):
+        JobSpec.from_dict({"argv": ["true"], "name": ["a", "b"]})
+    env = queue
+    job = submit(env, "--name", "[bold]loud[/bold]", "--", "sh", "-c", "exit 3")  # rich markup: printed as it is
+    # a folder whose name carries a terminal's escape (a title change): the reason quotes it
+    spec = JobSpec(argv=("true",), cwd="/nowhere/\x1b]0;owned\x07", env=USER_PATH)
+    escape = request({"op": "submit", "spec": spec.to_dict()}, Path(env["REDLINE_QUEUE_DIR"]))["job"]["id"]
+    until(env, job, "failed")
+    assert "\x1b]0;owned" in until(env, escape, "failed")["reason"]
+    table = run_cli("jobs", env=env | {"COLUMNS": "200"})
+    assert "[bold]loud[/bold]" in table.stdout and "\x1b" not in table.stdout, table.stdout

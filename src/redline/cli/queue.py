@@ -152,16 +152,19 @@ def jobs(
         since = job["started_at"] or job["submitted_at"]
         table.add_row(
             str(job["id"]),
-            job["user"],
-            job["name"],
-            job["state"],
-            gpus,
+            *map(_shown, (job["user"], job["name"], job["state"], gpus)),
             fmt_duration((job["ended_at"] or now) - since),
-            job["reason"],
+            _shown(job["reason"]),
         )
     ui.console.print(table)
     if remote:
         _print_engine_jobs(remote)
+
+
+def _shown(text: object) -> str:
+    """Text another user chose (a job's name, its program, a reason quoting its path) without what a terminal
+    would act on: control characters (escape sequences) become "?". The console prints no markup."""
+    return "".join(c if c.isprintable() else "?" for c in str(text))
 
 
 def _engine_jobs(names, namespace: str, address: str | None) -> list:
@@ -188,7 +191,7 @@ def _print_engine_jobs(remote: list) -> None:
     for column in ("engine", "id", "name", "state", "why, or how it ended"):
         table.add_column(column)
     for job in remote:
-        table.add_row(job.engine, job.id, job.name, job.state, job.reason)
+        table.add_row(*map(_shown, (job.engine, job.id, job.name, job.state, job.reason)))
     ui.console.print(table)
 
 
@@ -204,7 +207,7 @@ def _change(op: str, ids: list[str], json_output: bool) -> None:
         return
     for job in changed:
         ui.console.print(
-            f"job {job['id']} ({job['name']}): {job['state']}"
+            f"job {job['id']} ({_shown(job['name'])}): {job['state']}"
             + (" (stopping)" if op == "cancel" and job["state"] in ("starting", "running") else "")
         )
 
@@ -359,6 +362,8 @@ Restart=on-failure
 # a stop or restart of the daemon leaves its jobs running: the next daemon adopts them
 KillMode=process
 StateDirectory=redline/queue
+# the jobs run in this unit's cgroup: systemd's default TasksMax would cap every job's processes and threads
+TasksMax=infinity
 # users reach the socket in it and list nothing; what is inside is private (the daemon makes it so)
 StateDirectoryMode=0711
 
@@ -373,7 +378,27 @@ def unit() -> None:
     `redline queue unit > /etc/systemd/system/redline-queue.service && systemctl enable --now redline-queue`."""
     import sys
 
+    python = Path(sys.executable)
+    if unsafe := _writable_by_others(python):
+        ui.warn(
+            f"{unsafe} may be changed by a user other than root, and the unit runs {python} as root: install "
+            "redline where only root can write (a root-owned environment in /opt, say)"
+        )
     typer.echo(UNIT.format(python=sys.executable), nl=False)
+
+
+def _writable_by_others(python: Path) -> Path | None:
+    """The first of the interpreter and the folders above it that a user other than root owns or may write
+    (a sticky folder excepted: others may not rename what is in it), or None."""
+    import stat
+
+    resolved = python.resolve()
+    for path in (resolved, *resolved.parents):
+        found = path.stat()
+        loose = found.st_mode & 0o022 and not (stat.S_ISDIR(found.st_mode) and found.st_mode & stat.S_ISVTX)
+        if found.st_uid != 0 or loose:
+            return path
+    return None
 
 
 def _umask() -> int:

@@ -8,6 +8,7 @@ be stuck, in one line, rather than waited on for good.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
@@ -79,7 +80,7 @@ def _ask(path: Path, payload: dict[str, Any]) -> tuple[dict[str, Any], list[int]
             _connect(sock, path)
             sock.sendall(line)
             while not data.endswith(b"\n") and len(data) <= MAX_ANSWER_BYTES:
-                chunk, received, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+                chunk, received = _receive(sock)
                 fds += received
                 if not chunk:
                     break
@@ -98,6 +99,17 @@ def _ask(path: Path, payload: dict[str, Any]) -> tuple[dict[str, Any], list[int]
     except BaseException:
         _close(fds)
         raise
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """Bytes of the answer and the descriptors that came with them, close-on-exec as they arrive (a log's
+    descriptor must not reach what this process may start; socket.recv_fds would drop the flag that says so)."""
+    fds = array.array("i")
+    data, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
 
 
 def _connect(sock: socket.socket, path: Path) -> None:

@@ -28,6 +28,7 @@ import json
 import os
 import pwd
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -47,12 +48,13 @@ from redline.queue.placement import Devices, Placement, Request, Reservation, Sl
 from redline.queue.policy import Limits, Running, Waiting, decide
 from redline.queue.protocol import Op
 from redline.queue.server import Answer, Server, say
-from redline.queue.shim import preallocate, read_record
+from redline.queue.shim import preallocate, read_record, recorded
 from redline.queue.spec import ACTIVE, FINAL_STATES, LIVE, JobSpec, JobState
 from redline.queue.store import Job, Store
 
 SHIM = Path(__file__).with_name("shim.py")
 TICK_S = 0.5  # how often the daemon looks at its jobs when nothing wakes it
+STATUS_TTL_S = 1.0  # a status is read again after this
 BACKOFF_S = 10.0  # a retry waits this, doubling per attempt (with jitter)
 MAX_BACKOFF_S = 300.0
 # a folder of the attempt's that its user may write (in the spool): the runtime records there the smaller
@@ -86,6 +88,8 @@ class Daemon:
     _slots: dict[str, Slot] = field(default_factory=dict, init=False)  # the devices as last read
     wake: asyncio.Event | None = field(default=None, init=False)
     full: bool = field(default=False, init=False)  # the disk was full at the last tick
+    job_nofile: int | None = field(default=None, init=False)  # the descriptor limit jobs get: the daemon's own
+    _status_cache: tuple[float, dict[str, Any]] | None = field(default=None, init=False)
 
     @property
     def socket_path(self) -> Path:
@@ -96,6 +100,7 @@ class Daemon:
     def serve(self) -> None:
         """Run until SIGTERM or SIGINT: one daemon per directory (a second one exits at once, said)."""
         os.umask(0o077)  # private unless said otherwise (layout.py)
+        self.job_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # before the server raises it
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             lock = WriterLock(self.directory / "daemon", what="queue daemon").acquire()
@@ -195,25 +200,32 @@ class Daemon:
         self._schedule()
 
     def _follow(self, job: Job) -> None:
+        """Where the job's attempt is. While its shim holds the lock only its start is news; once the lock is
+        free its records are final (read before the lock, an end written in between would be missed)."""
         attempt = self._attempt_dir(job)
         started = read_record(attempt / "pid.json")
         if started is not None and job.state == JobState.STARTING:
             self.store.update(job.id, state=JobState.RUNNING, started_at=started["started_at"])
+        if _locked(attempt / "lock"):
+            return
+        started = read_record(attempt / "pid.json")
         ended = read_record(attempt / "exit.json")
         if ended is not None:  # the shim's word on how it ended is final, whatever else is found
             self._finish(job, ended)
             return
-        if _locked(attempt / "lock"):
-            return
         if started is None:  # the shim never let the job run: it did not run, it waits again
             self.store.update(job.id, state=JobState.QUEUED, attempt=job.attempt - 1, placement=None, reason="")
             return
-        _kill_group(started["pid"])  # the job may outlive its shim: stop it before it could run twice
+        if recorded(started, "pid"):  # the job may outlive its shim: stop it before it could run twice
+            _kill_group(started["pid"])
         self._end(job, JobState.LOST, None, "its shim vanished (a reboot, or the shim killed)", retry=True)
 
     def _finish(self, job: Job, ended: dict[str, Any]) -> None:
         code, reason = ended["returncode"], ended.get("reason") or ""
         oom, refused = self._oom_record(job)
+        records = self._records_dir(job)
+        if records is not None and records.parent == self.directory / "spool":  # read: the user's folder goes
+            shutil.rmtree(records, ignore_errors=True)  # fd-relative, never following a link the user made
         if reason == "cancelled":
             self._end(job, JobState.CANCELLED, code, "cancelled")
         elif code == 0:
@@ -232,13 +244,12 @@ class Daemon:
         """The out-of-memory record the job's runtime left, and why one there was not taken (""). The folder is
         the job's user's: the record is taken only when it is that user's regular file, under a size cap,
         opened without following a link or waiting on a FIFO."""
-        run = read_record(self._attempt_dir(job) / "run.json") or {}
-        records = (run.get("env") or {}).get(RECORDS_ENV)
-        if not records or not os.path.lexists(Path(records, OOM_RECORD)):
+        records = self._records_dir(job)
+        if records is None or not os.path.lexists(records / OOM_RECORD):
             return None, ""
         try:
             data = read_user_bytes(
-                Path(records, OOM_RECORD),
+                records / OOM_RECORD,
                 "out-of-memory record",
                 limit_bytes=layout.RECORD_LIMIT_BYTES,
                 follow=False,
@@ -252,6 +263,15 @@ class Daemon:
             return None, f"not taken: {exc}"
         except ValueError as exc:
             return None, f"not taken: its out-of-memory record is not JSON ({exc})"
+
+    def _records_dir(self, job: Job) -> Path | None:
+        """Where the attempt's runtime leaves its records (the spool; an older daemon's attempts: inside them)."""
+        try:
+            run = json.loads((self._attempt_dir(job) / "run.json").read_text())
+        except (OSError, ValueError):
+            return None
+        records = (run.get("env") or {}).get(RECORDS_ENV)
+        return Path(records) if records else None
 
     def _gpu_faults(self, job: Job) -> str:
         """The critical Xids that appeared on the job's GPUs while it ran, in words ("" for none)."""
@@ -361,12 +381,16 @@ class Daemon:
     def _launch(self, job: Job, placement: Placement) -> None:
         """Start the job's next attempt: its directory, records and lock first, then "starting" committed, then
         the shim (which inherits the locked descriptor), then the daemon's copy of the descriptor closed. A kill
-        -9 between any two steps leaves a state ``recover`` reads right. A disk too full for the first steps
-        leaves the job queued, said."""
+        -9 between any two steps leaves a state ``recover`` reads right. What fails one job's start (a full
+        disk, a user gone from the machine, no process to be had) is that job's, said; the others go on."""
         number = job.attempt + 1
         attempt = self._attempt_dir(job, number)
         try:
             self._prepare(job, placement, attempt)
+        except KeyError:  # pwd: the user was removed, or its directory service is down
+            shutil.rmtree(attempt, ignore_errors=True)
+            self._end(job, JobState.FAILED, None, f"its user (uid {job.uid}) is not known to this machine now")
+            return
         except OSError as exc:
             shutil.rmtree(attempt, ignore_errors=True)  # the daemon's own folder: what this try made of it
             if not layout.disk_full(exc):
@@ -379,6 +403,12 @@ class Daemon:
             placed = {"uuids": list(placement.uuids), "reserved_bytes": list(placement.reserved_bytes)}
             placed |= self._xid_baseline(placement)
             self.store.update(job.id, state=JobState.STARTING, attempt=number, placement=placed, reason=placement.note)
+            self._start_shim(job, attempt, lock)
+        finally:
+            os.close(lock)
+
+    def _start_shim(self, job: Job, attempt: Path, lock: int) -> None:
+        try:
             with open(attempt / "shim.log", "wb") as shim_log:
                 subprocess.Popen(
                     # -I -S: the shim needs only the standard library, and starts faster without site-packages
@@ -390,8 +420,13 @@ class Daemon:
                     start_new_session=True,
                     cwd="/",
                 )
-        finally:
-            os.close(lock)
+        except OSError as exc:  # no process to be had now (EAGAIN: the tasks limit; ENOMEM): it waits a while
+            say(f"job {job.id}: its shim did not start: {exc}")
+            why = f"waits: its supervisor could not start ({exc.strerror or exc})"
+            wait = time.time() + self.backoff_s
+            self.store.update(
+                job.id, state=JobState.QUEUED, attempt=job.attempt, placement=None, reason=why, not_before=wait
+            )
 
     def _prepare(self, job: Job, placement: Placement, attempt: Path) -> None:
         """The attempt's folder, its shim's orders (run.json), its records made ahead (they need no room later),
@@ -422,6 +457,7 @@ class Daemon:
             "cwd": job.spec.cwd,
             "env": env,
             "umask": job.spec.umask,
+            "nofile": self.job_nofile,
             "log": str(log),
             "time_limit_s": job.spec.time_limit_s,
             "uid": job.uid,
@@ -491,7 +527,7 @@ class Daemon:
         return self.store.jobs(LIVE) + self.store.jobs(FINAL_STATES, limit=20)
 
     def _job(self, key: Any) -> Job:
-        job = self.store.get(int(key)) if str(key).isdigit() else None
+        job = self.store.get(int(key)) if str(key).isdigit() and len(str(key)) < 20 else None
         if job is None:
             raise BadInput(f"no job {key}")
         return job
@@ -514,7 +550,7 @@ class Daemon:
             attempt = self._attempt_dir(job)
             (attempt / "cancel").touch()
             started = read_record(attempt / "pid.json")
-            if started is not None:
+            if started is not None and recorded(started, "shim"):  # else the shim reads the file before its go
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(started["shim"], signal.SIGTERM)
         elif op != Op.CANCEL or job.state not in FINAL_STATES:
@@ -524,6 +560,14 @@ class Daemon:
         return changed.to_dict(private=True)
 
     def _status(self) -> dict[str, Any]:
+        """The GPUs and counts, read at most once a second whoever asks (NVML and /proc walks are not free,
+        and any user may ask)."""
+        now = time.monotonic()
+        if self._status_cache is None or now - self._status_cache[0] > STATUS_TTL_S:
+            self._status_cache = (now, self._read_status())
+        return self._status_cache[1]
+
+    def _read_status(self) -> dict[str, Any]:
         running = self.store.jobs(ACTIVE)
         devices = self._devices(running)
         gpus = []

@@ -73,6 +73,11 @@ class JobSpec:
             raise BadInput(f"--gpu-memory must be positive and at most 1 PiB, not {self.gpu_memory_bytes}")
         if self.time_limit_s is not None and not 0 < self.time_limit_s <= MAX_TIME_LIMIT_S:
             raise BadInput(f"--time-limit must be positive and at most a year, not {self.time_limit_s} s")
+        if not isinstance(self.name, str) or not self.name.isprintable():  # shown on every user's terminal
+            raise BadInput("--name must be printable text (no control characters)")
+        environment = [*self.env, *self.env.values()] if isinstance(self.env, Mapping) else [None]  # None: refused
+        if not all(isinstance(text, str) for text in [self.cwd, *self.after, *environment]):
+            raise BadInput("a job's folder, environment and --after ids are text")
         if len(self.name) > MAX_NAME_CHARS or len(self.after) > MAX_AFTER:
             raise BadInput(f"--name takes at most {MAX_NAME_CHARS} characters, --after at most {MAX_AFTER} jobs")
         if self.umask is not None and (not isinstance(self.umask, int) or not 0 <= self.umask <= 0o777):
