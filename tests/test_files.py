@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from redline.errors import BadInput
 from redline.files import (
     check_trusted,
+    disk_full,
     open_append,
     open_regular,
     read_user_bytes,
@@ -104,6 +106,13 @@ def test_a_folder_is_refused_where_a_folder_is_not_and_appends_never_block(tmp_p
     os.write(fd, b"one\n")
     os.close(fd)
     assert (tmp_path / "new.jsonl").read_bytes() == b"one\n"
+
+
+def test_a_full_disk_or_quota_is_told_from_other_errors() -> None:
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert not disk_full(OSError(errno.EIO, "Input/output error"))
+    assert not disk_full(ValueError("No space left on device"))  # only the kernel's word counts
 
 
 # ------------------------------------------------------------------------------------------ trusted folders

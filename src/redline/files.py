@@ -43,6 +43,12 @@ def kind_of(mode: int) -> str:
     return "a regular file" if stat.S_ISREG(mode) else "not a file"
 
 
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says a disk, or the user's quota on it, is full (ENOSPC, EDQUOT): a write retried at
+    once would only meet it again."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def open_regular(
     path: str | os.PathLike[str],
     what: str,

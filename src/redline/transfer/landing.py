@@ -32,10 +32,6 @@ class NoSpace(TransferError):
     """The destination's disk is full (ENOSPC, EDQUOT): a retry would only fill it again."""
 
 
-def no_space(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
 def refusal(path: Path, mode: int) -> str | None:
     """Why a destination of ``mode`` (from an lstat) cannot be written, or None for a regular file."""
     if stat.S_ISREG(mode):
