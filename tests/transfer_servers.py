@@ -282,6 +282,7 @@ class Misbehaviour:
     length: str = "exact"  # "exact", "chunked" (no Content-Length), or a literal Content-Length to send instead
     redirect: str | None = None  # every GET answered 302 to this Location
     cut_first: int | None = None  # the first GET after the stat (the second) is cut after this many body bytes
+    content_range: str | None = None  # a literal Content-Range to send with every 206 instead of the true one
 
 
 class HostileServer:
@@ -336,7 +337,7 @@ class HostileServer:
         if how.ranges and asked:
             start, end = (int(x) for x in asked.removeprefix("bytes=").split("-"))
             status, body = 206, data[start : end + 1]
-            headers["Content-Range"] = f"bytes {start}-{start + len(body) - 1}/{len(data)}"
+            headers["Content-Range"] = how.content_range or f"bytes {start}-{start + len(body) - 1}/{len(data)}"
         if how.etag:
             headers["ETag"] = '"v2"' if replaced else how.etag
         if how.last_modified:

@@ -149,6 +149,26 @@ def test_a_content_length_that_is_no_size_is_one_line_naming_the_url(tmp_path: P
     assert not dest.exists() and not journal.part_path(dest).exists()
 
 
+@pytest.mark.parametrize(
+    "content_range",
+    [f"bytes 0-0/{'9' * 5000}", f"bytes {'1' * 5000}-0/1000", "bytes 0-0/99999999999999999999"],
+    ids=["total-5000-digits", "first-5000-digits", "total-20-digits"],
+)
+def test_a_content_range_with_a_number_past_any_size_is_one_line_naming_the_url(
+    tmp_path: Path, content_range: str
+) -> None:
+    """Python will not even make an int of a 5000-digit number (it raised "Exceeds the limit")."""
+    server = _serve(_bytes(1000, 7), Misbehaviour(content_range=content_range))
+    try:
+        dest = tmp_path / "file.bin"
+        result = run_cli("fetch", server.url, str(dest), "--retries", "1", env=NARROW)
+    finally:
+        server.close()
+    line = _one_line(result, 1)
+    assert server.url in line and "Content-Range" in line, line
+    assert not dest.exists() and not journal.part_path(dest).exists()
+
+
 def test_ipv6_loopback_is_a_host_like_any_other(tmp_path: Path) -> None:
     try:
         server = _serve(_bytes(MiB, 8), Misbehaviour(), host="::1")

@@ -23,7 +23,9 @@ import urllib3
 
 from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+# at most 19 digits a number (2^63 has 19): a longer one is no file's offset or size, and Python refuses to
+# make an int of one past 4300 digits (a ValueError that surfaced as "internal error")
+_CONTENT_RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
 _DIGITS = re.compile(r"\d{1,19}")
 # a retry will not help these; 408, 425, 429 and 5xx are worth one
 _PERMANENT = {400, 401, 403, 404, 405, 410, 411, 414, 451}
