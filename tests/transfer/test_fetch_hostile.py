@@ -202,6 +202,22 @@ def test_redirects_go_to_http_only_and_a_bounded_number_of_times(tmp_path: Path,
     assert not dest.exists() and server.gets <= 2 * 11  # two runs, each at most the first GET and 10 more
 
 
+def test_a_redirect_with_an_endless_body_is_not_read(tmp_path: Path) -> None:
+    """Every GET of one server is a 302 to a good one, with a body of 1 TiB that never ends: the fetch hangs up
+    on it and follows the Location (it read the body to its end, and stalled there)."""
+    good = _serve(_bytes(MiB, 9), Misbehaviour())
+    hostile = _serve(b"", Misbehaviour(redirect=good.url, endless_redirect=True))
+    try:
+        dest = tmp_path / "file.bin"
+        result = run_cli("fetch", hostile.url, str(dest), "--streams", "2", "--chunk-size", "256K", timeout=120)
+    finally:
+        hostile.close()
+        good.close()
+    assert result.returncode == 0, result.stderr
+    assert dest.read_bytes() == good.data
+    assert hostile.redirect_bytes < hostile.gets * 16 * MiB  # what socket buffers hold, not the body
+
+
 def test_urls_no_source_can_be_made_of_are_bad_input(tmp_path: Path) -> None:
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
