@@ -138,7 +138,13 @@ def test_a_chunked_answer_without_a_length_is_read_to_its_end(tmp_path: Path) ->
 @pytest.mark.parametrize("length", ["abc", str(2**70), "-5"])
 @pytest.mark.parametrize("ranges", [False, True], ids=["whole", "ranged"])
 def test_a_content_length_that_is_no_size_is_one_line_naming_the_url(tmp_path: Path, length: str, ranges: bool) -> None:
-    server = _serve(_bytes(1000, 7), Misbehaviour(ranges=ranges, length=length))
+    _malformed_answer(Misbehaviour(ranges=ranges, length=length), tmp_path)
+
+
+def _malformed_answer(how: Misbehaviour, tmp_path: Path) -> str:
+    """The one line a fetch from a server answering as ``how`` says fails with (exit 1, naming the URL, nothing
+    left behind)."""
+    server = _serve(_bytes(1000, 7), how)
     try:
         dest = tmp_path / "file.bin"
         result = run_cli("fetch", server.url, str(dest), "--retries", "1", env=NARROW)
@@ -147,6 +153,7 @@ def test_a_content_length_that_is_no_size_is_one_line_naming_the_url(tmp_path: P
     line = _one_line(result, 1)
     assert server.url in line, line
     assert not dest.exists() and not journal.part_path(dest).exists()
+    return line
 
 
 @pytest.mark.parametrize(
@@ -158,15 +165,8 @@ def test_a_content_range_with_a_number_past_any_size_is_one_line_naming_the_url(
     tmp_path: Path, content_range: str
 ) -> None:
     """Python will not even make an int of a 5000-digit number (it raised "Exceeds the limit")."""
-    server = _serve(_bytes(1000, 7), Misbehaviour(content_range=content_range))
-    try:
-        dest = tmp_path / "file.bin"
-        result = run_cli("fetch", server.url, str(dest), "--retries", "1", env=NARROW)
-    finally:
-        server.close()
-    line = _one_line(result, 1)
-    assert server.url in line and "Content-Range" in line, line
-    assert not dest.exists() and not journal.part_path(dest).exists()
+    line = _malformed_answer(Misbehaviour(content_range=content_range), tmp_path)
+    assert "Content-Range" in line, line
 
 
 def test_ipv6_loopback_is_a_host_like_any_other(tmp_path: Path) -> None:
