@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from redline.errors import BadInput
 from redline.files import (
     check_trusted,
+    disk_full,
     open_append,
     open_regular,
     read_user_bytes,
@@ -106,6 +108,13 @@ def test_a_folder_is_refused_where_a_folder_is_not_and_appends_never_block(tmp_p
     assert (tmp_path / "new.jsonl").read_bytes() == b"one\n"
 
 
+def test_a_full_disk_or_quota_is_told_from_other_errors() -> None:
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert not disk_full(OSError(errno.EIO, "Input/output error"))
+    assert not disk_full(ValueError("No space left on device"))  # only the kernel's word counts
+
+
 # ------------------------------------------------------------------------------------------ trusted folders
 
 
@@ -122,8 +131,8 @@ def code_folder(parent: Path) -> Path:
 
 def test_a_folder_only_this_user_could_write_is_trusted(tmp_path: Path) -> None:
     folder = code_folder(tmp_path)
-    check_trusted(folder, "checkpoint folder")
-    check_trusted(tmp_path / "absent", "checkpoint folder")  # nothing there: nothing runs
+    assert check_trusted(folder, "checkpoint folder").path == Path(os.path.realpath(folder))
+    assert check_trusted(tmp_path / "absent", "checkpoint folder") is None  # nothing there: nothing to load
     sticky = tmp_path / "shared"
     sticky.mkdir()
     sticky.chmod(0o1777)  # as /tmp is: others add their own entries there, and cannot rename ours
@@ -172,3 +181,67 @@ def test_what_another_user_owns_is_refused_even_to_root(tmp_path: Path, stranger
     os.chown(elsewhere, stranger, stranger)
     (folder / "weights.pt").symlink_to(elsewhere)  # a link is judged by what it points to
     assert f"{elsewhere} belongs to redline-stranger" in refused(check_trusted, folder, "artifact")
+
+
+def test_the_folder_checked_is_handed_back_and_a_link_repointed_since_changes_nothing(tmp_path: Path) -> None:
+    """The caller loads from the path the check resolved, not from the one given: a symlink on it may point
+    elsewhere by then. ``confirm`` says when that folder itself was replaced since."""
+    folder = Path(os.path.realpath(code_folder(tmp_path)))
+    link = tmp_path / "latest"
+    link.symlink_to(folder)
+    trusted = check_trusted(link, "checkpoint folder")
+    link.unlink()
+    link.symlink_to(tmp_path / "elsewhere")  # repointed after the check
+    assert trusted.path == folder and trusted.confirm("checkpoint folder") == folder
+    folder.rename(tmp_path / "old")
+    code_folder(tmp_path)  # another folder under the same name
+    assert refused(trusted.confirm, "checkpoint folder") == (
+        f"checkpoint folder {folder} was replaced since it was checked: load it again"
+    )
+
+
+def test_a_symlink_on_the_way_another_user_owns_is_refused(tmp_path: Path, stranger: int) -> None:
+    """Its owner may remove it and point it at their own folder once the check has passed."""
+    folder = Path(os.path.realpath(code_folder(tmp_path)))
+    link = tmp_path / "theirs"
+    link.symlink_to(folder)
+    os.lchown(link, stranger, stranger)
+    assert refused(check_trusted, link, "checkpoint folder") == (
+        f"refusing checkpoint folder {link}: {link}, a symlink on the way to it, belongs to redline-stranger "
+        f"(uid {stranger}), who could point it elsewhere once it is checked: name {folder} instead"
+    )
+    above = tmp_path / "above"
+    above.symlink_to(tmp_path)  # a link in the folders above it, not the last name
+    os.lchown(above, stranger, stranger)
+    assert f"{above}, a symlink on the way to it, belongs to redline-stranger" in refused(
+        check_trusted, above / "ckpt" / "step-1", "checkpoint folder"
+    )
+
+
+def test_a_symlink_in_a_folder_others_may_swap_it_in_is_refused(tmp_path: Path) -> None:
+    folder = Path(os.path.realpath(code_folder(tmp_path)))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ckpt").symlink_to(folder)
+    shared.chmod(0o777)  # anyone may replace the link with one of their own
+    assert refused(check_trusted, shared / "ckpt", "checkpoint folder") == (
+        f"refusing checkpoint folder {shared / 'ckpt'}: a folder on the way to it, {shared}, is writable by its "
+        f"group and everyone without the sticky bit (mode 0777), so anyone could swap it for another: "
+        f"chmod go-w {shared}"
+    )
+    shared.chmod(0o1777)  # sticky: only its owner (this user) may remove the link
+    assert check_trusted(shared / "ckpt", "checkpoint folder").path == folder
+
+
+def test_a_link_inside_to_nothing_and_a_loop_of_links_are_refused(tmp_path: Path) -> None:
+    """Whoever may make the missing name would choose what loads through the link; a loop is no folder."""
+    folder = code_folder(tmp_path)
+    (folder / "weights.pt").symlink_to(tmp_path / "missing")
+    assert refused(check_trusted, folder, "artifact").endswith(
+        f"{folder}/weights.pt points to {tmp_path}/missing, which is not there: remove the link, or make what it names"
+    )
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert refused(check_trusted, tmp_path / "a", "artifact") == (
+        f"cannot check {tmp_path / 'a'}: over 40 symlinks on the way to it (a loop?)"
+    )

@@ -281,7 +281,9 @@ class Misbehaviour:
     replace_after: int | None = None  # the file is replaced (new bytes, ETag, Last-Modified) after this many GETs
     length: str = "exact"  # "exact", "chunked" (no Content-Length), or a literal Content-Length to send instead
     redirect: str | None = None  # every GET answered 302 to this Location
+    endless_redirect: bool = False  # the 302 carries a body of 1 TiB, sent until the client hangs up
     cut_first: int | None = None  # the first GET after the stat (the second) is cut after this many body bytes
+    content_range: str | None = None  # a literal Content-Range to send with every 206 instead of the true one
 
 
 class HostileServer:
@@ -294,6 +296,7 @@ class HostileServer:
 
         self.data, self.how, self.replacement = data, how, replacement
         self.gets = 0
+        self.redirect_bytes = 0  # of the endless redirect bodies, what the clients took before hanging up
         self._lock = threading.Lock()
         server = self
 
@@ -326,8 +329,10 @@ class HostileServer:
         if how.redirect:
             handler.send_response(302)
             handler.send_header("Location", how.redirect)
-            handler.send_header("Content-Length", "0")
+            handler.send_header("Content-Length", str(1 << 40) if how.endless_redirect else "0")
             handler.end_headers()
+            if how.endless_redirect:
+                self._send_endless(handler)
             return
         replaced = how.replace_after is not None and number > how.replace_after
         data = self.replacement if replaced else self.data
@@ -336,12 +341,21 @@ class HostileServer:
         if how.ranges and asked:
             start, end = (int(x) for x in asked.removeprefix("bytes=").split("-"))
             status, body = 206, data[start : end + 1]
-            headers["Content-Range"] = f"bytes {start}-{start + len(body) - 1}/{len(data)}"
+            headers["Content-Range"] = how.content_range or f"bytes {start}-{start + len(body) - 1}/{len(data)}"
         if how.etag:
             headers["ETag"] = '"v2"' if replaced else how.etag
         if how.last_modified:
             headers["Last-Modified"] = "Tue, 02 Jan 2024 00:00:00 GMT" if replaced else how.last_modified
         self._send(handler, status, headers, body, cut=how.cut_first if number == 2 else None)
+
+    def _send_endless(self, handler) -> None:
+        piece = b"x" * 65536
+        handler.close_connection = True
+        with contextlib.suppress(OSError):  # the client hung up: the only way this ends
+            while True:
+                handler.wfile.write(piece)
+                with self._lock:
+                    self.redirect_bytes += len(piece)
 
     def _send(self, handler, status: int, headers: dict[str, str], body: bytes, cut: int | None) -> None:
         how = self.how

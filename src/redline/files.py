@@ -18,7 +18,9 @@ import errno
 import os
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from redline.errors import BadInput
 from redline.units import MiB, fmt_bytes
@@ -39,6 +41,12 @@ def kind_of(mode: int) -> str:
         if test(mode):
             return words
     return "a regular file" if stat.S_ISREG(mode) else "not a file"
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says a disk, or the user's quota on it, is full (ENOSPC, EDQUOT): a write retried at
+    once would only meet it again."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def open_regular(
@@ -161,20 +169,61 @@ def open_append(path: str | os.PathLike[str], what: str) -> int:
 #
 # - the folder and everything under it (what a symlink in it points to too) belong to this user or root, and
 #   none of it is writable by its group or by everyone;
-# - every folder above it belongs to this user or root, and is not writable by its group or by everyone unless
-#   it has the sticky bit (/tmp: others may add entries there, but not rename or remove ours).
+# - every folder a name on the way to it is looked up in (those above it, and those holding a symlink the path
+#   crosses) belongs to this user or root, and is not writable by its group or by everyone unless it has the
+#   sticky bit (/tmp: others may add entries there, but not rename or remove ours);
+# - every symlink the path crosses belongs to this user or root (its owner may remove it and point it
+#   elsewhere, in a sticky folder too).
+#
+# The check resolves the path itself, one name at a time as the kernel does, and hands back the folder it
+# resolved to: the caller loads from that alone. Loading from the path as given would look it up again, and a
+# symlink on it could point elsewhere by then.
+
+MAX_SYMLINKS = 40  # the kernel's own limit on the links one lookup follows (ELOOP past it)
 
 
-def check_trusted(path: str | os.PathLike[str], what: str) -> None:
+@dataclass(frozen=True)
+class Trusted:
+    """What ``check_trusted`` found no one else could have written: ``path``, the one asked about resolved (no
+    symlink left on it), and ``identity``, the (st_dev, st_ino) of what it named when checked."""
+
+    path: Path
+    identity: tuple[int, int]
+
+    def confirm(self, what: str) -> Path:
+        """``path`` again, just before it is loaded; BadInput when it no longer names what was checked (this
+        user or root replaced it since: no one else could)."""
+        try:
+            found = os.lstat(self.path)
+        except OSError as exc:
+            raise BadInput(f"{what} {self.path} is gone since it was checked: {exc.strerror or exc}") from None
+        if (found.st_dev, found.st_ino) != self.identity:
+            raise BadInput(f"{what} {self.path} was replaced since it was checked: load it again")
+        return self.path
+
+
+class _Lookup(NamedTuple):
+    """A path resolved name by name: where it led, the lstat there, the folders names were looked up in, and
+    the symlinks crossed (each with its lstat)."""
+
+    real: Path
+    found: os.stat_result
+    folders: list[Path]
+    links: list[tuple[Path, os.stat_result]]
+
+
+def check_trusted(path: str | os.PathLike[str], what: str) -> Trusted | None:
     """Refuse (BadInput, one line naming the path and the fix) ``what`` at ``path`` when a user other than this
-    one or root could have written it or swapped it (the rules above). A path that does not exist holds no
-    code: nothing to check."""
-    real = Path(os.path.realpath(path))
-    if not real.exists():
-        return
-    refusal = _untrusted(real, set(), real)
+    one or root could have written it or swapped it (the rules above). None when nothing is there: nothing to
+    load, and nothing may be loaded from ``path`` later either (what is made there afterwards was never
+    checked). Else the ``Trusted`` folder: load from its ``path`` alone, ``confirm``ed just before."""
+    lookup = _resolve(Path(path))
+    if lookup is None:
+        return None
+    refusal = _lookup_problem(lookup) or _untrusted(lookup.real, set(), lookup.real)
     if refusal is not None:
         raise BadInput(f"refusing {what} {path}: {refusal}")
+    return Trusted(lookup.real, (lookup.found.st_dev, lookup.found.st_ino))
 
 
 def drop_write_for_others(folder: str | os.PathLike[str]) -> None:
@@ -190,22 +239,97 @@ def drop_write_for_others(folder: str | os.PathLike[str]) -> None:
 
 
 def _untrusted(real: Path, seen: set[Path], top: Path) -> str | None:
-    """Why ``real`` (a resolved path: ``top``, the one asked about, or what a symlink under it points to) is not
-    to be trusted, or None: its parents, then it and what it holds."""
+    """Why ``real`` (a resolved path: ``top``, the one asked about, or what a symlink under it points to) or
+    what it holds is not to be trusted, or None (the folders on the way to it are ``_lookup_problem``'s)."""
     seen.add(real)
-    for parent in reversed(real.parents):
-        why = _parent_problem(parent)
-        if why is not None:
-            return why
     for entry in _entries(real):
         found = _lstat(entry)
         if stat.S_ISLNK(found.st_mode):
-            target = Path(os.path.realpath(entry))
-            why = None if target in seen or not target.exists() else _untrusted(target, seen, top)
+            why = _link_problem(entry, seen, top)
         else:
             why = _entry_problem(entry, found, real, top)
         if why is not None:
             return why
+    return None
+
+
+def _link_problem(link: Path, seen: set[Path], top: Path) -> str | None:
+    """Why what the symlink ``link`` (inside a folder being checked) leads to is not to be trusted, or None."""
+    lookup = _resolve(link)
+    if lookup is None:  # whoever may make the missing name would choose what loads through it
+        return f"{link} points to {_readlink(link)}, which is not there: remove the link, or make what it names"
+    why = _lookup_problem(lookup)
+    if why is None and lookup.real not in seen:
+        why = _untrusted(lookup.real, seen, top)
+    return why
+
+
+def _resolve(path: Path) -> _Lookup | None:
+    """``path`` resolved as the kernel resolves it, one name at a time, noting each folder a name is looked up
+    in and each symlink crossed; None where a name on the way is missing (or a file stands where a folder
+    should). BadInput when it cannot be read, or crosses more than ``MAX_SYMLINKS`` links."""
+    names = _names(path if path.is_absolute() else Path(os.getcwd(), path))
+    current, found = Path("/"), _lstat(Path("/"))
+    folders: list[Path] = []
+    links: list[tuple[Path, os.stat_result]] = []
+    while names:
+        name = names.pop(0)
+        if not stat.S_ISDIR(found.st_mode):
+            return None  # ENOTDIR: a file cannot hold the rest
+        if name == "..":
+            current = current.parent
+            found = _lstat(current)
+            continue
+        folders.append(current)
+        entry = current / name
+        try:
+            found = os.lstat(entry)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise BadInput(f"cannot check {entry}: {exc.strerror or exc}") from None
+        if not stat.S_ISLNK(found.st_mode):
+            current = entry
+            continue
+        links.append((entry, found))
+        if len(links) > MAX_SYMLINKS:
+            raise BadInput(f"cannot check {path}: over {MAX_SYMLINKS} symlinks on the way to it (a loop?)")
+        target = _readlink(entry)
+        names[:0] = _names(Path(target))
+        if target.startswith("/"):
+            current, found = Path("/"), _lstat(Path("/"))
+        else:
+            found = _lstat(current)
+    return _Lookup(current, found, folders, links)
+
+
+def _readlink(link: Path) -> str:
+    try:
+        return os.readlink(link)
+    except OSError as exc:
+        raise BadInput(f"cannot check {link}: {exc.strerror or exc}") from None
+
+
+def _names(path: Path) -> list[str]:
+    """The names of ``path`` in order, ``..`` kept (the kernel takes it after what precedes it is resolved)."""
+    return [name for name in str(path).split("/") if name not in ("", ".")]
+
+
+def _lookup_problem(lookup: _Lookup) -> str | None:
+    """Why the way to ``lookup.real`` could be changed by someone else, or None: a folder on it that fails the
+    parent rule, or a symlink on it of another user's."""
+    for folder in dict.fromkeys(lookup.folders):
+        why = _parent_problem(
+            folder, "the folder above it" if folder in lookup.real.parents else "a folder on the way to it"
+        )
+        if why is not None:
+            return why
+    for link, found in lookup.links:
+        if not _trusted_owner(found.st_uid):
+            return (
+                f"{link}, a symlink on the way to it, belongs to {_user(found.st_uid)}, who could point it "
+                f"elsewhere once it is checked: name {lookup.real} instead"
+            )
     return None
 
 
@@ -241,16 +365,17 @@ def _entry_problem(entry: Path, found: os.stat_result, root: Path, top: Path) ->
     return None
 
 
-def _parent_problem(parent: Path) -> str | None:
+def _parent_problem(parent: Path, role: str) -> str | None:
+    """Why someone else could swap what ``parent`` holds (``role`` says where it stands), or None."""
     found = _lstat(parent)
     if not _trusted_owner(found.st_uid):
         return (
-            f"the folder above it, {parent}, belongs to {_user(found.st_uid)}, who could swap it for another: "
+            f"{role}, {parent}, belongs to {_user(found.st_uid)}, who could swap it for another: "
             "keep it under folders that belong to you or root"
         )
     if found.st_mode & 0o022 and not found.st_mode & stat.S_ISVTX:
         return (
-            f"the folder above it, {parent}, is writable by {_writers(found.st_mode)} without the sticky bit "
+            f"{role}, {parent}, is writable by {_writers(found.st_mode)} without the sticky bit "
             f"(mode {found.st_mode & 0o7777:04o}), so anyone could swap it for another: chmod go-w {parent}"
         )
     return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -355,6 +357,33 @@ def test_a_factory_module_planted_in_the_current_folder_is_never_imported(eager_
     assert not (here / "planted-ran").exists()
 
 
+SWAPPED_AFTER_THE_CHECK = """
+import os, sys
+from redline.infer import artifact, load
+real = artifact.check_trusted
+def check_then_repoint(path, what):  # what the link's owner can do once the check has passed
+    checked = real(path, what)
+    os.unlink(sys.argv[1])
+    os.symlink(sys.argv[2], sys.argv[1])
+    return checked
+artifact.check_trusted = check_then_repoint
+print(load(sys.argv[1]).verify()[0])
+"""
+
+
+def test_an_artifact_loads_from_the_folder_checked_not_from_a_link_repointed_since(
+    eager_artifact: Path, tmp_path: Path
+) -> None:
+    theirs = tmp_path / "theirs"
+    shutil.copytree(eager_artifact, theirs)
+    (theirs / "tiny_nets.py").write_text(PLANTED)  # their factory module: runs when imported
+    link = tmp_path / "current"
+    link.symlink_to(eager_artifact)
+    done = _python(SWAPPED_AFTER_THE_CHECK, str(link), str(theirs), cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-3000:]
+    assert not (theirs / "planted-ran").exists()
+
+
 # ------------------------------------------------------------------------------------------ optional backends
 
 
@@ -458,6 +487,47 @@ def test_trained_weights_load_from_a_state_dict_and_from_a_run_checkpoint(nets: 
     (step / ".metadata").chmod(0o666)  # a pickle anyone could have replaced: not read
     with pytest.raises(BadInput, match=f"^refusing --weights checkpoint directory {tmp_path / 'ckpt'}: "):
         load_subject("tiny_nets:classifier", weights=tmp_path / "ckpt")
+
+
+class RunsACommand:
+    """What a replaced ``.metadata`` can hold: unpickling it runs a shell command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_weights_load_from_the_checkpoint_checked_not_from_a_link_repointed_since(
+    nets: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from redline import files
+
+    trained = load_subject("tiny_nets:classifier").served.inner
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.mul_(3.0)
+    for folder in (tmp_path / "ours", tmp_path / "theirs"):
+        dcp.save({"model": trained.state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    ran = tmp_path / "ran"
+    (tmp_path / "theirs" / ".metadata").write_bytes(pickle.dumps(RunsACommand(f"touch {ran}")))
+    link = tmp_path / "current"
+    link.symlink_to(tmp_path / "ours")
+    real = files.check_trusted
+
+    def check_then_repoint(path, what):  # what the link's owner can do once the check has passed
+        checked = real(path, what)
+        link.unlink()
+        link.symlink_to(tmp_path / "theirs")
+        return checked
+
+    monkeypatch.setattr(files, "check_trusted", check_then_repoint)
+    loaded = load_subject("tiny_nets:classifier", weights=link).served.inner
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.state_dict().items())
+    assert not ran.exists()
 
 
 # ---------------------------------------------------------------------------------------------- generation

@@ -1,5 +1,7 @@
 """A crowd of scrapers landing at once is answered, every one: the exporter of `redline monitor --port` and
 ``start_metrics_server`` (for any of redline's series) keep a listen backlog far over prometheus_client's 5.
+And a crowd of idle connections (any local user can make them) cannot pile threads into the server: it serves
+at most ``MAX_REQUESTS`` at once and drops a silent one after ``HANDLER_TIMEOUT_S``.
 
 The server is stopped (SIGSTOP) while 200 scrapers connect, as a busy accept loop would be: the kernel completes
 and queues as many connections as the backlog holds and drops the SYNs of the rest. Then it goes on, and every
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from test_monitor_cli import monitor_serving
+
+from redline.monitor.metrics_server import HANDLER_TIMEOUT_S, MAX_REQUESTS
 
 SCRAPERS = 200
 HANG_GUARD_S = 300.0
@@ -124,3 +128,69 @@ def test_start_metrics_server_answers_200_scrapes_that_land_at_once() -> None:
         server.kill()
         server.wait(timeout=HANG_GUARD_S)
     assert sum(r.startswith(b"HTTP/1.0 200") and b"redline_queue_jobs 3.0" in r for r in replies) == SCRAPERS
+
+
+IDLE = 300  # connections that never send a request: more than the server serves at once
+
+
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
+def _most_threads(pid: int, seconds: float) -> int:
+    """The most threads ``pid`` ran, sampled over ``seconds`` (under the handler timeout: none dropped yet)."""
+    most, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        most = max(most, _threads(pid))
+        time.sleep(0.02)
+    return most
+
+
+def _dropped_after(sockets: list[socket.socket], opened: list[float]) -> list[float]:
+    """Seconds from each connection's opening until the server closed it (EOF or a reset); inf where it kept
+    it past the hang guard."""
+    after = [float("inf")] * len(sockets)
+    index = {s.fileno(): i for i, s in enumerate(sockets)}
+    with selectors.DefaultSelector() as selector:
+        for s in sockets:
+            selector.register(s, selectors.EVENT_READ)
+        deadline = time.monotonic() + HANDLER_TIMEOUT_S + 60.0
+        while selector.get_map() and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=1.0):
+                try:
+                    data = key.fileobj.recv(1)
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    selector.unregister(key.fileobj)
+                    after[index[key.fd]] = time.monotonic() - opened[index[key.fd]]
+    return after
+
+
+def test_idle_connections_cannot_pile_threads_into_the_server_and_are_dropped() -> None:
+    server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SERVE)], stdout=subprocess.PIPE, text=True)
+    idle: list[socket.socket] = []
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        before = _threads(server.pid)
+        opened = []
+        for _ in range(IDLE):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+            opened.append(time.monotonic())
+        most = _most_threads(server.pid, HANDLER_TIMEOUT_S / 2)
+        assert most <= before + MAX_REQUESTS, f"{most} threads for {IDLE} idle connections"
+        after = _dropped_after(idle, opened)
+        scrape = socket.create_connection(("127.0.0.1", port))
+        scrape.sendall(REQUEST)
+        reply = answers([scrape])[0]
+    finally:
+        for s in idle:
+            s.close()
+        server.kill()
+        server.wait(timeout=HANG_GUARD_S)
+    assert max(after) < float("inf"), f"{after.count(float('inf'))} idle connections kept past the guard"
+    held = [a for a in after if a >= HANDLER_TIMEOUT_S - 0.05]  # a held one is dropped at its timeout, not sooner
+    assert len(held) == MAX_REQUESTS, "the rest are closed as they are accepted, past the cap"
+    assert reply.startswith(b"HTTP/1.0 200") and b"redline_queue_jobs 3.0" in reply

@@ -21,6 +21,7 @@ from torch import nn
 
 from ranks import spawn_ranks
 from redline.errors import BadInput
+from redline.runtime import checkpoint
 from redline.runtime.checkpoint import SLOW_SAVE_ENV, Checkpointer, CheckpointWarning
 
 # One training loop for the in-process tests, the killed processes and their references. Dropout draws from
@@ -154,6 +155,42 @@ def test_root_refuses_to_resume_from_a_checkpoint_another_user_owns(tmp_path, lo
         f"refusing checkpoint directory {folder}: it belongs to redline-stranger (uid {stranger}), not to you or "
         "root, and it runs as code here: copy what you trust into a folder of your own"
     )
+    assert not ran.exists()
+
+
+def checked_then(monkeypatch, change) -> None:
+    """The resume's trust check passes as it would, and then ``change()`` runs: what another user (or a
+    race with one) does between the check and the load."""
+    real = checkpoint.check_trusted
+
+    def check_then_change(path, what):
+        result = real(path, what)
+        change()
+        return result
+
+    monkeypatch.setattr(checkpoint, "check_trusted", check_then_change)
+
+
+def test_a_symlink_repointed_after_the_check_does_not_change_what_loads(tmp_path, loop, monkeypatch):
+    """The resume loads from the folder the check resolved the link to, never from the link again."""
+    model, optimizer, _ = loop["build"](0)
+    ours = tmp_path / "ours"
+    Checkpointer(ours).save(1, model=model, optimizer=optimizer)
+    theirs, _, ran = planted(tmp_path / "theirs", loop)
+    link = tmp_path / "latest"
+    link.symlink_to(ours)
+    checked_then(monkeypatch, lambda: (link.unlink(), link.symlink_to(theirs)))
+    assert Checkpointer(link).load_latest(model=model, optimizer=optimizer)[0] == 1
+    assert not ran.exists()
+
+
+def test_a_folder_made_after_the_check_is_not_resumed_from(tmp_path, loop, monkeypatch):
+    """Nothing was there to check: nothing is loaded, even when a folder of checkpoints appears meanwhile."""
+    made, _, ran = planted(tmp_path / "theirs", loop)
+    folder = tmp_path / "ckpt"
+    checked_then(monkeypatch, lambda: made.rename(folder))
+    model, optimizer, _ = loop["build"](0)
+    assert Checkpointer(folder).load_latest(model=model, optimizer=optimizer) is None
     assert not ran.exists()
 
 

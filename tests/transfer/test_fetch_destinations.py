@@ -97,6 +97,25 @@ def test_links_another_user_plants_beside_dest_are_never_followed(server, other_
     assert sorted(p.name for p in shared.iterdir()) == ["model.bin"]
 
 
+def test_a_hard_link_at_the_part_file_s_name_is_not_taken_up(server, tmp_path: Path) -> None:
+    """An earlier run's journal, and at the part file's name a hard link to another file of this user's that
+    holds the same bytes (where the folder lets another user make it, and protected_hardlinks is off, they can):
+    the fetch makes its own part file, and the linked file keeps its bytes."""
+    data, dest = server.data, tmp_path / "model.bin"
+    remote = transfer.source.Remote(server.url, len(data), '"v1"', 1704067200.0, ranged=True)
+    state = journal.Journal.open(journal.landing(dest), remote, 256 * 1024)
+    with open(journal.part_path(dest), "r+b") as part:
+        part.write(data[: 256 * 1024])
+    state.record(0, hashlib.sha256(data[: 256 * 1024]).hexdigest())
+    mine = tmp_path / "elsewhere.bin"  # a file of this user's, linked in where the part file was
+    os.replace(journal.part_path(dest), mine)
+    kept = mine.read_bytes()
+    os.link(mine, journal.part_path(dest))
+    result = run_cli("fetch", server.url, str(dest), "--chunk-size", "256K", env=NARROW)
+    assert result.returncode == 0, result.stderr
+    assert dest.read_bytes() == data and mine.read_bytes() == kept and mine.stat().st_nlink == 1
+
+
 @root_only
 def test_a_planted_lock_link_and_a_planted_dest_link_are_refused_in_one_line(
     server, other_user: int, shared: Path, tmp_path: Path

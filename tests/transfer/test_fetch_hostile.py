@@ -138,7 +138,13 @@ def test_a_chunked_answer_without_a_length_is_read_to_its_end(tmp_path: Path) ->
 @pytest.mark.parametrize("length", ["abc", str(2**70), "-5"])
 @pytest.mark.parametrize("ranges", [False, True], ids=["whole", "ranged"])
 def test_a_content_length_that_is_no_size_is_one_line_naming_the_url(tmp_path: Path, length: str, ranges: bool) -> None:
-    server = _serve(_bytes(1000, 7), Misbehaviour(ranges=ranges, length=length))
+    _malformed_answer(Misbehaviour(ranges=ranges, length=length), tmp_path)
+
+
+def _malformed_answer(how: Misbehaviour, tmp_path: Path) -> str:
+    """The one line a fetch from a server answering as ``how`` says fails with (exit 1, naming the URL, nothing
+    left behind)."""
+    server = _serve(_bytes(1000, 7), how)
     try:
         dest = tmp_path / "file.bin"
         result = run_cli("fetch", server.url, str(dest), "--retries", "1", env=NARROW)
@@ -147,6 +153,20 @@ def test_a_content_length_that_is_no_size_is_one_line_naming_the_url(tmp_path: P
     line = _one_line(result, 1)
     assert server.url in line, line
     assert not dest.exists() and not journal.part_path(dest).exists()
+    return line
+
+
+@pytest.mark.parametrize(
+    "content_range",
+    [f"bytes 0-0/{'9' * 5000}", f"bytes {'1' * 5000}-0/1000", "bytes 0-0/99999999999999999999"],
+    ids=["total-5000-digits", "first-5000-digits", "total-20-digits"],
+)
+def test_a_content_range_with_a_number_past_any_size_is_one_line_naming_the_url(
+    tmp_path: Path, content_range: str
+) -> None:
+    """Python will not even make an int of a 5000-digit number (it raised "Exceeds the limit")."""
+    line = _malformed_answer(Misbehaviour(content_range=content_range), tmp_path)
+    assert "Content-Range" in line, line
 
 
 def test_ipv6_loopback_is_a_host_like_any_other(tmp_path: Path) -> None:
@@ -180,6 +200,22 @@ def test_redirects_go_to_http_only_and_a_bounded_number_of_times(tmp_path: Path,
     assert needle in line and server.url in line, line
     assert json.loads(again.stdout)["files"][0]["retries"] == 0  # refused at once, never retried
     assert not dest.exists() and server.gets <= 2 * 11  # two runs, each at most the first GET and 10 more
+
+
+def test_a_redirect_with_an_endless_body_is_not_read(tmp_path: Path) -> None:
+    """Every GET of one server is a 302 to a good one, with a body of 1 TiB that never ends: the fetch hangs up
+    on it and follows the Location (it read the body to its end, and stalled there)."""
+    good = _serve(_bytes(MiB, 9), Misbehaviour())
+    hostile = _serve(b"", Misbehaviour(redirect=good.url, endless_redirect=True))
+    try:
+        dest = tmp_path / "file.bin"
+        result = run_cli("fetch", hostile.url, str(dest), "--streams", "2", "--chunk-size", "256K", timeout=120)
+    finally:
+        hostile.close()
+        good.close()
+    assert result.returncode == 0, result.stderr
+    assert dest.read_bytes() == good.data
+    assert hostile.redirect_bytes < hostile.gets * 16 * MiB  # what socket buffers hold, not the body
 
 
 def test_urls_no_source_can_be_made_of_are_bad_input(tmp_path: Path) -> None:

@@ -113,7 +113,7 @@ def _checked_plan(plan: Path | None, runtime: dict) -> Strategy | None:
         check_runnable(load_plan(plan).strategy, str(plan))
         config = from_plan_file(plan).with_settings(runtime)
     checkpoints = config.checkpoint.dir if config is not None else runtime.get("checkpoint_dir")
-    if checkpoints:
+    if checkpoints:  # a refusal only: the resume checks the folder again, and loads from what it checked
         check_trusted(checkpoints, "checkpoint directory")
     return config.strategy if config is not None else None
 

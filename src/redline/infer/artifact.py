@@ -215,14 +215,17 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 def load(path: str | Path, device: str | None = None) -> Artifact:
     """An artifact ``redline infer -o`` wrote, ready to call. ``device`` defaults to the one it was picked on."""
-    folder = Path(path).expanduser()
-    check_trusted(folder, "artifact")  # before any of it is read: it holds code
+    trusted = check_trusted(Path(path).expanduser(), "artifact")  # before any of it is read: it holds code
+    if trusted is None:
+        raise BadInput(f"no such artifact: {path}")
+    folder = trusted.path  # as checked: the path given may cross a symlink repointed since
     manifest = read_manifest(folder)
     device = device or manifest["device"]
     backend, precision = manifest["backend"], manifest["precision"]
     classes = manifest["kind"] in ("classifier", "lm")
     if device == "cuda" and not torch.cuda.is_available():
         raise BadInput(f"{folder}: picked on a GPU, and torch sees none here: load it with device='cpu'")
+    trusted.confirm("artifact")  # still the folder checked, just before its code loads
     if backend == "export-aoti":
         from torch._inductor import aoti_load_package
 

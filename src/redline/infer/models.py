@@ -262,15 +262,19 @@ def _checkpoint_state(target: nn.Module, path: Path) -> dict[str, torch.Tensor]:
 
     from redline.files import check_trusted
 
-    check_trusted(path, "--weights checkpoint directory")  # DCP's metadata is a pickle: it runs code
-    if not (path / ".metadata").exists():
-        steps = sorted(p for p in path.glob("step-*") if (p / "COMPLETE").exists())
+    trusted = check_trusted(path, "--weights checkpoint directory")  # DCP's metadata is a pickle: it runs code
+    if trusted is None:
+        raise BadInput(f"no such --weights checkpoint directory: {path}")
+    folder = trusted.path  # as checked: the path given may cross a symlink repointed since
+    if not (folder / ".metadata").exists():
+        steps = sorted(p for p in folder.glob("step-*") if (p / "COMPLETE").exists())
         if not steps:
             raise BadInput(f"--weights {path}: neither a checkpoint step nor a directory of them")
-        path = steps[-1]
+        folder = steps[-1]
     state = {"model": target.state_dict()}
+    trusted.confirm("--weights checkpoint directory")  # still the folder checked, just before it loads
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     except Exception as exc:
         raise BadInput(f"--weights {path}: cannot read the model from it: {first_line(exc)}") from None
     return state["model"]

@@ -39,7 +39,8 @@ sees (a shared one across nodes).
 
 A checkpoint is code: DCP's ``.metadata`` is a pickle, which runs what it names when read. ``load_latest``
 refuses a directory someone other than this user or root could have written or swapped
-(``redline.files.check_trusted``), and ``save`` writes nothing its group or everyone may write.
+(``redline.files.check_trusted``) and loads only from the folder that check resolved (one that was not there
+at the check is not resumed from), and ``save`` writes nothing its group or everyone may write.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from redline import __version__
 from redline.errors import BadInput, RedlineError
-from redline.files import check_trusted, drop_write_for_others, read_user_bytes, refuse_non_folder
+from redline.files import Trusted, check_trusted, drop_write_for_others, read_user_bytes, refuse_non_folder
 from redline.runtime.tensor_parallel import join_packed, packed_dim, split_packed
 from redline.units import MiB
 
@@ -254,7 +255,7 @@ class Checkpointer:
         """The step of the newest checkpoint with a valid COMPLETE marker, None when there is none.
         Reads the directory only (no collective, no check that the files load)."""
         self._check_layout()
-        for step, path in sorted(self._step_dirs(), reverse=True):
+        for step, path in self._step_dirs():  # newest first
             if _read_marker(path, step) is not None:
                 return step
         return None
@@ -323,34 +324,39 @@ class Checkpointer:
         """
         self._check_layout()
         # before any file is read, on every rank (each sees the files as it sees them), and refused on all
-        refusal = _first_error_of_all_ranks(_trust_refusal(self.directory))
+        trusted, refusal = _trusted(self.directory)
+        refusal = _first_error_of_all_ranks(refusal)
         if refusal is not None:
             raise BadInput(refusal)
-        candidates = sorted(self._step_dirs(), reverse=True) if self.rank == 0 else []
+        # listed from the folder checked, never from the path again; a folder that was not there when checked
+        # is not resumed from (one made since, or a symlink repointed since, was never checked)
+        names = [] if self.rank != 0 or trusted is None else _step_names(trusted.path)
         if _distributed():
             # every rank tries the same checkpoints in the same order, whatever each one's view of the directory
-            box = [candidates]
+            box = [names]
             dist.broadcast_object_list(box, src=0)
-            candidates = box[0]
-        if not candidates:
+            names = box[0]
+        if not names:
             return None
         failures = []
-        for step, path in candidates:
-            error = self._try_load(step, Path(path), model, optimizer, scaler, scheduler)
+        for step, name in names:
+            error = self._try_load(step, trusted, name, model, optimizer, scaler, scheduler)
             if isinstance(error, tuple):
                 return error
-            failures.append(f"{Path(path).name}: {error}")
+            failures.append(f"{name}: {error}")
             if self.rank == 0:
                 warnings.warn(
-                    f"checkpoint {path} does not load ({error}); falls back to the one before it",
+                    f"checkpoint {self.directory / name} does not load ({error}); falls back to the one before it",
                     CheckpointWarning,
                     stacklevel=2,
                 )
         raise BadInput(f"no checkpoint in {self.directory} loads ({'; '.join(failures)})")
 
-    def _try_load(self, step, path, model, optimizer, scaler, scheduler) -> tuple[int, dict] | str:
-        """``(step, extra)`` once everything is restored, else why not (the same answer on every rank)."""
-        marker, per_rank, error = self._read_own_file(step, path, optimizer)
+    def _try_load(self, step, trusted, name, model, optimizer, scaler, scheduler) -> tuple[int, dict] | str:
+        """``(step, extra)`` once the checkpoint ``name`` in the ``trusted`` folder is restored, else why not
+        (the same answer on every rank)."""
+        path, error = _checked_step(trusted, name)
+        marker, per_rank, error = (None, None, error) if error else self._read_own_file(step, path, optimizer)
         # agreed before dcp.load, a collective: a rank that skipped it would leave the others waiting in it
         error = _first_error_of_all_ranks(error)
         if error is not None:
@@ -437,14 +443,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------- layout
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for path in self.directory.iterdir():
-            match = _STEP_DIR.fullmatch(path.name)
-            if match and path.is_dir():
-                found.append((int(match.group(1)), path))
-        return found
+        return [(step, self.directory / name) for step, name in _step_names(self.directory)]
 
     def _check_layout(self) -> None:
         """BadInput when ``directory`` is not ours: a file, or a directory of things none of which is a
@@ -567,13 +566,36 @@ def _read_marker(path: Path, step: int) -> dict | None:
     return marker
 
 
-def _trust_refusal(directory: Path) -> str | None:
-    """Why the checkpoints in ``directory`` may not be loaded (someone else could have written them), or None."""
+def _step_names(directory: Path) -> list[tuple[int, str]]:
+    """(step, name) of each checkpoint folder in ``directory``, newest first."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path.name))
+    return sorted(found, reverse=True)
+
+
+def _trusted(directory: Path) -> tuple[Trusted | None, str | None]:
+    """The checkpoint folder as checked (None: nothing there), or why the checkpoints in ``directory`` may not
+    be loaded (someone else could have written them or swapped them)."""
     try:
-        check_trusted(directory, "checkpoint directory")
+        return check_trusted(directory, "checkpoint directory"), None
     except BadInput as exc:
-        return str(exc)
-    return None
+        return None, str(exc)
+
+
+def _checked_step(trusted: Trusted | None, name: str) -> tuple[Path | None, str | None]:
+    """The checkpoint ``name`` inside the folder checked, or why not: this rank found no folder to check (its
+    view of a folder the ranks should share differs), or the folder was replaced since its check."""
+    if trusted is None:
+        return None, "the checkpoint directory was not there when this rank checked it"
+    try:
+        return trusted.confirm("checkpoint directory") / name, None
+    except BadInput as exc:
+        return None, str(exc)
 
 
 def _write_synced(path: Path, write) -> None:

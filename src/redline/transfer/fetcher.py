@@ -36,10 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from redline.errors import BadInput
+from redline.files import disk_full
 from redline.lockfile import HeldElsewhere, WriterLock
 from redline.transfer import journal as journals
 from redline.transfer.engine import FileResult, Item, Options, Progress, Summary, retrying
-from redline.transfer.landing import Landing, NoSpace, no_space
+from redline.transfer.landing import Landing, NoSpace
 from redline.transfer.limits import host_streams
 from redline.transfer.link import MIN_CHUNK_BYTES, Link, to_endpoint
 from redline.transfer.source import Remote, TransferError
@@ -349,7 +350,7 @@ class Fetch:
             pass
         except BaseException as exc:
             self.progress.advance(-(position - block_start))  # the block in flight comes again
-            if isinstance(exc, OSError) and no_space(exc):
+            if disk_full(exc):
                 raise self._full(f, exc) from None
             raise
         finally:
@@ -543,7 +544,7 @@ class Fetch:
             try:
                 f.item.source.read(f.remote, 0, None, sink)
             except OSError as exc:
-                if no_space(exc):
+                if disk_full(exc):
                     raise self._full(f, exc) from None
                 raise
             finally:

@@ -10,7 +10,7 @@ A server without byte ranges (``python -m http.server``, many artifact servers) 
 request: the file comes over one stream, and a retry reads it from the start again, skipping what is on disk.
 A server that gives no length (a chunked answer) is read to its end. ``Accept-Encoding: identity`` keeps byte
 offsets those of the file itself. Redirects are followed by hand, to http(s) only, at most ``MAX_REDIRECTS``
-times; any answer that cannot be a file's is one line naming the URL.
+times, their bodies never read (one may not end); any answer that cannot be a file's is one line naming the URL.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import urllib3
 
 from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+# at most 19 digits a number (2^63 has 19): a longer one is no file's offset or size, and Python refuses to
+# make an int of one past 4300 digits (a ValueError that surfaced as "internal error")
+_CONTENT_RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
 _DIGITS = re.compile(r"\d{1,19}")
 # a retry will not help these; 408, 425, 429 and 5xx are worth one
 _PERMANENT = {400, 401, 403, 404, 405, 410, 411, 414, 451}
@@ -61,7 +63,7 @@ class Pools:
             location = response.headers.get("Location") if response.status in _REDIRECTS else None
             if location is None:
                 return response
-            _done_with(response, drain=True)
+            _done_with(response, drain=False)  # closed, not read: a redirect's body may never end
             url = _redirect_target(url, location, display)
             if response.status == 303:
                 method, body = "GET", None

@@ -8,7 +8,8 @@ journal's header would overwrite another. So every name is opened relative to th
 (``dir_fd``: the folder cannot be swapped for a link under a running fetch), with ``O_NOFOLLOW``; a file the
 fetch makes is made with ``O_EXCL`` after whatever held its name is unlinked (a link is removed, never
 followed); an earlier run's state is taken up only from regular files this user owns (another user's journal
-and part file could carry any bytes with matching hashes); and the final rename is a ``renameat`` inside the
+and part file could carry any bytes with matching hashes) that have no other name (a hard link to a file of
+this user's elsewhere would have the fetch write into it); and the final rename is a ``renameat`` inside the
 folder. The destination itself must be a regular file, or nothing: a symlink, a device (``/dev/null``), a
 FIFO or a folder there is refused, ``--overwrite`` or not.
 """
@@ -30,10 +31,6 @@ _EXISTING = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO pla
 
 class NoSpace(TransferError):
     """The destination's disk is full (ENOSPC, EDQUOT): a retry would only fill it again."""
-
-
-def no_space(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def refusal(path: Path, mode: int) -> str | None:
@@ -84,8 +81,10 @@ class Landing:
         return os.open(name, _NEW, 0o666, dir_fd=self.dir_fd)
 
     def open_own(self, name: str, flags: int) -> int | None:
-        """``name`` opened with ``flags`` when it is a regular file of this user's, not through a symlink;
-        None when it is missing or anything else (then it is not this fetch's to take up)."""
+        """``name`` opened with ``flags`` when it is a regular file of this user's with no other name, not
+        through a symlink; None when it is missing or anything else (then it is not this fetch's to take up).
+        A second name is another user's hard link to a file of this user's elsewhere (a folder they may write,
+        protected_hardlinks off): writing there would write that file."""
         try:
             fd = os.open(name, flags | _EXISTING, dir_fd=self.dir_fd)
         except (FileNotFoundError, NotADirectoryError):
@@ -95,7 +94,7 @@ class Landing:
                 return None
             raise
         found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid() or found.st_nlink != 1:
             os.close(fd)
             return None
         os.set_blocking(fd, True)
