@@ -284,6 +284,7 @@ class Misbehaviour:
     endless_redirect: bool = False  # the 302 carries a body of 1 TiB, sent until the client hangs up
     cut_first: int | None = None  # the first GET after the stat (the second) is cut after this many body bytes
     content_range: str | None = None  # a literal Content-Range to send with every 206 instead of the true one
+    endless_ranges: bool = False  # every 206 claims a body of 1 TiB and sends it until the client hangs up
 
 
 class HostileServer:
@@ -296,7 +297,7 @@ class HostileServer:
 
         self.data, self.how, self.replacement = data, how, replacement
         self.gets = 0
-        self.redirect_bytes = 0  # of the endless redirect bodies, what the clients took before hanging up
+        self.endless_bytes = 0  # of the endless redirect bodies, what the clients took before hanging up
         self._lock = threading.Lock()
         server = self
 
@@ -344,6 +345,13 @@ class HostileServer:
             headers["Content-Range"] = how.content_range or f"bytes {start}-{start + len(body) - 1}/{len(data)}"
         if how.etag:
             headers["ETag"] = '"v2"' if replaced else how.etag
+        if how.endless_ranges and status == 206:
+            handler.send_response(206)
+            for name, value in (headers | {"Content-Length": str(1 << 40)}).items():
+                handler.send_header(name, value)
+            handler.end_headers()
+            self._send_endless(handler)
+            return
         if how.last_modified:
             headers["Last-Modified"] = "Tue, 02 Jan 2024 00:00:00 GMT" if replaced else how.last_modified
         self._send(handler, status, headers, body, cut=how.cut_first if number == 2 else None)
@@ -355,7 +363,7 @@ class HostileServer:
             while True:
                 handler.wfile.write(piece)
                 with self._lock:
-                    self.redirect_bytes += len(piece)
+                    self.endless_bytes += len(piece)
 
     def _send(self, handler, status: int, headers: dict[str, str], body: bytes, cut: int | None) -> None:
         how = self.how

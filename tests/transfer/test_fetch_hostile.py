@@ -215,7 +215,20 @@ def test_a_redirect_with_an_endless_body_is_not_read(tmp_path: Path) -> None:
         good.close()
     assert result.returncode == 0, result.stderr
     assert dest.read_bytes() == good.data
-    assert hostile.redirect_bytes < hostile.gets * 16 * MiB  # what socket buffers hold, not the body
+    assert hostile.endless_bytes < hostile.gets * 16 * MiB  # what socket buffers hold, not the body
+
+
+def test_a_range_answered_with_an_endless_body_is_not_read_to_its_end(tmp_path: Path) -> None:
+    """The stat's one-byte range (and every range after) answered 206 with a body of 1 TiB that never ends: the
+    stat hangs up on it (it read it to its end, and stalled there), the read refuses it, one line."""
+    hostile = _serve(_bytes(MiB, 10), Misbehaviour(endless_ranges=True))
+    try:
+        result = run_cli("fetch", hostile.url, str(tmp_path / "file.bin"), "--retries", "0", timeout=120, env=NARROW)
+    finally:
+        hostile.close()
+    line = _one_line(result, 1)
+    assert hostile.url in line and "Content-Length" in line, line
+    assert hostile.endless_bytes < hostile.gets * 16 * MiB  # what socket buffers hold, not the body
 
 
 def test_urls_no_source_can_be_made_of_are_bad_input(tmp_path: Path) -> None:

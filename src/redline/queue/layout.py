@@ -18,13 +18,13 @@ the job's user's own file, size-capped).
 
 from __future__ import annotations
 
-import errno
 import os
 import sqlite3
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from redline import files
 from redline.units import MiB
 
 MIN_FREE_BYTES = 8 * MiB  # below this a submit is refused: what a job's start writes, with room to spare
@@ -71,7 +71,7 @@ def make_private(directory: Path, shared_logs: set[str]) -> int:
 def _wanted_modes(directory: Path, shared_logs: set[str]) -> Iterator[tuple[Path, int]]:
     yield directory, folder_mode(directory, directory)
     ours = os.geteuid()
-    for root, folders, files in os.walk(directory):
+    for root, folders, names in os.walk(directory):
         here = Path(root)
         for name in list(folders):
             path = here / name
@@ -80,7 +80,7 @@ def _wanted_modes(directory: Path, shared_logs: set[str]) -> Iterator[tuple[Path
                 yield path, 0o700
             else:
                 yield path, folder_mode(path, directory)
-        for name in files:
+        for name in names:
             path = here / name
             if name == "output.log" and here.parent.name == "jobs":
                 yield path, 0o644 if here.name in shared_logs else 0o600
@@ -101,9 +101,8 @@ def free_bytes(directory: Path) -> int:
 
 
 def disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` says the queue's disk (or the user's quota on it) is full."""
-    if isinstance(exc, OSError):
-        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    """Whether ``exc`` says the queue's disk (or the user's quota on it) is full: an OSError's ENOSPC or
+    EDQUOT, or SQLite's SQLITE_FULL."""
     if isinstance(exc, sqlite3.OperationalError):
         return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
-    return False
+    return files.disk_full(exc)

@@ -203,7 +203,9 @@ class HttpSource(Source):
             length = _size_header(response, "Content-Length", self.display)
             return Remote(self.display, length, etag, modified, ranged=False)
         finally:
-            _done_with(response, drain=response.status == 206)
+            # a one-byte range is read to its end and the connection kept; anything longer (a whole file sent
+            # by a server without ranges, or a body that does not end) is closed unread
+            _done_with(response, drain=response.status == 206 and response.headers.get("Content-Length") == "1")
 
     def read(self, remote: Remote, start: int, end: int | None, sink: Sink) -> None:
         """Bytes [start, end) of ``remote`` to ``sink``; ``end`` None: to the end of a file of unknown size."""
