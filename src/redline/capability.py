@@ -6,6 +6,7 @@ Nothing here initialises CUDA.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 
 from redline.errors import BadInput
@@ -14,6 +15,15 @@ from redline.errors import BadInput
 def is_available(package: str) -> bool:
     """Whether ``package`` can be imported, without importing it."""
     return importlib.util.find_spec(package) is not None
+
+
+def torch_is_cpu_only() -> bool:
+    """Whether the installed torch is a CPU-only build, read from its version (``2.13.0+cpu``, as the PyTorch
+    index names them) without importing it. False when unknown: builds without the label may have CUDA."""
+    try:
+        return importlib.metadata.version("torch").partition("+")[2] == "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def require_torch(what: str) -> None:

@@ -35,6 +35,7 @@ from redline.runtime.launch import (
     parse_nodes,
     resolve_nproc_per_node,
     thread_settings,
+    visible_cuda_gpus,
 )
 from redline.workload.presets import preset_profile
 
@@ -83,6 +84,22 @@ def test_nodes_and_nproc_resolution() -> None:
     assert resolve_nproc_per_node("auto", Nodes(), None, no_gpus)[0] == 1
     with pytest.raises(BadInput, match="positive number or auto"):
         resolve_nproc_per_node("0", Nodes(), None, no_gpus)
+
+
+def test_gpus_are_counted_in_a_child_python_unless_the_build_is_cpu_only(monkeypatch) -> None:
+    import importlib.metadata
+
+    started = []
+
+    def child(argv, **_):
+        started.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "2\n", "")
+
+    monkeypatch.setattr(subprocess, "run", child)
+    for version, gpus in (("2.13.0+cpu", 0), ("2.13.0+cu128", 2), ("2.13.0", 2)):
+        monkeypatch.setattr(importlib.metadata, "version", lambda _name, version=version: version)
+        assert visible_cuda_gpus() == gpus, version
+    assert len(started) == 2 and started[0][1:] == ["-c", "import torch; print(torch.cuda.device_count())"]
 
 
 def test_world_size_checks() -> None:

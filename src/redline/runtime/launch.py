@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from redline.capability import is_available
+from redline.capability import is_available, torch_is_cpu_only
 from redline.errors import BadInput
 from redline.files import refuse_non_regular
 from redline.plan.hardware import MAX_NODES
@@ -254,9 +254,9 @@ def visible_cuda_gpus(timeout_s: float = 60.0) -> int:
 
     Counted in a child python: torch.cuda.device_count() asks NVML first and leaves CUDA uninitialised, but
     falls back to cudaGetDeviceCount() when NVML fails, and importing torch costs seconds; this process
-    stays clear of both.
+    stays clear of both. A build labelled CPU-only is not asked.
     """
-    if not is_available("torch"):
+    if not is_available("torch") or torch_is_cpu_only():
         return 0
     try:
         done = subprocess.run(
