@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_fork import cli
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # fixtures of their own modules: a queue folder per test (``queue``), a second Unix user (``other_user``)
@@ -41,12 +43,28 @@ def run_cli(
     timeout: float = 900,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
+    columns: int = 120,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `redline ARGS` as a user would: a separate process, real exit code, real stdout/stderr.
+    """Run `redline ARGS` as a user would: a process of its own, real exit code, real stdout/stderr off a TTY.
 
-    ``timeout`` only catches a hang: a command's time follows its work, and a loaded 2-core runner may take
-    ten times as long as an idle one (a traced 1B model took over 120 s there)."""
-    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {"COLUMNS": "120"} | (env or {})
+    The process is forked from one that has imported the CLI and PyTorch (``cli_fork``), which saves the second
+    a new interpreter costs; ``run_executable`` runs the installed entry point itself. ``timeout`` only catches
+    a hang: a command's time follows its work, and a loaded 2-core runner may take ten times as long as an idle
+    one (a traced 1B model took over 120 s there)."""
+    return cli(*args, stdin=stdin, timeout=timeout, env=env, cwd=cwd, columns=columns)
+
+
+def run_executable(
+    *args: str,
+    stdin: str | None = None,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    columns: int = 120,
+) -> subprocess.CompletedProcess[str]:
+    """`python -m redline ARGS` in a new interpreter: for what only the executable does (its start, Ctrl-C
+    while it imports, what `python -m` adds)."""
+    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {"COLUMNS": str(columns)} | (env or {})
     return subprocess.run(
         [sys.executable, "-m", "redline", *args],
         input=stdin,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 
 import typer
 
@@ -53,33 +54,41 @@ def _root(
     """redline: make a GPU server deliver the compute it should."""
 
 
-def main() -> None:
-    """Entry point: errors become one line on stderr and an exit code; REDLINE_DEBUG=1 shows tracebacks."""
+def run(args: Sequence[str] | None = None) -> int:
+    """Run the command ARGS (``sys.argv[1:]`` when None) and return its exit code: every error becomes one line
+    on stderr (a usage error 2, a bad value the command's code, an interrupt 130, anything else 1); with
+    REDLINE_DEBUG=1 an unexpected error is raised with its traceback instead. ``main`` and the tests share it."""
     try:
         # standalone_mode=False: usage errors reach us as exceptions, so they too are one line
-        code = app(standalone_mode=False)
+        code = app(args=None if args is None else list(args), prog_name="redline", standalone_mode=False)
     except typer.Abort:
         ui.error("interrupted")
-        sys.exit(130)
+        return 130
     except typer.TyperException as exc:  # a usage error: unknown option, a value of the wrong type
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         if message:  # empty after `redline` alone, whose help is already printed
             ui.error(message)
-        sys.exit(getattr(exc, "exit_code", 2))
+        return getattr(exc, "exit_code", 2)
     except RedlineError as exc:
         ui.error(str(exc))
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except KeyboardInterrupt:
         ui.error("interrupted")
-        sys.exit(130)
+        return 130
     except Exception as exc:
         if os.environ.get("REDLINE_DEBUG"):
             raise
         ui.error(f"internal error: {type(exc).__name__}: {exc} (set REDLINE_DEBUG=1 for the traceback)")
-        sys.exit(1)
+        return 1
     if code == 130:  # typer turns a KeyboardInterrupt inside a command into Exit(130), silently
         ui.error("interrupted")
-    if isinstance(code, int) and code:
+    return code if isinstance(code, int) else 0
+
+
+def main() -> None:
+    """Entry point: ``run`` on the command line, its code as the process's exit status."""
+    code = run()
+    if code:
         sys.exit(code)
 
 

@@ -1,0 +1,97 @@
+"""Run `redline ARGS` without paying for a new interpreter: in a process forked from one that has already
+imported the CLI and PyTorch.
+
+A subprocess per command (``conftest.run_cli``) starts Python and imports typer, rich and redline each time,
+and PyTorch for the commands that train or measure: most of a second on two cores, for commands that then
+answer in milliseconds. A fork pays for neither. Each command still runs in a process of its own, because
+commands change what a process holds (the environment, the folder, signal handlers, PyTorch's thread count,
+threads and servers they start) and a test must not inherit another's. Its output goes through real
+descriptors that are not a terminal, as in a pipe or a job log, and a command that outlives its timeout is
+killed with everything it started.
+
+The command goes through ``redline.cli.main.run``, the function behind the ``redline`` executable, so exit
+codes and one-line errors are the executable's. What only the executable does (its early Ctrl-C handling,
+``python -m redline``) is tested through ``run_cli``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+# the forkserver imports these once; every command is a fork of it. Forking a process that has imported
+# PyTorch but run nothing is what DataLoader workers do; forking the test process itself (threads, a PyTorch
+# thread pool that ran) is not safe.
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(["__main__", "cli_fork", "redline.cli.main", "torch"])
+
+
+def cli(
+    *args: str,
+    stdin: str | None = None,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    columns: int = 120,
+) -> subprocess.CompletedProcess[str]:
+    """`redline ARGS` as ``run_cli`` runs it (no REDLINE_DEBUG, ``columns`` wide, empty stdin unless given),
+    with the same result: exit code, stdout, stderr. ``timeout`` only catches a hang: it raises
+    ``subprocess.TimeoutExpired`` after killing the command's process group."""
+    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {"COLUMNS": str(columns)} | (env or {})
+    with tempfile.TemporaryDirectory(prefix="redline-cli-") as scratch:
+        streams = [Path(scratch, name) for name in ("stdin", "stdout", "stderr")]
+        for path, text in zip(streams, (stdin or "", "", ""), strict=True):
+            path.write_text(text)
+        process = _context.Process(
+            target=_command, args=(list(args), env, str(cwd or Path.cwd()), [str(p) for p in streams])
+        )
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            _kill_group(process)
+            raise subprocess.TimeoutExpired(["redline", *args], timeout)
+        stdout, stderr = (p.read_text(errors="replace") for p in streams[1:])
+    return subprocess.CompletedProcess(["redline", *args], process.exitcode, stdout, stderr)
+
+
+def _kill_group(process: multiprocessing.process.BaseProcess) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # the command leads its own group (setsid in _command)
+    except ProcessLookupError:  # killed before it made its group
+        process.kill()
+    process.join()
+
+
+def _command(argv: list[str], env: dict[str, str], cwd: str, streams: list[str]) -> None:
+    """In the forked process: become what a fresh `redline ARGV` would be, run it, exit with its code."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, (path, flags) in enumerate(zip(streams, (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY), strict=True)):
+        opened = os.open(path, flags)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's stdin for its whole life)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a new interpreter
+    code = 1
+    try:
+        os.chdir(cwd)
+        from redline.cli import main, ui
+
+        importlib.reload(ui)  # its consoles, made again for this process's descriptors and COLUMNS
+        code = main.run(argv)
+    except SystemExit as exc:  # a command that exits by itself
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # what an interpreter would print before exiting 1 (REDLINE_DEBUG=1, a bug here)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
