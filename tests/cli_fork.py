@@ -33,6 +33,11 @@ _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["__main__", "cli_fork", "redline.cli.main", "torch"])
 
 
+# read by native libraries as they load (OpenMP, oneDNN, MKL, the dynamic linker) or by Python as it starts: a
+# command given one of these needs a new interpreter to see it (PYTHONPATH is applied in the fork)
+READ_AT_START = ("OMP_", "KMP_", "GOMP_", "MKL_", "ONEDNN_", "DNNL_", "LD_", "MALLOC_", "PYTHON")
+
+
 def cli(
     *args: str,
     stdin: str | None = None,
@@ -41,16 +46,18 @@ def cli(
     cwd: Path | None = None,
     columns: int = 120,
 ) -> subprocess.CompletedProcess[str]:
-    """`redline ARGS` as ``run_cli`` runs it (no REDLINE_DEBUG, ``columns`` wide, empty stdin unless given),
+    """`redline ARGS` as ``executable`` runs it (no REDLINE_DEBUG, ``columns`` wide, empty stdin unless given),
     with the same result: exit code, stdout, stderr. ``timeout`` only catches a hang: it raises
     ``subprocess.TimeoutExpired`` after killing the command's process group."""
-    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {"COLUMNS": str(columns)} | (env or {})
+    if any(name.startswith(READ_AT_START) and name != "PYTHONPATH" for name in env or {}):
+        return executable(*args, stdin=stdin, timeout=timeout, env=env, cwd=cwd, columns=columns)
+    env = _environment(env, columns)
     with tempfile.TemporaryDirectory(prefix="redline-cli-") as scratch:
         streams = [Path(scratch, name) for name in ("stdin", "stdout", "stderr")]
         for path, text in zip(streams, (stdin or "", "", ""), strict=True):
             path.write_text(text)
         process = _context.Process(
-            target=_command, args=(list(args), env, str(cwd or Path.cwd()), [str(p) for p in streams])
+            target=_command, args=(list(args), env, str(cwd or Path.cwd()), list(map(str, streams)))
         )
         process.start()
         process.join(timeout)
@@ -59,6 +66,33 @@ def cli(
             raise subprocess.TimeoutExpired(["redline", *args], timeout)
         stdout, stderr = (p.read_text(errors="replace") for p in streams[1:])
     return subprocess.CompletedProcess(["redline", *args], process.exitcode, stdout, stderr)
+
+
+def executable(
+    *args: str,
+    stdin: str | None = None,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    columns: int = 120,
+) -> subprocess.CompletedProcess[str]:
+    """`python -m redline ARGS` in a new interpreter: for what only the executable does (its start, Ctrl-C
+    while it imports) and for environments read as a process starts."""
+    return subprocess.run(
+        [sys.executable, "-m", "redline", *args],
+        input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None,  # a command that reads stdin gets an empty one
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_environment(env, columns),
+        cwd=cwd,
+        check=False,
+    )
+
+
+def _environment(env: dict[str, str] | None, columns: int) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {"COLUMNS": str(columns)} | (env or {})
 
 
 def _kill_group(process: multiprocessing.process.BaseProcess) -> None:
@@ -83,6 +117,8 @@ def _command(argv: list[str], env: dict[str, str], cwd: str, streams: list[str])
     code = 1
     try:
         os.chdir(cwd)
+        # what `python -m` puts first on sys.path: the current folder, then PYTHONPATH's folders
+        sys.path[:0] = [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         from redline.cli import main, ui
 
         importlib.reload(ui)  # its consoles, made again for this process's descriptors and COLUMNS

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_fork import cli
+from cli_fork import cli, executable
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -48,34 +46,13 @@ def run_cli(
     """Run `redline ARGS` as a user would: a process of its own, real exit code, real stdout/stderr off a TTY.
 
     The process is forked from one that has imported the CLI and PyTorch (``cli_fork``), which saves the second
-    a new interpreter costs; ``run_executable`` runs the installed entry point itself. ``timeout`` only catches
-    a hang: a command's time follows its work, and a loaded 2-core runner may take ten times as long as an idle
-    one (a traced 1B model took over 120 s there)."""
+    a new interpreter costs; ``run_executable`` starts the installed entry point itself. ``timeout`` only
+    catches a hang: a command's time follows its work, and a loaded 2-core runner may take ten times as long as
+    an idle one (a traced 1B model took over 120 s there)."""
     return cli(*args, stdin=stdin, timeout=timeout, env=env, cwd=cwd, columns=columns)
 
 
-def run_executable(
-    *args: str,
-    stdin: str | None = None,
-    timeout: float = 900,
-    env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-    columns: int = 120,
-) -> subprocess.CompletedProcess[str]:
-    """`python -m redline ARGS` in a new interpreter: for what only the executable does (its start, Ctrl-C
-    while it imports, what `python -m` adds)."""
-    env = {k: v for k, v in os.environ.items() if k != "REDLINE_DEBUG"} | {"COLUMNS": str(columns)} | (env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "redline", *args],
-        input=stdin,
-        stdin=subprocess.DEVNULL if stdin is None else None,  # a command that reads stdin gets an empty one
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd,
-        check=False,
-    )
+run_executable = executable
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, run_cli, run_executable
 from redline.hw.snapshot import SCHEMA_VERSION, load_snapshot
 
 FAULTY = str(FIXTURES / "h100x8-faulty.json")
@@ -24,7 +24,7 @@ def assert_one_line_error(proc, code: int, *needles: str) -> None:
 
 
 def test_probe_json_is_a_loadable_snapshot_of_this_host(tmp_path):
-    proc = run_cli("probe", "--json", "--data", str(tmp_path))
+    proc = run_executable("probe", "--json", "--data", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["schema_version"] == SCHEMA_VERSION
@@ -102,7 +102,7 @@ def test_doctor_terminal_report_groups_worst_first():
 
 
 def test_doctor_strict_exits_1_on_fail():
-    assert run_cli("doctor", "--from", FAULTY, "--strict").returncode == 1
+    assert run_executable("doctor", "--from", FAULTY, "--strict").returncode == 1
 
 
 def test_doctor_html_report_is_self_contained(tmp_path):
@@ -116,7 +116,7 @@ def test_doctor_html_report_is_self_contained(tmp_path):
 
 
 def test_doctor_reads_snapshot_from_stdin():
-    proc = run_cli("doctor", "--from", "-", "--json", stdin=Path(FAULTY).read_text())
+    proc = run_executable("doctor", "--from", "-", "--json", stdin=Path(FAULTY).read_text())
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["summary"]["host"] == "h100-rental-03"
 
@@ -148,7 +148,7 @@ def test_bad_snapshot_is_one_line_and_exit_2(tmp_path, content, needle):
 
 
 def test_missing_snapshot_file(tmp_path):
-    assert_one_line_error(run_cli("doctor", "--from", str(tmp_path / "nope.json")), 2, "no such snapshot")
+    assert_one_line_error(run_executable("doctor", "--from", str(tmp_path / "nope.json")), 2, "no such snapshot")
 
 
 def test_binary_snapshot_file(tmp_path):
@@ -197,7 +197,7 @@ def test_markup_in_names_is_printed_not_parsed(tmp_path):
 
 
 def test_unknown_option_is_a_usage_error():
-    proc = run_cli("doctor", "--no-such-flag")
+    proc = run_executable("doctor", "--no-such-flag")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
 
