@@ -27,8 +27,16 @@ def _no_gpu_reason() -> str | None:
     return None
 
 
+# fixtures that make a test a system one wherever it is: a second Unix user
+SYSTEM_FIXTURES = frozenset({"other_user", "stranger"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test marked ``gpu`` is skipped, with the reason, where there is no GPU: one rule for all of them."""
+    """Tests taking a second Unix user are marked ``system`` (modules of real servers mark themselves). Every
+    test marked ``gpu`` is skipped, with the reason, where there is no GPU: one rule for all of them."""
+    for item in items:
+        if SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.system)
     marked = [item for item in items if item.get_closest_marker("gpu")]
     reason = _no_gpu_reason() if marked else None
     for item in marked if reason else []:

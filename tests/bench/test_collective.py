@@ -105,12 +105,15 @@ def test_expected_patterns_are_exact_and_catch_misplaced_data():
 
 
 def _leftovers() -> tuple[list[psutil.Process], list[Path]]:
+    """This process's live children and the collective's scratch folders: a test takes them before and after.
+    (Children from before are the test session's own, such as the server ``run_cli`` forks commands from.)"""
     children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     return children, sorted(Path(tempfile.gettempdir()).glob("redline-collective-*"))
 
 
+@pytest.mark.ranks
 def test_two_gloo_ranks_sweep_every_op_and_get_exact_results():
-    before = _leftovers()[1]
+    before = _leftovers()
     plan = Plan(backend="gloo", device="cpu", sizes_bytes=sweep_sizes(8, 64 * 1024), warmup=1, iters=3, timeout_s=60)
     steps = []
     result = run_local(plan, 2, on_size=lambda: steps.append(1))
@@ -130,26 +133,28 @@ def test_two_gloo_ranks_sweep_every_op_and_get_exact_results():
             assert row["wrong"] == 0
             assert row["time_us"] > 0 and math.isfinite(row["busbw_gbps"])
             assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * bus_factor(m.name, 2))
-    assert _leftovers() == ([], before)
+    assert _leftovers() == before
 
 
+@pytest.mark.ranks
 def test_a_failing_rank_is_named_and_every_rank_is_reaped():
-    before = _leftovers()[1]
+    before = _leftovers()
     plan = Plan(backend="gloo", device="cpu", sizes_bytes=[8], warmup=1, iters=1, timeout_s=60)
     plan.fault = {"rank": 1, "kind": "raise"}
     with pytest.raises(RedlineError, match=r"rank 1 failed: RuntimeError: injected fault"):
         run_local(plan, 2)
-    assert _leftovers() == ([], before)
+    assert _leftovers() == before
 
 
+@pytest.mark.ranks
 def test_a_hung_rank_hits_the_time_bound_and_every_rank_is_reaped(monkeypatch):
-    before = _leftovers()[1]
+    before = _leftovers()
     monkeypatch.setattr(collective, "STARTUP_ALLOWANCE_S", 0.0)
     plan = Plan(backend="gloo", device="cpu", sizes_bytes=[8], warmup=1, iters=1, timeout_s=8)
     plan.fault = {"rank": 0, "kind": "hang"}
     with pytest.raises(RedlineError, match=r"no result after 8 s"):
         run_local(plan, 2)
-    assert _leftovers() == ([], before)
+    assert _leftovers() == before
 
 
 @pytest.mark.parametrize(
@@ -174,6 +179,7 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
 
 def test_under_torchrun_it_runs_as_the_given_rank(monkeypatch):
     """A one-rank group stands in for torchrun here: no spawning, rank 0 returns the figures."""
+    children = _leftovers()[0]
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -188,4 +194,4 @@ def test_under_torchrun_it_runs_as_the_given_rank(monkeypatch):
     assert all(m.extra["launcher"] == "torchrun" and m.extra["wrong_total"] == 0 for m in found)
     # one rank moves nothing over a link: nccl-tests' factors give 0 for all but broadcast
     assert {m.name for m in found if m.value == 0} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
-    assert _leftovers()[0] == []
+    assert _leftovers()[0] == children

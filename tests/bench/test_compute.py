@@ -162,6 +162,7 @@ def test_the_cpu_side_is_sized_by_a_first_call(monkeypatch):
     assert compute.cpu_size("bf16", 1e-6, 1536) == compute.CPU_MIN_SIZE  # never below the floor
 
 
+@pytest.mark.slow
 def test_bf16_without_bf16_units_is_sized_down_and_said_to_be_emulated(tmp_path):
     """oneDNN capped at AVX2 has no bf16 instructions, as on a CPU without AVX512-BF16 or AMX: a fixed 1536^3
     side took 26 s a call there. The side follows the first call; the report says the precision is emulated."""

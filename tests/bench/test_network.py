@@ -30,6 +30,8 @@ from redline.bench.net.tcpinfo import SenderStats
 from redline.errors import BadInput
 from redline.units import KiB, MiB
 
+pytestmark = pytest.mark.system
+
 # ------------------------------------------------------------------------------------- arithmetic
 
 

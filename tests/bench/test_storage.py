@@ -20,6 +20,8 @@ from redline.bench.storage import KiB, MiB, Plan
 from redline.errors import BadInput
 from redline.hw.sysfs import SysFs
 
+pytestmark = pytest.mark.system
+
 # small enough for a 2-core CI runner: a 16 MiB file, 40 small files, 2 repeats of <= 0.2 s per pattern
 TINY = Plan(file_bytes=16 * MiB, small_files=40, small_file_bytes=16 * KiB, jobs=2, repeats=2, pass_limit_s=0.2)
 
@@ -266,6 +268,7 @@ def _paired_ratio(tf, pattern, *, rounds: int, jobs: int, limit_s: float) -> flo
     return statistics.median(ratios)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed (CI installs it: apt-get install fio)")
 def test_agrees_with_fio_on_the_same_file(tmp_path):
     """Short version of benchmarks/storage_vs_fio.py: fio and redline back to back on one file.

@@ -30,6 +30,7 @@ def test_plan_writes_the_runtime_options_and_fixes_the_accumulation(tmp_path: Pa
     }
 
 
+@pytest.mark.slow
 def test_run_hands_its_options_to_the_script(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(

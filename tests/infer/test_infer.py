@@ -122,6 +122,7 @@ def test_int8_quantises_gpt2_s_conv1d_projections_too(tmp_path: Path) -> None:
     assert parity.passes(TOLERANCES["int8"]), parity
 
 
+@pytest.mark.slow
 def test_onnx_runtime_refuses_to_fall_back_to_another_provider(nets: None, tmp_path: Path) -> None:
     subject = load_subject("tiny_nets:classifier")
     path = backends.onnx_export(subject.served, subject.example(2), tmp_path / "model.onnx")
@@ -170,6 +171,7 @@ def test_the_pick_is_the_fastest_within_the_latency_slo() -> None:
 # -------------------------------------------------------------------------------------------------- artifact
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "onnxruntime", "int8-dynamic"])
 def test_the_saved_artifact_reloads_in_a_fresh_process_and_matches(nets: None, tmp_path: Path, backend: str) -> None:
     subject = load_subject("tiny_nets:classifier")
@@ -338,6 +340,7 @@ except BadInput as exc:
 """
 
 
+@pytest.mark.slow
 def test_a_factory_module_planted_in_the_current_folder_is_never_imported(eager_artifact: Path, tmp_path: Path) -> None:
     """Loaded by `python -c` (whose sys.path starts with the current folder) from a folder where someone left a
     module of the factory's name: the artifact's own copy is imported; without it, nothing."""
@@ -399,6 +402,7 @@ def test_missing_optional_backends_are_one_line_each(monkeypatch: pytest.MonkeyP
     assert reason.startswith("needs onnxruntime") and "\n" not in reason
 
 
+@pytest.mark.slow
 def test_a_run_without_onnxruntime_says_so_and_goes_on() -> None:
     done = _python(
         """
@@ -447,6 +451,7 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
     assert message in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_generation_that_leaves_no_prompt_is_refused_before_measuring(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
     done = run_cli("infer", "-m", str(tmp_path / "config.json"), "--generate", "64", "--backends", "eager")
@@ -533,6 +538,7 @@ def test_weights_load_from_the_checkpoint_checked_not_from_a_link_repointed_sinc
 # ---------------------------------------------------------------------------------------------- generation
 
 
+@pytest.mark.slow
 def test_compiled_generation_with_a_static_cache_gives_eager_s_tokens(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
     subject = load_subject(str(tmp_path / "config.json"), seq_len=16)

@@ -26,6 +26,8 @@ from redline.errors import BadInput
 from redline.monitor.exporter import CLOCK_EVENT_REASONS, Exporter, ExporterServer, serve
 from redline.monitor.sample import GpuProcess, GpuSample, HostSample, Sample, StepSample
 
+pytestmark = pytest.mark.system
+
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "redline-grafana.json"
 NOW = 1_700_000_000.0
 GiB = 2**30

@@ -168,6 +168,7 @@ def _dropped_after(sockets: list[socket.socket], opened: list[float]) -> list[fl
     return after
 
 
+@pytest.mark.slow
 def test_idle_connections_cannot_pile_threads_into_the_server_and_are_dropped() -> None:
     server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SERVE)], stdout=subprocess.PIPE, text=True)
     idle: list[socket.socket] = []

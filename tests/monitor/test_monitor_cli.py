@@ -120,6 +120,7 @@ def test_the_metrics_endpoint_serves_while_monitoring() -> None:
         assert "redline_host_memory_total_bytes" in body and "redline_monitor_up 1.0" in body
 
 
+@pytest.mark.slow
 def test_report_diagnoses_a_recorded_trace_and_writes_html_and_pngs(tmp_path: Path) -> None:
     record = record_of("throttling", tmp_path)
     html, pngs = tmp_path / "report.html", tmp_path / "plots"

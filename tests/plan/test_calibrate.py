@@ -176,6 +176,7 @@ MODELS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_plan_calibrate_on_this_machine_writes_the_calibration_into_the_plan(
     tmp_path: Path, measured_home: Path
 ) -> None:

@@ -64,6 +64,7 @@ def test_plan_for_a_cloud_instance_has_a_cost() -> None:
     assert best["cost_usd"] == pytest.approx(hours * 55.04, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_cloud_ranks_instances_and_meets_a_deadline() -> None:
     result = run_cli(
         "plan",
@@ -104,6 +105,7 @@ def test_bare_parameter_count_says_the_shape_is_assumed() -> None:
     assert "assumed a GPT-style shape" in result.stdout
 
 
+@pytest.mark.slow
 def test_hf_config_json(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(
@@ -149,6 +151,7 @@ def test_impossible_or_malformed_requests_are_one_line(args: list[str], message:
     assert message in one_line_error(run_cli("plan", *args))
 
 
+@pytest.mark.slow
 def test_a_model_that_fits_nowhere_names_the_smallest_hardware_that_would() -> None:
     error = one_line_error(run_cli("plan", "-m", "llama-2-70b", "--hardware", "1xrtx-4090", timeout=600))
     assert "nothing fits on 1xrtx-4090" in error
@@ -180,6 +183,7 @@ def test_local_cpu_needs_measured_ceilings(tmp_path: Path) -> None:
         assert "redline bench compute memory --save" in one_line_error(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [

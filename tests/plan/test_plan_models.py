@@ -275,6 +275,7 @@ def test_70b_over_64_gpus_searches_in_seconds() -> None:
     assert elapsed < 15, f"search took {elapsed:.1f} s"
 
 
+@pytest.mark.slow
 def test_smallest_fitting_hardware_when_nothing_fits() -> None:
     profile = preset_profile("llama-2-70b")
     t4 = catalog_cluster(find_gpu("t4"), 1, name="1xt4")

@@ -43,11 +43,13 @@ def check(profile) -> float:
     return ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet50", "vit-b-16"])
 def test_zoo_models(name: str) -> None:
     check(preset_profile(name))
 
 
+@pytest.mark.slow
 def test_hugging_face_gpt2_from_its_config(tmp_path) -> None:
     pytest.importorskip("transformers")
     config = tmp_path / "config.json"
@@ -148,6 +150,7 @@ def check_bf16(profile, model, x, loss_of, accumulation: int = 1, checkpointing:
     return ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "batch", "accumulation", "checkpointing"),
     [
@@ -178,6 +181,7 @@ def test_zoo_models_bf16_real_step(name: str, batch: int, accumulation: int, che
     check_bf16(preset_profile(name), model, images, loss_of, accumulation, checkpointing)
 
 
+@pytest.mark.slow
 def test_skipping_the_arithmetic_leaves_the_peak_to_the_byte(tmp_path) -> None:
     """What lets the real steps here skip their products: a CNN's (convolutions and their backward) and a
     checkpointed language model's (matrix products, fused attention, recomputation) bf16 steps peak at the same
@@ -223,6 +227,7 @@ def lm_loss(ids: torch.Tensor):
     return lambda out: F.cross_entropy(out.logits.float().flatten(0, 1), ids.flatten())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("layers", "batch", "seq_len", "checkpointing"),
     [(2, 2, 512, "none"), (2, 1, 128, "none"), (4, 2, 512, "full"), (2, 1, 128, "full")],
@@ -257,6 +262,7 @@ def test_a_language_model_from_a_factory_bf16_real_step(batch: int) -> None:
     check_bf16(profile, Gpt(shape), ids, lambda logits: F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("batch", "seq_len", "checkpointing", "accumulation"),
     [(1, 128, "none", 1), (4, 512, "none", 1), (4, 512, "full", 1), (4, 512, "none", 2)],
@@ -299,6 +305,7 @@ def test_bert_encoder_bf16_real_step(tmp_path, batch: int, checkpointing: str) -
     check_bf16(profile, model, ids, loss, checkpointing=checkpointing)
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_bf16_real_step(tmp_path) -> None:
     """A Mixtral-style LM (4 experts, top-2). The step runs its experts through transformers' fallback grouped matmul,
     as the tracer does (PyTorch's grouped_mm takes bf16 weights only); autocast copies none of the experts'

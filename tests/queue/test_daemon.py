@@ -72,6 +72,7 @@ def test_a_job_killed_by_a_signal_is_retried_with_backoff_and_counted(tmp_path: 
     assert until(queue, once, "failed")["attempt"] == 1
 
 
+@pytest.mark.slow
 def test_a_daemon_killed_with_sigkill_loses_nothing_and_runs_nothing_twice(
     tmp_path: Path, queue: dict[str, str]
 ) -> None:
@@ -118,6 +119,7 @@ def test_recovery_reads_each_attempt_as_the_kernel_left_it(tmp_path: Path, queue
     assert started["attempt"] == 1
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line(queue: dict[str, str]) -> None:
     for args, message in (
         (["submit"], "Missing argument"),
@@ -233,6 +235,7 @@ def test_a_job_that_ran_out_of_memory_is_requeued(tmp_path: Path, queue: dict[st
     assert until(queue, plain, "failed")["attempt"] == 1
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_the_queues_series(tmp_path: Path, queue: dict[str, str]) -> None:
     """The daemon's series, scraped by a real Prometheus: jobs by state, and the waits of those that started."""
     binary = shutil.which("prometheus")

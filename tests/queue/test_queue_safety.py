@@ -38,6 +38,8 @@ from redline.queue.store import Store
 from small_disk import fill, small_disk
 from unix_users import Refused, as_user
 
+pytestmark = pytest.mark.system
+
 USER_PATH = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
 
 
@@ -269,6 +271,7 @@ def _fill_and_finish(env: dict[str, str], directory: Path, job: int, disk: Path,
         filler.unlink()
 
 
+@pytest.mark.slow
 def test_idle_connections_of_one_user_leave_the_others_served(machine_queue: Path, other_user: int) -> None:
     """The daemon may hold 256 descriptors. The other user opens 400 connections and sends nothing. Those past
     its cap are refused at once, in one line; the rest are dropped once their request is overdue; root is

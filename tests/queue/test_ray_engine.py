@@ -26,6 +26,8 @@ from redline.errors import BadInput
 from redline.queue.ray_engine import NOT_CARRIED, RayEngine, engine_job, resolve_address
 from redline.queue.spec import JobSpec
 
+pytestmark = pytest.mark.system
+
 START_TIMEOUT_S = 90  # the head's RAY_JOB_START_TIMEOUT_SECONDS: a job Ray cannot place fails after it
 HANG_S = 300  # only catches a hang: each wait below ends on the work it waits for
 
@@ -238,6 +240,7 @@ def test_a_cluster_that_does_not_answer_is_one_line() -> None:
 # -- a real head -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_job_runs_in_its_directory_and_is_done(engine: RayEngine, tmp_path: Path) -> None:
     code = "import os, pathlib; pathlib.Path('out.txt').write_text(os.getcwd())"
     job_id = engine.submit(_job(_python(code), tmp_path, name="writer", env={"USER": "ana"}))

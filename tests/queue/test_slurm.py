@@ -21,6 +21,8 @@ from redline.queue import slurm
 from redline.queue.spec import FINAL_STATES, JobSpec
 from slurmlocal import LocalSlurm, unavailable_reason
 
+pytestmark = pytest.mark.system
+
 HANG_S = 300.0  # only a hung cluster gets here: each wait ends when the job does
 
 

@@ -88,6 +88,7 @@ ONE_PROCESS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "strategy"), ONE_PROCESS)
 def test_one_process(tmp_path: Path, model: str, strategy: dict) -> None:
     check(tmp_path, model, strategy)
@@ -112,6 +113,7 @@ RANKS = [
 ]
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "strategy"), RANKS)
 def test_ranks(tmp_path: Path, model: str, strategy: dict) -> None:

@@ -49,6 +49,7 @@ def workers_per_epoch(records: list) -> list[int]:
     return [records[start].data_workers for start in range(0, len(records), steps)]
 
 
+@pytest.mark.slow
 def test_a_slow_loader_gets_more_workers_epoch_by_epoch(monkeypatch, caplog) -> None:
     monkeypatch.setattr(feed, "_cpus_per_rank", lambda: 5)  # room for four workers beside the loop
     with caplog.at_level(logging.WARNING, logger="redline.runtime"):
@@ -62,6 +63,7 @@ def test_a_slow_loader_gets_more_workers_epoch_by_epoch(monkeypatch, caplog) -> 
         assert record.loss is not None  # the same samples trained, whatever the workers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("settings", "why"),
     [
@@ -78,6 +80,7 @@ def test_where_it_may_not_add_workers_the_run_says_why_once(monkeypatch, caplog,
     assert len(said) == 1 and why in said[0], said
 
 
+@pytest.mark.slow
 def test_at_the_cpus_share_the_loading_is_named_the_bottleneck(monkeypatch, caplog) -> None:
     monkeypatch.setattr(feed, "_cpus_per_rank", lambda: 1)  # no CPU to spare for a worker
     with caplog.at_level(logging.WARNING, logger="redline.runtime"):

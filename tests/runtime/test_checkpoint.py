@@ -395,6 +395,7 @@ def wait_for_line(proc: subprocess.Popen, line: str, timeout_s: float = 60) -> l
     raise AssertionError(f"no {line!r} within {timeout_s} s: {''.join(seen)}")
 
 
+@pytest.mark.slow
 def test_sigkill_between_and_during_saves_then_resume_matches(tmp_path, train_script, loop):
     steps = 8
     ckpt = tmp_path / "ckpt"
@@ -548,6 +549,7 @@ def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     return base, [torch.load(base / f"rank{rank}.pt") for rank in range(2)]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("mode", ["ddp", "zero1", "fsdp"])
 def test_two_ranks_save_and_resume(two_ranks, mode, loop):
     base, results = two_ranks
@@ -570,6 +572,7 @@ def test_two_ranks_save_and_resume(two_ranks, mode, loop):
     assert weights_equal(model, results[0][mode]["at_save"])
 
 
+@pytest.mark.ranks
 def test_two_ranks_fall_back_together_when_one_cannot_read_its_file(two_ranks):
     _, results = two_ranks
     for result in (r["fallback"] for r in results):

@@ -372,6 +372,7 @@ def two_ranks(tmp_path, loop: str, world: int = 2) -> dict:
     return torch.load(out)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_two_ranks_train_a_hugging_face_loop_as_one_process(tmp_path) -> None:
     """Collator batches (BatchEncoding) split over the ranks, the weighted sampler kept, the loader's batch the
@@ -435,6 +436,7 @@ def classifier_loop() -> dict:
     }
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_two_ranks_train_a_padded_hugging_face_classifier_as_one_process(tmp_path) -> None:
     pytest.importorskip("transformers")
@@ -465,6 +467,7 @@ class HangsAt(torch.utils.data.Dataset):
         return torch.full((1,), float(i))
 
 
+@pytest.mark.slow
 def test_a_hung_worker_ends_the_run_naming_it() -> None:
     """A loader with workers and no timeout used to wait forever, with no report."""
     from redline.runtime.data import LoaderStalled
@@ -543,6 +546,7 @@ def cnn_loop() -> dict:
     return {"weights": state, "losses": [r.loss for r in run.metrics.records], "first_tokens": []}
 
 
+@pytest.mark.ranks
 def test_two_ranks_train_a_batchnorm_cnn_as_one_process(tmp_path, caplog) -> None:
     """Per-rank BatchNorm statistics made two ranks differ from one process by 0.17 with no warning; the
     running statistics must agree too."""
@@ -580,6 +584,7 @@ def bucketed_loop() -> dict:
     }
 
 
+@pytest.mark.ranks
 def test_two_ranks_train_a_batch_samplers_batches_as_one_process(tmp_path) -> None:
     alone = two_ranks(tmp_path / "one", "bucketed_loop", world=1)
     ranks = two_ranks(tmp_path / "two", "bucketed_loop")

@@ -32,6 +32,8 @@ def test_example_trains_on_the_cpu(script: str, tmp_path: Path) -> None:
     assert any(p.name.startswith("step-") for p in (tmp_path / "ckpt").iterdir())
 
 
+@pytest.mark.slow
+@pytest.mark.ranks
 def test_example_on_two_ranks_through_redline_run(tmp_path: Path) -> None:
     args = ("run", "--nproc-per-node", "2", str(EXAMPLES / "train_gpt.py"), "--epochs", "1")
     result = run_cli(*args, timeout=300, cwd=tmp_path)

@@ -199,6 +199,7 @@ def test_prepare_converts_the_model_and_trains_it_under_torchaos_cpu_emulation(
     assert resumed.step == run.step == 12
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     ("strategy", "float8"),
     [

@@ -181,6 +181,7 @@ def test_one_process_gets_the_plan_its_arguments_and_gives_its_exit_code(tmp_pat
     assert result.stderr.startswith("redline: running") and "1 process (plain python)" in result.stderr
 
 
+@pytest.mark.ranks
 def test_two_ranks_through_torchrun_all_reduce(tmp_path: Path, plan2: Path) -> None:
     out = tmp_path / "result.json"
     script = _script(
@@ -207,6 +208,7 @@ def test_two_ranks_through_torchrun_all_reduce(tmp_path: Path, plan2: Path) -> N
     assert "as 2 processes (torchrun, 2 per node (as given) x 1 node(s))" in result.stderr
 
 
+@pytest.mark.ranks
 def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path: Path) -> None:
     log = tmp_path / "attempts.log"
     script = _script(
@@ -353,6 +355,8 @@ def test_a_script_that_ignores_the_signal_is_killed_after_the_grace() -> None:
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.slow
+@pytest.mark.ranks
 def test_out_of_memory_inside_the_gradient_all_reduce_restarts_smaller_with_the_same_result(tmp_path: Path) -> None:
     """Rank 1 runs out of memory in the synchronising micro-batch, where rank 0 already waits in DDP's all-reduce:
     no agreement is possible in place, so rank 1 records a smaller micro-batch and fails; torchrun restarts both,
@@ -402,6 +406,7 @@ def test_out_of_memory_inside_the_gradient_all_reduce_restarts_smaller_with_the_
         torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("target", ["redline", "its process group"])
 def test_kill_9_of_redline_run_leaves_no_process_of_the_job(tmp_path: Path, target: str) -> None:
     """torchrun starts its workers in sessions of their own: they used to train on, unsupervised, to the end."""
@@ -448,6 +453,7 @@ def test_kill_9_of_redline_run_leaves_no_process_of_the_job(tmp_path: Path, targ
                     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_next_step_and_the_resumed_run_is_bit_identical(tmp_path: Path) -> None:
     """A spot instance's preemption notice: SIGTERM used to end the run with no checkpoint."""
     script = _script(
@@ -506,6 +512,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_resumed_run_is_bit_identic
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+@pytest.mark.ranks
 def test_a_redline_error_in_two_ranks_is_a_line_per_rank_and_a_short_summary(tmp_path: Path) -> None:
     """It used to be each rank's traceback and 86 lines of torchrun's failure table."""
     script = _script(
@@ -529,6 +536,7 @@ def test_a_redline_error_in_two_ranks_is_a_line_per_rank_and_a_short_summary(tmp
     assert len(result.stderr.splitlines()) < 12, result.stderr
 
 
+@pytest.mark.ranks
 def test_a_plan_the_runtime_cannot_apply_is_refused_before_any_rank_starts(tmp_path: Path, plan2: Path) -> None:
     """An fp8 plan, which needs a GPU with fp8 tensor cores, is refused once by the launcher rather than in every rank,
     saying why (here: no GPU at all)."""

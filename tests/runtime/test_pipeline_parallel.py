@@ -61,6 +61,7 @@ SCHEDULES = {
 }
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_two_pipeline_stages_train_as_one_process_under_each_schedule(
     tmp_path: Path, schedule: str, gpt_reference: tuple[dict, list[float]]
@@ -71,6 +72,7 @@ def test_two_pipeline_stages_train_as_one_process_under_each_schedule(
     assert_same(ranks(tmp_path, "gpt", 2, strategy), gpt_reference)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("other", ["data", "tensor"])
 def test_pipeline_stages_beside_data_or_tensor_parallel_ranks_train_as_one_process(
@@ -82,6 +84,7 @@ def test_pipeline_stages_beside_data_or_tensor_parallel_ranks_train_as_one_proce
     assert_same(ranks(tmp_path, "gpt", 4, strategy), gpt_reference)
 
 
+@pytest.mark.ranks
 def test_gradient_clipping_takes_the_norm_over_every_stage(tmp_path: Path) -> None:
     """A clip that bites (the norm is above 0.5 at every step): the same scale as one process's over the whole
     model, so the same weights."""
@@ -90,6 +93,7 @@ def test_gradient_clipping_takes_the_norm_over_every_stage(tmp_path: Path) -> No
     assert_same(got, one_process(tmp_path, "gpt", GRAD_CLIP="0.5"))
 
 
+@pytest.mark.ranks
 def test_a_pipeline_run_resumes_from_its_checkpoint_bit_identically(tmp_path: Path) -> None:
     """Each rank checkpoints its stages' parameters and optimizer state (DCP), and a second start goes on from
     step 2 to the same weights, bit for bit, as the run that did not stop."""
@@ -103,6 +107,8 @@ def test_a_pipeline_run_resumes_from_its_checkpoint_bit_identically(tmp_path: Pa
         assert torch.equal(weights[name], value), name
 
 
+@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_a_hugging_face_model_cut_into_stages_trains_as_one_process(tmp_path: Path, model: str) -> None:
     """Llama's and GPT-2's family layouts; GPT-2's head is tied to its embedding, on the other stage: the two
@@ -115,6 +121,7 @@ def test_a_hugging_face_model_cut_into_stages_trains_as_one_process(tmp_path: Pa
         torch.testing.assert_close(got[0]["lm_head.weight"], want[0]["transformer.wte.weight"], **TOLERANCE)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_redline_run_applies_a_pipeline_plan_redline_plan_wrote(tmp_path: Path) -> None:
     """`redline plan --pp 2` for a tiny Llama's config.json, then `redline run --plan` of a script training that
@@ -178,6 +185,7 @@ def test_more_stages_than_blocks_is_one_line() -> None:
         split(gpt, find_layout(gpt), pipeline=2, virtual=2, pp_rank=0)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     ("misuse", "strategy", "said"),
     [

@@ -298,6 +298,7 @@ def two_ranks(tmp_path: Path, strategy: dict, optimizer: str = "sgd") -> dict[st
     return torch.load(out)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("sharding", ["ddp", "zero1", "fsdp", "zero2", "hsdp"])
 def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path: Path, sharding: str) -> None:
     # two ranks x micro-batch 4 x accumulation 2 = one process x 16 samples per step
@@ -325,6 +326,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path: Path, sh
         assert comm == [None] * (SAMPLES // 16)  # not measurable under FSDP2: said so, not guessed
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
 def test_a_rebuilt_adamw_steps_fused_and_matches_one_process(tmp_path: Path, sharding: str) -> None:
     """ZeRO-1 and FSDP2 rebuild the optimizer from its class and settings: it comes out fused, and two ranks
@@ -339,6 +341,7 @@ def test_a_rebuilt_adamw_steps_fused_and_matches_one_process(tmp_path: Path, sha
         torch.testing.assert_close(ranks[name], param.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.ranks
 def test_selective_checkpointing_under_fsdp_matches_one_process(tmp_path: Path) -> None:
     """Each block's forward checkpointed selectively inside FSDP2's per-block all-gather: the recomputation
     runs on the gathered weights and two ranks still train as one process without checkpointing does."""

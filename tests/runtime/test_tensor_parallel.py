@@ -44,6 +44,8 @@ def assert_same(got: tuple[dict, list[float]], want: tuple[dict, list[float]]) -
         torch.testing.assert_close(got_weights[name], value, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("model", ["gpt", "llama", "bert", "gpt2", "reference_gpt"])
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: str) -> None:
     got = ranks(tmp_path, model, 2, {"tensor": 2, "micro_batch": 8})
@@ -52,6 +54,8 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, model: s
     assert json.loads((tmp_path / "weights.pt.samples.json").read_text()) == [8] * (tp_worker.SAMPLES // 8)
 
 
+@pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize(("model", "norm"), [("llama", "model.norm"), ("gpt", "norm"), ("gpt2", "transformer.ln_f")])
 def test_two_sequence_parallel_ranks_train_as_one_process_each_norm_on_half_the_rows(
     tmp_path: Path, model: str, norm: str
@@ -63,6 +67,8 @@ def test_two_sequence_parallel_ranks_train_as_one_process_each_norm_on_half_the_
         assert rows == [tp_worker.SEQ // 2] * (tp_worker.SAMPLES // 8)
 
 
+@pytest.mark.slow
+@pytest.mark.ranks
 def test_bert_asked_for_sequence_parallelism_trains_as_one_process_with_its_activations_whole_and_says_so(
     tmp_path: Path,
 ) -> None:
@@ -100,6 +106,7 @@ def test_llama_gpt2_and_a_models_own_plan_taking_the_keyword_have_sequence_paral
             find_plan(model, 2, sequence_parallel=True)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
 def test_tensor_parallel_groups_beside_data_parallel_ranks_train_as_one_process(tmp_path: Path, sharding: str) -> None:
@@ -109,6 +116,7 @@ def test_tensor_parallel_groups_beside_data_parallel_ranks_train_as_one_process(
     assert_same(got, one_process(tmp_path, "gpt", micro_batch=8))
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_gpt2_tensor_parallel_groups_beside_fsdp_train_to_one_process_whole_weights_packed_bias_too(
     tmp_path: Path,
@@ -159,6 +167,8 @@ def test_a_conv1d_or_packed_layer_the_degree_does_not_divide_is_one_line() -> No
         check_divisible(packed, {"qkv": PackedColwiseParallel(packed=3)}, 9)
 
 
+@pytest.mark.slow
+@pytest.mark.ranks
 def test_a_tensor_parallel_run_resumes_from_its_checkpoint_bit_identically(tmp_path: Path) -> None:
     strategy = {"tensor": 2, "micro_batch": 8}
     whole = ranks(tmp_path / "whole", "gpt", 2, strategy)
@@ -170,6 +180,7 @@ def test_a_tensor_parallel_run_resumes_from_its_checkpoint_bit_identically(tmp_p
         assert torch.equal(weights[name], value), name
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "strategy"),
@@ -195,6 +206,7 @@ def test_a_tensor_parallel_gpt2_resumes_from_its_checkpoint_bit_identically(
         assert torch.equal(weights[name], value), name
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_a_tensor_parallel_gpt2_checkpoint_resumes_at_another_tensor_parallel_degree(tmp_path: Path) -> None:
     """Saved at TP2, resumed at TP4 with the same batch: each rank reads its heads of q, of k and of v from
@@ -224,6 +236,7 @@ def test_a_tensor_parallel_gpt2_checkpoint_resumes_at_another_tensor_parallel_de
     assert "resume it with tensor parallelism" in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 def test_a_checkpoint_saved_without_tensor_parallelism_refuses_a_tensor_parallel_gpt2_in_one_line(
     tmp_path: Path,
@@ -239,6 +252,7 @@ def test_a_checkpoint_saved_without_tensor_parallelism_refuses_a_tensor_parallel
     assert "Missing key" not in str(error.value)
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "gpus", "sharding"), [("llama", 2, ()), ("gpt2", 2, ()), ("gpt2", 4, ("--sharding", "fsdp"))]
@@ -312,6 +326,7 @@ def test_the_planner_is_told_which_layers_outputs_the_plan_splits() -> None:
     assert tensor_split_plan(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.parametrize(("gpus", "degrees"), [(2, (1, 2)), (4, (2, 2))], ids=["tp2", "tp2xdp2"])
 def test_redline_run_resumes_a_tensor_parallel_gpt2_plan_bit_identically(

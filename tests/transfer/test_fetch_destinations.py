@@ -24,6 +24,8 @@ from small_disk import small_disk
 from transfer_servers import HostileServer, Misbehaviour
 from unix_users import as_user
 
+pytestmark = pytest.mark.system
+
 MiB = 1 << 20
 NARROW = {"COLUMNS": "80"}
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a second user, mount, mknod)")

@@ -23,7 +23,10 @@ from redline.transfer import journal
 from redline.transfer.fetcher import BLOCK_BYTES as BLOCK
 from transfer_servers import start_nginx, stop
 
-pytestmark = pytest.mark.skipif(not shutil.which("nginx"), reason="needs nginx (apt-get install nginx-light)")
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.skipif(not shutil.which("nginx"), reason="needs nginx (apt-get install nginx-light)"),
+]
 MiB = 1 << 20
 
 

@@ -23,7 +23,7 @@ from transfer_servers import S3_ENV, start_nginx, start_s3, start_sshd, stop
 
 MiB = 1 << 20
 REASON = unavailable_reason() or (None if shutil.which("nginx") else "needs nginx")
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.system, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from conftest import run_cli
 from redline import transfer
 from transfer_servers import S3_ENV, start_s3, start_sshd, stop
 
+pytestmark = pytest.mark.system
+
 MiB = 1 << 20
 
 

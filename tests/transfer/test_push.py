@@ -17,6 +17,8 @@ from conftest import run_cli
 from redline import transfer
 from transfer_servers import S3_ENV, SlowProxy, start_s3, start_sshd, stop
 
+pytestmark = pytest.mark.system
+
 MiB = 1 << 20
 
 

@@ -24,7 +24,10 @@ from redline.transfer.cache import Cache, NotStageable, StageError, key_of
 from redline.transfer.stage import Staged, split_name
 from transfer_servers import start_nginx, stop
 
-pytestmark = pytest.mark.skipif(not shutil.which("nginx"), reason="needs nginx (apt-get install nginx-light)")
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.skipif(not shutil.which("nginx"), reason="needs nginx (apt-get install nginx-light)"),
+]
 MiB = 1 << 20
 HANG_S = 120.0  # a hang guard only: what the tests wait for is an event
 HERE = Path(__file__).parent

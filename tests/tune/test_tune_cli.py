@@ -101,6 +101,7 @@ def test_a_tune_killed_with_sigkill_goes_on_where_it_stopped(tmp_path: Path, scr
     assert keys[: len(kept)] == kept and len(keys) == len(set(keys))  # kept, and no trial run twice
 
 
+@pytest.mark.slow
 def test_a_trial_that_runs_out_of_memory_is_told_apart(tmp_path: Path, script: Path) -> None:
     """The runtime goes on at a smaller micro-batch after an out-of-memory: for the tune, the candidate did not
     fit."""
@@ -114,6 +115,7 @@ def test_a_trial_that_runs_out_of_memory_is_told_apart(tmp_path: Path, script: P
     assert result.status == "oom" and "micro-batch 64 ran out of memory (the run went on at 32)" in result.why
 
 
+@pytest.mark.slow
 def test_a_trial_that_hangs_is_stopped_with_its_processes(tmp_path: Path, script: Path) -> None:
     setup = Setup(script=str(script), warmup_steps=1, steps=2, timeout_s=20)
     os.environ["HANG"] = "1"
@@ -126,6 +128,7 @@ def test_a_trial_that_hangs_is_stopped_with_its_processes(tmp_path: Path, script
     assert leftover == []
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line(tmp_path: Path, script: Path) -> None:
     for args, message in (
         (["tune", str(tmp_path / "nope.py")], "no such script"),
@@ -168,6 +171,7 @@ def planned(tmp_path: Path, measured_home: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_the_planner_predicts_the_trials_of_a_plan_made_for_the_model(
     tmp_path: Path, script: Path, planned: dict[str, str]
 ) -> None:

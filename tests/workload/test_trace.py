@@ -287,6 +287,7 @@ def gpt2_profile():
     )
 
 
+@pytest.mark.slow
 def test_gpt2_counts(gpt2_profile):
     profile = gpt2_profile
     assert profile.params_total == 124_439_808  # the tied output layer counted once
@@ -353,6 +354,7 @@ def test_a_mixture_of_experts_traces_with_its_experts_flops():
     assert len(profile.blocks) == layers and profile.loss_vocab == vocab
 
 
+@pytest.mark.slow
 def test_llama_7b_traces_in_seconds():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

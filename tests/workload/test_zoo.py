@@ -41,6 +41,7 @@ def test_resnet50_matches_torchvision(resnet50_profile):
     assert profile.blocks[0].input_bytes_per_sample == {"fp32": 64 * 56 * 56 * 4, "16bit": 64 * 56 * 56 * 2}
 
 
+@pytest.mark.slow
 def test_vit_b_16_matches_torchvision(vit_profile):
     profile = vit_profile
     assert profile.params_total == 86_567_656
