@@ -46,9 +46,12 @@ def cli(
     cwd: Path | None = None,
     columns: int = 120,
 ) -> subprocess.CompletedProcess[str]:
-    """`redline ARGS` as ``executable`` runs it (no REDLINE_DEBUG, ``columns`` wide, empty stdin unless given),
-    with the same result: exit code, stdout, stderr. ``timeout`` only catches a hang: it raises
-    ``subprocess.TimeoutExpired`` after killing the command's process group."""
+    """Run `redline ARGS` as a user would: a process of its own, real exit code, real stdout and stderr off a
+    TTY (no REDLINE_DEBUG, ``columns`` wide, empty stdin unless given), as ``executable`` runs it.
+
+    ``timeout`` only catches a hang: it raises ``subprocess.TimeoutExpired`` after killing the command's process
+    group. A command's time follows its work, and a loaded 2-core runner may take ten times as long as an idle
+    one (a traced 1B model took over 120 s there)."""
     if any(name.startswith(READ_AT_START) and name != "PYTHONPATH" for name in env or {}):
         return executable(*args, stdin=stdin, timeout=timeout, env=env, cwd=cwd, columns=columns)
     env = _environment(env, columns)

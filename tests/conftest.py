@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from cli_fork import cli, executable
+# `redline ARGS` as a user runs it: run_cli forks each command from a process that has imported the CLI and
+# PyTorch; run_executable starts the installed entry point (cli_fork says when each is the one to use)
+from cli_fork import cli as run_cli
+from cli_fork import executable as run_executable  # noqa: F401 (the tests import it from here)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -41,26 +43,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     reason = _no_gpu_reason() if marked else None
     for item in marked if reason else []:
         item.add_marker(pytest.mark.skip(reason=f"needs a CUDA GPU: {reason}"))
-
-
-def run_cli(
-    *args: str,
-    stdin: str | None = None,
-    timeout: float = 900,
-    env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-    columns: int = 120,
-) -> subprocess.CompletedProcess[str]:
-    """Run `redline ARGS` as a user would: a process of its own, real exit code, real stdout/stderr off a TTY.
-
-    The process is forked from one that has imported the CLI and PyTorch (``cli_fork``), which saves the second
-    a new interpreter costs; ``run_executable`` starts the installed entry point itself. ``timeout`` only
-    catches a hang: a command's time follows its work, and a loaded 2-core runner may take ten times as long as
-    an idle one (a traced 1B model took over 120 s there)."""
-    return cli(*args, stdin=stdin, timeout=timeout, env=env, cwd=cwd, columns=columns)
-
-
-run_executable = executable
 
 
 @pytest.fixture
