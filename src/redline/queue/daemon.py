@@ -89,7 +89,7 @@ class Daemon:
     wake: asyncio.Event | None = field(default=None, init=False)
     full: bool = field(default=False, init=False)  # the disk was full at the last tick
     job_nofile: int | None = field(default=None, init=False)  # the descriptor limit jobs get: the daemon's own
-    _status_cache: tuple[float, dict[str, Any]] | None = field(default=None, init=False)
+    _status_cache: tuple[float, tuple[Any, ...], dict[str, Any]] | None = field(default=None, init=False)
 
     @property
     def socket_path(self) -> Path:
@@ -560,15 +560,18 @@ class Daemon:
         return changed.to_dict(private=True)
 
     def _status(self) -> dict[str, Any]:
-        """The GPUs and counts, read at most once a second whoever asks (NVML and /proc walks are not free,
-        and any user may ask)."""
-        now = time.monotonic()
-        if self._status_cache is None or now - self._status_cache[0] > STATUS_TTL_S:
-            self._status_cache = (now, self._read_status())
-        return self._status_cache[1]
-
-    def _read_status(self) -> dict[str, Any]:
+        """The GPUs and counts. The GPUs are read again (NVML and /proc walks are not free, and any user may ask)
+        after a second, or at once when the queue's jobs changed: a status never contradicts `jobs`."""
         running = self.store.jobs(ACTIVE)
+        counts = self.store.counts()
+        key = (tuple((job.id, job.state, job.attempt) for job in running), tuple(sorted(counts.items())))
+        now = time.monotonic()
+        cached = self._status_cache
+        if cached is None or cached[1] != key or now - cached[0] > STATUS_TTL_S:
+            self._status_cache = cached = (now, key, self._read_status(running, counts))
+        return cached[2]
+
+    def _read_status(self, running: list[Job], counts: dict[str, int]) -> dict[str, Any]:
         devices = self._devices(running)
         gpus = []
         for slot in devices.slots:
@@ -586,7 +589,7 @@ class Daemon:
                     "drained": slot.drained,
                 }
             )
-        return {"gpus": gpus, "counts": self.store.counts(), "policy": self.policy, "pid": os.getpid()}
+        return {"gpus": gpus, "counts": counts, "policy": self.policy, "pid": os.getpid()}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
