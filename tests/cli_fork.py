@@ -1,7 +1,7 @@
 """Run `redline ARGS` without paying for a new interpreter: in a process forked from one that has already
 imported the CLI and PyTorch.
 
-A subprocess per command (``conftest.run_cli``) starts Python and imports typer, rich and redline each time,
+A subprocess per command (``executable``) starts Python and imports typer, rich and redline each time,
 and PyTorch for the commands that train or measure: most of a second on two cores, for commands that then
 answer in milliseconds. A fork pays for neither. Each command still runs in a process of its own, because
 commands change what a process holds (the environment, the folder, signal handlers, PyTorch's thread count,
@@ -11,7 +11,7 @@ killed with everything it started.
 
 The command goes through ``redline.cli.main.run``, the function behind the ``redline`` executable, so exit
 codes and one-line errors are the executable's. What only the executable does (its early Ctrl-C handling,
-``python -m redline``) is tested through ``run_cli``.
+``python -m redline``) is tested through ``executable`` (``run_executable`` in conftest).
 """
 
 from __future__ import annotations
