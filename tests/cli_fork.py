@@ -16,6 +16,7 @@ codes and one-line errors are the executable's. What only the executable does (i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
@@ -59,8 +60,9 @@ def cli(
         streams = [Path(scratch, name) for name in ("stdin", "stdout", "stderr")]
         for path, text in zip(streams, (stdin or "", "", ""), strict=True):
             path.write_text(text)
+        status = Path(scratch, "status")
         process = _context.Process(
-            target=_command, args=(list(args), env, str(cwd or Path.cwd()), list(map(str, streams)))
+            target=_command, args=(list(args), env, str(cwd or Path.cwd()), list(map(str, streams)), str(status))
         )
         process.start()
         process.join(timeout)
@@ -68,7 +70,11 @@ def cli(
             _kill_group(process)
             raise subprocess.TimeoutExpired(["redline", *args], timeout)
         stdout, stderr = (p.read_text(errors="replace") for p in streams[1:])
-    return subprocess.CompletedProcess(["redline", *args], process.exitcode, stdout, stderr)
+        # the command's own word for its exit code: Process.exitcode is 255 when two threads poll one process
+        # at once (Process.start in one thread polls every child, and the other thread's read finds the
+        # forkserver's report already taken). Without a status file the command died before writing it.
+        code = int(status.read_text()) if status.exists() else process.exitcode
+    return subprocess.CompletedProcess(["redline", *args], code, stdout, stderr)
 
 
 def executable(
@@ -106,8 +112,9 @@ def _kill_group(process: multiprocessing.process.BaseProcess) -> None:
     process.join()
 
 
-def _command(argv: list[str], env: dict[str, str], cwd: str, streams: list[str]) -> None:
+def _command(argv: list[str], env: dict[str, str], cwd: str, streams: list[str], status: str) -> None:
     """In the forked process: become what a fresh `redline ARGV` would be, run it, exit with its code."""
+    pid = os.getpid()
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
@@ -133,4 +140,7 @@ def _command(argv: list[str], env: dict[str, str], cwd: str, streams: list[str])
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if os.getpid() == pid:  # not a process the command forked that came back this way
+            with contextlib.suppress(OSError):
+                Path(status).write_text(str(code))
         os._exit(code)

@@ -207,3 +207,26 @@ def test_every_command_has_json():
         proc = run_cli(*command, "--help")
         assert proc.returncode == 0
         assert "--json" in proc.stdout, command
+
+
+def test_run_cli_reports_the_commands_exit_code_when_the_forkserver_report_is_lost(monkeypatch):
+    # Process.start in one thread polls every live child; when it reads a child's exit status from the
+    # forkserver just before the thread waiting on that child does, the waiting thread reads end-of-file and
+    # multiprocessing records 255 (seen in CI: `plan --nodes abc` "exited 255" with its usage error printed).
+    # Here every report of an exit status is lost that way.
+    from multiprocessing import forkserver
+
+    read_signed = forkserver.read_signed
+    reads: dict[int, int] = {}
+
+    def taken_by_another_thread(fd: int) -> int:
+        reads[fd] = reads.get(fd, 0) + 1
+        value = read_signed(fd)
+        if reads[fd] == 2:  # the first read is the pid, the second the exit status
+            raise EOFError("unexpected EOF")
+        return value
+
+    monkeypatch.setattr(forkserver, "read_signed", taken_by_another_thread)
+    result = run_cli("plan", "--nodes", "abc")
+    assert result.returncode == 2, result
+    assert "--nodes" in result.stderr
