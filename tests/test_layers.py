@@ -1,6 +1,9 @@
-"""No package of redline imports one above it: hw and specs at the bottom, cli at the top (see the README's
-"How it is built"). Every import in every module counts, also those inside functions and under TYPE_CHECKING:
-an import dodged into a function is still a dependency."""
+"""How redline's packages may import one another (docs/architecture.md, "Layers"): the foundation at the
+bottom, then the core in the order data flows through it (hw and specs, workload, bench, plan, runtime), the
+views that judge and show what the core measures (doctor, report, monitor), the four applications built on all
+of that (transfer, tune, infer, queue), which never import one another, and the CLI on top. Every import in
+every module counts, also those inside functions and under TYPE_CHECKING: an import dodged into a function is
+still a dependency."""
 
 from __future__ import annotations
 
@@ -11,23 +14,15 @@ import redline
 
 SRC = Path(redline.__file__).parent
 
+FOUNDATION = [{"errors", "units", "capability", "lockfile", "files"}]
+CORE = [{"hw", "specs"}, {"workload"}, {"bench"}, {"plan"}, {"runtime"}]
+VIEWS = [{"doctor"}, {"report"}, {"monitor"}]
+# one layer, but each is its own program over the layers below: none may import another
+APPLICATIONS = {"transfer", "tune", "infer", "queue"}
+ENTRY = {"cli", "__main__", "__init__"}
+
 # lowest first; a package may import its own layer and those below it
-LAYERS = [
-    {"errors", "units", "capability", "lockfile", "files"},
-    {"hw", "specs"},
-    {"workload"},
-    {"bench"},
-    {"transfer"},
-    {"plan"},
-    {"doctor"},
-    {"report"},
-    {"monitor"},
-    {"runtime"},
-    {"tune"},
-    {"infer"},
-    {"queue"},
-    {"cli", "__main__", "__init__"},
-]
+LAYERS = [*FOUNDATION, *CORE, *VIEWS, APPLICATIONS, ENTRY]
 LEVEL = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 
 # upward imports not yet removed, each with the module that makes it; this list may only shrink
@@ -49,14 +44,22 @@ def _imported(tree: ast.AST) -> set[str]:
     return {name.split(".")[1] for name in names if name.startswith("redline.")}
 
 
-def upward_imports() -> set[tuple[str, str, str]]:
+def imports_between_packages() -> set[tuple[str, str, str]]:
+    """(importing package, imported package, module) for every import of one package by another."""
     found = set()
     for path in sorted(SRC.rglob("*.py")):
         package = _package(path)
         for target in _imported(ast.parse(path.read_text(encoding="utf-8"))) - {package}:
-            if LEVEL[target] > LEVEL[package]:
-                found.add((package, target, str(path.relative_to(SRC))))
+            found.add((package, target, str(path.relative_to(SRC))))
     return found
+
+
+def upward_imports() -> set[tuple[str, str, str]]:
+    return {edge for edge in imports_between_packages() if LEVEL[edge[1]] > LEVEL[edge[0]]}
+
+
+def imports_between_applications() -> set[tuple[str, str, str]]:
+    return {edge for edge in imports_between_packages() if {edge[0], edge[1]} <= APPLICATIONS}
 
 
 def test_every_package_has_a_layer() -> None:
@@ -66,6 +69,18 @@ def test_every_package_has_a_layer() -> None:
 
 def test_no_package_imports_one_above_it() -> None:
     assert upward_imports() == KNOWN
+
+
+def test_no_application_imports_another() -> None:
+    # what two applications share belongs in the core or a view, where both can import it
+    assert imports_between_applications() == set()
+
+
+def test_the_layers_are_those_the_architecture_page_draws() -> None:
+    page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for packages in LAYERS:
+        for package in packages - {"__main__", "__init__"}:
+            assert f"`{package}`" in page, f"docs/architecture.md does not place {package}"
 
 
 def test_the_walk_sees_an_upward_import(tmp_path: Path) -> None:
