@@ -249,9 +249,12 @@ def _run_as_torchrun_rank(ctx: BenchContext, plan: Plan) -> list[Measurement]:
 
             with GpuSampler(list(range(local_world))) as sampler:
                 result = run_rank(plan, rank, world, local_rank, on_size=step)
-            result["gpu_state"] = sampler.summary()
+            if result is not None:
+                result["gpu_state"] = sampler.summary()
         else:
             result = run_rank(plan, rank, world, local_rank, on_size=step)
+    if result is None:
+        raise RuntimeError("collective: rank 0 returned no results")  # run_rank returns them on rank 0
     result["launcher"] = "torchrun"
     result["nodes"] = world // local_world if local_world else None
     return measurements(result, plan)
@@ -347,8 +350,8 @@ def _failure(procs: list[subprocess.Popen[bytes]], codes: list[int | None], work
     """One line naming the rank that failed first and why (its own message, else its exit status)."""
     errors = sorted(workdir.glob("error-*.txt"), key=lambda p: p.stat().st_mtime)
     if errors:
-        rank = errors[0].stem.removeprefix("error-")
-        return f"collective: rank {rank} failed: {errors[0].read_text().strip()}"
+        failed = errors[0].stem.removeprefix("error-")
+        return f"collective: rank {failed} failed: {errors[0].read_text().strip()}"
     rank, code = next((r, c) for r, c in enumerate(codes) if c not in (None, 0))
     how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
     tail = (workdir / f"rank-{rank}.log").read_text(errors="replace").strip().splitlines()

@@ -39,7 +39,8 @@ def rank_table(rank: int, device: torch.device) -> torch.Tensor:
 
 def sum_table(world: int, device: torch.device) -> torch.Tensor:
     """One period of the element-wise sum of every rank's input."""
-    return sum(((torch.arange(PERIOD, device=device) + 31 * r) % PERIOD) for r in range(world)).to(torch.float32)
+    tables = ((torch.arange(PERIOD, device=device) + 31 * r) % PERIOD for r in range(world))
+    return torch.stack(list(tables)).sum(dim=0).to(torch.float32)
 
 
 def _periods(t: torch.Tensor, table: torch.Tensor, start: int) -> tuple[torch.Tensor, int, int]:

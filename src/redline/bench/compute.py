@@ -287,10 +287,10 @@ def _flag_emulated(measurements: list[Measurement], *, warmup_s: float, repeats:
     holds on a loaded host where the medians scatter."""
     by_name = {m.name: m for m in measurements}
     for m in measurements:
-        if m.size["dtype"] == "fp32":
+        if m.size["dtype"] == "fp32" or m.spread is None:
             continue
         fp32 = by_name.get("matmul_fp32")
-        if fp32 is not None:
+        if fp32 is not None and fp32.spread is not None:
             reference = fp32.spread.maximum
         else:  # fp32 was not asked for: time it at the same side for the comparison alone
             samples, _ = timed_matmul("fp32", m.size["m"], "cpu", warmup_s=warmup_s, repeats=repeats)
@@ -416,7 +416,7 @@ def measure_gpu(ctx: BenchContext, index: int, requested: list[str] | None = Non
                     repeats=repeats,
                     spread=spread,
                     peak=peak,
-                    peak_source=f"catalog {spec.key}: dense {precision} ({spec.source})" if peak else None,
+                    peak_source=f"catalog {spec.key}: dense {precision} ({spec.source})" if spec and peak else None,
                     extra={
                         "gpu_name": props.name,
                         "compute_capability": _cc(capability),

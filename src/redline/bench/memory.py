@@ -150,7 +150,7 @@ def measure_gpu(ctx: BenchContext, index: int) -> list[Measurement]:
                 peak=peak,
                 peak_source=f"catalog {spec.key}: memory_bandwidth_gbs, the datasheet HBM/GDDR rate; a copy "
                 "kernel reaches ~80-90% of it"
-                if peak
+                if spec and peak
                 else None,
                 extra={"gpu_state": sampler.summary()},
             )
@@ -229,7 +229,7 @@ def _pcie_peak(gpu: Gpu | None) -> tuple[float | None, str | None, dict[str, Any
             "width_current_at_probe": link.width_current,
         }
     }
-    if peak is None:
+    if peak is None or link.gen_max is None:
         return None, None, extra
     source = (
         f"PCIe Gen{link.gen_max} x{link.width_max} per direction, {PCIE_LANE_GBS[link.gen_max]} GB/s per lane "

@@ -382,12 +382,13 @@ def _loss(udp: UdpProbe, results: list[Throughput]) -> Measurement:
         "probes_echoed": udp.echoed,
         "tcp_retransmit_ratio": tcp_ratio,
     }
-    if udp.answered:
+    loss = udp.loss_per_traversal  # None when no probe was answered
+    if loss is not None:
         attempts = udp.sent + udp.server_received
         return Measurement(
             SUITE,
             "loss",
-            udp.loss_per_traversal,
+            loss,
             "ratio",
             f"UDP probe train: {udp.sent} datagrams echoed by the server, lost per crossing of the path, both "
             f"directions pooled (resolution 1/{attempts})",

@@ -103,5 +103,5 @@ def _print_rules(rules: list, json_out: bool) -> None:
     table.add_column("area")
     table.add_column("checks")
     for r in rules:
-        table.add_row(r.id, r.area.title, r.summary)
+        table.add_row(r.id, r.area.heading, r.summary)
     ui.console.print(table)

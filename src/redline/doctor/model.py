@@ -35,7 +35,8 @@ class Area(enum.StrEnum):
     HOST = "host"
 
     @property
-    def title(self) -> str:
+    def heading(self) -> str:
+        """The area's name in a report ("GPU memory"); ``title`` is str's own method."""
         return AREA_TITLES[self]
 
 
@@ -61,7 +62,8 @@ class Finding:
     title: str  # one line: what is wrong, with the key number
     cost: str  # what it costs the user (throughput, stability, money)
     fix: str  # what to do about it
-    evidence: dict[str, Any] = field(default_factory=dict)  # the measured values behind it
+    # the measured values behind it, by name or by GPU index (JSON makes every key a string)
+    evidence: dict[Any, Any] = field(default_factory=dict)
     command: str | None = None  # a command that shows it by hand
     subject: str | None = None  # what it is about: "GPU 0-7", "/data", "eth0"
     rule: str = ""

@@ -240,7 +240,9 @@ def cgroup_pids_limit(fs: SysFs) -> int | None:
         fs, "/sys/fs/cgroup/pids", own.get("pids"), "pids.max"
     )
     text = fs.read(path) if path else None
-    return None if text in ("max", "", None) else _to_int(fs, path, text)
+    if path is None or text is None or text in ("max", ""):
+        return None
+    return _to_int(fs, path, text)
 
 
 def _cgroup_memory_limit(fs: SysFs) -> int | None:
@@ -310,7 +312,7 @@ def _numa_nodes(fs: SysFs) -> list[NumaNode] | None:
         try:
             cpus = parse_cpulist(text or "")
         except ValueError:
-            fs.errors.append(f"{base}/cpulist: {text[:40]!r} is not a CPU list")
+            fs.errors.append(f"{base}/cpulist: {(text or '')[:40]!r} is not a CPU list")
             cpus = []
         nodes.append(NumaNode(node=int(name[4:]), cpus=cpus, memory_total_bytes=_node_memory(fs, base)))
     return nodes or None

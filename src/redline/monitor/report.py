@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -358,7 +358,8 @@ def _png(fig: Figure, ax: Axes) -> bytes:
             loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False, ncols=1 + len(handles) // 13
         )
     buf = io.BytesIO()
-    fig.canvas.print_png(buf, metadata={"Software": GENERATOR})
+    canvas = cast(FigureCanvasAgg, fig.canvas)  # the one _figure attached
+    canvas.print_png(buf, metadata={"Software": GENERATOR})
     return buf.getvalue()
 
 

@@ -60,7 +60,7 @@ def render_html(report: DoctorReport, snapshot: Snapshot) -> str:
     counts = report.counts()
     body = []
     for area, findings in report.grouped():
-        body.append(f"<h2>{escape(area.title)}</h2>")
+        body.append(f"<h2>{escape(area.heading)}</h2>")
         body.extend(_finding(f) for f in findings)
     if not report.findings:
         body.append("<p>No findings: every rule passed.</p>")

@@ -52,7 +52,7 @@ def render_finding(f: Finding) -> Group:
 def render(report: DoctorReport, snapshot: Snapshot, console: Console) -> None:
     console.print(_summary_panel(snapshot))
     for area, findings in report.grouped():
-        console.rule(Text(area.title, style="bold"), align="left")
+        console.rule(Text(area.heading, style="bold"), align="left")
         for f in findings:
             console.print(render_finding(f))
     for error in report.rule_errors + snapshot.probe_errors:

@@ -292,8 +292,8 @@ def find_gpu(key_or_name: str) -> GpuSpec:
     for spec in _load():
         if wanted in (spec.key.lower(), spec.name.lower()):
             return spec
-    spec = match_gpu(key_or_name)
-    if spec is None:
+    matched = match_gpu(key_or_name)
+    if matched is None:
         known = ", ".join(s.key for s in _load())
         raise BadInput(f"unknown GPU '{key_or_name}'; known: {known}")
-    return spec
+    return matched

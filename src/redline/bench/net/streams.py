@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 import time
+from typing import cast
 from dataclasses import dataclass, field
 
 # what iperf3 writes per send() for TCP by default
@@ -77,7 +78,7 @@ def receive(
             for key, _ in sel.select(timeout):
                 for _ in range(8):  # drain what waits (bounded, so one stream cannot starve the clock)
                     try:
-                        got = key.fileobj.recv_into(view)
+                        got = cast(socket.socket, key.fileobj).recv_into(view)
                     except BlockingIOError:
                         break
                     except OSError:
@@ -120,7 +121,7 @@ def send(socks: list[socket.socket], stop: threading.Event) -> None:
         while not stop.is_set() and sel.get_map():
             for key, _ in sel.select(0.05):
                 try:
-                    while key.fileobj.send(block) == BLOCK_BYTES:
+                    while cast(socket.socket, key.fileobj).send(block) == BLOCK_BYTES:
                         pass
                 except BlockingIOError:
                     pass
@@ -177,7 +178,7 @@ def connect_all(address: tuple[str, int], count: int, timeout_s: float) -> list[
                 for sock in pending:
                     sel.register(sock, selectors.EVENT_WRITE)
                 for key, _ in sel.select(remaining):
-                    err = key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    err = cast(socket.socket, key.fileobj).getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                     if err:
                         raise OSError(err, f"data connection to {address[0]}:{address[1]} failed")
                     pending.discard(key.fileobj)

@@ -142,9 +142,10 @@ def gpu_nic_numa(audit: Audit) -> Iterator[Finding]:
         return
     far = [g for g in audit.gpus if g.numa_node is not None and g.numa_node not in nic_nodes]
     if far:
+        far_nodes = sorted({g.numa_node for g in far if g.numa_node is not None})
         yield Finding(
             Severity.INFO,
-            f"GPUs on NUMA node(s) {sorted({g.numa_node for g in far})} have no active RDMA NIC on their node",
+            f"GPUs on NUMA node(s) {far_nodes} have no active RDMA NIC on their node",
             subject=gpu_subject(far),
             cost="Their inter-node traffic crosses the CPU socket link to reach a NIC: lower GPUDirect RDMA bandwidth.",
             fix="Expected on servers with NICs on one socket; otherwise check NIC placement and cabling.",

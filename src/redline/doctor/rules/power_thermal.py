@@ -113,15 +113,15 @@ def app_clocks(audit: Audit) -> Iterator[Finding]:
     ]
     if held:
         g = held[0]
+        applications_mhz, max_mhz = g.clocks.applications_sm_mhz or 0, g.clocks.sm_max_mhz or 1  # both set: above
         yield Finding(
             Severity.WARN,
-            f"Clocks held by an application-clock setting ({g.clocks.applications_sm_mhz} MHz SM, "
-            f"max {g.clocks.sm_max_mhz} MHz)",
+            f"Clocks held by an application-clock setting ({applications_mhz} MHz SM, max {max_mhz} MHz)",
             subject=gpu_subject(held),
-            cost=f"The SMs run at most {g.clocks.applications_sm_mhz / g.clocks.sm_max_mhz:.0%} of their maximum "
+            cost=f"The SMs run at most {applications_mhz / max_mhz:.0%} of their maximum "
             "clock: compute-bound kernels slow down in proportion.",
             fix=f"Raise them (needs root on the host): nvidia-smi -i {g.index} -ac "
-            f"{g.clocks.memory_max_mhz or '<mem MHz>'},{g.clocks.sm_max_mhz}; or nvidia-smi -rac for the defaults.",
+            f"{g.clocks.memory_max_mhz or '<mem MHz>'},{max_mhz}; or nvidia-smi -rac for the defaults.",
             evidence={
                 x.index: {"applications_sm_mhz": x.clocks.applications_sm_mhz, "sm_max_mhz": x.clocks.sm_max_mhz}
                 for x in held

@@ -70,7 +70,7 @@ def old_libraries(audit: Audit) -> Iterator[Finding]:
     torch = audit.snapshot.software.torch
     if torch is None or not audit.gpus:
         return
-    old = {}
+    old: dict[str, str | int] = {}
     if torch.nccl and version_tuple(torch.nccl)[:2] < MIN_NCCL:
         old["nccl"] = torch.nccl
     if torch.cudnn and torch.cudnn < MIN_CUDNN:

@@ -268,9 +268,10 @@ def clock_event_reason_names(nvml: Any, mask: int) -> list[str]:
     names = []
     known = 0
     for suffix, fallback, name in _CLOCK_EVENT_REASONS:
-        bit = getattr(nvml, "nvmlClocksEventReason" + suffix, None)
-        if bit is None:
-            bit = getattr(nvml, "nvmlClocksThrottleReason" + suffix, fallback)
+        # the constants' names changed in newer bindings; a binding with neither name has the documented bit
+        bit: int = getattr(nvml, "nvmlClocksEventReason" + suffix, 0) or getattr(
+            nvml, "nvmlClocksThrottleReason" + suffix, fallback
+        )
         known |= bit
         if mask & bit:
             names.append(name)
