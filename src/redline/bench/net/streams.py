@@ -17,8 +17,8 @@ import socket
 import struct
 import threading
 import time
-from typing import cast
 from dataclasses import dataclass, field
+from typing import cast
 
 # what iperf3 writes per send() for TCP by default
 BLOCK_BYTES = 128 * 1024
