@@ -14,7 +14,7 @@ The whole-file checksum is the object's SHA-256 where the store keeps a full-obj
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from redline.capability import is_available
@@ -137,8 +137,9 @@ def listing(s3, url: str) -> list[tuple[str, str]]:
     return out
 
 
-def shared_client(session: Session):
-    """The transfer's boto3 client, for the store at the session's ``endpoint_url`` (boto3's own when None)."""
+def shared_client(session: Session) -> Any:
+    """The transfer's boto3 client (of a class botocore makes at run time), for the store at the session's
+    ``endpoint_url`` (boto3's own when None)."""
     return session.shared("s3", lambda: client(session.credentials.endpoint_url, session.per_endpoint))
 
 
