@@ -3,6 +3,7 @@ process and matches, missing optional backends are one line, bad input exits 2, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -267,7 +268,9 @@ def test_a_graph_for_any_batch_that_is_wrong_at_another_batch_is_not_saved(
         graph.write_bytes(b"any batch")
         return Runner(lambda x: spec.module(x) * (1.0 if x.shape[0] == 2 else 2.0), (graph,))
 
-    monkeypatch.setitem(backends.BACKENDS, "onnxruntime", Backend("onnxruntime", "wrong at other sizes", build))
+    # the registered record with another build: its traits (an exported graph, any batch) are what save reads
+    wrong = dataclasses.replace(backends.BACKENDS["onnxruntime"], summary="wrong at other sizes", build=build)
+    monkeypatch.setitem(backends.BACKENDS, "onnxruntime", wrong)
     (tmp_path / "static").mkdir()
     (tmp_path / "static" / "model.onnx").write_bytes(b"static")
     row = Row("onnxruntime", 2, "fp32", "ok", files=(tmp_path / "static" / "model.onnx",))

@@ -37,7 +37,7 @@ import torch
 from redline import __version__
 from redline.errors import BadInput
 from redline.files import check_trusted, drop_write_for_others, kind_of, read_user_file
-from redline.infer.backends import BACKENDS, Build, Runner, cast, cast_input, onnx_runner, session_providers
+from redline.infer.backends import BACKENDS, Backend, Build, Runner, cast, cast_input
 from redline.infer.measure import TOLERANCES, Parity, Row, compare, eager_reference
 from redline.infer.models import Subject, first_line, rebuild
 
@@ -45,9 +45,6 @@ FORMAT = "redline-infer/1"
 MANIFEST = "manifest.json"
 CHECK_ROWS = 16
 FILES = ("weights.pt", "check.pt")
-EXPORTED = frozenset({"export-aoti", "onnxruntime", "onnxruntime-trt"})  # a graph that loads without model code
-ONE_SHAPE = EXPORTED | {"tensorrt"}  # kinds that may take the picked batch size only (``fixed_batch`` says)
-ANY_BATCH = frozenset({"export-aoti", "onnxruntime"})  # exported again, for any batch size, when saved
 
 
 def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
@@ -58,19 +55,20 @@ def save(folder: Path, subject: Subject, row: Row, device: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     _remove_earlier(folder)
     files = list(FILES)
-    model_file, fixed = None, None
-    if row.backend == "tensorrt":
-        fixed = "Torch-TensorRT's engines are built for one input shape: on load, for the picked batch"
-    if row.backend in EXPORTED:
+    backend = BACKENDS[row.backend]
+    model_file, fixed = None, backend.pinned_batch
+    if backend.exported:
         with tempfile.TemporaryDirectory(prefix="redline-infer-") as workdir:
-            source, fixed = _export_any_batch(subject, row, device, Path(workdir))
+            source = None
+            if fixed is None:  # a graph no trait of its backend pins: exported again for any batch size, if it can
+                source, fixed = _export_any_batch(subject, row, backend, device, Path(workdir))
             source = source or next(p for p in row.files if p.suffix in (".pt2", ".onnx"))
             # the graph and what it names beside it (an ONNX model past 2 GB keeps its weights in ``<name>.data``)
             for part in sorted(source.parent.glob(source.name + "*")):
                 shutil.copyfile(part, folder / part.name)
                 files.append(part.name)
         model_file = source.name
-    module = None if row.backend in EXPORTED else factory_module(subject)
+    module = None if backend.exported else factory_module(subject)
     if module is not None:  # a load imports it from here, not from wherever it runs
         shutil.copyfile(module, folder / module.name)
         files.append(module.name)
@@ -118,18 +116,18 @@ def factory_module(subject: Subject) -> Path | None:
     return None if any(path.resolve().is_relative_to(Path(p).resolve()) for p in installed) else path
 
 
-def _export_any_batch(subject: Subject, row: Row, device: str, workdir: Path) -> tuple[Path | None, str | None]:
-    """``row``'s exported backend built again with the batch dimension free, in ``workdir``, and its whole
+def _export_any_batch(
+    subject: Subject, row: Row, backend: Backend, device: str, workdir: Path
+) -> tuple[Path | None, str | None]:
+    """``row``'s exported ``backend`` built again with the batch dimension free, in ``workdir``, and its whole
     outputs checked against eager fp32's at the picked batch and at another (1; 3 when it was picked at 1), at the
     precision's tolerance: (its graph, None), or (None, why the measured static graph stays)."""
-    if row.backend not in ANY_BATCH:
-        return None, "ONNX Runtime's TensorRT provider builds an engine per input shape: the measured one is kept"
     tolerance = TOLERANCES[row.precision]
     module = cast(subject.served, row.precision, device)
     example = cast_input(subject.example(max(2, row.batch)).to(device), row.precision)  # export pins a size of 1
     try:
         build = Build(module, subject.served, example, row.precision, device, workdir, any_batch=True)
-        runner = BACKENDS[row.backend].build(build)
+        runner = backend.build(build)
     except Exception as exc:  # a model whose code pins the batch size (a branch on it, a parameter per row)
         return None, f"it does not export for any batch size: {type(exc).__name__}: {first_line(exc)}"
     for size in (row.batch, 1 if row.batch > 1 else 3):
@@ -186,7 +184,7 @@ class Artifact:
         """The one batch size it takes (a graph or engine built for that batch only: ``fixed_batch`` says why),
         None where any will do."""
         why = self.manifest.get("fixed_batch", "saved by an earlier redline")  # which saved every graph static
-        return self.manifest["batch"] if self.manifest["backend"] in ONE_SHAPE and why is not None else None
+        return self.manifest["batch"] if BACKENDS[self.manifest["backend"]].one_shape and why is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch is not None and x.shape[0] != self.batch:
@@ -210,6 +208,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise BadInput(f"{folder}: not a redline inference artifact ({exc})") from None
     if manifest.get("format") != FORMAT:
         raise BadInput(f"{folder}: artifact format {manifest.get('format')!r}, this redline reads {FORMAT}")
+    if manifest.get("backend") not in BACKENDS:
+        raise BadInput(f"{folder}: an artifact of backend {manifest.get('backend')!r}, which this redline lacks")
     return manifest
 
 
@@ -221,25 +221,17 @@ def load(path: str | Path, device: str | None = None) -> Artifact:
     folder = trusted.path  # as checked: the path given may cross a symlink repointed since
     manifest = read_manifest(folder)
     device = device or manifest["device"]
-    backend, precision = manifest["backend"], manifest["precision"]
+    backend, precision = BACKENDS[manifest["backend"]], manifest["precision"]
     classes = manifest["kind"] in ("classifier", "lm")
     if device == "cuda" and not torch.cuda.is_available():
         raise BadInput(f"{folder}: picked on a GPU, and torch sees none here: load it with device='cpu'")
     trusted.confirm("artifact")  # still the folder checked, just before its code loads
-    if backend == "export-aoti":
-        from torch._inductor import aoti_load_package
-
-        if device != manifest["device"]:  # its kernels were compiled for one device
-            raise BadInput(f"{folder}: an AOTInductor package compiled for {manifest['device']}, not {device}")
-        runner = Runner(aoti_load_package(str(folder / manifest["model_file"])))
-        return Artifact(folder, manifest, runner, device, classes)
-    if backend in EXPORTED:
-        provider = "TensorrtExecutionProvider" if backend == "onnxruntime-trt" else None
-        runner = onnx_runner(folder / manifest["model_file"], session_providers(provider, device))
+    if backend.load_graph is not None:
+        runner = backend.load_graph(folder / manifest["model_file"], manifest["device"], device)
         return Artifact(folder, manifest, runner, device, classes)
     subject = rebuild(manifest["source"], tuple(manifest["sample_shape"]), folder)
     subject.served.inner.load_state_dict(torch.load(folder / "weights.pt", map_location="cpu", weights_only=True))
     module = cast(subject.served, precision, device)
     x = cast_input(subject.example(manifest["batch"]).to(device), precision)
-    runner = BACKENDS[backend].build(Build(module, subject.served, x, precision, device, folder))
+    runner = backend.build(Build(module, subject.served, x, precision, device, folder))
     return Artifact(folder, manifest, runner, device, classes)

@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from redline.capability import is_available
+from redline.errors import BadInput
 
+TENSORRT_PROVIDER = "TensorrtExecutionProvider"
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
@@ -66,12 +68,30 @@ class Runner:
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
+    """One way to run a served model, and its traits: the measurement, the listing and the artifact read these,
+    never the backend's name."""
+
     name: str
     summary: str
     build: Callable[[Build], Runner]
     absent: Callable[[str, str], str | None] = lambda device, precision: None  # why not here, else None
     fixed_precision: str | None = None  # int8-dynamic is int8 whatever --precision says
     default_on_cpu: bool = True  # max-autotune searches GEMM templates for many minutes on a CPU: opt-in there
+    # an exported graph that an artifact keeps and loads with no model code: (the graph's file, the device it was
+    # picked on, the device to run on) -> a runner; None: an artifact rebuilds the model and builds it again
+    load_graph: Callable[[Path, str, str], Runner] | None = None
+    # why its artifact takes the picked batch size only, whatever the model; None: any batch size (an exported
+    # graph: where the model exports with its batch dimension free, which the artifact tries)
+    pinned_batch: str | None = None
+
+    @property
+    def exported(self) -> bool:
+        return self.load_graph is not None
+
+    @property
+    def one_shape(self) -> bool:
+        """Whether its artifact may take the picked batch size only (``fixed_batch`` in the manifest says)."""
+        return self.exported or self.pinned_batch is not None
 
 
 def cast(module: nn.Module, precision: str, device: str) -> nn.Module:
@@ -134,6 +154,15 @@ def _aoti(build: Build) -> Runner:
     return Runner(aoti_load_package(path), (Path(path),))
 
 
+def _aoti_load(path: Path, picked_on: str, device: str) -> Runner:
+    """A saved AOTInductor package: its kernels were compiled for the device it was picked on, and run there only."""
+    if device != picked_on:
+        raise BadInput(f"{path.parent}: an AOTInductor package compiled for {picked_on}, not {device}")
+    from torch._inductor import aoti_load_package
+
+    return Runner(aoti_load_package(str(path)))
+
+
 def _onnx_absent(device: str, precision: str, provider: str = "CPUExecutionProvider") -> str | None:
     if not (is_available("onnxruntime") and is_available("onnx") and is_available("onnxscript")):
         return "needs onnxruntime, onnx and onnxscript: pip install 'redline[infer]' (onnxruntime-gpu on a GPU)"
@@ -184,6 +213,13 @@ def _onnxruntime(provider: str | None) -> Callable[[Build], Runner]:
         return onnx_runner(path, session_providers(provider, build.device))
 
     return build_session
+
+
+def _onnx_load(provider: str | None) -> Callable[[Path, str, str], Runner]:
+    def load(path: Path, picked_on: str, device: str) -> Runner:
+        return onnx_runner(path, session_providers(provider, device))
+
+    return load
 
 
 def session_providers(provider: str | None, device: str) -> list[str]:
@@ -252,7 +288,7 @@ def _int8_absent(device: str, precision: str) -> str | None:
 
 def _ort_trt_absent(device: str, precision: str) -> str | None:
     return _gpu_only("ONNX Runtime's TensorRT provider")(device, precision) or _onnx_absent(
-        device, precision, "TensorrtExecutionProvider"
+        device, precision, TENSORRT_PROVIDER
     )
 
 
@@ -267,19 +303,42 @@ BACKENDS: dict[str, Backend] = {
             _compile("max-autotune"),
             default_on_cpu=False,
         ),
-        Backend("export-aoti", "torch.export + AOTInductor package (.pt2)", _aoti),
-        Backend("onnxruntime", "ONNX export + ONNX Runtime (CPU or CUDA provider)", _onnxruntime(None), _onnx_absent),
+        Backend("export-aoti", "torch.export + AOTInductor package (.pt2)", _aoti, load_graph=_aoti_load),
+        Backend(
+            "onnxruntime",
+            "ONNX export + ONNX Runtime (CPU or CUDA provider)",
+            _onnxruntime(None),
+            _onnx_absent,
+            load_graph=_onnx_load(None),
+        ),
         Backend(
             "onnxruntime-trt",
             "ONNX export + ONNX Runtime's TensorRT provider",
-            _onnxruntime("TensorrtExecutionProvider"),
+            _onnxruntime(TENSORRT_PROVIDER),
             _ort_trt_absent,
+            load_graph=_onnx_load(TENSORRT_PROVIDER),
+            pinned_batch="ONNX Runtime's TensorRT provider builds an engine per input shape: the measured one is kept",
         ),
-        Backend("tensorrt", "Torch-TensorRT (dynamo)", _torch_tensorrt, _tensorrt_absent),
+        Backend(
+            "tensorrt",
+            "Torch-TensorRT (dynamo)",
+            _torch_tensorrt,
+            _tensorrt_absent,
+            pinned_batch="Torch-TensorRT's engines are built for one input shape: on load, for the picked batch",
+        ),
         Backend("int8-dynamic", "int8 linear layers, dynamic activation scales", _eager, _int8_absent, "int8"),
     )
 }
+REFERENCE = "eager"  # the backend every other is checked and timed against
 
 
 def default_backends(device: str) -> list[str]:
     return [name for name, b in BACKENDS.items() if device == "cuda" or b.default_on_cpu]
+
+
+def named(names: list[str]) -> list[Backend]:
+    """The backends ``names`` names, in order; BadInput, one line, for any this redline does not know."""
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise BadInput(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
+    return [BACKENDS[n] for n in names]

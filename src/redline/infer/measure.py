@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from redline.errors import BadInput
-from redline.infer.backends import BACKENDS, Backend, Build, Runner, cast, cast_input
+from redline.infer.backends import REFERENCE, Backend, Build, Runner, cast, cast_input, default_backends, named
 from redline.infer.models import Subject, first_line
 
 WARMUP_CALLS = 2
@@ -322,20 +322,16 @@ def pick(rows: list[Row]) -> Row | None:
 
 def speedups(rows: list[Row]) -> dict[tuple[str, int], float]:
     """Each usable row's p50 latency over eager's at the same batch (below 1: faster than eager)."""
-    eager = {r.batch: r.p50_ms for r in rows if r.backend == "eager" and r.p50_ms}
+    eager = {r.batch: r.p50_ms for r in rows if r.backend == REFERENCE and r.p50_ms}
     return {(r.backend, r.batch): r.p50_ms / eager[r.batch] for r in rows if r.p50_ms and eager.get(r.batch)}
 
 
 def selected(names: list[str] | None, device: str) -> list[Backend]:
-    from redline.infer.backends import default_backends
-
-    names = names or default_backends(device)
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown:
-        raise BadInput(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
-    if "eager" not in names:  # the reference every ratio is taken against
-        names = ["eager", *names]
-    return [BACKENDS[n] for n in dict.fromkeys(names)]
+    """The backends to measure: ``names`` (or this device's defaults), after the reference when they lack it."""
+    backends = named(names or default_backends(device))
+    if REFERENCE not in [backend.name for backend in backends]:  # every ratio is taken against it
+        backends = [*named([REFERENCE]), *backends]
+    return list(dict.fromkeys(backends))
 
 
 def scratch() -> tempfile.TemporaryDirectory:

@@ -50,6 +50,7 @@ from typing import Any
 
 from redline.capability import is_available
 from redline.errors import BadInput, RedlineError
+from redline.queue.engine import Engine
 from redline.queue.spec import EngineJob, JobSpec
 
 KINDS = ("job", "trainjob", "pytorchjob")
@@ -588,6 +589,43 @@ def jobs(*, namespace: str = "default", api_client=None) -> list[EngineJob]:
         listed = _call(api_client, f"list {plural}", listing, *args, label_selector=SELECTOR, missing_ok=True)
         found.extend(custom_state(item) for item in (listed or {}).get("items", ()))
     return sorted(found, key=lambda job: (job.submitted_at or 0, job.id))
+
+
+class Kubernetes(Engine):
+    """A Kubernetes cluster (the current kubeconfig context, or the pod's service account), with the options of
+    one submission: the image, the kind, the namespace, Kueue's priority class."""
+
+    name = "kubernetes"
+    options = ("image", "namespace", "kind", "priority_class")
+
+    def __init__(
+        self,
+        *,
+        image: str | None = None,
+        namespace: str = "default",
+        kind: str | None = None,
+        priority_class: str | None = None,
+    ) -> None:
+        self.image, self.namespace = image, namespace
+        self.kind, self.priority_class = kind, priority_class
+
+    def _manifest_options(self) -> dict[str, Any]:
+        if not self.image:
+            raise BadInput("a Kubernetes job runs in a container image: give --image")
+        given = {"kind": self.kind, "priority_class": self.priority_class}
+        return {"image": self.image, "namespace": self.namespace} | {k: v for k, v in given.items() if v is not None}
+
+    def render(self, spec: JobSpec) -> str:
+        return render(spec, **self._manifest_options())
+
+    def submit(self, spec: JobSpec) -> str:
+        return submit(spec, **self._manifest_options())
+
+    def jobs(self) -> list[EngineJob]:
+        return jobs(namespace=self.namespace)
+
+    def cancel(self, job_id: str) -> None:
+        cancel(job_id, namespace=self.namespace)
 
 
 def status(ids: Iterable[str], *, namespace: str = "default", api_client=None) -> list[EngineJob]:

@@ -46,6 +46,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from redline.errors import BadInput
+from redline.queue.engine import Engine
 from redline.queue.spec import EngineJob, JobSpec, quoted
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # the dashboard of a head started with `ray start --head`
@@ -188,10 +189,11 @@ def _reason(message: str) -> str:
     return first.split(", last available logs", 1)[0]
 
 
-class RayEngine:
+class RayEngine(Engine):
     """Jobs on a Ray cluster, reached at its dashboard's address (``resolve_address``)."""
 
     name = "ray"
+    options = ("address",)
 
     def __init__(self, address: str | None = None, *, upload_working_dir: bool = False) -> None:
         self.address = resolve_address(address)

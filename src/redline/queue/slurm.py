@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from redline.errors import BadInput, RedlineError
+from redline.queue.engine import Engine
 from redline.queue.spec import FINAL_STATES, EngineJob, JobSpec, quoted
 from redline.runtime.launch import PLAN_ENV
 
@@ -461,3 +462,21 @@ def jobs(user: str | None = None) -> list[EngineJob]:
     mine = {job_id: job for job_id, job in _live_jobs(user=user).items() if job.user == user}
     mine = _accounted_jobs(user=user) | mine  # the controller's view is the fresher one
     return sorted(mine.values(), key=lambda job: (job.submitted_at or 0, job.id), reverse=True)
+
+
+class Slurm(Engine):
+    """This machine's Slurm cluster, as its user: ``sbatch``, ``squeue``/``scontrol``/``sacct`` and ``scancel``."""
+
+    name = ENGINE
+
+    def render(self, spec: JobSpec) -> str:
+        return render(spec)
+
+    def submit(self, spec: JobSpec) -> str:
+        return submit(spec)
+
+    def jobs(self) -> list[EngineJob]:
+        return jobs()
+
+    def cancel(self, job_id: str) -> None:
+        cancel(job_id)

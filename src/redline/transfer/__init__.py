@@ -4,8 +4,9 @@
     summary = transfer.fetch(["https://host/shard-000.tar", "s3://bucket/prefix/"], Path("data/"))
 
 Parts: ``link`` (chunk size and streams from the link), ``source`` and one module per kind of endpoint
-(``http``, ``s3``, ``sftp``, ``fs``), ``journal`` (the resumable state beside each destination), ``engine``
-(the chunks, retries and verification), ``session`` (URLs to files), ``upload`` (push).
+(``http``, ``s3``, ``sftp``, ``fs``), each registered with its traits in ``schemes``, ``journal`` (the resumable
+state beside each destination), ``engine`` (the chunks, retries and verification), ``session`` (URLs to files),
+``upload`` (push).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pathlib import Path
 
 from redline.transfer.engine import Options, Progress, Summary
 from redline.transfer.fetcher import Fetch
+from redline.transfer.fs import local_path
 from redline.transfer.link import Link, to_endpoint
 from redline.transfer.session import Session, plan_items
-from redline.transfer.source import Remote, Sockets, congestion_allowed
+from redline.transfer.source import Credentials, Remote, Sockets, congestion_allowed
 
-__all__ = ["Link", "Options", "Progress", "Summary", "fetch", "push", "sockets_for"]
+__all__ = ["Credentials", "Link", "Options", "Progress", "Summary", "fetch", "push", "sockets_for"]
 
 
 def sockets_for(congestion: str | None, read_timeout_s: float = 60.0) -> Sockets:
@@ -47,7 +49,8 @@ def fetch(
     a stat of the one source said moments ago (``redline stage`` stats before it admits), not asked again."""
     options = options or Options()
     sockets = sockets or Sockets()  # the system's congestion control: the sender's decides a download's rate
-    session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file, options.copy_links)
+    credentials = Credentials(endpoint_url, known_hosts, key_file)
+    session = Session(sockets, options.per_endpoint, credentials, options.copy_links)
     try:
         items = plan_items(session, sources, dest, sha256)
         if remote is not None:
@@ -83,27 +86,23 @@ def push(
 ) -> Summary:
     """Upload local files or folders to ``dest``: s3://bucket/key (or prefix/), sftp://host/path, or a path."""
     from redline.errors import BadInput
-    from redline.transfer.session import check_url, kind, local_path
-    from redline.transfer.upload import Push, S3Destination, SftpDestination, plan_uploads
+    from redline.transfer.schemes import find, push_targets
+    from redline.transfer.session import check_url
+    from redline.transfer.upload import Push, plan_uploads
 
-    scheme = kind(dest)
-    if scheme == "file":  # a copy to a local or mounted path is a fetch from the source's path
+    scheme = find(dest)
+    if scheme is not None and scheme.local:  # a copy to a local or mounted path is a fetch from the source's path
         return fetch(sources, local_path(dest), options, sockets=sockets, progress=progress, link=link)
-    if scheme not in ("s3", "sftp"):
-        raise BadInput(f"{dest}: redline push sends to s3://, sftp:// or a path")
+    if scheme is None or scheme.destination is None:
+        raise BadInput(f"{dest}: redline push sends to {push_targets()}")
     options = options or Options()
     sockets = sockets or sockets_for("bbr")
     check_url(dest)
     uploads, skipped = plan_uploads(sources, dest, options.copy_links)
     _say_skipped(skipped, progress)
-    session = Session(sockets, options.per_endpoint, endpoint_url, known_hosts, key_file)
+    session = Session(sockets, options.per_endpoint, Credentials(endpoint_url, known_hosts, key_file))
     try:
-        if scheme == "s3":
-            destination = S3Destination(session.s3, session.pools)
-        else:
-            from redline.transfer.sftp import Address
-
-            destination = SftpDestination(session.ssh, Address.parse(dest))
+        destination = scheme.destination(session, dest)
         if link is None:
             link = to_endpoint(destination.endpoint, "up")
         summary = Push(uploads, destination, options, link, sockets.congestion, progress).run()

@@ -96,11 +96,12 @@ def key_of(url: str) -> str:
 
 def normalized(url: str) -> str:
     """The URL as the cache names it: a local path made absolute, so ``a.tar`` and ``./a.tar`` are one entry."""
-    from redline.transfer.session import kind, local_path
+    from redline.transfer.fs import local_path
+    from redline.transfer.schemes import is_local
 
     if not url.strip():
         raise BadInput("an empty URL")
-    if kind(url) == "file":
+    if is_local(url):
         return str(local_path(url).absolute())
     return url
 
@@ -375,10 +376,8 @@ class Cache:
             if self._session is None:
                 options = self.fetch_options or transfer.Options()
                 kw = self.fetch_kw
-                self._session = transfer.Session(
-                    self._sockets(), options.per_endpoint, kw.get("endpoint_url"), kw.get("known_hosts"),
-                    kw.get("key_file"),
-                )  # fmt: skip
+                credentials = transfer.Credentials(kw.get("endpoint_url"), kw.get("known_hosts"), kw.get("key_file"))
+                self._session = transfer.Session(self._sockets(), options.per_endpoint, credentials)
             return self._session
 
     def _sockets(self):

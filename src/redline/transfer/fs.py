@@ -10,10 +10,15 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
 
 from redline.capability import is_available
 from redline.files import kind_of
 from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Source, TransferError
+
+if TYPE_CHECKING:
+    from redline.transfer.session import Session
 
 
 class LocalSource(Source):
@@ -58,6 +63,25 @@ class LocalSource(Source):
                     raise Changed(f"{self.path}: shorter than when the transfer began")
                 sink(piece)
                 offset += len(piece)
+
+
+def local_path(url: str) -> Path:
+    """The path a plain path or a file:// URL names."""
+    parts = urlsplit(url)
+    return Path(unquote(parts.path)) if parts.scheme == "file" else Path(url)
+
+
+def open_local(session: Session, url: str) -> LocalSource:
+    return LocalSource(local_path(url))
+
+
+def local_listing(session: Session, url: str) -> list[tuple[str, str]]:
+    """The regular files below the folder ``url`` names (``walk_local`` with the session's ``copy_links``); the
+    entries left out go to the session's ``skipped``."""
+    root = local_path(url)
+    found, skipped = walk_local(root, session.copy_links)
+    session.skipped += [f"{root / name}" for name in skipped]
+    return [(str(path), name) for path, name in found]
 
 
 def walk_local(root: Path, follow: bool) -> tuple[list[tuple[Path, str]], list[str]]:
@@ -154,3 +178,16 @@ def fsspec_knows(scheme: str) -> bool:
     import fsspec
 
     return scheme in fsspec.available_protocols()
+
+
+def open_fsspec(session: Session, url: str) -> FsspecSource:
+    filesystem, path = fsspec_filesystem(url)
+    return FsspecSource(url, filesystem, path)
+
+
+def fsspec_listing(session: Session, url: str) -> list[tuple[str, str]]:
+    """Every file below the folder ``url`` names, through its fsspec filesystem."""
+    filesystem, path = fsspec_filesystem(url)
+    base = path.rstrip("/")
+    protocol = filesystem.protocol if isinstance(filesystem.protocol, str) else filesystem.protocol[0]
+    return sorted((f"{protocol}://{name}", name[len(base) + 1 :]) for name in filesystem.find(base))

@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import email.utils
 import re
+from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
 
 import urllib3
 
+from redline.errors import BadInput
 from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError
+
+if TYPE_CHECKING:
+    from redline.transfer.session import Session
 
 # at most 19 digits a number (2^63 has 19): a longer one is no file's offset or size, and Python refuses to
 # make an int of one past 4300 digits (a ValueError that surfaced as "internal error")
@@ -85,6 +90,19 @@ class Pools:
 
     def close(self) -> None:
         self._manager.clear()
+
+
+def pools(session: Session) -> Pools:
+    """The transfer's HTTP connection pools (an S3 source's bytes go through them too)."""
+    return session.shared("http", lambda: Pools(session.sockets, session.per_endpoint))
+
+
+def open_source(session: Session, url: str) -> HttpSource:
+    return HttpSource(url, pools(session))
+
+
+def no_listing(session: Session, url: str) -> list[tuple[str, str]]:
+    raise BadInput(f"{url}: an HTTP server gives no listing to fetch; name the files")
 
 
 def _redirect_target(url: str, location: str, display: str) -> str:

@@ -118,7 +118,7 @@ def to_endpoint(endpoint: str, direction: str, measure_rtt=connect_rtt_s) -> Lin
     from redline.bench import store
 
     parts = urlsplit(endpoint)
-    if parts.scheme == "file" or not parts.hostname:
+    if not parts.hostname:  # a path's endpoint is its mount (file:///mnt/data), an fsspec one its protocol alone
         return Link(source="a local filesystem")
     rtt = measure_rtt(parts.hostname, parts.port or 443)
     bench = from_bench(store.latest_here(), direction)

@@ -14,11 +14,16 @@ The whole-file checksum is the object's SHA-256 where the store keeps a full-obj
 from __future__ import annotations
 
 import base64
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from redline.capability import is_available
-from redline.transfer.http import HttpSource, Pools
+from redline.transfer.http import HttpSource, Pools, pools
 from redline.transfer.source import Changed, Remote, TransferError
+
+if TYPE_CHECKING:
+    from redline.transfer.session import Session
+    from redline.transfer.upload import S3Destination
 
 PRESIGN_S = 3600
 
@@ -130,3 +135,23 @@ def listing(s3, url: str) -> list[tuple[str, str]]:
     except errors() as exc:
         raise describe(exc, url) or TransferError(f"{url}: cannot list: {exc}") from None
     return out
+
+
+def shared_client(session: Session) -> Any:
+    """The transfer's boto3 client (of a class botocore makes at run time), for the store at the session's
+    ``endpoint_url`` (boto3's own when None)."""
+    return session.shared("s3", lambda: client(session.credentials.endpoint_url, session.per_endpoint))
+
+
+def open_source(session: Session, url: str) -> S3Source:
+    return S3Source(url, shared_client(session), pools(session))
+
+
+def open_listing(session: Session, url: str) -> list[tuple[str, str]]:
+    return listing(shared_client(session), url)
+
+
+def open_destination(session: Session, url: str) -> S3Destination:
+    from redline.transfer.upload import S3Destination
+
+    return S3Destination(shared_client(session), pools(session))

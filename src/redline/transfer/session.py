@@ -1,5 +1,5 @@
-"""From the URLs a user typed to the files to move: which kind of endpoint each is, what a folder or prefix
-holds, and where each file lands.
+"""From the URLs a user typed to the files to move: which kind of endpoint each is (its record in ``schemes``),
+what a folder or prefix holds, and where each file lands.
 
 A URL ending in ``/`` (or a local directory) stands for every file below it; each lands under DEST at its
 path below that URL. One source file and a DEST that is not a directory: DEST is the file. A listing's
@@ -13,143 +13,87 @@ device) are BadInput before anything moves.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from urllib.parse import unquote, urlsplit
+from typing import Protocol, TypeVar, cast
+from urllib.parse import urlsplit
 
 from redline.errors import BadInput
 from redline.files import refuse_non_regular
 from redline.transfer.engine import Item
-from redline.transfer.fs import FsspecSource, LocalSource, fsspec_filesystem, fsspec_knows, walk_local
-from redline.transfer.http import HttpSource, Pools, host_port
+from redline.transfer.fs import local_path
+from redline.transfer.http import host_port
 from redline.transfer.landing import refusal
-from redline.transfer.source import Sockets, Source, TransferError
+from redline.transfer.schemes import is_local, lookup
+from redline.transfer.source import Credentials, Sockets, Source, TransferError
 
-OWN_SCHEMES = ("http", "https", "s3", "sftp", "file")
+
+class Closable(Protocol):
+    """Connections a session holds: a pool, a client."""
+
+    def close(self) -> None: ...
+
+
+Shared = TypeVar("Shared", bound=Closable)
 
 
 class Session:
-    """The connections a transfer shares: HTTP pools, SSH connections, an S3 client, fsspec filesystems;
-    each made on first use, all closed by ``close()``."""
+    """The connections a transfer shares (HTTP pools, SSH connections, an S3 client...), each made on first use
+    by the scheme that needs it (``shared``) and all closed by ``close()``; and the entries of the folders listed
+    that are not moved."""
 
     def __init__(
         self,
         sockets: Sockets,
         per_endpoint: int,
-        endpoint_url: str | None = None,
-        known_hosts: Path | None = None,
-        key_file: Path | None = None,
+        credentials: Credentials | None = None,
         copy_links: bool = False,
     ) -> None:
         self.sockets, self.per_endpoint, self.copy_links = sockets, per_endpoint, copy_links
+        self.credentials = credentials or Credentials()
         self.skipped: list[str] = []  # entries of the folders listed that are not moved, each with why
-        self.endpoint_url, self.known_hosts, self.key_file = endpoint_url, known_hosts, key_file
-        self._pools: Pools | None = None
-        self._ssh = None
-        self._s3 = None
+        self._shared: dict[str, Closable] = {}
+        self._lock = threading.Lock()  # a cache's session opens sources from several fills at once
 
-    @property
-    def pools(self) -> Pools:
-        if self._pools is None:
-            self._pools = Pools(self.sockets, self.per_endpoint)
-        return self._pools
-
-    @property
-    def ssh(self):
-        if self._ssh is None:
-            from redline.transfer.sftp import SshPool
-
-            self._ssh = SshPool(self.sockets, self.known_hosts, self.key_file)
-        return self._ssh
-
-    @property
-    def s3(self):
-        if self._s3 is None:
-            from redline.transfer import s3
-
-            self._s3 = s3.client(self.endpoint_url, self.per_endpoint)
-        return self._s3
+    def shared(self, key: str, make: Callable[[], Shared]) -> Shared:
+        """The connections ``key`` names (a scheme's pool, its client), made by ``make`` on first use."""
+        with self._lock:
+            if key not in self._shared:
+                self._shared[key] = make()
+            return cast(Shared, self._shared[key])  # what ``make`` gave for this key
 
     def source(self, url: str) -> Source:
         check_url(url)
-        scheme = kind(url)
-        if scheme in ("http", "https"):
-            return HttpSource(url, self.pools)
-        if scheme == "s3":
-            from redline.transfer.s3 import S3Source
-
-            return S3Source(url, self.s3, self.pools)
-        if scheme == "sftp":
-            from redline.transfer.sftp import SftpSource
-
-            return SftpSource(url, self.ssh)
-        if scheme == "file":
-            return LocalSource(local_path(url))
-        fs, path = fsspec_filesystem(url)
-        return FsspecSource(url, fs, path)
+        return lookup(url).source(self, url)
 
     def listing(self, url: str) -> list[tuple[str, str]]:
         """The files below a folder URL: (URL, path below it)."""
-        scheme = kind(url)
-        if scheme in ("http", "https"):
-            raise BadInput(f"{url}: an HTTP server gives no listing to fetch; name the files")
-        if scheme == "s3":
-            from redline.transfer import s3
-
-            return s3.listing(self.s3, url)
-        if scheme == "sftp":
-            from redline.transfer import sftp
-
-            files, skipped = sftp.listing(self.ssh, url, self.copy_links)
-            self.skipped += [f"{url.rstrip('/')}/{name}" for name in skipped]
-            return files
-        if scheme == "file":
-            root = local_path(url)
-            found, skipped = walk_local(root, self.copy_links)
-            self.skipped += [f"{root / name}" for name in skipped]
-            return [(str(path), name) for path, name in found]
-        fs, path = fsspec_filesystem(url)
-        base = path.rstrip("/")
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        return sorted((f"{protocol}://{name}", name[len(base) + 1 :]) for name in fs.find(base))
+        return lookup(url).listing(self, url)
 
     def close(self) -> None:
-        if self._pools is not None:
-            self._pools.close()
-        if self._ssh is not None:
-            self._ssh.close()
-
-
-def kind(url: str) -> str:
-    """The scheme of ``url``; a plain path is "file"."""
-    scheme = urlsplit(url).scheme
-    return "file" if len(scheme) <= 1 else scheme  # "C:" is a drive, not a scheme
-
-
-def local_path(url: str) -> Path:
-    parts = urlsplit(url)
-    return Path(unquote(parts.path)) if parts.scheme == "file" else Path(url)
+        with self._lock:
+            shared, self._shared = list(self._shared.values()), {}
+        for connections in shared:
+            connections.close()
 
 
 def is_folder(url: str) -> bool:
-    return url.endswith("/") or (kind(url) == "file" and local_path(url).is_dir())
+    return url.endswith("/") or (is_local(url) and local_path(url).is_dir())
 
 
 def check_url(url: str) -> None:
     """BadInput, one line, for a URL no source can be made of: an unknown scheme, no host, a port out of range."""
-    scheme = kind(url)
-    if scheme not in OWN_SCHEMES and not fsspec_knows(scheme):
-        raise BadInput(
-            f"{url}: fetch reads http(s)://, s3://, sftp://, paths and the URLs fsspec knows, not {scheme}://"
-        )
-    if scheme in ("http", "https", "sftp") and not urlsplit(url).hostname:
+    if not lookup(url).host:
+        return
+    if not urlsplit(url).hostname:
         raise BadInput(f"{url}: names no host")
-    if scheme in ("http", "https", "sftp"):
-        try:
-            host_port(url)
-        except TransferError as exc:
-            raise BadInput(str(exc)) from None
-        if urlsplit(url).port == 0:
-            raise BadInput(f"{url}: the port is not a number from 1 to 65535")
+    try:
+        host_port(url)
+    except TransferError as exc:
+        raise BadInput(str(exc)) from None
+    if urlsplit(url).port == 0:
+        raise BadInput(f"{url}: the port is not a number from 1 to 65535")
 
 
 def check_local_source(url: str) -> None:
@@ -189,7 +133,7 @@ def plan_items(session: Session, sources: list[str], dest: Path, sha256: str | N
     check_dest(dest)
     for url in sources:
         check_url(url)
-        if kind(url) == "file":
+        if lookup(url).local:
             check_local_source(url)
     items = []
     for url in sources:
@@ -199,7 +143,7 @@ def plan_items(session: Session, sources: list[str], dest: Path, sha256: str | N
                 raise BadInput(f"{url}: holds no files")
             items += [Item(session.source(u), dest / safe_relative(name, url)) for u, name in listed]
         elif into_folder:
-            name = PurePosixPath(urlsplit(url).path).name if kind(url) != "file" else local_path(url).name
+            name = local_path(url).name if lookup(url).local else PurePosixPath(urlsplit(url).path).name
             if not name:
                 raise BadInput(f"{url}: names no file")
             items.append(Item(session.source(url), dest / name))

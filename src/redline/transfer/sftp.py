@@ -15,10 +15,15 @@ import stat as stat_mode
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from redline.capability import is_available
 from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError
+
+if TYPE_CHECKING:
+    from redline.transfer.session import Session
+    from redline.transfer.upload import SftpDestination
 
 IN_FLIGHT = 128  # 32 KiB requests outstanding per connection: 4 MiB, 160 Mbit/s at 200 ms
 
@@ -103,6 +108,29 @@ class SshPool:
             clients, self._all = self._all, []
         for client in clients:
             client.close()
+
+
+def ssh_pool(session: Session) -> SshPool:
+    """The transfer's SSH connections, made with the session's ``known_hosts`` and ``key_file``."""
+    credentials = session.credentials
+    return session.shared("sftp", lambda: SshPool(session.sockets, credentials.known_hosts, credentials.key_file))
+
+
+def open_source(session: Session, url: str) -> SftpSource:
+    return SftpSource(url, ssh_pool(session))
+
+
+def open_listing(session: Session, url: str) -> list[tuple[str, str]]:
+    """``listing`` with the session's ``copy_links``; the entries left out go to the session's ``skipped``."""
+    files, skipped = listing(ssh_pool(session), url, session.copy_links)
+    session.skipped += [f"{url.rstrip('/')}/{name}" for name in skipped]
+    return files
+
+
+def open_destination(session: Session, url: str) -> SftpDestination:
+    from redline.transfer.upload import SftpDestination
+
+    return SftpDestination(ssh_pool(session), Address.parse(url))
 
 
 def _missing(exc: OSError, url: str) -> TransferError | None:

@@ -13,6 +13,7 @@ import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from redline.errors import RedlineError
 
@@ -64,6 +65,16 @@ class Sockets:
             sock.setsockopt(level, name, value)
         sock.settimeout(self.read_timeout_s)
         return sock
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the stores' logins take beyond their own defaults, one object for a transfer: each scheme reads its
+    own fields (``schemes``). None: the store's client finds its own (boto3's configuration, ssh's keys)."""
+
+    endpoint_url: str | None = None  # S3: the API's endpoint (MinIO, R2...); the keys are boto3's
+    known_hosts: Path | None = None  # SFTP: host keys trusted besides ~/.ssh/known_hosts
+    key_file: Path | None = None  # SFTP: the private key; None: ssh's keys and the agent
 
 
 def congestion_allowed(name: str) -> bool:
