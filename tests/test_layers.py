@@ -25,6 +25,9 @@ ENTRY = {"cli", "__main__", "__init__"}
 LAYERS = [*FOUNDATION, *CORE, *VIEWS, APPLICATIONS, ENTRY]
 LEVEL = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 
+# the modules that draw on a terminal: rich is theirs alone, so what the others return is data a caller renders
+RENDERERS = ("cli/", "report/terminal.py", "monitor/dashboard.py", "infer/report.py")
+
 # upward imports not yet removed, each with the module that makes it; this list may only shrink
 KNOWN: set[tuple[str, str, str]] = set()
 
@@ -81,6 +84,33 @@ def test_the_layers_are_those_the_architecture_page_draws() -> None:
     for packages in LAYERS:
         for package in packages - {"__main__", "__init__"}:
             assert f"`{package}`" in page, f"docs/architecture.md does not place {package}"
+
+
+def test_only_the_renderers_import_rich() -> None:
+    drawing = set()
+    for path in sorted(SRC.rglob("*.py")):
+        module = path.relative_to(SRC).as_posix()
+        if not module.startswith(RENDERERS) and _imports_rich(ast.parse(path.read_text(encoding="utf-8"))):
+            drawing.add(module)
+    assert drawing == set(), "rich outside the renderers: return data and let cli/ or report/ draw it"
+
+
+def _imports_rich(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        if any(name == "rich" or name.startswith("rich.") for name in names):
+            return True
+    return False
+
+
+def test_the_walk_sees_rich() -> None:
+    assert _imports_rich(ast.parse("def f():\n    from rich.table import Table\n"))
+    assert not _imports_rich(ast.parse("import richer\n"))
 
 
 def test_the_walk_sees_an_upward_import(tmp_path: Path) -> None:
