@@ -15,6 +15,7 @@ from redline.errors import BadInput, RedlineError
 if TYPE_CHECKING:
     from redline.bench.context import BenchContext
     from redline.bench.model import BenchRun
+    from redline.hw.snapshot import Snapshot
 
 SUITE_HELP = "Suites to run (default: all that need no peer): " + ", ".join(
     ["compute", "memory", "collective", "storage", "network", "dataloader"]
@@ -194,7 +195,7 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _resolve_device(device: str, snapshot) -> str:
+def _resolve_device(device: str, snapshot: Snapshot) -> str:
     from redline.errors import BadInput
 
     if device == "auto":

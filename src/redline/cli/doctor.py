@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from redline.cli import ui
 from redline.cli.probe import check_data_paths
 from redline.report.output import write_output
+
+if TYPE_CHECKING:
+    from redline.bench.model import BenchRun
+    from redline.hw.snapshot import Snapshot
 
 
 def doctor(
@@ -67,7 +72,7 @@ def doctor(
         raise typer.Exit(1)
 
 
-def _bench_run(snapshot, latest: bool, path: Path | None):
+def _bench_run(snapshot: Snapshot, latest: bool, path: Path | None) -> BenchRun | None:
     """The bench run to judge: a named file, or the newest saved for the machine the snapshot describes."""
     if path is None and not latest:
         return None
@@ -75,9 +80,9 @@ def _bench_run(snapshot, latest: bool, path: Path | None):
     from redline.errors import BadInput
 
     if path is not None:
-        run = store.load(path)
-        ui.warn(f"judging the bench results in {path} (taken {run.taken_at})")
-        return run
+        named = store.load(path)
+        ui.warn(f"judging the bench results in {path} (taken {named.taken_at})")
+        return named
     fingerprint, _ = store.fingerprint(snapshot)
     run = store.latest(fingerprint)
     if run is None:

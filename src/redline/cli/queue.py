@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from redline.cli import ui
 from redline.errors import BadInput
+
+if TYPE_CHECKING:
+    from redline.queue.spec import EngineJob
 
 app = typer.Typer(help="The machine's job queue: its GPUs and jobs, and its daemon.", no_args_is_help=True)
 
@@ -132,7 +136,9 @@ def jobs(
     if engine not in ("local", "all", *ENGINES):
         raise BadInput(f"--engine is local, {', '.join(ENGINES)} or all; not {engine!r}")
     listed = request({"op": "jobs", "all": everything})["jobs"] if engine in ("local", "all") else []
-    remote = _engine_jobs(ENGINES if engine == "all" else (engine,) if engine != "local" else (), namespace, address)
+    remote = _engine_jobs(
+        list(ENGINES) if engine == "all" else (engine,) if engine != "local" else (), namespace, address
+    )
     if json_output:
         ui.print_json({"jobs": listed, "engines": [j.to_dict() for j in remote]})
         return
@@ -167,13 +173,13 @@ def _shown(text: object) -> str:
     return "".join(c if c.isprintable() else "?" for c in str(text))
 
 
-def _engine_jobs(names, namespace: str, address: str | None) -> list:
+def _engine_jobs(names: Sequence[str], namespace: str, address: str | None) -> list[EngineJob]:
     """The jobs redline gave each engine in ``names``; with several (``--engine all``), one that cannot be asked
     (no client, no cluster) is said and skipped."""
     from redline.errors import RedlineError
     from redline.queue.engines import engine
 
-    found = []
+    found: list[EngineJob] = []
     for name in names:
         try:
             found += engine(name, namespace=namespace, address=address).jobs()
@@ -184,7 +190,7 @@ def _engine_jobs(names, namespace: str, address: str | None) -> list:
     return found
 
 
-def _print_engine_jobs(remote: list) -> None:
+def _print_engine_jobs(remote: list[EngineJob]) -> None:
     from rich.table import Table
 
     table = Table(title="redline jobs on other engines")

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from redline.cli import ui
 from redline.errors import BadInput
 from redline.units import fmt_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from redline.transfer.cache import Cache
 
 app = typer.Typer(
     help="The local cache (NVMe) that training reads remote shards through: add, ls, evict, clear.",
@@ -110,7 +114,7 @@ def clear(
     ui.console.print(line, highlight=False)
 
 
-def _open(cache: str | None, max_bytes: int | None = None):
+def _open(cache: str | None, max_bytes: int | None = None) -> Cache:
     from redline.transfer.cache import Cache
 
     if cache is not None and not cache.strip():
@@ -127,7 +131,7 @@ def _size(text: str | None) -> int | None:
         raise BadInput(f"--max-size: {exc}") from None
 
 
-def _usage(store) -> dict:
+def _usage(store: Cache) -> dict[str, int | bool]:
     return {
         "used_bytes": sum(e.size_bytes for e in store.entries()),
         "max_bytes": store.max_bytes(),

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from rich.progress import TaskID
 
     from redline.bench.model import Measurement
+    from redline.transfer.engine import FileResult
 
 # markup is off: hostnames, paths, /sys contents and user arguments are printed as they are, never parsed
 # as rich markup ("[/]" in a path must not crash the error path). Styles go through Text.
@@ -99,16 +100,10 @@ def print_measurements(measurements: list[Measurement]) -> None:
     """Bench results: value, the peak it is compared with, how far repeats scattered; how each was
     measured follows the table as numbered notes, so the table stays readable on an 80-column terminal."""
     table = Table(title="redline bench", title_justify="left")
-    for column, justify in (
-        ("suite", "left"),
-        ("measurement", "left"),
-        ("value", "right"),
-        ("peak", "right"),
-        ("of peak", "right"),
-        ("p10-p90", "right"),
-        ("how", "right"),
-    ):
-        table.add_column(column, justify=justify)
+    for column in ("suite", "measurement"):
+        table.add_column(column, justify="left")
+    for column in ("value", "peak", "of peak", "p10-p90", "how"):
+        table.add_column(column, justify="right")
     methods: list[str] = []
     for m in measurements:
         method = m.method + (f" Peak: {m.peak_source}." if m.peak_source else "")
@@ -207,7 +202,7 @@ def transfer_progress(enabled: bool = True) -> Iterator[Any]:
             def active(self, streams: int) -> None:
                 bar.update(task, streams=streams)
 
-            def finished(self, result) -> None:
+            def finished(self, result: FileResult) -> None:
                 bar.update(task, files=bar.tasks[0].fields["files"] + 1)
 
         yield _Drawn()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
@@ -43,13 +44,18 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+# what socketserver hands a server's hooks: a TCP server's request is its accepted socket
+_Request = socket.socket | tuple[bytes, socket.socket]
+_Address = Any
+
+
 class _CappedServer(ThreadingWSGIServer):
     """A thread per request, at most ``slots`` of them at once: a connection past them is closed as soon as it is
     accepted, and a slot comes back when its request's thread ends."""
 
     slots: threading.BoundedSemaphore
 
-    def process_request(self, request, client_address) -> None:
+    def process_request(self, request: _Request, client_address: _Address) -> None:
         if not self.slots.acquire(blocking=False):
             self.shutdown_request(request)
             return
@@ -59,13 +65,13 @@ class _CappedServer(ThreadingWSGIServer):
             self.slots.release()
             raise
 
-    def process_request_thread(self, request, client_address) -> None:
+    def process_request_thread(self, request: _Request, client_address: _Address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
 
-    def handle_error(self, request, client_address) -> None:
+    def handle_error(self, request: _Request, client_address: _Address) -> None:
         """A client that went silent (timed out) or away is no error of the server's: no traceback on stderr."""
         if not isinstance(sys.exc_info()[1], OSError):
             super().handle_error(request, client_address)

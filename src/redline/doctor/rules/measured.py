@@ -5,11 +5,15 @@ stay silent."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from redline.doctor.context import Audit
 from redline.doctor.engine import rule
 from redline.doctor.model import Area, Finding, Severity
 from redline.doctor.rules.power_thermal import HARDWARE_THROTTLE
+
+if TYPE_CHECKING:
+    from redline.bench.model import Measurement
 
 # Well-run GEMMs reach 75-90% of the dense datasheet peak (ml-engineering's MAMF table: A100 SXM bf16
 # 86.9%, H100 SXM 80.3%); below 60% something other than the kernel is in the way.
@@ -23,7 +27,7 @@ P2P_LOW_RATIO = 0.50
 SLOW_STORAGE_MBPS = 500.0
 
 
-def _reasons(measurement) -> set[str]:
+def _reasons(measurement: Measurement) -> set[str]:
     return {
         r for state in measurement.extra.get("gpu_state", {}).values() for r in state.get("clock_event_reasons", [])
     }
