@@ -118,7 +118,7 @@ def test_without_a_measured_peak_memory_is_left_as_predicted() -> None:
 def test_calibration_is_for_this_machine_only() -> None:
     profile = preset_profile("gpt2", seq_len=512)
     runs = synthetic(profile, (2, 4), 1.0, 0.0, 1.0, 0)
-    with pytest.raises(BadInput, match="--hardware local"):
+    with pytest.raises(BadInput, match="calibration measures this machine: plan with hardware local"):
         calibrate(profile, parse_hardware("1xh100-sxm"), "bf16", runs)
 
 
