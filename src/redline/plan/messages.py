@@ -24,7 +24,7 @@ _PLACEHOLDER = re.compile(r"\{([a-z_][a-z_.]*)\}")
 @dataclass(frozen=True)
 class Message:
     """A sentence with ``{name}`` placeholders: a key of ``values`` is replaced by its value, any other name is an
-    input's name, replaced by what the reader calls it (``render``'s ``names``, else the name itself)."""
+    input's name, replaced by what the reader calls it (``render``'s ``naming``, else the name itself)."""
 
     template: str
     values: Mapping[str, Any] = field(default_factory=dict)
@@ -40,13 +40,13 @@ class Message:
         found = (name for name in _PLACEHOLDER.findall(self.template) if name not in self.values)
         return tuple(dict.fromkeys(found))
 
-    def render(self, names: Mapping[str, str] | None = None) -> str:
-        """The sentence with each value filled in and each input called by ``names`` (default: its field name)."""
-        names = names or {}
+    def render(self, naming: Mapping[str, str] | None = None) -> str:
+        """The sentence with each value filled in and each input called as ``naming`` says (default: its name)."""
+        called = naming or {}
 
         def fill(match: re.Match[str]) -> str:
             key = match[1]
-            return str(self.values[key]) if key in self.values else names.get(key, key)
+            return str(self.values[key]) if key in self.values else called.get(key, key)
 
         return _PLACEHOLDER.sub(fill, self.template)
 
@@ -56,7 +56,7 @@ class Message:
 
 class PlanInputError(BadInput, ValueError):
     """A planner input the planner cannot use (exit code 2, as any bad input). ``field`` is the input it is about;
-    ``str()`` names the inputs by their fields, ``render(names)`` as a front end calls them. A ValueError too:
+    ``str()`` names the inputs by their fields, ``render(naming)`` as a front end calls them. A ValueError too:
     a value out of its range, as Python's own checks say it."""
 
     def __init__(self, message: Message, field: str | None = None) -> None:
@@ -64,8 +64,12 @@ class PlanInputError(BadInput, ValueError):
         self.field = field if field is not None else message.names[0]
         super().__init__(message.render())
 
-    def render(self, names: Mapping[str, str]) -> str:
-        return self.message.render(names)
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.message, self.field)  # made again from its parts, not from the rendered text
+
+    def render(self, naming: Mapping[str, str]) -> str:
+        """The message with the inputs called as ``naming`` says (a front end's names, such as the CLI's flags)."""
+        return self.message.render(naming)
 
 
 def refuse(template: str, *, field: str | None = None, **values: Any) -> PlanInputError:

@@ -40,13 +40,14 @@ class NoteKind(Enum):
 
 @dataclass(frozen=True)
 class Note:
-    """Something the user should know about the plans, worded by ``text`` with the inputs named by ``names``."""
+    """Something the user should know about the plans: what it is about, and its words (``text``: with the inputs
+    called as ``naming`` says, by default by field)."""
 
     kind: NoteKind
     message: Message
 
-    def text(self, names: Mapping[str, str] | None = None) -> str:
-        return self.message.render(names)
+    def text(self, naming: Mapping[str, str] | None = None) -> str:
+        return self.message.render(naming)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Plans:
 
     @property
     def ranked(self) -> list[Estimate]:
+        """Every strategy that fits, best first (never empty: ``plan_training`` raises where none fits)."""
         return self.result.ranked
 
     @property
