@@ -15,6 +15,7 @@ import yaml
 
 from conftest import run_cli
 from redline.bench.training_step import StepMeasurement, measure_training_steps
+from redline.cli.plan import FLAGS
 from redline.errors import BadInput
 from redline.plan.calibrate import calibrate, line_sizes, measure, one_device
 from redline.plan.hardware import parse_hardware
@@ -118,8 +119,9 @@ def test_without_a_measured_peak_memory_is_left_as_predicted() -> None:
 def test_calibration_is_for_this_machine_only() -> None:
     profile = preset_profile("gpt2", seq_len=512)
     runs = synthetic(profile, (2, 4), 1.0, 0.0, 1.0, 0)
-    with pytest.raises(BadInput, match="--hardware local"):
+    with pytest.raises(BadInput, match="calibration measures this machine: plan with hardware local") as refused:
         calibrate(profile, parse_hardware("1xh100-sxm"), "bf16", runs)
+    assert refused.value.render(FLAGS) == "--calibrate measures this machine: plan with --hardware local"
 
 
 def tiny_lm():

@@ -338,7 +338,7 @@ def test_data_parallel_groups_never_straddle_nodes_unevenly() -> None:
 
 
 def test_more_gpus_than_a_node_holds_must_be_nodes() -> None:
-    with pytest.raises(BadInput, match="--nodes 8"):
+    with pytest.raises(BadInput, match=r"give the node and nodes, e\.g\. 8xh100-sxm nodes 8"):
         parse_hardware("64xh100-sxm")
 
 
@@ -435,7 +435,7 @@ def test_a_memory_margin_keeps_that_much_of_each_gpu_free() -> None:
     assert all(e.memory.device_total <= limit for e in margin.ranked)
     assert any(e.memory.device_total > limit for e in plain.ranked)
     assert margin.excluded["does not fit in GPU memory"] > plain.excluded["does not fit in GPU memory"]
-    with pytest.raises(ValueError, match="memory margin"):
+    with pytest.raises(ValueError, match="memory_margin must be a fraction from 0 to below 1"):
         Constraints(memory_margin=1.0)
 
 

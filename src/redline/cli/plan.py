@@ -4,23 +4,30 @@ Predicts memory per GPU and step time for every way of running the model on the 
 and pipeline parallel degrees, ZeRO/FSDP sharding, micro-batch and accumulation, activation
 checkpointing), keeps those that fit, and ranks them. `-o plan.yaml` writes the best as the plan file the
 runtime reads. `--cloud` ranks cloud instances and node counts by cost and by time to finish.
+
+This module parses the options into the planner's inputs, calls the planner (``plan/planner.py``'s
+``plan_training``, ``plan/cloud.py``'s ``plan_cloud``) and renders what it returns (``report/plan.py``). The
+planner checks its own inputs and names them by field; ``FLAGS`` says them as this command's flags.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich import box
-from rich.table import Table
 
 from redline.cli import params, ui
 from redline.errors import BadInput
 from redline.report.output import write_output
-from redline.units import fmt_bytes, fmt_count, fmt_duration, parse_count, parse_duration
+from redline.units import parse_count, parse_duration
 
 if TYPE_CHECKING:
+    from redline.plan.inputs import Ranking, Target
+    from redline.plan.planner import Note, Plans
+    from redline.plan.search import Constraints
     from redline.workload.profile import WorkloadProfile
     from redline.workload.split_marks import TensorSplitPlan
 
@@ -121,7 +128,36 @@ Output = Annotated[
 ]
 
 
+# the planner's inputs as its refusals and notes name them (plan/messages.py), said as this command's flags
+FLAGS: dict[str, str] = {
+    # Constraints
+    "precision": "--precision", "optimizer": "--optimizer", "sharding": "--sharding", "tensor": "--tp",
+    "pipeline": "--pp", "micro_batch": "--micro-batch", "accumulation": "--accumulation",
+    "checkpointing": "--checkpointing", "checkpoint_every": "--ac-every", "sequence_parallel": "--sequence-parallel",
+    "flash_attention": "--flash-attention", "schedule": "--schedule", "virtual_stages": "--virtual-stages",
+    "memory_margin": "--memory-margin",
+    # Target and Goal, Ranking, ClusterChoice, CloudScope, CalibrationRequest; plan_cloud itself
+    "global_batch": "--global-batch", "tokens": "--tokens", "epochs": "--epochs", "dataset_size": "--dataset-size",
+    "samples": "--epochs/--dataset-size", "rank_by": "--rank", "top": "--top", "hardware": "--hardware",
+    "nodes": "--nodes", "network_gbps": "--network-gbps", "max_nodes": "--max-nodes", "providers": "--provider",
+    "deadline_s": "--deadline", "calibration": "--calibrate", "calibration.model": "--model",
+    "calibration.micro_batch": "--calibrate-micro-batch", "plan_cloud": "--cloud",
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _said_as_flags() -> Iterator[None]:
+    """The planner's refusals name its inputs by field; the user typed flags: the same words, said with ``FLAGS``."""
+    from redline.plan.messages import PlanInputError
+
+    try:
+        yield
+    except PlanInputError as exc:
+        raise BadInput(exc.render(FLAGS)) from None
+
+
 @params.with_runtime_options
+@_said_as_flags()
 def plan(
     model: Model = None,
     params: Params = None,
@@ -158,49 +194,53 @@ def plan(
     list_models: ListModels = False,
     json_output: JsonOutput = False,
     output: Output = None,
-    runtime: dict | None = None,  # the runtime options given (params.with_runtime_options)
+    runtime: dict[str, Any] | None = None,  # the runtime options given (params.with_runtime_options)
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
-    from redline.plan.estimate import Goal
-    from redline.workload.presets import PRESET_NAMES
+    from redline.plan import inputs, planner, search
+    from redline.plan.hardware import ClusterChoice
 
     if list_models:
-        _list_models(PRESET_NAMES, json_output)
+        _list_models(json_output)
         return
-    _check_ranking(top, max_nodes, rank_by)
     runtime = dict(runtime or {})
-    accumulation = runtime.pop("accumulation", None)
-    constraints = _constraints(
-        precision, optimizer, sharding, tensor, pipeline, micro_batch, accumulation, checkpointing
+    ranking = inputs.Ranking(rank_by=rank_by, top=top)
+    constraints = search.Constraints(
+        precision=precision,
+        optimizer=optimizer,
+        sharding=sharding,
+        tensor=tensor,
+        pipeline=pipeline,
+        micro_batch=micro_batch,
+        accumulation=runtime.pop("accumulation", None),
+        checkpointing=checkpointing,
+        checkpoint_every=runtime.pop("ac_every", None),
+        sequence_parallel=sequence_parallel,
+        flash_attention=flash_attention,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        memory_margin=memory_margin,
+        time_tolerance=search.TIME_TOLERANCE,  # plans within 1% of the fastest rank by memory headroom
     )
-    constraints = _checkpoint_every(constraints, runtime.pop("ac_every", None))
-    constraints = _layout(constraints, sequence_parallel, flash_attention, schedule, virtual_stages, memory_margin)
     load = model_load(model, _count("--params", params), seq_len, parse_shape(input_shape), analytic)
     profile = _profile(model, params, seq_len, input_shape, analytic)
-    tokens_total, samples = _amount(profile, tokens, epochs, dataset_size, seq_len)
-    if global_batch is not None and global_batch < 1:
-        raise BadInput(f"--global-batch must be at least 1, not {global_batch}")
-    _check_cloud_options(cloud, hardware, nodes, network_gbps, deadline, provider, max_nodes, runtime)
+    target = inputs.Target(global_batch, _count("--tokens", tokens), epochs, _count("--dataset-size", dataset_size))
+    given = {"--hardware": hardware != "local", "--nodes": nodes != 1, "--network-gbps": network_gbps is not None}
+    given |= {"--deadline": deadline is not None, "--provider": bool(provider), "--max-nodes": max_nodes != 8}
+    _check_modes(cloud, given, runtime, calibrate, calibrate_micro_batch)
     if cloud:
-        goal = (global_batch, tokens_total, samples)
-        _cloud(profile, constraints, *goal, rank_by, top, max_nodes, provider, deadline, json_output)
+        _rank_cloud(profile, target, constraints, ranking, max_nodes, provider, deadline, json_output)
         return
-    cluster = _cluster(hardware, nodes, network_gbps)
-    if rank_by == "cost" and cluster.price_usd_per_node_hour is None:
-        raise BadInput(f"{cluster.name} has no price: rank by time, or plan for a cloud instance (or --cloud)")
-    _check_calibration(calibrate, model, cluster, calibrate_micro_batch)
-    from redline.plan.search import default_global_batch
+    cluster = ClusterChoice(hardware, nodes, network_gbps).cluster()
+    calibration = inputs.CalibrationRequest(model, calibrate_micro_batch) if calibrate else None  # model None: refused
+    plans = planner.plan_training(
+        profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
+    )
+    _write(plans, _runtime_section(runtime), load, output, json_output)
 
-    batch = global_batch if global_batch is not None else default_global_batch(profile, cluster.gpus)
-    goal = Goal(batch, tokens=tokens_total, samples=samples)
-    calibration = (model, calibrate_micro_batch) if calibrate else None
-    profile, result = _search(profile, cluster, goal, constraints, calibration)
-    notes = [*profile.notes, *cluster.notes]
-    if global_batch is None:
-        notes.append(
-            f"global batch {batch} is a default (about 0.5M tokens or 256 images per step); set --global-batch"
-        )
-    _write(profile, cluster, goal, result, notes, _runtime_section(runtime), load, output, json_output, top)
+
+def _warn(note: Note) -> None:
+    ui.warn(note.text(FLAGS))
 
 
 def model_load(
@@ -220,10 +260,10 @@ def _profile(
     model: str | None, params: str | None, seq_len: int | None, input_shape: str | None, analytic: bool
 ) -> WorkloadProfile:
     """The model's workload profile; a traced one counts, per layer, what the runtime's tensor-parallel plan
-    splits (``_tensor_split``)."""
+    splits (``_tensor_split``). A sequence length is a language model's."""
     from redline.workload.load import load_workload
 
-    return load_workload(
+    profile = load_workload(
         model,
         params=_count("--params", params),
         seq_len=seq_len,
@@ -231,6 +271,9 @@ def _profile(
         analytic=analytic,
         tensor_split=_tensor_split,
     )
+    if seq_len is not None and profile.sample_unit != "sequence":
+        raise BadInput(f"--seq-len applies to language models; {profile.name} takes {profile.sample_unit}s")
+    return profile
 
 
 def _tensor_split(module: Any) -> TensorSplitPlan | None:
@@ -242,42 +285,13 @@ def _tensor_split(module: Any) -> TensorSplitPlan | None:
     return tensor_split_plan(module)
 
 
-def _check_ranking(top: int, max_nodes: int, rank_by: str) -> None:
-    from redline.plan.hardware import MAX_NODES
-
-    for name, value in (("--top", top), ("--max-nodes", max_nodes)):
-        if value < 1:
-            raise BadInput(f"{name} must be at least 1, not {value}")
-    if max_nodes > MAX_NODES:
-        raise BadInput(f"--max-nodes must be at most {MAX_NODES}, not {max_nodes}")
-    if rank_by not in ("time", "cost"):
-        raise BadInput(f"--rank must be time or cost, not '{rank_by}'")
-
-
-def _amount(profile, tokens: str | None, epochs: float | None, dataset_size: str | None, seq_len: int | None):
-    """(tokens, samples) to train on: --tokens, or --epochs of --dataset-size samples, or neither."""
-    samples = None
-    if epochs is not None or dataset_size is not None:
-        if epochs is None or dataset_size is None or epochs <= 0:
-            raise BadInput("--epochs and --dataset-size go together (and epochs must be positive)")
-        samples = epochs * _count("--dataset-size", dataset_size)
-    tokens_total = _count("--tokens", tokens)
-    if tokens_total is not None and samples is not None:
-        raise BadInput("give --tokens or --epochs/--dataset-size, not both")
-    if profile.sample_unit != "sequence":
-        if tokens_total is not None:
-            raise BadInput(
-                f"{profile.name} trains on {profile.sample_unit}s, not tokens: give --epochs and --dataset-size"
-            )
-        if seq_len is not None:
-            raise BadInput(f"--seq-len applies to language models; {profile.name} takes {profile.sample_unit}s")
-    return tokens_total, samples
-
-
-def _check_cloud_options(cloud, hardware, nodes, network_gbps, deadline, provider, max_nodes, runtime) -> None:
-    """The options of a --cloud ranking and of a plan for one machine, each refused with the other."""
+def _check_modes(
+    cloud: bool, given: dict[str, bool], runtime: dict[str, Any], calibrate: bool, calibrate_micro_batch: int | None
+) -> None:
+    """The options of a --cloud ranking and of a plan for one machine, each refused with the other (``given``: which
+    of those options the user set), and --calibrate-micro-batch without --calibrate."""
     if cloud:
-        if hardware != "local" or nodes != 1 or network_gbps is not None:
+        if given["--hardware"] or given["--nodes"] or given["--network-gbps"]:
             raise BadInput("--cloud picks the hardware itself: drop --hardware, --nodes and --network-gbps")
         if runtime:
             from redline.runtime.config import setting
@@ -285,69 +299,19 @@ def _check_cloud_options(cloud, hardware, nodes, network_gbps, deadline, provide
             flag = setting(next(iter(runtime))).flag
             raise BadInput(f"{flag} is a setting of the plan file, which --cloud does not write")
         return
-    for option, given in (("--deadline", deadline), ("--provider", provider), ("--max-nodes", max_nodes != 8)):
-        if given:
+    for option in ("--deadline", "--provider", "--max-nodes"):
+        if given[option]:
             raise BadInput(f"{option} goes with --cloud")
+    if calibrate_micro_batch is not None and not calibrate:
+        raise BadInput("--calibrate-micro-batch goes with --calibrate")
 
 
-def _runtime_section(runtime: dict) -> dict:
+def _runtime_section(runtime: dict[str, Any]) -> dict[str, Any]:
     """The runtime options given, checked, as the plan file's ``runtime:`` section."""
     from redline.runtime.config import RunConfig, check_settings
 
     check_settings(runtime)
     return RunConfig().with_settings(runtime).runtime_section()
-
-
-def _search(profile, cluster, goal, constraints, calibration):
-    """The ranked strategies (after a calibration on this machine, with ``calibration``: (model, micro-batch));
-    BadInput saying why none fits, and the smallest hardware that would."""
-    from redline.plan.search import explain_no_fit, search, smallest_fitting
-
-    result = search(profile, cluster, goal, constraints)
-    if calibration is not None:
-        model, micro_batch = calibration
-        # measured where the plan runs: the micro-batch the uncalibrated search chose, half of it, 1 for the floor
-        chosen = result.ranked[0].strategy.micro_batch if result.ranked else 1
-        measured_at = chosen if micro_batch is None else micro_batch
-        profile, constraints = _calibrated(profile, cluster, model, constraints, measured_at)
-        result = search(profile, cluster, goal, constraints)
-    if result.ranked:
-        return profile, result
-    message = explain_no_fit(result, cluster)
-    if result.closest_misfit is not None:
-        smallest = smallest_fitting(profile, goal, constraints)
-        if smallest:
-            options = "; ".join(
-                f"{c.gpus} x {c.gpu.key if c.gpu else c.device} ({e.strategy.label()})" for c, e in smallest
-            )
-            message += f". Smallest hardware that fits (micro-batch 1, full checkpointing): {options}"
-        else:
-            message += ". It fits on no catalog GPU up to 1024 GPUs"
-    raise BadInput(message)
-
-
-def _write(profile, cluster, goal, result, notes, runtime, load, output, json_output: bool, top: int) -> None:
-    """The best plan (with the runtime section and how to load the model) to ``output``, and the result as JSON
-    or tables."""
-    from redline.plan.planfile import PLAN_MARKER, dump_plan, make_plan
-
-    best = make_plan(profile, cluster, goal, result.ranked[0], notes, runtime=runtime, load=load)
-    if output is not None:
-        write_output(output, dump_plan(best), marker=PLAN_MARKER)
-    if json_output:
-        ui.print_json(
-            {
-                "plan": best.to_dict(),
-                "ranked": [e.to_dict() for e in result.ranked[:top]],
-                "considered": result.considered,
-                "excluded": result.exclusions(),
-                "profile": profile.to_dict() | {"layers": len(profile.layers)},
-            }
-        )
-        return
-    _render(profile, cluster, goal, result, top, notes)
-    if output is not None:
-        ui.console.print(ui.dim(f"plan written to {output}"))
 
 
 # ----------------------------------------------------------------------------------------- parsing
@@ -381,367 +345,55 @@ def _duration(text: str) -> float:
         raise BadInput(f"--deadline {exc}") from None
 
 
-def _constraints(precision, optimizer, sharding, tensor, pipeline, micro_batch, accumulation, checkpointing):
-    """The strategy parts the user fixed, each checked against what the planner knows."""
-    from redline.plan.model_states import OPTIMIZERS, PRECISIONS, SHARDINGS
-    from redline.plan.search import Constraints
-    from redline.plan.strategy import CHECKPOINTING
-
-    for option, value, known in (
-        ("--precision", precision, PRECISIONS),
-        ("--optimizer", optimizer, OPTIMIZERS),
-        ("--sharding", sharding, SHARDINGS),
-        ("--checkpointing", checkpointing, CHECKPOINTING),
-    ):
-        if value is not None and value not in known:
-            raise BadInput(f"{option} '{value}' is not one of {', '.join(known)}")
-    for option, value in (
-        ("--tp", tensor),
-        ("--pp", pipeline),
-        ("--micro-batch", micro_batch),
-        ("--accumulation", accumulation),
-    ):
-        if value is not None and value < 1:
-            raise BadInput(f"{option} must be at least 1, not {value}")
-    return Constraints(
-        precision=precision,
-        optimizer=optimizer,
-        sharding=sharding,
-        tensor=tensor,
-        pipeline=pipeline,
-        micro_batch=micro_batch,
-        accumulation=accumulation,
-        checkpointing=checkpointing,
-    )
-
-
-def _checkpoint_every(constraints, every: int | None):
-    """``--ac-every K``: the plans checkpoint every K-th block (the search tries 1, 2 and 4 otherwise)."""
-    import dataclasses
-
-    if every is None:
-        return constraints
-    if every < 1:
-        raise BadInput(f"--ac-every must be at least 1, not {every}")
-    if every > 1 and constraints.checkpointing == "none":
-        raise BadInput("--ac-every checkpoints some blocks: it goes with --checkpointing selective or full")
-    return dataclasses.replace(constraints, checkpoint_every=every)
-
-
-def _layout(constraints, sequence_parallel: bool, flash_attention: bool, schedule, virtual_stages, memory_margin):
-    """The constraints with the user's layout switches, pipeline schedule and memory margin, each checked; plans
-    within ``TIME_TOLERANCE`` of the fastest rank by memory headroom."""
-    import dataclasses
-
-    from redline.plan.search import TIME_TOLERANCE
-    from redline.plan.strategy import SCHEDULES
-
-    if schedule is not None and schedule not in SCHEDULES:
-        raise BadInput(f"--schedule '{schedule}' is not one of {', '.join(SCHEDULES)}")
-    if virtual_stages is not None:
-        if schedule != "interleaved":
-            raise BadInput("--virtual-stages goes with --schedule interleaved")
-        if virtual_stages < 2:
-            raise BadInput(f"--virtual-stages must be at least 2, not {virtual_stages}")
-    if not 0 <= memory_margin < 1:
-        raise BadInput(f"--memory-margin must be a fraction from 0 to below 1 (0.05 = 5%), not {memory_margin}")
-    return dataclasses.replace(
-        constraints,
-        sequence_parallel=sequence_parallel,
-        flash_attention=flash_attention,
-        schedule=schedule,
-        virtual_stages=virtual_stages,
-        memory_margin=memory_margin,
-        time_tolerance=TIME_TOLERANCE,
-    )
-
-
-def _check_calibration(calibrate: bool, model, cluster, micro_batch: int | None) -> None:
-    """What --calibrate needs, checked before any planning: PyTorch, a model it can run, this machine."""
-    if not calibrate:
-        if micro_batch is not None:
-            raise BadInput("--calibrate-micro-batch goes with --calibrate")
-        return
-    from redline import capability
-
-    capability.require_torch("--calibrate (it times real training steps)")
-    if model is None:
-        raise BadInput("--calibrate runs the model: give it as --model (a config.json, a factory, resnet50, vit-b-16)")
-    if cluster.name != "local":
-        raise BadInput("--calibrate measures this machine: plan with --hardware local")
-    if micro_batch is not None and micro_batch < 1:
-        raise BadInput(f"--calibrate-micro-batch must be at least 1, not {micro_batch}")
-
-
-def _calibrated(profile, cluster, model, constraints, micro_batch):
-    """The profile corrected by real steps on this machine's first device, and the constraints pinned to the
-    precision it was measured in (a calibration holds for that precision only)."""
-    import dataclasses
-
-    from redline.plan.calibrate import calibrate, line_sizes, measure
-    from redline.workload.load import model_builder
-
-    sizes = line_sizes(micro_batch)
-    cuda = cluster.gpu is not None
-    precision = constraints.precision or ("bf16" if cuda else "fp32")
-    build = model_builder(model, profile.input_shape)  # run it on the inputs it was traced with
-    floor = "" if sizes[0] == 1 else " (and 1, for the floor)"
-    ui.warn(f"calibrating: timing steps of {profile.name} at micro-batch {sizes[0]} and {sizes[1]}{floor} ...")
-    try:
-        measured = measure(
-            build.build,
-            build.input_shape,
-            micro_batch,
-            device="cuda:0" if cuda else "cpu",
-            precision=precision,
-            name=profile.name,
-        )
-    except (RuntimeError, ValueError) as exc:  # out of memory, a kernel the device lacks: the model's error
-        raise BadInput(f"calibration steps failed: {str(exc).splitlines()[0]}") from None
-    profile = calibrate(profile, cluster, precision, measured)
-    fitted = profile.calibration
-    scale, offset = fitted.compute
-    memory = fitted.memory
-    note = (
-        f"calibrated on {fitted.device} ({precision}, micro-batches {fitted.micro_batches[0]} and "
-        f"{fitted.micro_batches[1]}): compute x{scale:.2f} {'+' if offset >= 0 else '-'} "
-        f"{fmt_duration(abs(offset))} per micro-batch, optimizer x{fitted.optimizer_scale:.2f}"
-        + (
-            f", activations x{memory[0]:.2f} {'+' if memory[1] >= 0 else '-'} {fmt_bytes(abs(memory[1]))}"
-            if memory
-            else ", memory not measured on a CPU"
-        )
-        + (f"; no micro-batch under {fmt_duration(fitted.measured_floor_s)}" if fitted.measured_floor_s else "")
-    )
-    notes = [note]
-    if fitted.launch_bound:
-        notes.append(
-            f"micro-batch {fitted.micro_batches[0]} ran close to the floor (the device waited for Python to launch "
-            "kernels), so the fitted line is uncertain: calibrate at a larger --calibrate-micro-batch"
-        )
-    profile = dataclasses.replace(profile, notes=(*profile.notes, *notes))
-    return profile, dataclasses.replace(constraints, precision=precision)
-
-
-def _cluster(hardware: str, nodes: int, network_gbps: float | None):
-    from redline.plan.hardware import parse_hardware, this_machine
-
-    cluster = this_machine() if hardware.strip().lower() == "local" else parse_hardware(hardware)
-    if network_gbps is not None:
-        cluster = cluster.with_network(network_gbps)
-    return cluster.with_nodes(nodes)
-
-
 # ----------------------------------------------------------------------------------------- output
 
 
-def _list_models(names, json_output: bool) -> None:
-    from redline.workload.presets import TRANSFORMER_PRESETS
-    from redline.workload.transformer import count_params
+def _write(plans: Plans, runtime: dict[str, Any], load: dict[str, Any], output: Path | None, json_output: bool) -> None:
+    """The best plan (with the runtime section and how to load the model) to ``output``, and the result as JSON
+    or tables."""
+    from redline.plan.planfile import PLAN_MARKER, dump_plan, make_plan
 
-    rows = []
-    for name in names:
-        shape = TRANSFORMER_PRESETS.get(name)
-        rows.append(
-            {
-                "name": name,
-                "params": count_params(shape) if shape else None,
-                "kind": "transformer (analytic)" if shape else "traced from redline.workload.zoo",
-                "seq_len": shape.seq_len if shape else None,
-            }
-        )
+    notes = [note.text(FLAGS) for note in plans.notes]
+    best = make_plan(plans.profile, plans.cluster, plans.goal, plans.best, notes, runtime=runtime, load=load)
+    if output is not None:
+        write_output(output, dump_plan(best), marker=PLAN_MARKER)
+    if json_output:
+        ui.print_json({"plan": best.to_dict()} | plans.to_dict())
+        return
+    from redline.report.plan import plans_view
+
+    ui.console.print(plans_view(plans, notes))
+    if output is not None:
+        ui.console.print(ui.dim(f"plan written to {output}"))
+
+
+def _list_models(json_output: bool) -> None:
+    from redline.report.plan import preset_rows, presets_table
+
+    rows = preset_rows()
     if json_output:
         ui.print_json(rows)
         return
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    for column in ("preset", "params", "sequence", "profile"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(
-            row["name"],
-            fmt_count(row["params"]) if row["params"] else "traced",
-            str(row["seq_len"] or "image"),
-            row["kind"],
-        )
-    ui.console.print(table)
+    ui.console.print(presets_table(rows))
 
 
-def _pct(value: float | None) -> str:
-    return "—" if value is None else f"{value:.0%}"
+def _rank_cloud(
+    profile: WorkloadProfile,
+    target: Target,
+    constraints: Constraints,
+    ranking: Ranking,
+    max_nodes: int,
+    providers: list[str],
+    deadline: str | None,
+    json_output: bool,
+) -> None:
+    """--cloud: the catalog's instances and node counts ranked for the model, as JSON or a table."""
+    from redline.plan.cloud import CloudScope, plan_cloud
+    from redline.report.plan import cloud_view
 
-
-def _money(value: float | None) -> str:
-    return "—" if value is None else f"${value:,.0f}"
-
-
-def _render(profile, cluster, goal, result, top: int, notes: list[str]) -> None:
-    from redline.plan.estimate import mfu_peak
-
-    console = ui.console
-    per_step = goal.global_batch * profile.tokens_per_sample
-    console.print(
-        f"model     {profile.name} ({profile.method}, {profile.source}): {fmt_count(profile.params_total)} params, "
-        f"{fmt_count(profile.training_flops_per_sample)} training FLOPs per {profile.sample_unit}"
-    )
-    precision = result.ranked[0].strategy.precision
-    ceiling = cluster.matmul[precision]
-    console.print(
-        f"hardware  {cluster.gpus} x {cluster.device} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''}, "
-        f"{fmt_bytes(cluster.memory_bytes)} each)"
-    )
-    console.print(
-        f"ceilings  {precision} matmul {ceiling.value / 1e12:.4g} TFLOP/s ({ceiling.source}); "
-        f"memory {cluster.memory_bandwidth.value / 1e9:.4g} GB/s ({cluster.memory_bandwidth.source}); "
-        f"GPU-GPU {cluster.intra.busbw_bytes_per_s / 1e9:.4g} GB/s ({cluster.intra.source})"
-    )
-    goal_text = f"global batch {goal.global_batch}"
-    if profile.sample_unit == "sequence":
-        goal_text += f" x {profile.tokens_per_sample} tokens = {fmt_count(per_step)} tokens per step"
-    if goal.tokens:
-        goal_text += f"; {fmt_count(goal.tokens)} tokens in all"
-    elif goal.samples:
-        goal_text += f"; {fmt_count(goal.samples)} samples in all"
-    console.print(f"goal      {goal_text}")
-    if not mfu_peak(cluster, precision):
-        console.print(ui.dim("(no datasheet peak for this device: MFU is not shown)"))
-
-    table = Table(
-        box=box.SIMPLE_HEAD, show_edge=False, title=f"best of {len(result.ranked)} that fit", title_justify="left"
-    )
-    for column, justify in (
-        ("#", "right"),
-        ("strategy", "left"),
-        ("memory/GPU", "right"),
-        ("step", "right"),
-        ("tokens/s" if profile.sample_unit == "sequence" else "samples/s", "right"),
-        ("MFU", "right"),
-        ("time to train", "right"),
-        ("cost", "right"),
-    ):
-        table.add_column(column, justify=justify)
-    for index, e in enumerate(result.ranked[:top], 1):
-        rate = e.tokens_per_s if profile.sample_unit == "sequence" else e.samples_per_s
-        table.add_row(
-            str(index),
-            e.strategy.label(),
-            fmt_bytes(e.memory.device_total),
-            fmt_duration(e.time.total),
-            fmt_count(rate),
-            _pct(e.mfu),
-            fmt_duration(e.time_to_train_s) if e.time_to_train_s else "—",
-            _money(e.cost_usd),
-        )
-    console.print(table)
-    _breakdown(result.ranked[0], cluster)
-    excluded = ", ".join(f"{r['count']} {r['reason']}" for r in result.exclusions())
-    if excluded:
-        console.print(f"excluded  {excluded}")
-        if result.closest_misfit is not None:
-            miss = result.closest_misfit
-            console.print(
-                ui.dim(
-                    f"          nearest miss: {miss.strategy.label()} needs {fmt_bytes(miss.memory.device_total)} "
-                    f"of {fmt_bytes(cluster.memory_bytes)}"
-                )
-            )
-    for note in notes:
-        console.print(ui.dim(f"note: {note}"))
-
-
-def _breakdown(best, cluster) -> None:
-    memory, time = best.memory, best.time
-    parts = [
-        ("weights", memory.weights),
-        ("gradients", memory.grads),
-        ("optimizer", memory.optimizer),
-        ("compute copies", memory.weight_copies),
-        ("activations", memory.activations),
-        ("backward working set", memory.temporary),
-        ("embedding table grads", memory.table_grads),
-        ("comm buffers", memory.comm_buffers),
-        ("cuBLAS workspaces", memory.workspaces),
-        ("allocator margin", memory.fragmentation),
-        ("CUDA context + NCCL", memory.cuda_context + memory.nccl),
-    ]
-    ui.console.print(
-        f"memory of #1: {fmt_bytes(memory.device_total)} of {fmt_bytes(cluster.memory_bytes)} "
-        f"(torch max_memory_allocated ~ {fmt_bytes(memory.allocated)})"
-    )
-    width = 30
-    for name, value in parts:
-        if value <= 0:
-            continue
-        bar = "█" * max(1, round(width * value / memory.device_total))
-        ui.console.print(f"  {name:>22} {fmt_bytes(value):>10}  {bar}")
-    steps = [
-        ("compute", time.compute),
-        ("pipeline bubble", time.bubble),
-        ("data-parallel comm", time.data_parallel_comm),
-        ("tensor-parallel comm", time.tensor_parallel_comm),
-        ("pipeline comm", time.pipeline_comm),
-        ("optimizer step", time.optimizer),
-    ]
-    ui.console.print(f"step time of #1: {fmt_duration(time.total)} (exposed parts)")
-    for name, value in steps:
-        if value <= 0:
-            continue
-        bar = "█" * max(1, round(width * value / time.total))
-        ui.console.print(f"  {name:>22} {fmt_duration(value):>10}  {bar}")
-
-
-def _cloud(
-    profile, constraints, global_batch, tokens, samples, rank_by, top, max_nodes, providers, deadline, json_output
-):
-    from redline.plan import cloud as cloud_plan
-    from redline.plan.estimate import Goal
-    from redline.plan.search import default_global_batch
-    from redline.specs.instances import instance_catalog
-
-    known = sorted({i.provider for i in instance_catalog()})
-    unknown = [p for p in providers if p not in known]
-    if unknown:
-        raise BadInput(f"--provider {unknown[0]} is not in the catalog; known: {', '.join(known)}")
-    deadline_s = _duration(deadline) if deadline else None
-    batch = global_batch if global_batch is not None else default_global_batch(profile)
-    goal = Goal(batch, tokens=tokens, samples=samples)
-    options = cloud_plan.cloud_options(profile, goal, constraints, max_nodes=max_nodes, providers=tuple(providers))
-    if not options:
-        raise BadInput(f"{profile.name} fits on no catalog instance with up to {max_nodes} nodes; raise --max-nodes")
-    ranked = cloud_plan.rank(options, rank_by, deadline_s)
-    if not ranked:
-        fastest = min(options, key=lambda o: o.time_s)
-        raise BadInput(
-            f"no option finishes within {deadline}: the fastest is {fastest.nodes} x {fastest.instance} "
-            f"in {fmt_duration(fastest.time_s)}; raise --max-nodes or the deadline"
-        )
+    scope = CloudScope(max_nodes, tuple(providers), _duration(deadline) if deadline else None)
+    found = plan_cloud(profile, target, constraints, ranking=ranking, scope=scope)
     if json_output:
-        ui.print_json({"global_batch": batch, "ranked": [o.to_dict() for o in ranked[:top]], "options": len(options)})
+        ui.print_json(found.to_dict())
         return
-    title = f"{len(options)} instance/node options where {profile.name} fits, by {rank_by}"
-    if deadline_s:
-        title += f", finishing within {deadline}"
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title=title, title_justify="left")
-    for column in ("#", "provider", "instance", "nodes", "GPUs", "$/h", "strategy", "MFU", "time", "cost"):
-        table.add_column(column, justify="left" if column in ("provider", "instance", "strategy") else "right")
-    for index, o in enumerate(ranked[:top], 1):
-        table.add_row(
-            str(index),
-            o.provider,
-            o.instance,
-            str(o.nodes),
-            str(o.gpus),
-            f"{o.price_usd_per_hour:,.2f}" + ("" if o.price_verified else "*"),
-            o.best.strategy.label(),
-            _pct(o.best.mfu),
-            fmt_duration(o.time_s),
-            _money(o.cost_usd),
-        )
-    ui.console.print(table)
-    if not all(o.price_verified for o in ranked[:top]):
-        ui.console.print(ui.dim("* the catalog flags this price as unverified: check it with the provider"))
-    dates = sorted({o.price_date for o in options})
-    ui.console.print(
-        ui.dim(
-            f"on-demand prices as of {', '.join(dates)}; global batch {batch}; `redline catalog instances` for sources"
-        )
-    )
+    ui.console.print(cloud_view(found, profile.name, deadline))

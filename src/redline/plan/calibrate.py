@@ -18,9 +18,9 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from redline.errors import BadInput
 from redline.plan.hardware import Cluster
 from redline.plan.memory import memory_per_gpu
+from redline.plan.messages import refuse
 from redline.plan.steptime import step_time
 from redline.plan.strategy import Strategy
 from redline.workload.profile import Calibration, WorkloadProfile
@@ -100,9 +100,14 @@ def fit(profile: WorkloadProfile, cluster: Cluster, precision: str, measured: Se
     )
 
 
+def check_this_machine(cluster: Cluster) -> None:
+    """A calibration describes the device it ran on: it corrects plans for this machine only."""
+    if cluster.name != "local":
+        raise refuse("{calibration} measures this machine: plan with {hardware} local")
+
+
 def calibrate(
     profile: WorkloadProfile, cluster: Cluster, precision: str, measured: Sequence[StepMeasurement]
 ) -> WorkloadProfile:
-    if cluster.name != "local":
-        raise BadInput("--calibrate measures this machine: plan with --hardware local")
+    check_this_machine(cluster)
     return dataclasses.replace(profile, calibration=fit(profile, cluster, precision, measured))

@@ -7,6 +7,7 @@ from typing import Any
 
 from redline.plan.hardware import Cluster
 from redline.plan.memory import MemoryBreakdown, memory_per_gpu
+from redline.plan.messages import check_whole, refuse, refuse_field
 from redline.plan.steptime import StepTime, recomputed_flops_per_sample, step_time
 from redline.plan.strategy import Strategy
 from redline.specs.catalog import peak_precisions
@@ -15,19 +16,21 @@ from redline.workload.profile import WorkloadProfile
 
 @dataclass(frozen=True)
 class Goal:
-    """What the user wants done: a global batch per step, and how much training in all."""
+    """What the plans are for: a global batch per step, and how much training in all (for the time to train and
+    its cost). ``inputs.Target`` is the same before the defaults, as the user gives it."""
 
     global_batch: int
     tokens: float | None = None  # train on this many tokens
     samples: float | None = None  # or on this many samples (epochs x dataset size)
 
     def __post_init__(self) -> None:
-        if self.global_batch < 1:
-            raise ValueError(f"global batch must be at least 1, not {self.global_batch}")
+        check_whole("global_batch", self.global_batch, 1)
         for name in ("tokens", "samples"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive, not {value}")
+            if value is not None and not value > 0:  # NaN too
+                raise refuse_field(name, "must be positive, not {value}", value=value)
+        if self.tokens is not None and self.samples is not None:
+            raise refuse("give {tokens} or {samples}, not both")
 
 
 def mfu_peak(cluster: Cluster, precision: str) -> float | None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from redline.errors import BadInput
 from redline.plan.comm import Link
+from redline.plan.messages import check_integral, refuse
 from redline.specs.catalog import GpuSpec, find_gpu
 
 if TYPE_CHECKING:
@@ -77,19 +78,51 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
     def with_nodes(self, nodes: int) -> Cluster:
-        if not 1 <= nodes <= MAX_NODES:
-            raise BadInput(f"--nodes must be between 1 and {MAX_NODES}, not {nodes}")
+        _check_nodes(nodes)
         if nodes > 1 and self.inter is None:
-            raise BadInput(f"{self.name}: no inter-node network is known; pass --network-gbps")
+            raise refuse("{name}: no inter-node network is known; pass {network_gbps}", name=self.name)
         notes = self.notes
         if nodes > 1 and self.network_assumed:
             notes += (f"inter-node network assumed {DEFAULT_NETWORK_GBPS:g} Gbit/s per node (set --network-gbps)",)
         return replace(self, nodes=nodes, notes=notes)
 
     def with_network(self, gbps: float) -> Cluster:
-        if not gbps > 0:
-            raise BadInput(f"--network-gbps must be positive, not {gbps}")
+        _check_network(gbps)
         return replace(self, inter=network_link(gbps, f"--network-gbps {gbps:g}"), network_assumed=False)
+
+
+def _check_nodes(nodes: int) -> None:
+    check_integral("nodes", nodes)
+    if not 1 <= nodes <= MAX_NODES:
+        raise refuse("{nodes} must be between 1 and {most}, not {value}", most=MAX_NODES, value=nodes)
+
+
+def _check_network(gbps: float | None) -> None:
+    if gbps is not None and not gbps > 0:  # NaN too
+        raise refuse("{network_gbps} must be positive, not {value}", value=gbps)
+
+
+@dataclass(frozen=True)
+class ClusterChoice:
+    """The hardware a plan is for, as the user names it (``redline plan --hardware --nodes --network-gbps``);
+    checked as it is made, resolved into a ``Cluster`` by ``cluster()``."""
+
+    hardware: str = "local"  # COUNTxGPU (8xh100-sxm), a GPU (one), a cloud instance (p5.48xlarge), or local
+    nodes: int = 1  # identical nodes, 1 to MAX_NODES
+    network_gbps: float | None = None  # inter-node bandwidth per node; None: the instance's, else assumed
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hardware, str) or not self.hardware.strip():
+            raise refuse("{hardware} is empty: give COUNTxGPU (8xh100-sxm), a cloud instance or local")
+        _check_nodes(self.nodes)
+        _check_network(self.network_gbps)
+
+    def cluster(self) -> Cluster:
+        """The cluster named: ``local`` probes this machine (with its saved ``redline bench`` figures)."""
+        base = this_machine() if self.hardware.strip().lower() == "local" else parse_hardware(self.hardware)
+        if self.network_gbps is not None:
+            base = base.with_network(self.network_gbps)
+        return base.with_nodes(self.nodes)
 
 
 def network_link(gbps: float, source: str) -> Link:
@@ -160,11 +193,14 @@ def parse_hardware(text: str) -> Cluster:
     match = _COUNT_X_GPU.fullmatch(text)
     count, gpu_name = (int(match.group(1)), match.group(2)) if match else (1, text)
     if count < 1:
-        raise BadInput(f"--hardware {text}: the GPU count must be at least 1")
+        raise refuse("{hardware} {text}: the GPU count must be at least 1", text=text)
     if count > MAX_GPUS_PER_NODE:
-        raise BadInput(
-            f"--hardware {text}: a node holds at most {MAX_GPUS_PER_NODE} GPUs; "
-            f"give the node and --nodes, e.g. {MAX_GPUS_PER_NODE}x{gpu_name.strip()} --nodes {-(-count // 8)}"
+        raise refuse(
+            "{hardware} {text}: a node holds at most {most} GPUs; give the node and {nodes}, e.g. {node} {nodes} {n}",
+            text=text,
+            most=MAX_GPUS_PER_NODE,
+            node=f"{MAX_GPUS_PER_NODE}x{gpu_name.strip()}",
+            n=-(-count // MAX_GPUS_PER_NODE),
         )
     try:
         gpu = find_gpu(gpu_name.strip())
@@ -176,9 +212,11 @@ def parse_hardware(text: str) -> Cluster:
         try:
             instance = find_instance(text)
         except BadInput:
-            raise BadInput(
-                f"--hardware {text}: not a GPU (COUNTxGPU, e.g. 8xh100-sxm) nor a cloud instance; "
-                f"{gpu_error}; instances: redline catalog instances"
+            raise refuse(
+                "{hardware} {text}: not a GPU (COUNTxGPU, e.g. 8xh100-sxm) nor a cloud instance; {why}; "
+                "instances: redline catalog instances",
+                text=text,
+                why=gpu_error,
             ) from None
         return instance_cluster(instance)
     return catalog_cluster(gpu, count, name=text)

@@ -26,7 +26,9 @@ from typing import Any
 from redline.errors import BadInput
 from redline.plan.estimate import Estimate, Goal, estimate
 from redline.plan.hardware import Cluster
-from redline.plan.strategy import CHECKPOINTING, Strategy
+from redline.plan.messages import check_choice, check_whole, refuse
+from redline.plan.model_states import OPTIMIZERS, PRECISIONS, SHARDINGS
+from redline.plan.strategy import CHECKPOINTING, SCHEDULES, Strategy
 from redline.units import GiB
 from redline.workload.profile import WorkloadProfile
 
@@ -45,29 +47,46 @@ CHECKPOINT_EVERY = (1, 2, 4)
 @dataclass(frozen=True)
 class Constraints:
     """Parts of the strategy the user fixed (None leaves them to the search), and how the search judges the
-    candidates."""
+    candidates. Each field is checked as the constraints are made: ``PlanInputError`` names the field and what it
+    may be (``redline plan`` says the field's flag in the same words)."""
 
-    precision: str | None = None
-    optimizer: str = "adamw"
-    sharding: str | None = None
-    tensor: int | None = None
-    pipeline: int | None = None
-    micro_batch: int | None = None
-    accumulation: int | None = None
-    checkpointing: str | None = None
+    precision: str | None = None  # one of model_states.PRECISIONS; None: bf16, else fp16, else fp32 (the device's)
+    optimizer: str = "adamw"  # one of model_states.OPTIMIZERS
+    sharding: str | None = None  # one of model_states.SHARDINGS
+    tensor: int | None = None  # tensor-parallel degree, at least 1
+    pipeline: int | None = None  # pipeline stages, at least 1
+    micro_batch: int | None = None  # samples per micro-batch and data-parallel rank, at least 1
+    accumulation: int | None = None  # micro-batches per optimizer step, at least 1
+    checkpointing: str | None = None  # one of strategy.CHECKPOINTING
     checkpoint_every: int | None = None  # checkpoint every k-th block; None: the search tries CHECKPOINT_EVERY
     sequence_parallel: bool = True  # wherever tensor parallelism is
     flash_attention: bool = True
-    schedule: str | None = None  # of a pipeline; None: 1F1B
-    virtual_stages: int | None = None  # of the interleaved schedule; None: 2
-    memory_margin: float = 0.0  # fraction of each GPU's memory a plan leaves free
+    schedule: str | None = None  # of a pipeline, one of strategy.SCHEDULES; None: 1F1B
+    virtual_stages: int | None = None  # of the interleaved schedule, at least 2; None: 2
+    memory_margin: float = 0.0  # fraction of each GPU's memory a plan leaves free, in [0, 1)
     time_tolerance: float = 0.0  # plans this close to the fastest (a fraction of its time) rank by headroom
 
     def __post_init__(self) -> None:
-        if not 0 <= self.memory_margin < 1:
-            raise ValueError(f"memory margin must be a fraction in [0, 1), not {self.memory_margin}")
-        if self.time_tolerance < 0:
-            raise ValueError(f"time tolerance must not be negative, not {self.time_tolerance}")
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("sharding", self.sharding, SHARDINGS)
+        check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        for name in ("tensor", "pipeline", "micro_batch", "accumulation", "checkpoint_every"):
+            check_whole(name, getattr(self, name), 1)
+        if self.checkpoint_every not in (None, 1) and self.checkpointing == "none":
+            raise refuse("{checkpoint_every} checkpoints some blocks: it goes with {checkpointing} selective or full")
+        check_choice("schedule", self.schedule, SCHEDULES)
+        if self.virtual_stages is not None:
+            if self.schedule != "interleaved":
+                raise refuse("{virtual_stages} goes with {schedule} interleaved")
+            check_whole("virtual_stages", self.virtual_stages, 2)
+        if not 0 <= self.memory_margin < 1:  # NaN too
+            raise refuse(
+                "{memory_margin} must be a fraction from 0 to below 1 (0.05 = 5%), not {value}",
+                value=self.memory_margin,
+            )
+        if not self.time_tolerance >= 0:
+            raise refuse("{time_tolerance} must not be negative, not {value}", value=self.time_tolerance)
 
 
 @dataclass
@@ -140,15 +159,7 @@ def candidates(
             f"{cluster.device} has no {precision} rate (catalog or measured); try: {', '.join(cluster.matmul)}"
         )
     n = cluster.gpus
-    if constraints.tensor is not None and cluster.gpus_per_node % constraints.tensor:
-        raise BadInput(f"--tp {constraints.tensor} does not divide the {cluster.gpus_per_node} GPUs of a node")
-    if constraints.pipeline is not None:
-        if constraints.pipeline > max(blocks, 1):
-            raise BadInput(f"--pp {constraints.pipeline}: more pipeline stages than the model has blocks ({blocks})")
-        if n % constraints.pipeline:
-            raise BadInput(f"--pp {constraints.pipeline} does not divide the {n} GPUs")
-    if constraints.sharding == "hsdp" and cluster.nodes == 1:
-        raise BadInput("--sharding hsdp shards inside a node and replicates across nodes: it needs --nodes > 1")
+    _check_against(constraints, cluster, blocks)
     tensors = _divisors(cluster.gpus_per_node)
     for t in tensors:
         if constraints.tensor is not None and t != constraints.tensor:
@@ -186,6 +197,21 @@ def candidates(
                 continue
             layout = Strategy(data=dp, tensor=t, pipeline=p, precision=precision, optimizer=constraints.optimizer)
             yield from _strategies(layout, constraints, shardings, micro_batches, per_rank, blocks, excluded)
+
+
+def _check_against(constraints: Constraints, cluster: Cluster, blocks: int) -> None:
+    """The fixed degrees and sharding against this cluster and model: a tensor degree that does not divide a node,
+    a pipeline deeper than the model or not dividing the GPUs, HSDP on one node."""
+    tensor, pipeline = constraints.tensor, constraints.pipeline
+    if tensor is not None and cluster.gpus_per_node % tensor:
+        raise refuse("{tensor} {t} does not divide the {n} GPUs of a node", t=tensor, n=cluster.gpus_per_node)
+    if pipeline is not None:
+        if pipeline > max(blocks, 1):
+            raise refuse("{pipeline} {p}: more pipeline stages than the model has blocks ({b})", p=pipeline, b=blocks)
+        if cluster.gpus % pipeline:
+            raise refuse("{pipeline} {p} does not divide the {n} GPUs", p=pipeline, n=cluster.gpus)
+    if constraints.sharding == "hsdp" and cluster.nodes == 1:
+        raise refuse("{sharding} hsdp shards inside a node and replicates across nodes: it needs {nodes} > 1")
 
 
 def _shardings(dp: int, tensor: int, pipeline: int, per_node: int) -> list[str]:

@@ -1,0 +1,233 @@
+"""The planner's sequence for one cluster: check the request, search, calibrate on this machine and search again,
+explain a miss (``redline plan`` without ``--cloud``; ``cloud.plan_cloud`` ranks the cloud's instances).
+
+``plan_training`` takes plain inputs (a profile, a cluster, the ``inputs`` dataclasses) and returns ``Plans``: the
+ranked strategies, the calibration used and what the user should know, as ``Note`` values that name the inputs
+by field, so that each front end words them as its user knows them (``messages.Message``). It prints nothing: a
+note it gives while it runs (real steps about to be timed) goes to the caller's ``progress``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from redline import capability
+from redline.errors import BadInput
+from redline.plan.calibrate import calibrate, check_this_machine, line_sizes, measure
+from redline.plan.estimate import Estimate, Goal
+from redline.plan.hardware import Cluster
+from redline.plan.inputs import CalibrationRequest, Ranking, Target
+from redline.plan.messages import Message, refuse
+from redline.plan.search import Constraints, SearchResult, explain_no_fit, search, smallest_fitting
+from redline.units import fmt_bytes, fmt_duration
+from redline.workload.profile import Calibration, WorkloadProfile
+
+
+class NoteKind(Enum):
+    """What a note is about."""
+
+    MODEL = "model"  # what the model's profile assumed or could not see (a GPT shape assumed, ...)
+    HARDWARE = "hardware"  # what the cluster assumed (the inter-node network, one node only, ...)
+    CALIBRATING = "calibrating"  # progress: real steps of the model about to be timed
+    CALIBRATED = "calibrated"  # the corrections a calibration fitted
+    CALIBRATION_UNCERTAIN = "calibration uncertain"  # the smaller micro-batch ran at the launch floor
+    DEFAULT_GLOBAL_BATCH = "default global batch"  # the global batch was not given
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something the user should know about the plans: what it is about, and its words (``text``: with the inputs
+    called as ``naming`` says, by default by field)."""
+
+    kind: NoteKind
+    message: Message
+
+    def text(self, naming: Mapping[str, str] | None = None) -> str:
+        return self.message.render(naming)
+
+
+@dataclass(frozen=True)
+class Plans:
+    """What ``plan_training`` found: every strategy that fits, best first, and what it was found for."""
+
+    profile: WorkloadProfile  # the model as planned: with its calibration where one ran
+    cluster: Cluster
+    goal: Goal  # the target with its defaults filled in
+    constraints: Constraints  # as searched: a calibration pins the precision it measured
+    result: SearchResult  # the ranked strategies, how many were considered, what was excluded and why
+    ranking: Ranking
+    notes: tuple[Note, ...]
+
+    @property
+    def ranked(self) -> list[Estimate]:
+        """Every strategy that fits, best first (never empty: ``plan_training`` raises where none fits)."""
+        return self.result.ranked
+
+    @property
+    def best(self) -> Estimate:
+        return self.result.ranked[0]
+
+    @property
+    def leaders(self) -> list[Estimate]:
+        """The best ``ranking.top`` plans."""
+        return self.result.ranked[: self.ranking.top]
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """The calibration the plans were corrected with, or None."""
+        return self.profile.calibration
+
+    def to_dict(self) -> dict[str, Any]:
+        """The best ``ranking.top`` plans, how many strategies were considered and why the others were excluded,
+        and the model's profile (as ``redline plan --json`` shows them beside the plan file)."""
+        return {
+            "ranked": [e.to_dict() for e in self.leaders],
+            "considered": self.result.considered,
+            "excluded": self.result.exclusions(),
+            "profile": self.profile.to_dict() | {"layers": len(self.profile.layers)},
+        }
+
+
+def plan_training(
+    profile: WorkloadProfile,
+    cluster: Cluster,
+    target: Target | None = None,
+    constraints: Constraints | None = None,
+    *,
+    ranking: Ranking | None = None,
+    calibration: CalibrationRequest | None = None,
+    progress: Callable[[Note], None] | None = None,
+) -> Plans:
+    """The strategies for ``profile`` on ``cluster`` that fit, best first. With ``calibration``: real steps of the
+    model timed on this machine around the best uncalibrated plan's micro-batch correct the profile, and the
+    search runs again. BadInput where nothing fits, saying why and the smallest catalog hardware that would."""
+    target, constraints, ranking = target or Target(), constraints or Constraints(), ranking or Ranking()
+    _check_request(profile, cluster, target, ranking, calibration)
+    goal = target.goal(profile, cluster.gpus)
+    result = search(profile, cluster, goal, constraints)
+    calibrated: tuple[Note, ...] = ()
+    if calibration is not None:
+        chosen = result.ranked[0].strategy.micro_batch if result.ranked else 1
+        micro_batch = calibration.micro_batch or chosen  # measured where the plan runs
+        profile, constraints, calibrated = _calibrated(
+            profile, cluster, constraints, calibration, micro_batch, progress
+        )
+        result = search(profile, cluster, goal, constraints)
+    if not result.ranked:
+        raise _nothing_fits(result, profile, cluster, goal, constraints)
+    notes = (
+        *(Note(NoteKind.MODEL, Message.plain(note)) for note in profile.notes),
+        *calibrated,
+        *(Note(NoteKind.HARDWARE, Message.plain(note)) for note in cluster.notes),
+    )
+    if target.global_batch is None:
+        default = "global batch {batch} is a default (about 0.5M tokens or 256 images per step); set {global_batch}"
+        notes += (Note(NoteKind.DEFAULT_GLOBAL_BATCH, Message(default, {"batch": goal.global_batch})),)
+    return Plans(profile, cluster, goal, constraints, result, ranking, notes)
+
+
+def _check_request(
+    profile: WorkloadProfile,
+    cluster: Cluster,
+    target: Target,
+    ranking: Ranking,
+    calibration: CalibrationRequest | None,
+) -> None:
+    """What the inputs cannot ask of each other, refused before any search: a cost without a price, tokens of a
+    model that reads images, a calibration without PyTorch or away from this machine."""
+    if ranking.rank_by == "cost" and cluster.price_usd_per_node_hour is None:
+        raise refuse(
+            "{cluster} has no price: rank by time, or plan for a cloud instance (or {plan_cloud})",
+            field="rank_by",
+            cluster=cluster.name,
+        )
+    target.check_model(profile)
+    if calibration is not None:
+        if not capability.is_available("torch"):
+            raise refuse(
+                "{calibration} (it times real training steps) needs PyTorch: install the build that fits this "
+                "machine (pip install torch)"
+            )
+        check_this_machine(cluster)
+
+
+def _calibrated(
+    profile: WorkloadProfile,
+    cluster: Cluster,
+    constraints: Constraints,
+    request: CalibrationRequest,
+    micro_batch: int,
+    progress: Callable[[Note], None] | None,
+) -> tuple[WorkloadProfile, Constraints, tuple[Note, ...]]:
+    """The profile corrected by real steps on this machine's first device, the constraints pinned to the precision
+    it was measured in (a calibration holds for that precision only), and the notes saying what was fitted."""
+    from redline.workload.load import model_builder  # imports the user's module: only when calibrating
+
+    sizes = line_sizes(micro_batch)
+    cuda = cluster.gpu is not None
+    precision = constraints.precision or ("bf16" if cuda else "fp32")
+    build = model_builder(request.model, profile.input_shape)  # run it on the inputs it was traced with
+    if progress is not None:
+        floor = "" if sizes[0] == 1 else " (and 1, for the floor)"
+        text = f"calibrating: timing steps of {profile.name} at micro-batch {sizes[0]} and {sizes[1]}{floor} ..."
+        progress(Note(NoteKind.CALIBRATING, Message.plain(text)))
+    try:
+        measured = measure(
+            build.build,
+            build.input_shape,
+            micro_batch,
+            device="cuda:0" if cuda else "cpu",
+            precision=precision,
+            name=profile.name,
+        )
+    except (RuntimeError, ValueError) as exc:  # out of memory, a kernel the device lacks: the model's error
+        raise BadInput(f"calibration steps failed: {str(exc).splitlines()[0]}") from None
+    profile = calibrate(profile, cluster, precision, measured)
+    notes = (Note(NoteKind.CALIBRATED, Message.plain(_fitted_text(profile.calibration, precision))),)
+    if profile.calibration.launch_bound:
+        uncertain = (
+            "micro-batch {size} ran close to the floor (the device waited for Python to launch kernels), so the "
+            "fitted line is uncertain: calibrate at a larger {calibration.micro_batch}"
+        )
+        sizes_fitted = profile.calibration.micro_batches
+        notes += (Note(NoteKind.CALIBRATION_UNCERTAIN, Message(uncertain, {"size": sizes_fitted[0]})),)
+    return profile, dataclasses.replace(constraints, precision=precision), notes
+
+
+def _fitted_text(fitted: Calibration, precision: str) -> str:
+    """What a calibration corrects, in one line: compute, the optimizer step, activations (on CUDA) and the floor."""
+    scale, offset = fitted.compute
+    memory = fitted.memory
+    text = (
+        f"calibrated on {fitted.device} ({precision}, micro-batches {fitted.micro_batches[0]} and "
+        f"{fitted.micro_batches[1]}): compute x{scale:.2f} {'+' if offset >= 0 else '-'} "
+        f"{fmt_duration(abs(offset))} per micro-batch, optimizer x{fitted.optimizer_scale:.2f}"
+    )
+    if memory:
+        text += f", activations x{memory[0]:.2f} {'+' if memory[1] >= 0 else '-'} {fmt_bytes(abs(memory[1]))}"
+    else:
+        text += ", memory not measured on a CPU"
+    if fitted.measured_floor_s:
+        text += f"; no micro-batch under {fmt_duration(fitted.measured_floor_s)}"
+    return text
+
+
+def _nothing_fits(
+    result: SearchResult, profile: WorkloadProfile, cluster: Cluster, goal: Goal, constraints: Constraints
+) -> BadInput:
+    """Why no strategy fits, and where the model was too big, the smallest catalog hardware on which it would."""
+    message = explain_no_fit(result, cluster)
+    if result.closest_misfit is not None:
+        smallest = smallest_fitting(profile, goal, constraints)
+        if smallest:
+            options = "; ".join(
+                f"{c.gpus} x {c.gpu.key if c.gpu else c.device} ({e.strategy.label()})" for c, e in smallest
+            )
+            message += f". Smallest hardware that fits (micro-batch 1, full checkpointing): {options}"
+        else:
+            message += ". It fits on no catalog GPU up to 1024 GPUs"
+    return BadInput(message)
