@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, infer, monitor, plan, probe, queue, run, stage, transfer, tune, ui
+from redline.cli import bench, catalog, doctor, infer, monitor, plan, probe, queue, stage, transfer, tune, ui
+from redline.cli import run as run_command  # `run` below is the function every command goes through
 from redline.errors import RedlineError
 
 app = typer.Typer(
@@ -23,7 +24,7 @@ app.command("probe")(probe.probe)
 app.command("doctor")(doctor.doctor)
 app.command("bench")(bench.bench)
 app.command("plan")(plan.plan)
-app.command("run", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(run.run)
+app.command("run", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(run_command.run)
 app.command("tune", context_settings={"allow_extra_args": True, "allow_interspersed_args": False})(tune.tune)
 app.command("infer")(infer.infer)
 app.command("monitor")(monitor.monitor)

@@ -66,7 +66,8 @@ def with_runtime_options(command: Callable[..., Any]) -> Callable[..., Any]:
         given = {s.keyword: kwargs.pop(s.keyword) for s in flagged}
         return command(**kwargs, runtime={k: v for k, v in given.items() if v is not None})
 
-    wrapper.__signature__ = inspect.Signature([*own, *added])  # what typer reads the options from
+    # what typer reads the options from (functools' wrapper type does not declare the attribute)
+    wrapper.__signature__ = inspect.Signature([*own, *added])  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in (*own, *added)}
     return wrapper
 

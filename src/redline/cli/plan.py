@@ -232,7 +232,8 @@ def plan(
         _rank_cloud(profile, target, constraints, ranking, max_nodes, provider, deadline, json_output)
         return
     cluster = ClusterChoice(hardware, nodes, network_gbps).cluster()
-    calibration = inputs.CalibrationRequest(model, calibrate_micro_batch) if calibrate else None  # model None: refused
+    # no --model (an empty spec) is refused by the request itself
+    calibration = inputs.CalibrationRequest(model or "", calibrate_micro_batch) if calibrate else None
     plans = planner.plan_training(
         profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
     )

@@ -269,7 +269,7 @@ def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage
     decoder_from = len(profile.blocks) - (profile.transformer.decoder_layers if profile.transformer else 0)
     decoder_names = {b.name for b in profile.blocks[decoder_from:]}
     out: dict[str, float] = {}
-    same: dict[tuple[bool, float], float] = {}
+    same: dict[tuple[bool, bool, float], float] = {}
     for block in stage.blocks:
         decoder, policy = block.name in decoder_names, strategy if block.name in covered else plain
         signature = (decoder, block.name in covered, block.activation_bytes_per_sample[key])

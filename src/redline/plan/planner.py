@@ -187,13 +187,16 @@ def _calibrated(
     except (RuntimeError, ValueError) as exc:  # out of memory, a kernel the device lacks: the model's error
         raise BadInput(f"calibration steps failed: {str(exc).splitlines()[0]}") from None
     profile = calibrate(profile, cluster, precision, measured)
-    notes = (Note(NoteKind.CALIBRATED, Message.plain(_fitted_text(profile.calibration, precision))),)
-    if profile.calibration.launch_bound:
+    fitted = profile.calibration
+    if fitted is None:  # calibrate() always sets it
+        raise RuntimeError(f"calibration left {profile.name} without its fitted line")
+    notes: tuple[Note, ...] = (Note(NoteKind.CALIBRATED, Message.plain(_fitted_text(fitted, precision))),)
+    if fitted.launch_bound:
         uncertain = (
             "micro-batch {size} ran close to the floor (the device waited for Python to launch kernels), so the "
             "fitted line is uncertain: calibrate at a larger {calibration.micro_batch}"
         )
-        sizes_fitted = profile.calibration.micro_batches
+        sizes_fitted = fitted.micro_batches
         notes += (Note(NoteKind.CALIBRATION_UNCERTAIN, Message(uncertain, {"size": sizes_fitted[0]})),)
     return profile, dataclasses.replace(constraints, precision=precision), notes
 

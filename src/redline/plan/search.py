@@ -167,7 +167,7 @@ def candidates(
         if t > 1 and shape is None:
             excluded["tensor parallelism needs a transformer"] += 1
             continue
-        if t > 1 and (shape.heads % t or shape.groups % t):
+        if t > 1 and shape is not None and (shape.heads % t or shape.groups % t):
             excluded[f"tensor degree {t} does not divide the attention heads"] += 1
             continue
         for p in _divisors(n // t):

@@ -193,10 +193,12 @@ def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) ->
     # scatter/gather optimisation); interleaved, each rank sends every micro-batch on v times, once per chunk
     pp_s = 0.0
     if p > 1:
-        size = stage.blocks[0].input_bytes_per_sample.get(activation_key(strategy), 0.0) * strategy.micro_batch / t
-        crossing = where.pp_crosses_nodes and cluster.nodes > 1 and cluster.inter is not None
-        link = network_share(cluster.inter, cluster.gpus_per_node) if crossing else cluster.intra
-        pp_s = 2 * (strategy.virtual_stages * m + p - 1) * p2p_s(size, link)
+        sent_bytes = (
+            stage.blocks[0].input_bytes_per_sample.get(activation_key(strategy), 0.0) * strategy.micro_batch / t
+        )
+        inter = cluster.inter if where.pp_crosses_nodes and cluster.nodes > 1 else None
+        link = network_share(inter, cluster.gpus_per_node) if inter is not None else cluster.intra
+        pp_s = 2 * (strategy.virtual_stages * m + p - 1) * p2p_s(sent_bytes, link)
 
     return StepTime(
         compute=m * micro_batch_s,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich import box
-from rich.console import Group, RenderableType
+from rich.console import Group, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -107,7 +107,7 @@ def _ranked_table(plans: Plans) -> Table:
     sequences = plans.profile.sample_unit == "sequence"
     title = f"best of {len(plans.ranked)} that fit"
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, title=title, title_justify="left")
-    for column, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("#", "right"),
         ("strategy", "left"),
         ("memory/GPU", "right"),
@@ -116,7 +116,8 @@ def _ranked_table(plans: Plans) -> Table:
         ("MFU", "right"),
         ("time to train", "right"),
         ("cost", "right"),
-    ):
+    )
+    for column, justify in columns:
         table.add_column(column, justify=justify)
     for index, e in enumerate(plans.leaders, 1):
         table.add_row(
