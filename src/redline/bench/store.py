@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from redline.bench.model import BENCH_SCHEMA_VERSION, BenchRun, Measurement, Spread
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.hw.snapshot import Snapshot
 
 
@@ -119,7 +119,7 @@ def load(path: Path) -> BenchRun:
             quick=quick,
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise BadInput(f"{path}: malformed bench result ({type(exc).__name__}: {exc})") from None
+        raise BadInput(f"{path}: malformed bench result ({one_line(exc)})") from None
 
 
 def _measurement(data: dict[str, Any]) -> Measurement:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.workload.presets import PRESET_NAMES, TRACED_PRESET_NAMES, TRANSFORMER_PRESETS
 from redline.workload.profile import TransformerShape
 
@@ -78,12 +78,6 @@ class Served(nn.Module):
         if self.keep_last:
             return self.inner(input_ids=x, use_cache=False, logits_to_keep=1).logits
         return self.inner(input_ids=x, use_cache=False).logits[:, -1:]
-
-
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """An exception as one line, its type where it has no message (a failure's note, a BadInput's cause)."""
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
 
 
 def first_tensor(out: Any) -> torch.Tensor:
@@ -187,7 +181,7 @@ def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Sub
     try:
         hf_config = transformers.AutoConfig.for_model(**config)
     except Exception as exc:  # transformers raises its own validation errors, version by version
-        raise BadInput(f"{name}: transformers cannot read this config: {first_line(exc)}") from None
+        raise BadInput(f"{name}: transformers cannot read this config: {one_line(exc, typed=False)}") from None
     if getattr(hf_config, "is_encoder_decoder", False):
         raise BadInput(f"{name}: an encoder-decoder model takes two inputs; serve it through a factory")
     causal = config["model_type"] not in ENCODERS
@@ -199,7 +193,7 @@ def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Sub
     try:
         inner = auto.from_config(hf_config, attn_implementation="sdpa")
     except Exception as exc:
-        raise BadInput(f"{name}: transformers cannot build this model: {first_line(exc)}") from None
+        raise BadInput(f"{name}: transformers cannot build this model: {one_line(exc, typed=False)}") from None
     return Subject(
         name,
         Served(inner, hugging_face=True, causal=causal),
@@ -243,7 +237,7 @@ def load_weights(module: Served, path: Path) -> None:
             with os.fdopen(fd, "rb") as f:
                 state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({first_line(exc)})") from None
+            raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({one_line(exc, typed=False)})") from None
         if isinstance(state, dict):
             state = state.get("model", state.get("state_dict", state))
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -252,7 +246,7 @@ def load_weights(module: Served, path: Path) -> None:
     try:
         target.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        first = first_line(exc).rstrip(":")
+        first = one_line(exc, typed=False).rstrip(":")
         raise BadInput(f"--weights {path} does not fit this model: {first}: {_key_summary(target, state)}") from None
 
 
@@ -276,7 +270,7 @@ def _checkpoint_state(target: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     try:
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     except Exception as exc:
-        raise BadInput(f"--weights {path}: cannot read the model from it: {first_line(exc)}") from None
+        raise BadInput(f"--weights {path}: cannot read the model from it: {one_line(exc, typed=False)}") from None
     return state["model"]
 
 

@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from redline import __version__
-from redline.errors import BadInput, RedlineError
+from redline.errors import BadInput, RedlineError, one_line
 from redline.files import Trusted, check_trusted, drop_write_for_others, read_user_bytes, refuse_non_folder
 from redline.runtime.tensor_parallel import join_packed, packed_dim, split_packed
 from redline.units import MiB
@@ -640,12 +640,11 @@ def _single_process_quiet():
 
 
 def _one_line(exc: BaseException) -> str:
-    """An exception as one short line; DCP's CheckpointException carries each rank's error and traceback."""
+    """An exception as one short line; of DCP's CheckpointException, which carries each rank's error and
+    traceback, the first rank's error."""
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= 240 else text[:237] + "..."
+    return one_line(exc, limit_chars=240)
 
 
 def _first_error_of_all_ranks(error: str | None) -> str | None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 
 _SPEC = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
 
@@ -51,7 +51,7 @@ def load_factory(spec: str, *, folder: str | os.PathLike[str] | None = None) -> 
         with contextlib.nullcontext() if folder is None else _only_from(Path(folder)):
             module = importlib.import_module(module_name)
     except (Exception, SystemExit) as error:  # ImportError, SyntaxError, a script that calls sys.exit on import
-        raise BadInput(f"factory {spec}: cannot import {module_name}: {_describe(error)}{where}") from error
+        raise BadInput(f"factory {spec}: cannot import {module_name}: {one_line(error)}{where}") from error
     factory: Any = module
     for part in attribute.split("."):
         try:
@@ -67,7 +67,7 @@ def load_factory(spec: str, *, folder: str | os.PathLike[str] | None = None) -> 
         except BadInput:
             raise
         except Exception as error:
-            raise BadInput(f"factory {spec} raised {_describe(error)}") from error
+            raise BadInput(f"factory {spec} raised {one_line(error)}") from error
         return _check_result(spec, built)
 
     return build
@@ -107,8 +107,3 @@ def _only_from(folder: Path) -> Iterator[None]:
         yield
     finally:
         sys.path[:] = saved
-
-
-def _describe(error: BaseException) -> str:
-    message = " ".join(str(error).split())
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from redline.capability import is_available, require_torch
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.units import fmt_count
 from redline.workload.presets import PRESET_NAMES, TRANSFORMER_PRESETS, preset_profile
 from redline.workload.profile import TransformerShape, WorkloadProfile
@@ -221,8 +221,7 @@ def _hf_module(config: dict, path: Path, shape: TransformerShape | None) -> tupl
     try:
         hf_config = transformers.AutoConfig.for_model(**config)
     except Exception as exc:  # transformers raises its own validation errors, version by version
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise BadInput(f"{path}: transformers cannot read this config: {message}") from None
+        raise BadInput(f"{path}: transformers cannot read this config: {one_line(exc, typed=False)}") from None
     auto = transformers.AutoModel if shape is not None and not shape.lm_head else transformers.AutoModelForCausalLM
 
     def build() -> Any:
