@@ -13,7 +13,7 @@ SRC = Path(redline.__file__).parent
 
 # lowest first; a package may import its own layer and those below it
 LAYERS = [
-    {"errors", "units", "capability", "lockfile", "files"},
+    {"errors", "units", "capability", "lockfile", "files", "env"},
     {"hw", "specs"},
     {"workload"},
     {"bench"},

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from redline.bench.model import BENCH_SCHEMA_VERSION, BenchRun, Measurement, Spread
+from redline.env import REDLINE_HOME
 from redline.errors import BadInput, one_line
 from redline.hw.snapshot import Snapshot
 
 
 def home() -> Path:
-    base = os.environ.get("REDLINE_HOME") or os.path.join(
+    base = os.environ.get(REDLINE_HOME) or os.path.join(
         os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "redline"
     )
     return Path(base)

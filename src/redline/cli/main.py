@@ -10,6 +10,7 @@ import typer
 
 from redline import __version__
 from redline.cli import bench, catalog, doctor, infer, monitor, plan, probe, queue, run, stage, transfer, tune, ui
+from redline.env import REDLINE_DEBUG
 from redline.errors import RedlineError, one_line
 
 app = typer.Typer(
@@ -76,9 +77,9 @@ def run(args: Sequence[str] | None = None) -> int:
         ui.error("interrupted")
         return 130
     except Exception as exc:
-        if os.environ.get("REDLINE_DEBUG"):
+        if os.environ.get(REDLINE_DEBUG):
             raise
-        ui.error(f"internal error: {one_line(exc)} (set REDLINE_DEBUG=1 for the traceback)")
+        ui.error(f"internal error: {one_line(exc)} (set {REDLINE_DEBUG}=1 for the traceback)")
         return 1
     if code == 130:  # typer turns a KeyboardInterrupt inside a command into Exit(130), silently
         ui.error("interrupted")

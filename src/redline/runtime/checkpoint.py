@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from redline import __version__
+from redline.env import REDLINE_TEST_SLOW_SAVE_S
 from redline.errors import BadInput, RedlineError, one_line
 from redline.files import Trusted, check_trusted, drop_write_for_others, read_user_bytes, refuse_non_folder
 from redline.runtime.tensor_parallel import join_packed, packed_dim, split_packed
@@ -91,9 +92,6 @@ ATTEMPTS_FILE = ".attempts"  # how many times a run started on this directory (h
 # parameter, which format 2 could not save.
 FORMAT = 3
 PACKED = ".packed"
-# A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
-# test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
-SLOW_SAVE_ENV = "REDLINE_TEST_SLOW_SAVE_S"
 MARKER_LIMIT_BYTES = MiB  # a COMPLETE marker, the attempts count, the micro-batch record: a few bytes of JSON
 
 _STEP_DIR = re.compile(r"step-(\d{8,})")
@@ -626,7 +624,8 @@ def _sync_dir(path: Path) -> None:
 
 
 def _pause_for_tests() -> None:
-    seconds = float(os.environ.get(SLOW_SAVE_ENV) or 0)
+    """The ``REDLINE_TEST_SLOW_SAVE_S`` hook, read at every save: a test kills a process in the middle of one."""
+    seconds = float(os.environ.get(REDLINE_TEST_SLOW_SAVE_S) or 0)
     if seconds > 0:
         time.sleep(seconds)
 
