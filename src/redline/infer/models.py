@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from redline.errors import BadInput, one_line
-from redline.workload.presets import PRESET_NAMES, TRACED_PRESET_NAMES, TRANSFORMER_PRESETS
+from redline.workload.model_spec import ModelKind, ModelSpec, parse_factory, parse_model_spec
+from redline.workload.presets import TRACED_PRESET_NAMES, TRANSFORMER_PRESETS
 from redline.workload.profile import TransformerShape
 
 Kind = Literal["classifier", "lm", "encoder", "other"]
@@ -91,19 +92,28 @@ def first_tensor(out: Any) -> torch.Tensor:
 
 
 def load_subject(
-    model: str,
+    model: str | ModelSpec,
     *,
     weights: Path | None = None,
     seq_len: int | None = None,
     input_shape: tuple[int, ...] | None = None,
     factory_folder: Path | None = None,
 ) -> Subject:
-    """The model SPEC names, in eval mode with ``weights`` loaded; BadInput (one line) for anything unusable.
-    ``factory_folder``: a factory is imported from there or an installed package only (an artifact's)."""
+    """The model SPEC names (a string as ``-m`` takes it, or parsed), in eval mode with ``weights`` loaded;
+    BadInput (one line) for anything unusable. ``factory_folder``: a factory is imported from there or an
+    installed package only (an artifact's)."""
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be at least 1, not {seq_len}")
-    name = model.strip().lower()
-    if name in TRACED_PRESET_NAMES:
+    spec = model if isinstance(model, ModelSpec) else parse_model_spec(model)
+    name = spec.preset
+    if spec.kind is ModelKind.FACTORY:
+        subject = _factory(spec.text, input_shape, factory_folder)
+    elif spec.kind is ModelKind.CONFIG:
+        from redline.workload.hf import read_config
+
+        assert spec.path is not None
+        subject = _hugging_face(str(spec.path), read_config(spec.path), seq_len)
+    elif name in TRACED_PRESET_NAMES:
         from redline.workload.presets import traced_presets
 
         preset = traced_presets()[name]
@@ -111,20 +121,8 @@ def load_subject(
         subject = Subject(name, Served(preset.build()), "classifier", shape, torch.float32, source={"preset": name})
     elif name in TRANSFORMER_PRESETS:
         subject = _hugging_face(name, preset_config(name), seq_len)
-    elif name in PRESET_NAMES:  # unreachable today; a new preset kind must say how it is served
-        raise BadInput(f"preset '{model}' cannot be served yet")
-    elif ":" in model and not Path(model).expanduser().exists():
-        subject = _factory(model.strip(), input_shape, factory_folder)
-    else:
-        from redline.workload.hf import read_config
-
-        path = Path(model).expanduser()
-        if not (path.exists() or path.suffix == ".json"):
-            raise BadInput(
-                f"unknown model '{model}': not a preset ({', '.join(PRESET_NAMES)}), not a config.json path, "
-                "not package.module:factory"
-            )
-        subject = _hugging_face(str(path), read_config(path), seq_len)
+    else:  # unreachable today; a new preset kind must say how it is served
+        raise BadInput(f"preset '{spec.text}' cannot be served yet")
     if math.prod(subject.sample_shape) > MAX_SAMPLE_ELEMENTS:
         raise BadInput(
             f"one sample of {subject.sample_shape} is past what redline infer feeds ({MAX_SAMPLE_ELEMENTS:,} values)"
@@ -287,8 +285,8 @@ def rebuild(source: dict[str, Any], sample_shape: tuple[int, ...], folder: Path)
     a factory imported from ``folder`` or an installed package."""
     if "preset" in source:
         return load_subject(source["preset"], input_shape=sample_shape)
-    if "factory" in source:
-        return load_subject(source["factory"], input_shape=sample_shape, factory_folder=folder)
+    if "factory" in source:  # a factory, never a path in whatever folder the loading program runs in
+        return load_subject(parse_factory(source["factory"]), input_shape=sample_shape, factory_folder=folder)
     subject = _hugging_face(source.get("name", "the saved model"), source["config"], sample_shape[0])
     subject.served.eval()
     return subject

@@ -18,15 +18,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from redline.errors import BadInput, one_line
-
-_SPEC = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
+from redline.workload.model_spec import parse_factory
 
 Build = Callable[[], tuple[Any, tuple[int, ...] | None]]
 
@@ -39,11 +37,8 @@ def load_factory(spec: str, *, folder: str | os.PathLike[str] | None = None) -> 
     returns something other than an ``nn.Module``. ``folder``: import from there or an installed package, not
     from the current directory (an artifact's factory).
     """
-    match = _SPEC.match(spec.strip())
-    if match is None:
-        raise BadInput(f"bad factory spec {spec!r}: expected package.module:callable, e.g. mypkg.models:build")
-    spec = spec.strip()
-    module_name, attribute = match["module"], match["attribute"]
+    parsed = parse_factory(spec)
+    spec, module_name, attribute = parsed.text, parsed.module, parsed.factory
     if folder is None:
         _cwd_importable()
     where = "" if folder is None else f" (an artifact's factory comes from {folder} or an installed package)"
