@@ -14,7 +14,7 @@ import redline
 
 SRC = Path(redline.__file__).parent
 
-FOUNDATION = [{"errors", "units", "capability", "lockfile", "files"}]
+FOUNDATION = [{"errors", "units", "capability", "lockfile", "files", "env"}]
 CORE = [{"hw", "specs"}, {"workload"}, {"bench"}, {"plan"}, {"runtime"}]
 VIEWS = [{"doctor"}, {"report"}, {"monitor"}]
 # one layer, but each is its own program over the layers below: none may import another

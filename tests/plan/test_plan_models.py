@@ -8,11 +8,11 @@ import time
 import pytest
 
 from redline.errors import BadInput
-from redline.plan.estimate import Goal, estimate
+from redline.plan.estimate import Goal, estimate, mfu_peak, model_flops_utilization
 from redline.plan.hardware import catalog_cluster, parse_hardware
 from redline.plan.memory import block_activation, memory_per_gpu
 from redline.plan.search import Constraints, search, smallest_fitting
-from redline.plan.steptime import step_time
+from redline.plan.steptime import recomputed_flops_per_sample, step_time
 from redline.plan.strategy import Strategy
 from redline.specs.catalog import find_gpu
 from redline.units import GiB
@@ -226,6 +226,31 @@ def test_estimate_mfu_uses_the_dense_bf16_peak() -> None:
     assert 0.2 < result.mfu < 0.75
     assert result.time_to_train_s == pytest.approx(1e9 / result.tokens_per_s)
     assert result.cost_usd is None  # no price for a bare GPU count
+
+
+@pytest.mark.parametrize(
+    ("flops_per_sample", "samples_per_s", "devices", "peak", "expected"),
+    [
+        (6e12, 16.0, 4, 100e12, 0.24),  # 96 TFLOP/s of model work over 4 x 100 TFLOP/s
+        (6e12, 16.0, 1, 100e12, 0.96),
+        (None, 16.0, 4, 100e12, None),  # FLOPs unknown
+        (6e12, 16.0, 4, None, None),  # peak unknown (a CPU has no datasheet peak)
+        (6e12, 16.0, 4, 0.0, None),  # a zero peak is none: no division by it
+    ],
+)
+def test_model_flops_utilization(flops_per_sample, samples_per_s, devices, peak, expected) -> None:
+    assert model_flops_utilization(flops_per_sample, samples_per_s, devices, peak) == pytest.approx(expected)
+
+
+def test_the_plan_mfu_and_hfu_are_the_one_formula_without_and_with_recomputation() -> None:
+    plan = strategy(sharding="fsdp", micro_batch=1, accumulation=8, checkpointing="full")
+    result = estimate(LLAMA7, plan, H100X8, Goal(global_batch=64))
+    peak = mfu_peak(H100X8, plan.precision)
+    flops = LLAMA7.training_flops_per_sample
+    recomputed = recomputed_flops_per_sample(LLAMA7, plan)
+    assert recomputed > 0
+    assert result.mfu == pytest.approx(flops * result.samples_per_s / (plan.gpus * peak))
+    assert result.hfu == pytest.approx((flops + recomputed) * result.samples_per_s / (plan.gpus * peak))
 
 
 # ------------------------------------------------------------------------------------------ search

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from ranks import spawn_ranks
+from redline.env import REDLINE_TEST_SLOW_SAVE_S
 from redline.errors import BadInput
 from redline.runtime import checkpoint
-from redline.runtime.checkpoint import SLOW_SAVE_ENV, Checkpointer, CheckpointWarning
+from redline.runtime.checkpoint import Checkpointer, CheckpointWarning
 
 # One training loop for the in-process tests, the killed processes and their references. Dropout draws from
 # the global generator, so a resume is bit-identical only if the RNG states come back too; each step's data
@@ -31,7 +32,8 @@ TRAIN_SCRIPT = '''
 import os, sys, time
 import torch
 from torch import nn
-from redline.runtime.checkpoint import SLOW_SAVE_ENV, Checkpointer
+from redline.env import REDLINE_TEST_SLOW_SAVE_S
+from redline.runtime.checkpoint import Checkpointer
 
 
 def build(init_seed):
@@ -67,7 +69,7 @@ def run(steps, ckpt_dir=None, init_seed=0, stop_at=None, pause_after=None, slow_
         train_step(model, optimizer, scheduler, step)
         if checkpointer is not None:
             if step + 1 == slow_at:
-                os.environ[SLOW_SAVE_ENV] = "60"
+                os.environ[REDLINE_TEST_SLOW_SAVE_S] = "60"
                 print("saving", step + 1, flush=True)
             checkpointer.save(step + 1, model=model, optimizer=optimizer, scheduler=scheduler,
                               extra={"next_step": step + 1})
@@ -375,7 +377,7 @@ def test_a_foreign_directory_is_bad_input(tmp_path, loop):
 
 def start(script: Path, out: Path, steps: int, ckpt_dir: Path | str = "", init_seed=0, pause_after=0, slow_at=0):
     """The training script in its own process; a resumed one gets another ``init_seed`` than the first."""
-    env = {k: v for k, v in os.environ.items() if k != SLOW_SAVE_ENV}
+    env = {k: v for k, v in os.environ.items() if k != REDLINE_TEST_SLOW_SAVE_S}
     args = [str(out), str(steps), str(ckpt_dir), str(init_seed), str(pause_after), str(slow_at)]
     return subprocess.Popen(
         [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

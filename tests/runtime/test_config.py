@@ -12,6 +12,7 @@ import torch
 import yaml
 from torch import nn
 
+from redline.env import REDLINE_RUNTIME
 from redline.errors import BadInput
 from redline.plan.estimate import Goal
 from redline.plan.hardware import parse_hardware
@@ -19,7 +20,6 @@ from redline.plan.planfile import dump_plan, make_plan
 from redline.plan.search import search
 from redline.runtime.batch import tokens_per_sample
 from redline.runtime.config import (
-    RUNTIME_ENV,
     CheckpointConfig,
     DataConfig,
     DdpConfig,
@@ -99,7 +99,7 @@ def test_a_bad_runtime_section_is_one_line(plan_file: Path, runtime: dict, messa
 
 
 def test_keywords_override_the_plan_and_redline_runs_options_override_both(plan_file: Path, monkeypatch) -> None:
-    monkeypatch.setenv(RUNTIME_ENV, json.dumps({"checkpoint_every": 7, "metrics_path": "m-{rank}.jsonl"}))
+    monkeypatch.setenv(REDLINE_RUNTIME, json.dumps({"checkpoint_every": 7, "metrics_path": "m-{rank}.jsonl"}))
     config = from_plan_file(plan_file).with_settings({"checkpoint_every": 6, "checkpoint_dir": None, "seed": 3})
     assert (config.checkpoint.every, config.checkpoint.dir, config.data.seed) == (6, "ckpt", 3)
     config = config.with_settings(runtime_from_env())
@@ -120,7 +120,7 @@ def test_settings_are_checked_by_name(monkeypatch) -> None:
         RunConfig().with_settings({"turbo": True})
     with pytest.raises(BadInput, match=r"--accumulation: Strategy\.accumulation must be a positive integer"):
         check_settings({"accumulation": -1})
-    monkeypatch.setenv(RUNTIME_ENV, "{not json")
+    monkeypatch.setenv(REDLINE_RUNTIME, "{not json")
     with pytest.raises(BadInput, match="REDLINE_RUNTIME is not JSON"):
         runtime_from_env()
 

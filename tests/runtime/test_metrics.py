@@ -19,7 +19,6 @@ from redline.runtime.metrics import (
     StepRecord,
     explain,
     format_step,
-    model_flops_utilization,
     peak_flops,
     rank_path,
 )
@@ -181,22 +180,6 @@ def test_other_ranks_write_and_print_nothing_unless_the_path_names_them(tmp_path
     written = (tmp_path / "steps-1.jsonl").read_text().splitlines()
     assert [json.loads(line)["rank"] for line in written] == [1]
     assert json.loads(written[0])["samples"] == 8  # global: 4 on each of 2 ranks
-
-
-# ----------------------------------------------------------------------------------------------- MFU
-
-
-@pytest.mark.parametrize(
-    ("flops_per_sample", "samples_per_s", "world_size", "peak", "expected"),
-    [
-        (6e12, 16.0, 4, 100e12, 0.24),  # 96 TFLOP/s of model work over 4 x 100 TFLOP/s
-        (6e12, 16.0, 1, 100e12, 0.96),
-        (None, 16.0, 4, 100e12, None),  # FLOPs unknown
-        (6e12, 16.0, 4, None, None),  # peak unknown (a CPU has no datasheet peak)
-    ],
-)
-def test_model_flops_utilization(flops_per_sample, samples_per_s, world_size, peak, expected):
-    assert model_flops_utilization(flops_per_sample, samples_per_s, world_size, peak) == pytest.approx(expected)
 
 
 def test_mfu_of_a_step_is_global_samples_over_all_devices_peak():

@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from redline.env import REDLINE_QUEUE_RECORDS
 from redline.runtime.checkpoint import Checkpointer
-from redline.runtime.oom import QUEUE_RECORDS_ENV, OutOfMemoryDuringCollective, restart_smaller
+from redline.runtime.oom import OutOfMemoryDuringCollective, restart_smaller
 
 
 def test_the_smaller_micro_batch_is_recorded_for_the_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     records = tmp_path / "records"
     records.mkdir()
-    monkeypatch.setenv(QUEUE_RECORDS_ENV, str(records))
+    monkeypatch.setenv(REDLINE_QUEUE_RECORDS, str(records))
     checkpointer = Checkpointer(tmp_path / "ckpt")
     with pytest.raises(OutOfMemoryDuringCollective):
         restart_smaller(

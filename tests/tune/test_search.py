@@ -14,7 +14,7 @@ import pytest
 from redline.errors import BadInput
 from redline.tune.journal import Journal
 from redline.tune.report import html_report
-from redline.tune.search import Budget, Tuner
+from redline.tune.search import NOT_CHECKED, Budget, Parity, ParityVerdict, Tuner
 from redline.tune.space import Machine, default_plan
 from redline.tune.trial import Setup, TrialResult
 
@@ -26,11 +26,13 @@ GIB = 2**30
 class FakeDevice:
     """A GPU with ``memory`` bytes: a micro-batch's peak is 1 GiB of weights plus 0.5 GiB per sample; above
     the memory the run goes out of memory (as the runtime reports it: it went on smaller). Speed grows with the
-    micro-batch; fp16 is 1.5x as fast, and its losses are ``fp16_loss_error`` off the baseline's."""
+    micro-batch; fp16 is 1.5x as fast, and its losses are ``fp16_loss_error`` off the baseline's (no losses at all
+    without ``losses``: a script that reports none)."""
 
-    def __init__(self, memory: float, fp16_loss_error: float = 0.0) -> None:
+    def __init__(self, memory: float, fp16_loss_error: float = 0.0, losses: bool = True) -> None:
         self.memory = memory
         self.fp16_loss_error = fp16_loss_error
+        self.losses = losses
         self.runs: list[dict | None] = []
 
     def __call__(self, setup: Setup, plan: dict | None, workdir: Path) -> TrialResult:
@@ -50,7 +52,7 @@ class FakeDevice:
             startup_s=0.0,
             peak_memory_bytes=int(peak),
             samples_per_step=PER_RANK,
-            losses=tuple(2.0 / (step + 1) * error for step in range(6)),
+            losses=tuple(2.0 / (step + 1) * error for step in range(6)) if self.losses else (),
         )
 
 
@@ -120,8 +122,22 @@ def test_a_faster_config_that_changes_the_loss_is_excluded(tmp_path: Path) -> No
     assert "differs from the baseline's by 2.0e-01" in excluded[0].result.why
     device = FakeDevice(memory=1000 * GIB, fp16_loss_error=0.01)  # within fp16's tolerance: it wins
     outcome = tuner(tmp_path / "b", device).tune()
-    assert outcome.winner.get("precision") == "fp16" and outcome.parity.startswith("loss within 1.0e-02")
+    assert outcome.winner.get("precision") == "fp16" and outcome.parity.state is Parity.WITHIN
+    assert str(outcome.parity).startswith("loss within 1.0e-02")
     assert outcome.speedup == pytest.approx(1.5)
+
+
+def test_a_parity_verdict_is_a_state_and_its_reason_said_as_the_report_says_it() -> None:
+    within = ParityVerdict(Parity.WITHIN, "loss within 1.0e-03 of the baseline's over 10 steps (tolerance 0.01)")
+    failed = ParityVerdict(Parity.FAILED, "its loss differs from the baseline's by 2.0e-01 of it (tolerance 0.01)")
+    assert str(within) == within.reason
+    assert str(failed) == "FAILED: its loss differs from the baseline's by 2.0e-01 of it (tolerance 0.01)"
+    assert str(NOT_CHECKED) == "not checked" and NOT_CHECKED.state is Parity.NOT_CHECKED
+
+
+def test_without_losses_parity_is_not_checked(tmp_path: Path) -> None:
+    outcome = tuner(tmp_path, FakeDevice(memory=1000 * GIB, losses=False)).tune()
+    assert outcome.parity is NOT_CHECKED
 
 
 def test_a_killed_tune_resumes_and_a_finished_one_is_a_cache_hit(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from redline.bench.collective import ELEMENT_BYTES, Plan, bandwidths, coll_counts
+from redline.errors import one_line
 
 # 127 elements per period, values 0..126: a sum over up to 130,000 ranks stays below 2**24, exact in float32
 PERIOD = 127
@@ -273,8 +274,7 @@ def main(argv: list[str]) -> int:
     def record(exc: BaseException) -> None:
         if isinstance(exc, KeyboardInterrupt):
             return
-        lines = str(exc).strip().splitlines()
-        message = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400]
+        message = one_line(exc, limit_chars=400)
         error = workdir / f"error-{rank}.txt"
         if not error.exists():
             error.write_text(message + "\n")

@@ -29,7 +29,7 @@ from redline import capability
 from redline.bench.context import BenchContext
 from redline.bench.model import Measurement, Spread
 from redline.bench.timing import time_calls
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 
 if TYPE_CHECKING:
     from redline.hw.snapshot import Gpu
@@ -398,7 +398,7 @@ def measure_gpu(ctx: BenchContext, index: int, requested: list[str] | None = Non
                 except RuntimeError as exc:  # an fp8 kernel this torch/cuBLAS lacks: skip, say why
                     if precision != "fp8":
                         raise
-                    skipped[precision] = str(exc).strip().splitlines()[0]
+                    skipped[precision] = one_line(exc, typed=False)
                     step()
                     continue
             spread = Spread.of(samples)

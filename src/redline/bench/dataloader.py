@@ -30,7 +30,7 @@ from typing import Any
 
 from redline.bench.context import BenchContext
 from redline.bench.model import Measurement, Spread
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 
 SUITE = "dataloader"
 BATCH_SIZE = 32
@@ -124,14 +124,12 @@ def _cwd_on_path() -> Iterator[None]:
 
 
 def _one_line(exc: BaseException) -> str:
-    """``Type: first line``; for an error re-raised from a DataLoader worker ("Caught ValueError in
-    DataLoader worker process 0. Original Traceback ..."), the original error's last line."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    if lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+    """``one_line(exc)``, but for an error re-raised from a DataLoader worker ("Caught ValueError in
+    DataLoader worker process 0. Original Traceback ..."): the original error, the traceback's last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
         return lines[-1]
-    return f"{type(exc).__name__}: {lines[0]}"
+    return one_line(exc)
 
 
 # ------------------------------------------------------------------------------------------- grid

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from redline.bench.model import BENCH_SCHEMA_VERSION, BenchRun, Measurement, Spread
-from redline.errors import BadInput
+from redline.env import REDLINE_HOME
+from redline.errors import BadInput, one_line
 from redline.hw.snapshot import Snapshot
 
 
 def home() -> Path:
-    base = os.environ.get("REDLINE_HOME") or os.path.join(
+    base = os.environ.get(REDLINE_HOME) or os.path.join(
         os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "redline"
     )
     return Path(base)
@@ -119,7 +120,7 @@ def load(path: Path) -> BenchRun:
             quick=quick,
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise BadInput(f"{path}: malformed bench result ({type(exc).__name__}: {exc})") from None
+        raise BadInput(f"{path}: malformed bench result ({one_line(exc)})") from None
 
 
 def _measurement(data: dict[str, Any]) -> Measurement:

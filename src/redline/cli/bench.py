@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from redline.cli import params, ui
-from redline.errors import BadInput, RedlineError
+from redline.errors import BadInput, RedlineError, one_line
 
 if TYPE_CHECKING:
     from redline.bench.context import BenchContext
@@ -154,7 +154,7 @@ def _run_suites(names: list[str], ctx: BenchContext, run: BenchRun, *, show_prog
             except Exception as exc:  # a CUDA/driver error in one suite: report it, keep the rest
                 if len(names) == 1:
                     raise
-                ui.error(f"{name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
+                ui.error(f"{name} failed: {one_line(exc)}")
                 failures.append(1)
     return failures
 

@@ -65,8 +65,9 @@ def infer(
         return
     if model is None:
         from redline.errors import BadInput
+        from redline.workload.model_spec import FORMS
 
-        raise BadInput("give the model as -m SPEC: a preset, a Hugging Face config.json, or package.module:factory")
+        raise BadInput(f"give the model as -m SPEC: {FORMS}")
     batches, slo_ms = _checked(batch, latency_slo, iters, generate)
     _check_targets(output, html)
     from redline.cli.plan import parse_shape

@@ -11,7 +11,8 @@ import typer
 from redline import __version__
 from redline.cli import bench, catalog, doctor, infer, monitor, plan, probe, queue, stage, transfer, tune, ui
 from redline.cli import run as run_command  # `run` below is the function every command goes through
-from redline.errors import RedlineError
+from redline.env import REDLINE_DEBUG
+from redline.errors import RedlineError, one_line
 
 app = typer.Typer(
     help="redline: make a GPU server deliver the compute it should.",
@@ -77,9 +78,9 @@ def run(args: Sequence[str] | None = None) -> int:
         ui.error("interrupted")
         return 130
     except Exception as exc:
-        if os.environ.get("REDLINE_DEBUG"):
+        if os.environ.get(REDLINE_DEBUG):
             raise
-        ui.error(f"internal error: {type(exc).__name__}: {exc} (set REDLINE_DEBUG=1 for the traceback)")
+        ui.error(f"internal error: {one_line(exc)} (set {REDLINE_DEBUG}=1 for the traceback)")
         return 1
     if code == 130:  # typer turns a KeyboardInterrupt inside a command into Exit(130), silently
         ui.error("interrupted")

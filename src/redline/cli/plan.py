@@ -249,10 +249,11 @@ def model_load(
 ) -> dict[str, Any]:
     """How to load the model again (``load_workload``'s arguments), as the plan file records it under
     ``model.load`` for ``redline tune``: a config file's path made absolute, the options not given left out."""
-    from redline.workload.presets import PRESET_NAMES
+    from redline.workload.model_spec import ModelKind, parse_model_spec
 
-    if model is not None and model.strip().lower() not in PRESET_NAMES and Path(model).expanduser().exists():
-        model = str(Path(model).expanduser().resolve())
+    spec = None if model is None else parse_model_spec(model)
+    if spec is not None and spec.kind is ModelKind.CONFIG and spec.path is not None and spec.path.exists():
+        model = str(spec.path.resolve())
     given = {"model": model, "params": params, "seq_len": seq_len, "input_shape": shape and list(shape)}
     return {key: value for key, value in given.items() if value is not None} | ({"analytic": True} if analytic else {})
 

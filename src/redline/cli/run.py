@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from redline.cli import params, ui
+from redline.env import REDLINE_PLAN
 
 if TYPE_CHECKING:
     from redline.plan.strategy import Strategy
@@ -31,7 +32,7 @@ def run(
     plan: Path | None = typer.Option(
         None,
         "--plan",
-        envvar="REDLINE_PLAN",  # the variable the script's prepare() reads (launch.PLAN_ENV)
+        envvar=REDLINE_PLAN,  # the variable the script's prepare() reads
         help="The plan file (`redline plan -o plan.yaml`); without one prepare() uses its defaults.",
     ),
     nproc_per_node: str = typer.Option(

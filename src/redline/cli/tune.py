@@ -357,7 +357,7 @@ def _to_json(outcome: Outcome, journal: Path) -> dict[str, Any]:
             for key, runs in outcome.scores.items()
             if runs
         ],
-        "parity": outcome.parity,
+        "parity": str(outcome.parity),
         "stopped": outcome.stopped,
         "predicted_samples_per_s": {"default": outcome.predicted_default, "winner": outcome.predicted_winner},
         "plan": outcome.plan,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Generic
 
 from redline.doctor.context import Audit
 from redline.doctor.model import Area, Evidence, Finding, Rule
+from redline.errors import one_line
 from redline.hw.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class Registry(Generic[Evidence]):
             try:
                 findings.extend(replace(f, rule=r.id, area=r.area) for f in r.check(evidence))
             except Exception as exc:
-                errors.append(f"rule {r.id} could not run: {type(exc).__name__}: {exc}")
+                errors.append(f"rule {r.id} could not run: {one_line(exc)}")
         return DoctorReport(findings=findings, rules_checked=checked, rule_errors=errors)
 
 

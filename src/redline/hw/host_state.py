@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redline.errors import one_line
 from redline.hw.sample import HostSample
 
 
@@ -80,7 +81,7 @@ def read_host() -> HostReading:
         try:
             read(psutil, reading)
         except Exception as exc:  # psutil raises OSError, RuntimeError, even AttributeError on odd kernels
-            reading.notes.append(f"host: reading {what} failed: {type(exc).__name__}: {exc}")
+            reading.notes.append(f"host: reading {what} failed: {one_line(exc)}")
     return reading
 
 

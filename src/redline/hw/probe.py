@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+from redline.errors import one_line
 from redline.hw.host import probe_host
 from redline.hw.kernel_log import count_xids, count_xids_by_device, read_kernel_log
 from redline.hw.network import probe_network
@@ -41,7 +42,7 @@ def take_snapshot(
         try:
             return probe()
         except Exception as exc:  # a probe bug must not cost the user the rest of the snapshot
-            errors.append(f"{name} probe failed: {type(exc).__name__}: {exc}")
+            errors.append(f"{name} probe failed: {one_line(exc)}")
             return empty()
 
     gpu = section("gpu", lambda: probe_gpus(nvml, errors, fs), GpuSection)

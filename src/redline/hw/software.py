@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import redline
+from redline.errors import one_line
 from redline.hw.snapshot import SoftwareInfo, TorchInfo
 from redline.hw.sysfs import SysFs
 
@@ -74,7 +75,7 @@ def _torch_info(import_errors: dict[str, str]) -> TorchInfo | None:
             warnings.simplefilter("ignore")  # e.g. "Failed to initialize NumPy", not ours to print
             torch = importlib.import_module("torch")
     except Exception as exc:
-        import_errors["torch"] = _one_line(exc)
+        import_errors["torch"] = one_line(exc)
         return None
     return TorchInfo(
         version=str(torch.__version__),
@@ -114,11 +115,6 @@ def _nccl_version(torch: Any) -> str | None:
 def _distributed(torch: Any) -> bool:
     """torch.distributed exists in this build (it is compiled out of some macOS and mobile builds)."""
     return bool(torch.distributed.is_available())
-
-
-def _one_line(exc: BaseException) -> str:
-    message = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
 
 
 # ----------------------------------------------------------------------------------- packages

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from redline import __version__
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.files import check_trusted, drop_write_for_others, kind_of, read_user_file
 from redline.infer.backends import BACKENDS, Backend, Build, Runner, cast, cast_input
 from redline.infer.measure import TOLERANCES, Parity, Row, compare, eager_reference
-from redline.infer.models import Subject, first_line, rebuild
+from redline.infer.models import Subject, rebuild
 
 FORMAT = "redline-infer/1"
 MANIFEST = "manifest.json"
@@ -129,14 +129,14 @@ def _export_any_batch(
         build = Build(module, subject.served, example, row.precision, device, workdir, any_batch=True)
         runner = backend.build(build)
     except Exception as exc:  # a model whose code pins the batch size (a branch on it, a parameter per row)
-        return None, f"it does not export for any batch size: {type(exc).__name__}: {first_line(exc)}"
+        return None, f"it does not export for any batch size: {one_line(exc)}"
     for size in (row.batch, 1 if row.batch > 1 else 3):
         x = subject.example(size, seed=2).to(device)
         try:  # eager too: a model that runs at the picked batch only
             expected = eager_reference(subject, x)
             served = runner(cast_input(x, row.precision))
         except Exception as exc:
-            return None, f"exported for any batch size, it fails at batch {size}: {first_line(exc)}"
+            return None, f"exported for any batch size, it fails at batch {size}: {one_line(exc, typed=False)}"
         parity = compare(served, expected, subject.kind in ("classifier", "lm"), tolerance)
         if not parity.passes(tolerance):
             return None, f"exported for any batch size, it differs from eager at batch {size}: {parity.describe()}"

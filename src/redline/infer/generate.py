@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from redline.infer.models import Subject, first_line
+from redline.errors import one_line
+from redline.infer.models import Subject
 
 MODES = ("eager", "compile")
 
@@ -102,7 +103,7 @@ def generation(
             row.cold_s = time.perf_counter() - start
             runs = [_generate(model, eager, decode, ids, new_tokens, device, positions) for _ in range(repeats)]
         except Exception as exc:  # a model whose cache or graph does not compile is a result, not a crash
-            row.status, row.note = "failed", f"{type(exc).__name__}: {first_line(exc)}"
+            row.status, row.note = "failed", f"{one_line(exc)}"
             rows.append(row)
             continue
         row.prefill_ms = min(r[0] for r in runs) * 1e3

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.infer.backends import REFERENCE, Backend, Build, Runner, cast, cast_input, default_backends, named
-from redline.infer.models import Subject, first_line
+from redline.infer.models import Subject
 
 WARMUP_CALLS = 2
 ROUNDS = 5  # timed calls are spread over at least this many interleaved rounds
@@ -238,7 +238,8 @@ def eager_reference(subject: Subject, x: torch.Tensor) -> torch.Tensor:
     except Exception as exc:  # a wrong --input-shape, a model that needs other inputs, out of memory
         shape = "x".join(str(n) for n in x.shape)
         raise BadInput(
-            f"{subject.name} does not run on a {shape} input in eager PyTorch: {first_line(exc, 200)}"
+            f"{subject.name} does not run on a {shape} input in eager PyTorch: "
+            f"{one_line(exc, typed=False, limit_chars=200)}"
         ) from None
 
 
@@ -274,7 +275,7 @@ def _build(
                 runner(x)
             _sync(device)
     except Exception as exc:  # any backend may fail to export or compile a given model: that is a result
-        row.status, row.note = "failed", f"{type(exc).__name__}: {first_line(exc)}"
+        row.status, row.note = "failed", f"{one_line(exc)}"
         return row, None, None
     row.peak_memory_bytes = memory.peak
     row.files = runner.files
@@ -304,7 +305,7 @@ def _time(built: list[tuple[Row, Runner, torch.Tensor]], settings: Settings) -> 
                     _sync(settings.device)
                     calls.append(time.perf_counter() - t0)
             except Exception as exc:  # out of memory in a later call, a runtime error: this backend is out
-                row.status, row.note = "failed", f"while timed: {type(exc).__name__}: {first_line(exc)}"
+                row.status, row.note = "failed", f"while timed: {one_line(exc)}"
     for (row, _, _), calls in zip(built, seconds, strict=True):
         if row.status == "failed" or not calls:
             continue

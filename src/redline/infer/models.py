@@ -23,8 +23,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from redline.errors import BadInput
-from redline.workload.presets import PRESET_NAMES, TRACED_PRESET_NAMES, TRANSFORMER_PRESETS
+from redline.errors import BadInput, one_line
+from redline.workload.model_spec import ModelKind, ModelSpec, parse_factory, parse_model_spec
+from redline.workload.presets import TRACED_PRESET_NAMES, TRANSFORMER_PRESETS
 from redline.workload.profile import TransformerShape
 
 Kind = Literal["classifier", "lm", "encoder", "other"]
@@ -80,12 +81,6 @@ class Served(nn.Module):
         return self.inner(input_ids=x, use_cache=False).logits[:, -1:]
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """An exception as one line, its type where it has no message (a failure's note, a BadInput's cause)."""
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
-
-
 def first_tensor(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
@@ -97,19 +92,28 @@ def first_tensor(out: Any) -> torch.Tensor:
 
 
 def load_subject(
-    model: str,
+    model: str | ModelSpec,
     *,
     weights: Path | None = None,
     seq_len: int | None = None,
     input_shape: tuple[int, ...] | None = None,
     factory_folder: Path | None = None,
 ) -> Subject:
-    """The model SPEC names, in eval mode with ``weights`` loaded; BadInput (one line) for anything unusable.
-    ``factory_folder``: a factory is imported from there or an installed package only (an artifact's)."""
+    """The model SPEC names (a string as ``-m`` takes it, or parsed), in eval mode with ``weights`` loaded;
+    BadInput (one line) for anything unusable. ``factory_folder``: a factory is imported from there or an
+    installed package only (an artifact's)."""
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be at least 1, not {seq_len}")
-    name = model.strip().lower()
-    if name in TRACED_PRESET_NAMES:
+    spec = model if isinstance(model, ModelSpec) else parse_model_spec(model)
+    name = spec.preset
+    if spec.kind is ModelKind.FACTORY:
+        subject = _factory(spec.text, input_shape, factory_folder)
+    elif spec.kind is ModelKind.CONFIG:
+        from redline.workload.hf import read_config
+
+        assert spec.path is not None
+        subject = _hugging_face(str(spec.path), read_config(spec.path), seq_len)
+    elif name in TRACED_PRESET_NAMES:
         from redline.workload.presets import traced_presets
 
         preset = traced_presets()[name]
@@ -117,20 +121,8 @@ def load_subject(
         subject = Subject(name, Served(preset.build()), "classifier", shape, torch.float32, source={"preset": name})
     elif name in TRANSFORMER_PRESETS:
         subject = _hugging_face(name, preset_config(name), seq_len)
-    elif name in PRESET_NAMES:  # unreachable today; a new preset kind must say how it is served
-        raise BadInput(f"preset '{model}' cannot be served yet")
-    elif ":" in model and not Path(model).expanduser().exists():
-        subject = _factory(model.strip(), input_shape, factory_folder)
-    else:
-        from redline.workload.hf import read_config
-
-        path = Path(model).expanduser()
-        if not (path.exists() or path.suffix == ".json"):
-            raise BadInput(
-                f"unknown model '{model}': not a preset ({', '.join(PRESET_NAMES)}), not a config.json path, "
-                "not package.module:factory"
-            )
-        subject = _hugging_face(str(path), read_config(path), seq_len)
+    else:  # unreachable today; a new preset kind must say how it is served
+        raise BadInput(f"preset '{spec.text}' cannot be served yet")
     if math.prod(subject.sample_shape) > MAX_SAMPLE_ELEMENTS:
         raise BadInput(
             f"one sample of {subject.sample_shape} is past what redline infer feeds ({MAX_SAMPLE_ELEMENTS:,} values)"
@@ -187,7 +179,7 @@ def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Sub
     try:
         hf_config = transformers.AutoConfig.for_model(**config)
     except Exception as exc:  # transformers raises its own validation errors, version by version
-        raise BadInput(f"{name}: transformers cannot read this config: {first_line(exc)}") from None
+        raise BadInput(f"{name}: transformers cannot read this config: {one_line(exc, typed=False)}") from None
     if getattr(hf_config, "is_encoder_decoder", False):
         raise BadInput(f"{name}: an encoder-decoder model takes two inputs; serve it through a factory")
     causal = config["model_type"] not in ENCODERS
@@ -199,7 +191,7 @@ def _hugging_face(name: str, config: dict[str, Any], seq_len: int | None) -> Sub
     try:
         inner = auto.from_config(hf_config, attn_implementation="sdpa")
     except Exception as exc:
-        raise BadInput(f"{name}: transformers cannot build this model: {first_line(exc)}") from None
+        raise BadInput(f"{name}: transformers cannot build this model: {one_line(exc, typed=False)}") from None
     return Subject(
         name,
         Served(inner, hugging_face=True, causal=causal),
@@ -243,7 +235,7 @@ def load_weights(module: Served, path: Path) -> None:
             with os.fdopen(fd, "rb") as f:
                 state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({first_line(exc)})") from None
+            raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({one_line(exc, typed=False)})") from None
         if isinstance(state, dict):
             state = state.get("model", state.get("state_dict", state))
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -252,7 +244,7 @@ def load_weights(module: Served, path: Path) -> None:
     try:
         target.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        first = first_line(exc).rstrip(":")
+        first = one_line(exc, typed=False).rstrip(":")
         raise BadInput(f"--weights {path} does not fit this model: {first}: {_key_summary(target, state)}") from None
 
 
@@ -276,7 +268,7 @@ def _checkpoint_state(target: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     try:
         dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     except Exception as exc:
-        raise BadInput(f"--weights {path}: cannot read the model from it: {first_line(exc)}") from None
+        raise BadInput(f"--weights {path}: cannot read the model from it: {one_line(exc, typed=False)}") from None
     return state["model"]
 
 
@@ -293,8 +285,8 @@ def rebuild(source: dict[str, Any], sample_shape: tuple[int, ...], folder: Path)
     a factory imported from ``folder`` or an installed package."""
     if "preset" in source:
         return load_subject(source["preset"], input_shape=sample_shape)
-    if "factory" in source:
-        return load_subject(source["factory"], input_shape=sample_shape, factory_folder=folder)
+    if "factory" in source:  # a factory, never a path in whatever folder the loading program runs in
+        return load_subject(parse_factory(source["factory"]), input_shape=sample_shape, factory_folder=folder)
     subject = _hugging_face(source.get("name", "the saved model"), source["config"], sample_shape[0])
     subject.served.eval()
     return subject

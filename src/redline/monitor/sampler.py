@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from stat import S_ISREG
 from typing import Any
 
+from redline.errors import one_line
 from redline.files import kind_of
 from redline.hw.host_state import HostReader, HostReading, host_sample, read_host
 from redline.hw.kernel_log import count_xids_by_device, read_kernel_log
@@ -296,7 +297,7 @@ class Sampler:
             try:
                 part(sample, now, notes)
             except Exception as exc:  # a bug here must cost one part of one sample, not the monitor
-                notes.append(f"sampling the {what} failed: {type(exc).__name__}: {exc}")
+                notes.append(f"sampling the {what} failed: {one_line(exc)}")
         sample.notes = self._transitions + self._once.new(notes)
         self._transitions = []
         return sample
@@ -339,7 +340,7 @@ class Sampler:
             return
         except Exception as exc:  # a binding or fake that fails in a way NVML does not: same treatment
             self._retry_at = now + self.reinit_interval_s
-            notes.append(f"no GPU telemetry: starting NVML failed: {type(exc).__name__}: {exc}")
+            notes.append(f"no GPU telemetry: starting NVML failed: {one_line(exc)}")
             return
         self._driver_version = self._reader.driver_version or self._driver_version
         if not self._reader.gpus:

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from redline.errors import BadInput, RedlineError
+from redline.errors import BadInput, RedlineError, one_line
 from redline.files import open_regular
 from redline.lockfile import WriterLock
 from redline.monitor import record_query
@@ -462,7 +462,7 @@ class Store:
                 try:
                     yield decode(body)
                 except (zlib.error, ValueError, TypeError, KeyError) as exc:
-                    raise _corrupt(self.name, f"sample at {time}: {type(exc).__name__}: {exc}") from None
+                    raise _corrupt(self.name, f"sample at {time}: {one_line(exc)}") from None
             if len(rows) < _CHUNK:
                 return
             after = (rows[-1][0], rows[-1][1])

@@ -33,6 +33,23 @@ class Goal:
             raise refuse("give {tokens} or {samples}, not both")
 
 
+def model_flops_utilization(
+    flops_per_sample: float | None, samples_per_s: float, devices: int, peak_flops: float | None
+) -> float | None:
+    """PaLM's model FLOPs utilisation (Chowdhery et al. 2022, appendix B): the model's FLOPs per second over
+    the devices' peak,
+
+        mfu = flops_per_sample x samples_per_s / (devices x peak_flops)
+
+    with ``flops_per_sample`` the training FLOPs of one sample (3 x forward; recomputation is not model work,
+    it makes the hardware FLOPs utilisation when counted in), ``samples_per_s`` over all the devices and
+    ``peak_flops`` one device's. None when the FLOPs or the peak is unknown (None or 0). The planner's
+    prediction and the runtime's measured steps both compute theirs here."""
+    if not flops_per_sample or not peak_flops:
+        return None
+    return flops_per_sample * samples_per_s / (devices * peak_flops)
+
+
 def mfu_peak(cluster: Cluster, precision: str) -> float | None:
     """MFU's denominator: the dense datasheet peak of the precision the matmuls run in (TF32 for fp32, bf16
     for fp8: ``specs.catalog.peak_precisions``)."""
@@ -79,12 +96,11 @@ def estimate(
     samples_per_s = strategy.global_batch / step_s
     tokens_per_s = samples_per_s * profile.tokens_per_sample
     peak = mfu_peak(cluster, strategy.precision)
-    mfu = hfu = None
-    if peak:
-        model_flops = profile.training_flops_per_sample * samples_per_s
-        mfu = model_flops / (strategy.gpus * peak)
-        recomputed = recomputed_flops_per_sample(profile, strategy)
-        hfu = (model_flops + recomputed * samples_per_s) / (strategy.gpus * peak)
+    flops = profile.training_flops_per_sample
+    mfu = model_flops_utilization(flops, samples_per_s, strategy.gpus, peak)
+    hfu = model_flops_utilization(
+        flops + recomputed_flops_per_sample(profile, strategy), samples_per_s, strategy.gpus, peak
+    )
     time_to_train = None
     if goal.tokens is not None:
         time_to_train = goal.tokens / tokens_per_s

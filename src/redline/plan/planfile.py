@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.files import read_user_file
 from redline.plan.estimate import Estimate, Goal
 from redline.plan.hardware import Cluster
@@ -145,4 +145,4 @@ def load_plan(path: Path) -> Plan:
             runtime=dict(data.get("runtime") or {}),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise BadInput(f"{path}: malformed plan ({type(exc).__name__}: {exc})") from None
+        raise BadInput(f"{path}: malformed plan ({one_line(exc)})") from None

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from redline.env import REDLINE_QUEUE_DIR
 from redline.errors import RedlineError
 from redline.queue.protocol import CLIENT_WAIT_S, MAX_ANSWER_BYTES, Op, check_answer, request_line
 
-DIR_ENV = "REDLINE_QUEUE_DIR"
 MACHINE_DIR = Path("/var/lib/redline/queue")
 START_WAIT_S = 60.0  # a daemon that has not opened its socket by then did not start: its log says why
 
@@ -31,8 +31,8 @@ class QueueUnavailable(RedlineError):
 
 
 def queue_dir() -> Path:
-    if os.environ.get(DIR_ENV):
-        return Path(os.environ[DIR_ENV])
+    if os.environ.get(REDLINE_QUEUE_DIR):
+        return Path(os.environ[REDLINE_QUEUE_DIR])
     if os.geteuid() == 0 or (MACHINE_DIR / "queue.sock").exists():
         return MACHINE_DIR
     base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from redline.env import QUEUE_OOM_RECORD, REDLINE_JOB_ID, REDLINE_PLAN, REDLINE_QUEUE_RECORDS
 from redline.errors import BadInput
 from redline.files import read_user_bytes
 from redline.lockfile import HeldElsewhere, WriterLock
@@ -57,10 +58,6 @@ TICK_S = 0.5  # how often the daemon looks at its jobs when nothing wakes it
 STATUS_TTL_S = 1.0  # a status is read again after this
 BACKOFF_S = 10.0  # a retry waits this, doubling per attempt (with jitter)
 MAX_BACKOFF_S = 300.0
-# a folder of the attempt's that its user may write (in the spool): the runtime records there the smaller
-# micro-batch it chose after running out of memory (runtime.oom's QUEUE_RECORDS_ENV), and the queue requeues
-RECORDS_ENV = "REDLINE_QUEUE_RECORDS"
-OOM_RECORD = "oom.json"
 
 ENDED_BADLY = (JobState.FAILED, JobState.CANCELLED, JobState.LOST)
 
@@ -245,11 +242,11 @@ class Daemon:
         the job's user's: the record is taken only when it is that user's regular file, under a size cap,
         opened without following a link or waiting on a FIFO."""
         records = self._records_dir(job)
-        if records is None or not os.path.lexists(records / OOM_RECORD):
+        if records is None or not os.path.lexists(records / QUEUE_OOM_RECORD):
             return None, ""
         try:
             data = read_user_bytes(
-                records / OOM_RECORD,
+                records / QUEUE_OOM_RECORD,
                 "out-of-memory record",
                 limit_bytes=layout.RECORD_LIMIT_BYTES,
                 follow=False,
@@ -270,7 +267,7 @@ class Daemon:
             run = json.loads((self._attempt_dir(job) / "run.json").read_text())
         except (OSError, ValueError):
             return None
-        records = (run.get("env") or {}).get(RECORDS_ENV)
+        records = (run.get("env") or {}).get(REDLINE_QUEUE_RECORDS)
         return Path(records) if records else None
 
     def _gpu_faults(self, job: Job) -> str:
@@ -445,13 +442,13 @@ class Daemon:
                 os.chown(path, job.uid, owner.pw_gid, follow_symlinks=False)
         os.chmod(log, 0o644 if job.share_logs else 0o600)
         env = dict(job.spec.env) | {
-            "REDLINE_JOB_ID": job.key,
-            RECORDS_ENV: str(records),
+            REDLINE_JOB_ID: job.key,
+            REDLINE_QUEUE_RECORDS: str(records),
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             "CUDA_VISIBLE_DEVICES": ",".join(placement.uuids),
         }
         if job.spec.plan:
-            env["REDLINE_PLAN"] = job.spec.plan
+            env[REDLINE_PLAN] = job.spec.plan
         run = {
             "argv": list(job.spec.argv),
             "cwd": job.spec.cwd,

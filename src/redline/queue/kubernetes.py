@@ -49,7 +49,7 @@ from datetime import datetime
 from typing import Any
 
 from redline.capability import is_available
-from redline.errors import BadInput, RedlineError
+from redline.errors import BadInput, RedlineError, one_line
 from redline.queue.engine import Engine
 from redline.queue.spec import EngineJob, JobSpec
 
@@ -498,8 +498,9 @@ def _api_message(exc) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    reason = getattr(exc, "reason", None) or exc
-    return str(reason).splitlines()[0] if str(reason) else type(exc).__name__
+    """A connection error as one line: the error urllib3 wraps as its ``reason`` (the socket's), if any."""
+    reason = getattr(exc, "reason", None)
+    return one_line(reason if isinstance(reason, BaseException) else exc, typed=False)
 
 
 def submit(spec: JobSpec, *, api_client=None, **options: Any) -> str:

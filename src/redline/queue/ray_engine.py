@@ -45,7 +45,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.queue.engine import Engine
 from redline.queue.spec import EngineJob, JobSpec, quoted
 
@@ -283,4 +283,5 @@ def _job_submission_client() -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().split("\n", 1)[0] or type(exc).__name__).rstrip(".")
+    """Ray's error as one line without its closing full stop: it is followed by more of the sentence."""
+    return one_line(exc, typed=False).rstrip(".")

@@ -26,10 +26,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from redline.env import REDLINE_PLAN
 from redline.errors import BadInput, RedlineError
 from redline.queue.engine import Engine
 from redline.queue.spec import FINAL_STATES, EngineJob, JobSpec, quoted
-from redline.runtime.launch import PLAN_ENV
 
 ENGINE = "slurm"
 RDZV_PORT = 29500  # torchrun's c10d rendezvous on the job's first node
@@ -146,7 +146,7 @@ def render(spec: JobSpec, output: str | None = None) -> str:
     lines.append(_directive("requeue" if spec.retries else "no-requeue"))
     if spec.plan:
         plan = Path(spec.cwd or ".", spec.plan) if not Path(spec.plan).is_absolute() else Path(spec.plan)
-        lines.append(f"export {PLAN_ENV}={quoted([str(plan.absolute())])}")
+        lines.append(f"export {REDLINE_PLAN}={quoted([str(plan.absolute())])}")
     lines.extend(_launch(spec))
     return "\n".join(lines) + "\n"
 

@@ -72,7 +72,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from redline import __version__
-from redline.errors import BadInput, RedlineError
+from redline.env import REDLINE_TEST_SLOW_SAVE_S
+from redline.errors import BadInput, RedlineError, one_line
 from redline.files import Trusted, check_trusted, drop_write_for_others, read_user_bytes, refuse_non_folder
 from redline.runtime.tensor_parallel import join_packed, packed_dim, split_packed
 from redline.units import MiB
@@ -91,9 +92,6 @@ ATTEMPTS_FILE = ".attempts"  # how many times a run started on this directory (h
 # parameter, which format 2 could not save.
 FORMAT = 3
 PACKED = ".packed"
-# A test hook: seconds each rank sleeps inside save() after writing its files, before COMPLETE exists, so a
-# test can kill a process in the middle of a save. Read at every save; unset (or 0) in real runs.
-SLOW_SAVE_ENV = "REDLINE_TEST_SLOW_SAVE_S"
 MARKER_LIMIT_BYTES = MiB  # a COMPLETE marker, the attempts count, the micro-batch record: a few bytes of JSON
 
 _STEP_DIR = re.compile(r"step-(\d{8,})")
@@ -626,7 +624,8 @@ def _sync_dir(path: Path) -> None:
 
 
 def _pause_for_tests() -> None:
-    seconds = float(os.environ.get(SLOW_SAVE_ENV) or 0)
+    """The ``REDLINE_TEST_SLOW_SAVE_S`` hook, read at every save: a test kills a process in the middle of one."""
+    seconds = float(os.environ.get(REDLINE_TEST_SLOW_SAVE_S) or 0)
     if seconds > 0:
         time.sleep(seconds)
 
@@ -640,12 +639,11 @@ def _single_process_quiet():
 
 
 def _one_line(exc: BaseException) -> str:
-    """An exception as one short line; DCP's CheckpointException carries each rank's error and traceback."""
+    """An exception as one short line; of DCP's CheckpointException, which carries each rank's error and
+    traceback, the first rank's error."""
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= 240 else text[:237] + "..."
+    return one_line(exc, limit_chars=240)
 
 
 def _first_error_of_all_ranks(error: str | None) -> str | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from redline.capability import is_available
+from redline.env import REDLINE_RUNTIME
 from redline.errors import BadInput
 from redline.files import refuse_non_folder, refuse_non_regular
 from redline.plan.strategy import Strategy
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
     import torch
 
 COMM_HOOKS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
-# the settings `redline run` gives the script's prepare(), as JSON {keyword: value}, beside launch.PLAN_ENV
-RUNTIME_ENV = "REDLINE_RUNTIME"
 
 
 @dataclass(frozen=True)
@@ -380,15 +379,15 @@ def runtime_sections(runtime: dict[str, Any], where: str) -> dict[str, Any]:
 
 def runtime_from_env() -> dict[str, Any]:
     """The settings ``redline run`` gave this process's ``prepare()`` ({keyword: value}); none outside it."""
-    text = os.environ.get(RUNTIME_ENV)
+    text = os.environ.get(REDLINE_RUNTIME)
     if not text:
         return {}
     try:
         settings = json.loads(text)
     except json.JSONDecodeError:
-        raise BadInput(f"${RUNTIME_ENV} is not JSON: {text[:80]!r}") from None
+        raise BadInput(f"${REDLINE_RUNTIME} is not JSON: {text[:80]!r}") from None
     if not isinstance(settings, dict):
-        raise BadInput(f"${RUNTIME_ENV} must be a JSON object of settings, not {text[:80]!r}")
+        raise BadInput(f"${REDLINE_RUNTIME} must be a JSON object of settings, not {text[:80]!r}")
     return settings
 
 

@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from redline.env import REDLINE_DEBUG
+
 
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -22,11 +24,11 @@ def main(argv: list[str]) -> int:
     try:
         torchrun(argv)
     except SignalException as exc:  # redline passed on a SIGTERM or SIGINT; torchrun stopped its workers
-        if os.environ.get("REDLINE_DEBUG"):
+        if os.environ.get(REDLINE_DEBUG):
             raise
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        if os.environ.get("REDLINE_DEBUG"):
+        if os.environ.get(REDLINE_DEBUG):
             raise
         rank, failure = exc.get_first_failure()
         code = failure.exitcode

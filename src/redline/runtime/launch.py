@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from redline.capability import is_available, torch_is_cpu_only
+from redline.env import REDLINE_PLAN, REDLINE_RUNTIME
 from redline.errors import BadInput
 from redline.files import refuse_non_regular
 from redline.plan.hardware import MAX_NODES
 from redline.plan.strategy import Strategy
-from redline.runtime.config import RUNTIME_ENV
 from redline.runtime.supervised import die_with_parent
 
-PLAN_ENV = "REDLINE_PLAN"
 SUPERVISED = "redline.runtime.supervised"  # the module torchrun's workers run the script through
 ELASTIC = "redline.runtime.elastic"  # torchrun (torch.distributed.run), its failure report one line
 # How long a signalled script may take to stop before it is killed. torchrun gives its own workers 30 s
@@ -202,9 +201,9 @@ def build_launch(
         raise BadInput(f"--nnodes {nodes} needs --rdzv-endpoint HOST:PORT, the same on every node")
     if rdzv_id is not None and rdzv_endpoint is None:
         raise BadInput("--rdzv-id goes with --rdzv-endpoint (a single-node launch makes its own rendezvous)")
-    env = {PLAN_ENV: plan_path} if plan_path else {}
+    env = {REDLINE_PLAN: plan_path} if plan_path else {}
     if runtime:  # the runtime options, for the script's prepare() (config.runtime_from_env)
-        env[RUNTIME_ENV] = json.dumps(runtime, sort_keys=True)
+        env[REDLINE_RUNTIME] = json.dumps(runtime, sort_keys=True)
     env |= thread_settings(nproc_per_node)
     common = {
         "script": script,

@@ -29,7 +29,7 @@ Conventions (each figure in a record is one of these, nothing else):
   by the data-parallel ranks, ``world_size / ranks_per_batch`` (a tensor-parallel group shares one batch);
   ``tokens = samples x tokens_per_sample``. ``samples_per_s`` and ``tokens_per_s``
   are these over ``time_s``, comparable with a plan's ``samples_per_s``/``tokens_per_s`` (also global).
-- MFU (PaLM's model FLOPs utilisation, as the planner computes it in ``redline.plan.estimate``)::
+- MFU (PaLM's model FLOPs utilisation, ``redline.plan.estimate.model_flops_utilization``, as the planner's)::
 
       mfu = flops_per_sample x samples_per_s / (world_size x peak_flops)
 
@@ -61,6 +61,7 @@ from typing import IO, Any
 import torch
 
 from redline.errors import BadInput
+from redline.plan.estimate import model_flops_utilization
 from redline.specs.catalog import peak_precisions
 from redline.units import fmt_bytes, fmt_count, fmt_duration
 
@@ -105,17 +106,6 @@ class StepRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def model_flops_utilization(
-    flops_per_sample: float | None, samples_per_s: float, world_size: int, peak_flops: float | None
-) -> float | None:
-    """PaLM's MFU (Chowdhery et al. 2022, appendix B): model FLOPs per second over the devices' peak,
-    ``flops_per_sample x samples_per_s / (world_size x peak_flops)``, with ``samples_per_s`` global and
-    ``peak_flops`` per device; None when either the FLOPs or the peak is unknown."""
-    if not flops_per_sample or not peak_flops:
-        return None
-    return flops_per_sample * samples_per_s / (world_size * peak_flops)
 
 
 # ------------------------------------------------------------------------------------------- timers

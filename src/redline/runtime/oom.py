@@ -20,18 +20,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from redline.env import QUEUE_OOM_RECORD, REDLINE_QUEUE_RECORDS, REDLINE_TEST_OOM_AT
 from redline.errors import RedlineError
 
 if TYPE_CHECKING:  # the checkpoint module loads torch.distributed.checkpoint: only a run with a directory needs it
     from redline.runtime.checkpoint import Checkpointer
 
 log = logging.getLogger("redline.runtime")
-
-# a test hook: "STEP:RANK[:MICRO]" raises an out-of-memory error at that optimizer step, on that rank, in that
-# micro-batch (0 by default), once, in the first launch attempt only
-OOM_HOOK_ENV = "REDLINE_TEST_OOM_AT"
-# the directory `redline submit`'s queue gives a job's attempt for its records (queue.daemon.RECORDS_ENV)
-QUEUE_RECORDS_ENV = "REDLINE_QUEUE_RECORDS"
 
 
 class OutOfMemoryAtMinimum(RedlineError):
@@ -100,13 +95,13 @@ def restart_smaller(
 
 
 def _tell_the_queue(micro: int, accumulation: int, checkpointer: Checkpointer) -> None:
-    """Under `redline submit`, the record also goes where the queue looks (``QUEUE_RECORDS_ENV``): a job that
+    """Under `redline submit`, the record also goes where the queue looks (``$REDLINE_QUEUE_RECORDS``): a job that
     ends with it is requeued, and its next attempt resumes from the checkpoints with the smaller micro-batch."""
-    records = os.environ.get(QUEUE_RECORDS_ENV)
+    records = os.environ.get(REDLINE_QUEUE_RECORDS)
     if records:
         record = {"micro_batch": micro, "accumulation": accumulation, "checkpoint_dir": str(checkpointer.directory)}
         with contextlib.suppress(OSError):
-            Path(records, "oom.json").write_text(json.dumps(record))
+            Path(records, QUEUE_OOM_RECORD).write_text(json.dumps(record))
 
 
 def recorded_micro_batch(
@@ -141,12 +136,12 @@ class SimulatedOutOfMemory:
     launch attempt only (a restarted run must not meet it again)."""
 
     def __init__(self) -> None:
-        self.at = _parse_oom_hook(os.environ.get(OOM_HOOK_ENV))
+        self.at = _parse_oom_hook(os.environ.get(REDLINE_TEST_OOM_AT))
 
     def maybe_raise(self, *, step: int, rank: int, micro_index: int) -> None:
         if self.at == (step, rank, micro_index):
             self.at = None
-            raise torch.OutOfMemoryError(f"{OOM_HOOK_ENV}: simulated out of memory at step {step}")
+            raise torch.OutOfMemoryError(f"{REDLINE_TEST_OOM_AT}: simulated out of memory at step {step}")
 
 
 def _parse_oom_hook(text: str | None) -> tuple[int, int, int] | None:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.plan.strategy import Strategy
 from redline.runtime.config import DdpConfig, NumericsConfig
 from redline.runtime.tensor_parallel import average_gradients, fsdp_layout
@@ -252,7 +252,7 @@ def _explained(factory: OptimizerFactory) -> OptimizerFactory:
             return factory(params)
         except (TypeError, AttributeError, ValueError) as exc:
             raise BadInput(
-                f"the optimizer factory failed ({type(exc).__name__}: {exc}); it receives a flat list of the "
+                f"the optimizer factory failed ({one_line(exc)}); it receives a flat list of the "
                 "wrapped model's trainable parameters (sharded DTensors under FSDP2), not the model or named "
                 "groups: prepare(model, lambda params: AdamW(params, lr=...), loader)"
             ) from exc

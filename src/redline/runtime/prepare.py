@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from redline.env import REDLINE_PLAN
 from redline.errors import BadInput
 from redline.runtime.batch import to_device, tokens_per_sample
 from redline.runtime.config import RunConfig, check_runnable, default_config, from_plan_file, runtime_from_env
@@ -201,7 +202,7 @@ class Run:
         ``prepare()``'s keywords, then ``redline run``'s options over both."""
         if isinstance(plan, RunConfig):
             config = plan
-        elif path := plan if plan is not None else os.environ.get("REDLINE_PLAN"):
+        elif path := plan if plan is not None else os.environ.get(REDLINE_PLAN):
             config = from_plan_file(path)
         else:
             batch = global_batch_without_plan(data, world=self.world_size, rank=self.rank)

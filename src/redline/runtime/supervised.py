@@ -18,6 +18,8 @@ import runpy
 import signal
 import sys
 
+from redline.env import REDLINE_DEBUG
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -52,7 +54,7 @@ def main() -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     except RedlineError as exc:  # redline's own errors (a plan that does not fit this launch): one line per rank
-        if os.environ.get("REDLINE_DEBUG"):
+        if os.environ.get(REDLINE_DEBUG):
             raise
         print(f"redline: rank {os.environ.get('RANK', '?')}: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

@@ -65,6 +65,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from redline.errors import BadInput
 from redline.workload.split_marks import TensorSplitPlan
+from redline.workload.structure import module_prefix
 
 log = logging.getLogger("redline.runtime")
 
@@ -280,21 +281,10 @@ FAMILIES = (
 )
 
 
-def _base(model: nn.Module, names: tuple[str, ...]) -> str | None:
-    """The prefix under which the model has every one of ``names``; None if it has not."""
-    paths = {name for name, _ in model.named_modules()}
-    for path in paths:
-        if path == names[0] or path.endswith("." + names[0]):
-            base = path.removesuffix(names[0])
-            if all(base + name in paths for name in names):
-                return base
-    return None
-
-
 def _family(model: nn.Module) -> tuple[Family, str] | None:
     """The model's family and the prefix of its names; None if it is of none redline knows."""
     for family in FAMILIES:
-        base = _base(model, family.names)
+        base = module_prefix(model, family.names)
         if base is not None:
             return family, base
     return None

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redline.errors import one_line
 from redline.transfer.limits import check_chunk, check_count, check_retries
 from redline.transfer.link import DEFAULT_PER_ENDPOINT, Link
 from redline.transfer.source import Remote, Source, TransferError
@@ -143,12 +144,9 @@ def retrying(attempt: Callable, retries: int, result: FileResult, abandoned: Cal
             if not retryable(exc):
                 raise
             if tries == retries or abandoned():
-                raise TransferError(f"{result.url}: gave up after {tries + 1} tries: {_one_line(exc)}") from None
+                raise TransferError(
+                    f"{result.url}: gave up after {tries + 1} tries: {one_line(exc, typed=False)}"
+                ) from None
             result.retries += 1
             time.sleep(random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**tries)))
     raise AssertionError("unreachable")
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) < 300 else text[:297] + "..."

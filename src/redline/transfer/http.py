@@ -22,7 +22,7 @@ from urllib.parse import urljoin, urlsplit
 
 import urllib3
 
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Pools:
                     method, url, headers=headers, body=body, preload_content=False, redirect=False
                 )
             except (urllib3.exceptions.LocationValueError, urllib3.exceptions.InvalidHeader) as exc:
-                raise TransferError(f"{display}: {_one_line(exc)}") from None
+                raise TransferError(f"{display}: {one_line(exc, typed=False)}") from None
             location = response.headers.get("Location") if response.status in _REDIRECTS else None
             if location is None:
                 return response
@@ -111,10 +111,6 @@ def _redirect_target(url: str, location: str, display: str) -> str:
     if scheme not in ("http", "https"):
         raise TransferError(f"{display}: redirected to {scheme}:// ({target}); only http(s) redirects are followed")
     return target
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 
 def host_port(url: str) -> tuple[str, int]:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from redline.errors import BadInput, RedlineError
+from redline.errors import BadInput, RedlineError, one_line
 from redline.transfer.cache import Cache, Pinned, StageError
 
 
@@ -183,7 +183,7 @@ class _Ahead:
         except RedlineError as exc:
             slot.error = exc
         except Exception as exc:  # a reader must learn which shard failed, whatever the failure
-            slot.error = StageError(f"cannot stage {url}: {type(exc).__name__}: {exc}")
+            slot.error = StageError(f"cannot stage {url}: {one_line(exc)}")
         else:
             with self._lock:
                 if self.closed:

@@ -61,7 +61,7 @@ def html_report(outcome: Outcome, script: str) -> str:
     if outcome.winner is not None:
         verdict = (
             f"<p><b>winner</b>: {escape(outcome.winner.key())}: {outcome.winner_speed:,.1f} samples/s, "
-            f"{outcome.speedup:.2f}x the baseline; loss parity: {escape(outcome.parity)}</p>"
+            f"{outcome.speedup:.2f}x the baseline; loss parity: {escape(str(outcome.parity))}</p>"
         )
     else:
         verdict = "<p>No candidate trained as the baseline does.</p>"

@@ -39,6 +39,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,29 @@ MEMORY_SAVERS = {"checkpointing": ("selective", "full")}
 
 Runner = Callable[[Setup, "dict[str, Any] | None", Path], TrialResult]
 Planner = Callable[["dict[str, Any]"], Prediction]  # a trial's plan file -> the planner's prediction
+
+
+class Parity(Enum):
+    """How a candidate's losses compare with the baseline's, step by step (``Tuner._parity``)."""
+
+    WITHIN = "within"  # within its precision's tolerance: it trains as the baseline does
+    FAILED = "failed"  # beyond it: excluded from winning, however fast
+    NOT_CHECKED = "not checked"  # no losses to compare, or two runs of one config already differ (unseeded)
+
+
+@dataclass(frozen=True)
+class ParityVerdict:
+    state: Parity
+    reason: str = ""  # the comparison in words, for WITHIN and FAILED
+
+    def __str__(self) -> str:
+        """As the report says it: "loss within ...", "FAILED: its loss differs ...", "not checked"."""
+        if self.state is Parity.FAILED:
+            return f"FAILED: {self.reason}"
+        return self.reason or self.state.value
+
+
+NOT_CHECKED = ParityVerdict(Parity.NOT_CHECKED)
 
 
 @dataclass
@@ -99,7 +123,7 @@ class Outcome:
     spread: float | None = None  # the largest relative spread of the runs of one config
     noise: float | None = None  # the largest but one (``Tuner.noise``): what a change had to gain beyond
     scores: dict[str, tuple[float, ...]] = field(default_factory=dict)  # each config's runs' speeds, by key
-    parity: str = ""
+    parity: ParityVerdict = NOT_CHECKED  # the winner's
     plan: dict[str, Any] | None = None  # the winner's plan file
     stopped: str = ""  # why the search ended before it was through: the budget
     predicted_default: float | None = None  # the planner's samples/s for the default and the winner
@@ -471,8 +495,8 @@ class Tuner:
             result = self.journal.get(candidate.key())
             assert result is not None
             checked = self._parity(candidate, result, baseline)
-            if checked is not None and checked.startswith("FAILED"):
-                self.trials.append(Trial("parity", candidate, TrialResult("parity", why=checked[8:]), False))
+            if checked.state is Parity.FAILED:
+                self.trials.append(Trial("parity", candidate, TrialResult("parity", why=checked.reason), False))
                 continue
             self._repeat("against the default", start, FINAL_RUNS)
             self._repeat("against the default", candidate, FINAL_RUNS)
@@ -481,7 +505,7 @@ class Tuner:
             break
         outcome.winner = winner
         outcome.winner_speed = self.score(winner)
-        outcome.parity = verdict or "not checked"
+        outcome.parity = verdict
         outcome.plan = self.plan_for(winner)
         outcome.baseline_speed = self.score(start)
         outcome.spread = max(self.spreads(), default=None)
@@ -493,22 +517,24 @@ class Tuner:
             outcome.predicted_default = self.planner(self.plan_for(start)).samples_per_s
             outcome.predicted_winner = self.planner(self.plan_for(winner)).samples_per_s
 
-    def _parity(self, candidate: Candidate, result: TrialResult, baseline: TrialResult) -> str | None:
-        """``candidate``'s losses against the baseline's, step by step: "within ..." or "FAILED: ...". None when
-        it cannot be checked: no losses, or two runs of one candidate already differ (an unseeded model)."""
+    def _parity(self, candidate: Candidate, result: TrialResult, baseline: TrialResult) -> ParityVerdict:
+        """``candidate``'s losses against the baseline's, step by step, within the tolerance of its precision or
+        not; not checked without losses, or where two runs of one candidate already differ (an unseeded model)."""
         precision = candidate.get("precision") or self.base["strategy"].get("precision", "fp32")
         rtol = PARITY_RTOL.get(precision, PARITY_RTOL["bf16"])
         if not result.losses or not baseline.losses:
-            return None
+            return NOT_CHECKED
         first, second = self.repeated or (None, None)
         if first is not None and second is not None and _worst(second.losses, first.losses) > PARITY_RTOL["fp32"]:
-            return None
+            return NOT_CHECKED
         worst = _worst(result.losses, baseline.losses)
         tolerance = f"tolerance {rtol:g} in {precision}"
         if worst <= rtol:
             steps = min(len(result.losses), len(baseline.losses))
-            return f"loss within {worst:.1e} of the baseline's over {steps} steps ({tolerance})"
-        return f"FAILED: its loss differs from the baseline's by {worst:.1e} of it ({tolerance})"
+            return ParityVerdict(
+                Parity.WITHIN, f"loss within {worst:.1e} of the baseline's over {steps} steps ({tolerance})"
+            )
+        return ParityVerdict(Parity.FAILED, f"its loss differs from the baseline's by {worst:.1e} of it ({tolerance})")
 
     def _speed(self, result: TrialResult | None) -> float:
         """What the search ranks by: the steady samples per second, or, for a declared run length, that run's

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from redline.env import REDLINE_PLAN
+
 STATUSES = ("ok", "oom", "failed", "hang", "pruned", "parity")
 
 
@@ -74,7 +76,7 @@ def run_trial(setup: Setup, plan: dict[str, Any] | None, workdir: Path) -> Trial
         command += ["--plan", str(path)]
     command += [setup.script, *setup.args]
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    env.pop("REDLINE_PLAN", None)  # the trial's plan, or none: not one the tune itself was started with
+    env.pop(REDLINE_PLAN, None)  # the trial's plan, or none: not one the tune itself was started with
     started = time.monotonic()
     with open(workdir / "output.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -18,15 +18,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from redline.errors import BadInput
-
-_SPEC = re.compile(r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attribute>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
+from redline.errors import BadInput, one_line
+from redline.workload.model_spec import parse_factory
 
 Build = Callable[[], tuple[Any, tuple[int, ...] | None]]
 
@@ -39,11 +37,8 @@ def load_factory(spec: str, *, folder: str | os.PathLike[str] | None = None) -> 
     returns something other than an ``nn.Module``. ``folder``: import from there or an installed package, not
     from the current directory (an artifact's factory).
     """
-    match = _SPEC.match(spec.strip())
-    if match is None:
-        raise BadInput(f"bad factory spec {spec!r}: expected package.module:callable, e.g. mypkg.models:build")
-    spec = spec.strip()
-    module_name, attribute = match["module"], match["attribute"]
+    parsed = parse_factory(spec)
+    spec, module_name, attribute = parsed.text, parsed.module, parsed.factory
     if folder is None:
         _cwd_importable()
     where = "" if folder is None else f" (an artifact's factory comes from {folder} or an installed package)"
@@ -51,7 +46,7 @@ def load_factory(spec: str, *, folder: str | os.PathLike[str] | None = None) -> 
         with contextlib.nullcontext() if folder is None else _only_from(Path(folder)):
             module = importlib.import_module(module_name)
     except (Exception, SystemExit) as error:  # ImportError, SyntaxError, a script that calls sys.exit on import
-        raise BadInput(f"factory {spec}: cannot import {module_name}: {_describe(error)}{where}") from error
+        raise BadInput(f"factory {spec}: cannot import {module_name}: {one_line(error)}{where}") from error
     factory: Any = module
     for part in attribute.split("."):
         try:
@@ -67,7 +62,7 @@ def load_factory(spec: str, *, folder: str | os.PathLike[str] | None = None) -> 
         except BadInput:
             raise
         except Exception as error:
-            raise BadInput(f"factory {spec} raised {_describe(error)}") from error
+            raise BadInput(f"factory {spec} raised {one_line(error)}") from error
         return _check_result(spec, built)
 
     return build
@@ -107,8 +102,3 @@ def _only_from(folder: Path) -> Iterator[None]:
         yield
     finally:
         sys.path[:] = saved
-
-
-def _describe(error: BaseException) -> str:
-    message = " ".join(str(error).split())
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__

@@ -1,7 +1,7 @@
 """Turn what the user typed (``--model SPEC`` or ``--params N``) into a WorkloadProfile.
 
-SPEC is, in this order: a preset name (``redline plan --list-models``), a Hugging Face ``config.json``
-(or a directory holding one), or ``package.module:factory`` returning an ``nn.Module``.
+SPEC is a preset name, a Hugging Face ``config.json`` (or a directory holding one), or
+``package.module:factory`` returning an ``nn.Module``, tried in that order (``workload.model_spec``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from redline.capability import is_available, require_torch
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.units import fmt_count
-from redline.workload.presets import PRESET_NAMES, TRANSFORMER_PRESETS, preset_profile
+from redline.workload.model_spec import FORMS, ModelKind, parse_model_spec
+from redline.workload.presets import TRANSFORMER_PRESETS, preset_profile
 from redline.workload.profile import TransformerShape, WorkloadProfile
 
 if TYPE_CHECKING:
@@ -44,27 +45,21 @@ def load_workload(
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be at least 1, not {seq_len}")
     if (model is None) == (params is None):
-        raise BadInput(
-            "give the model as --model SPEC (a preset, a config.json, or package.module:factory) or --params N"
-        )
+        raise BadInput(f"give the model as --model SPEC ({FORMS}) or --params N")
     if params is not None:
         return bare_params_profile(params, seq_len)
     assert model is not None
-    if model.strip().lower() in PRESET_NAMES:
-        if analytic and model.strip().lower() not in TRANSFORMER_PRESETS:
-            raise BadInput(f"--analytic: preset '{model}' is traced, it has no formula")
-        return preset_profile(model, seq_len)
-    path = Path(model).expanduser()
-    if path.suffix == ".json" or path.is_dir() or path.exists():
-        return config_profile(path, seq_len, analytic=analytic, tensor_split=tensor_split)
-    if ":" in model:
-        if analytic:
-            raise BadInput(f"--analytic: {model} is a factory; only a transformer's config.json has a formula")
-        return factory_profile(model, input_shape, tensor_split=tensor_split)
-    raise BadInput(
-        f"unknown model '{model}': not a preset ({', '.join(PRESET_NAMES)}), not a config.json path, "
-        "not package.module:factory"
-    )
+    spec = parse_model_spec(model)
+    if spec.kind is ModelKind.PRESET:
+        if analytic and spec.preset not in TRANSFORMER_PRESETS:
+            raise BadInput(f"--analytic: preset '{spec.text}' is traced, it has no formula")
+        return preset_profile(spec.preset, seq_len)
+    if spec.kind is ModelKind.CONFIG:
+        assert spec.path is not None
+        return config_profile(spec.path, seq_len, analytic=analytic, tensor_split=tensor_split)
+    if analytic:
+        raise BadInput(f"--analytic: {spec.text} is a factory; only a transformer's config.json has a formula")
+    return factory_profile(spec.text, input_shape, tensor_split=tensor_split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +78,17 @@ def model_builder(model: str, input_shape: tuple[int, ...] | None) -> ModelBuild
     require_torch(f"building {model}")
     from redline.workload.presets import TRACED_PRESET_NAMES, traced_presets
 
-    name = model.strip().lower()
-    if name in TRACED_PRESET_NAMES:
-        return ModelBuild(traced_presets()[name].build, input_shape)
-    if name in PRESET_NAMES:
+    spec = parse_model_spec(model)
+    if spec.kind is ModelKind.PRESET:
+        if spec.preset in TRACED_PRESET_NAMES:
+            return ModelBuild(traced_presets()[spec.preset].build, input_shape)
         raise BadInput(
-            f"preset '{model}' is a formula with no module to run: calibrate with its config.json, "
+            f"preset '{spec.text}' is a formula with no module to run: calibrate with its config.json, "
             f"or a package.module:factory"
         )
-    path = Path(model).expanduser()
-    if path.suffix == ".json" or path.is_dir() or path.exists():
+    if spec.kind is ModelKind.CONFIG:
+        path = spec.path
+        assert path is not None
         if input_shape is None:  # profiled by the formulas: transformers missing, or a layout it cannot trace
             raise BadInput(f"{path} was profiled by formula, not traced: there is no module to run")
         from redline.workload.hf import KNOWN_MODEL_TYPES, read_config, shape_from_config
@@ -100,11 +96,9 @@ def model_builder(model: str, input_shape: tuple[int, ...] | None) -> ModelBuild
         config = read_config(path)
         shape = shape_from_config(config, None, origin=str(path)) if config["model_type"] in KNOWN_MODEL_TYPES else None
         return ModelBuild(_hf_module(config, path, shape)[1], input_shape)
-    if ":" in model:
-        from redline.workload.factory import load_factory
+    from redline.workload.factory import load_factory
 
-        return ModelBuild(load_factory(model), input_shape)
-    raise BadInput(f"unknown model '{model}': not a preset, not a config.json path, not package.module:factory")
+    return ModelBuild(load_factory(spec.text), input_shape)
 
 
 def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
@@ -221,8 +215,7 @@ def _hf_module(config: dict, path: Path, shape: TransformerShape | None) -> tupl
     try:
         hf_config = transformers.AutoConfig.for_model(**config)
     except Exception as exc:  # transformers raises its own validation errors, version by version
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise BadInput(f"{path}: transformers cannot read this config: {message}") from None
+        raise BadInput(f"{path}: transformers cannot read this config: {one_line(exc, typed=False)}") from None
     auto = transformers.AutoModel if shape is not None and not shape.lm_head else transformers.AutoModelForCausalLM
 
     def build() -> Any:

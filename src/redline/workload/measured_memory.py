@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from redline.errors import one_line
 from redline.workload.selective import selective_checkpoint_context
 from redline.workload.user_model import training_loss
 
@@ -149,7 +150,7 @@ def training_step_peak(
     try:
         tracker_class = peak_only_mem_tracker()
     except Exception as error:  # ImportError, AttributeError: the private API moved
-        return None, f"MemTracker unavailable ({type(error).__name__}: {error}); {fallback}"
+        return None, f"MemTracker unavailable ({one_line(error)}); {fallback}"
     trainable = [p for p in module.parameters() if p.requires_grad]
     if not trainable:
         return None, f"no trainable parameters, so no training step to measure; {fallback}"
@@ -180,7 +181,7 @@ def training_step_peak(
             step()
         snapshot = tracker.get_tracker_snapshot("peak")
     except Exception as error:
-        return None, f"MemTracker failed on this model ({type(error).__name__}: {error}); {fallback}"
+        return None, f"MemTracker failed on this model ({one_line(error)}); {fallback}"
     finally:
         for p in trainable:
             p.grad = None

@@ -49,7 +49,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter
 
-from redline.errors import BadInput
+from redline.errors import BadInput, one_line
 from redline.workload.cuda_autocast import cuda_autocast_policy
 from redline.workload.kernels import flop_formulas, fused_attention, traceable_experts
 from redline.workload.measured_memory import (
@@ -166,12 +166,10 @@ def _guarded(name: str, call: Callable[[], Any]) -> Any:
 
 
 def _cannot_trace(name: str, error: BaseException) -> BadInput:
-    message = " ".join(str(error).split()) or "(no message)"
-    if len(message) > MAX_MESSAGE_CHARS:
-        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    message = one_line(error, limit_chars=MAX_MESSAGE_CHARS)
     if isinstance(error, _FAKE_TENSOR_LIMITS):
         message += " (the model's code depends on tensor values, which fake tensors do not have)"
-    return BadInput(f"cannot trace {name}: {type(error).__name__}: {message}")
+    return BadInput(f"cannot trace {name}: {message}")
 
 
 def _check_shape(name: str, shape: Any) -> tuple[int, ...]:
@@ -488,8 +486,8 @@ class _Tracer:
                     with self.attention, autocast:
                         kept = selective_saved_bytes(blocks, lambda x=x: self.module(x))
                 except Exception as error:  # the user's block under torch.utils.checkpoint: any error of theirs
-                    message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                    self.notes.append(f"selective checkpointing not measured ({message[:MAX_MESSAGE_CHARS]})")
+                    message = one_line(error, limit_chars=MAX_MESSAGE_CHARS)
+                    self.notes.append(f"selective checkpointing not measured ({message})")
                     for segment in self.segments:
                         segment.selective_bytes.clear()
                     return

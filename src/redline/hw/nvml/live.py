@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redline.errors import one_line
 from redline.hw.kernel_log import device_xids
 from redline.hw.nvml.device import Device
 from redline.hw.nvml.query import GpuLost, LiveQuery, NvmlGone, describe_error, init_error
@@ -336,7 +337,7 @@ class GpuStateReader:
             except NvmlGone:
                 raise
             except Exception as exc:  # a binding handing back an unexpected shape: lose this group only
-                gpu.q.note(f"reading {what}: {type(exc).__name__}: {exc}")
+                gpu.q.note(f"reading {what}: {one_line(exc)}")
         if refresh_pcie_spot:
             with contextlib.suppress(GpuLost):  # the next read reports the GPU lost
                 gpu.pcie_spot = gpu.device.pcie_throughput_bytes_per_second()

@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from redline.errors import one_line
 from redline.hw.host import parse_cpulist
 from redline.hw.nvml.device import Device
 from redline.hw.nvml.query import GpuLost, Query, describe_error, error_name, init_error, load_bindings
@@ -106,7 +107,7 @@ def probe_gpus(nvml: Any | None = None, errors: list[str] | None = None, fs: Sys
     try:
         return _probe(nvml, notes, fs)
     except Exception as exc:  # a bug in this module must not cost the rest of the snapshot
-        notes.append(f"NVML probe failed: {type(exc).__name__}: {exc}")
+        notes.append(f"NVML probe failed: {one_line(exc)}")
         return GpuSection(nvml_available=True, error=f"the GPU probe failed part-way ({type(exc).__name__})")
     finally:
         try:
@@ -165,7 +166,7 @@ def _probe_gpu(nvml: Any, notes: list[str], fs: SysFs, index: int) -> tuple[Gpu,
             gpu.lost = True
             break
         except Exception as exc:  # a binding handing back an unexpected shape: lose this group only
-            device.q.note(f"reading {what}: {type(exc).__name__}: {exc}")
+            device.q.note(f"reading {what}: {one_line(exc)}")
     return gpu, handle
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from redline.errors import one_line
 from redline.hw.sysfs import SysFs
 
 # NVML errors that mean "this GPU, driver or binding cannot answer that": the field is simply absent.
@@ -184,7 +185,7 @@ def _error_classes(nvml: Any, names: tuple[str, ...]) -> tuple[type[BaseExceptio
 def describe_error(nvml: Any, exc: BaseException) -> str:
     if isinstance(exc, nvml.NVMLError):
         return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    return f"{one_line(exc)}"
 
 
 def as_text(value: Any) -> Any:
