@@ -352,7 +352,7 @@ class Run:
     def _bucket_ready(self) -> None:
         """DDP's comm hook calls this as each gradient bucket is ready: the last mark of a backward is where
         its compute ended (``backward`` reports the wait after it as communication)."""
-        if self._in_hand is not None:  # None: a backward the user ran outside the loop
+        if self._in_hand is not None:  # None: the user's own loss.backward(), not run.backward()
             self._in_hand.bucket_ready_mark = self.metrics.mark()
 
     def _flag_unfused_adam(self, why: str) -> None:
