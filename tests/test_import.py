@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -50,4 +51,33 @@ def test_probe_software_does_not_initialise_cuda():
         "import torch\n"
         "assert not torch.cuda.is_initialized()\n"
     )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_redline_prepare_shows_its_real_signature_and_docstring_without_torch():
+    """``help(redline.prepare)`` used to show ``(*args, **kwargs)``: the signature lives in a torch-free module."""
+    code = (
+        "import inspect, json, sys, redline\n"
+        "signature = inspect.signature(redline.prepare)\n"
+        "print(json.dumps([(p.name, p.kind.name, p.default is p.empty or p.default) "
+        "for p in signature.parameters.values()]))\n"
+        "assert 'loss_fn' in redline.prepare.__doc__ and signature.return_annotation == 'Run'\n"
+        "assert not {m for m in sys.modules if m.split('.')[0] == 'torch'}, 'inspecting prepare imported torch'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    required = True  # no default
+    assert [tuple(p) for p in json.loads(out)] == [
+        ("model", "POSITIONAL_OR_KEYWORD", required),
+        ("optimizer", "POSITIONAL_OR_KEYWORD", required),
+        ("data", "POSITIONAL_OR_KEYWORD", required),
+        ("plan", "KEYWORD_ONLY", None),
+        ("scheduler", "KEYWORD_ONLY", None),
+        ("loss_fn", "KEYWORD_ONLY", None),
+        ("overrides", "VAR_KEYWORD", required),
+    ]
+
+
+def test_redline_prepare_is_the_runtimes_prepare():
+    """One function, whichever way it is imported (the runtime's module re-exports it)."""
+    code = "import redline\nfrom redline.runtime.prepare import prepare\nassert redline.prepare is prepare\n"
     subprocess.run([sys.executable, "-c", code], check=True)

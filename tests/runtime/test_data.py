@@ -216,12 +216,12 @@ def test_an_iterable_dataset_trains_through_prepare() -> None:
     run = prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(Stream(32), batch_size=8), plan=config(4, 2)
     )
-    steps = 0
+    micros = 0
     for x in run.micro_batches():
         with run.accumulate():
             run.backward(model(x).pow(2).mean())
-        steps += run._micro_index == 1
-    assert steps == 4 and run.step == 4
+        micros += 1
+    assert micros == 8 and run.step == 4  # 4 batches of 2 micro-batches, a step after each batch
 
 
 # ------------------------------------------------------------------------------------------ batches
@@ -674,13 +674,14 @@ def test_a_second_sigterm_is_the_same_request(tmp_path) -> None:
     run = prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.1), loader, plan=config(4), checkpoint_dir=str(tmp_path)
     )
+    stop = run._stop_signals
     try:
-        run._on_stop_signal(signal.SIGTERM, None)
-        run._on_stop_signal(signal.SIGTERM, None)  # would raise the default action (end the process) if taken
-        assert run._stop == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == run._on_stop_signal
+        stop.handle(signal.SIGTERM, None)
+        stop.handle(signal.SIGTERM, None)  # would raise the default action (end the process) if taken
+        assert stop.requested == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == stop.handle
     finally:
         run.close(checkpoint=False)
-    assert signal.getsignal(signal.SIGTERM) is not run._on_stop_signal
+    assert signal.getsignal(signal.SIGTERM) != stop.handle
 
 
 def _term_myself() -> None:
@@ -711,7 +712,7 @@ def test_a_forked_process_leaves_on_sigterm_as_it_would_have(tmp_path) -> None:
         child.start()
         child.join(timeout=60)  # a hang guard: the child ends at once
         assert child.exitcode == -signal.SIGTERM
-        assert run._stop is None
+        assert run._stop_signals.requested is None
     finally:
         run.close(checkpoint=False)
 

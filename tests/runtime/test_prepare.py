@@ -413,6 +413,38 @@ def test_stopping_early_still_checkpoints_and_summarises(tmp_path: Path) -> None
     assert run.summary and run.checkpointer.latest_step() == 2
 
 
+def test_each_batch_has_one_state_made_read_and_dropped() -> None:
+    """accumulate() and backward() read the BatchState of the batch in hand (which micro-batch ends it, each
+    one's share of the loss); the next batch gets a new one, and none is left after the loop. Outside the loop a
+    micro-batch is a whole batch: its whole loss, the optimizer step after it."""
+    model = make_model()
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=16)
+    run = prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader, plan=config(micro_batch=4, accumulation=4)
+    )
+    states, seen = [], []
+    for x, y in run.micro_batches():
+        state = run._in_hand
+        states.append(state)
+        seen.append((state.micro_index, state.boundary, state.loss_divisor, run.step))
+        with run.accumulate():
+            run.backward(nn.functional.mse_loss(run.model(x), y))
+        assert state.stepped == state.boundary
+    assert seen[:5] == [
+        (0, False, 4.0, 0),
+        (1, False, 4.0, 0),
+        (2, False, 4.0, 0),
+        (3, True, 4.0, 0),
+        (0, False, 4.0, 1),
+    ]
+    assert len({id(state) for state in states}) == SAMPLES // 16 and run._in_hand is None
+    x, y = dataset()[:4]
+    with run.accumulate():
+        run.backward(nn.functional.mse_loss(run.model(x), y))
+        assert run._in_hand.loss_divisor == 1.0 and run._in_hand.boundary
+    assert run.step == SAMPLES // 16 + 1 and run._in_hand is None
+
+
 def test_max_steps_ends_the_run_and_a_resumed_run_goes_on_to_the_next_limit(tmp_path: Path) -> None:
     """8 steps per epoch of 64 samples at 8: a limit of 3 stops mid-epoch with its checkpoint; resumed with
     a limit of 11 it takes the rest of the first epoch and 3 of the second, as an uninterrupted run does."""

@@ -49,15 +49,15 @@ def apply_numerics(config: NumericsConfig, device: torch.device) -> None:
         torch.backends.cudnn.benchmark = config.cudnn_benchmark
 
 
-def apply_sync_batchnorm(model: nn.Module, *, enabled: bool, device: torch.device, rank: int) -> bool:
+def apply_sync_batchnorm(model: nn.Module, *, enabled: bool, device: torch.device, rank: int) -> None:
     """BatchNorm over several ranks normalises each rank's share of the batch by its own statistics: not
     what one process computes (a small CNN's weights differed by 0.17 after a few steps). Its layers become
     SyncBatchNorm on GPUs and CrossRankBatchNorm on CPUs (PyTorch's is GPU-only): statistics over the global
-    batch. ``enabled=False`` keeps them per rank, said. True when the layers now run collectives (in every
-    forward and backward)."""
+    batch. ``enabled=False`` keeps them per rank, said. The layers then run collectives in every forward and
+    backward (``syncs_batchnorm``)."""
     count = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if not count:
-        return False
+        return
     if enabled and device.type == "cuda":
         sync_batchnorm(model)
         note = "%d BatchNorm layers made SyncBatchNorm: statistics over the global batch, as one process has"
@@ -70,7 +70,14 @@ def apply_sync_batchnorm(model: nn.Module, *, enabled: bool, device: torch.devic
         note = "sync_batchnorm=False: %d BatchNorm layers normalise over each rank's share of the batch"
     if rank == 0:
         log.warning(note, count)
-    return enabled
+
+
+def syncs_batchnorm(model: nn.Module) -> bool:
+    """Whether ``model`` has BatchNorm layers that ``apply_sync_batchnorm`` made synchronise over the ranks:
+    they run collectives in every forward and backward."""
+    from redline.runtime.batchnorm import CrossRankBatchNorm
+
+    return any(isinstance(m, nn.SyncBatchNorm | CrossRankBatchNorm) for m in model.modules())
 
 
 def sync_batchnorm(model: nn.Module) -> None:

@@ -36,10 +36,13 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
    and split into the plan's micro-batches (``feed.py``, ``data.py``, ``batch.py``);
 9. checkpoints (resume from the newest on start), step metrics (the loss is the global batch's, summed over
    the ranks in one small all-reduce per step), and with a checkpoint directory SIGTERM/SIGINT stop the run
-   at the next step boundary after a checkpoint (a spot instance's preemption notice).
+   at the next step boundary after a checkpoint (a spot instance's preemption notice; ``stop.py``).
 
-Out of memory inside ``accumulate()``: a smaller micro-batch made up with accumulation, agreed by the ranks in
-place or after a restart (``oom.py``).
+The loop's state for the batch in hand (which micro-batch, its share of the loss, whether the step is done) is
+one ``BatchState`` per batch (``batch_state.py``), made by the batch generator and read by ``accumulate()`` and
+``backward()``. Out of memory inside ``accumulate()``: a smaller micro-batch made up with accumulation, agreed
+by the ranks in place or after a restart (``oom.py``). ``prepare()`` itself is defined in ``api.py``, which
+``import redline`` loads without torch.
 """
 
 from __future__ import annotations
@@ -48,10 +51,9 @@ import contextlib
 import logging
 import os
 import signal
-import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -59,7 +61,9 @@ from torch import nn
 
 from redline.env import REDLINE_PLAN
 from redline.errors import BadInput
+from redline.runtime.api import prepare
 from redline.runtime.batch import to_device, tokens_per_sample
+from redline.runtime.batch_state import BatchState
 from redline.runtime.config import RunConfig, check_runnable, default_config, from_plan_file, runtime_from_env
 from redline.runtime.distributed import agree, clip_grad_norm, init_distributed
 from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
@@ -83,39 +87,53 @@ from redline.runtime.parallelize import (
     apply_sync_batchnorm,
     autocast_dtype,
     build_optimizer,
+    syncs_batchnorm,
     unfused_adam,
 )
 from redline.runtime.pipeline import LossFn, Pipeline, RankModel, find_layout, split, tied_group, tied_names
+from redline.runtime.stop import Stopped, StopSignals
 from redline.runtime.tensor_parallel import apply_tp
 from redline.workload.structure import find_blocks, without_kv_cache
+
+if TYPE_CHECKING:  # metrics.py is imported when a run starts (see _build_metrics)
+    from redline.runtime.metrics import StepMetrics
+
+__all__ = ["Run", "Stopped", "prepare"]
 
 log = logging.getLogger("redline.runtime")
 
 
-class Stopped(SystemExit):
-    """Asked to stop by a signal, the run checkpointed at a step boundary: exits 128 + the signal's number
-    (SystemExit: no traceback, and the code after the user's loop does not run as if training had finished)."""
-
-
-def prepare(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | OptimizerFactory,
-    data: torch.utils.data.DataLoader,
-    *,
-    plan: str | Path | RunConfig | None = None,
-    scheduler: Any = None,
-    loss_fn: LossFn | None = None,
-    **overrides: Any,
-) -> Run:
-    """Apply ``plan`` (a plan file, a RunConfig, ``$REDLINE_PLAN``, or defaults for this machine) and
-    return the ``Run`` whose ``model``, ``optimizer`` and ``micro_batches()`` the loop uses. ``overrides`` are
-    settings by keyword (``checkpoint_dir=...``, ``metrics_path=...``: ``config.SETTINGS``; None leaves one as
-    the plan has it); ``redline run``'s options win over them. ``loss_fn(output, target)``: the loss for
-    ``run.forward_backward``, which a pipeline-parallel plan needs (its last stage computes the loss)."""
-    return Run(model, optimizer, data, plan=plan, scheduler=scheduler, loss_fn=loss_fn, **overrides)
-
-
 class Run:
+    """A training run under a plan: what ``prepare()`` returns and the user's loop drives.
+
+    The loop, one code path under every plan::
+
+        for x, y in run.micro_batches(epochs=2):
+            with run.accumulate():
+                run.backward(loss_fn(run.model(x), y))   # or run.forward_backward(x, y)
+
+    What a loop uses:
+
+    - ``micro_batches(epochs=1)``: the micro-batches on the device, ``accumulation`` per optimizer step; the
+      run resumes where its checkpoint left it, and closes at the end of the loop or at a ``break``;
+    - ``accumulate()``: one micro-batch: autocast, gradient sync at the batch's last micro-batch only, then
+      the optimizer step (clipping, loss scaling, the scheduler);
+    - ``backward(loss)``: the micro-batch's share of the batch's loss, backward;
+      ``forward_backward(inputs, target)``: the model, ``loss_fn`` and the backward (a pipeline's whole step);
+      in a loop of one's own over ``loader`` instead of ``micro_batches()``, each micro-batch is a whole batch;
+    - ``save_checkpoint()`` and ``close(checkpoint=True)``, which ``micro_batches`` calls itself;
+    - ``model``, ``optimizer``, ``scheduler``, ``scaler``: as wrapped, rebuilt and made for the plan;
+    - ``step`` (optimizer steps done), ``epoch``, ``batch_in_epoch`` (this rank's batches of the epoch done),
+      ``attempt`` (starts on this checkpoint directory before this one);
+    - ``micro_batch`` and ``accumulation`` as they run now (after an out-of-memory, smaller and more),
+      ``oom_events`` (one dict per change);
+    - ``config`` (the ``RunConfig`` in force), ``precision``, ``sharding``; ``device``, ``world_size``, ``rank``,
+      ``local_rank``, ``dp_rank`` and ``dp_size`` (the ranks that load different batches), ``mesh`` and
+      ``pipeline`` (None unless the plan is tensor- or pipeline-parallel);
+    - ``loader`` (this rank's DataLoader), ``metrics`` (``StepMetrics``), ``checkpointer`` (None without a
+      checkpoint directory), ``summary`` (after ``close``: the run's metrics against the plan).
+    """
+
     def __init__(
         self,
         model: nn.Module,
@@ -130,46 +148,24 @@ class Run:
         self.world_size, self.rank, self.local_rank = init_distributed()
         self.loss_fn = loss_fn
         self.pipeline: Pipeline | None = None  # the stages and their schedule, under a pipeline-parallel plan
-        self._batchnorm_synced = False  # SyncBatchNorm layers: collectives in every forward and backward
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         self.config = self._resolve_config(plan, data, overrides)
-        strategy = self.config.strategy
-        check_runnable(strategy, device=self.device)  # the launcher's check (fp8), on this rank's GPU
+        check_runnable(self.config.strategy, device=self.device)  # the launcher's check (fp8), on this rank's GPU
         self.mesh = self._lay_out_ranks()
         # the ranks that load different batches: all of them, except that a tensor-parallel group shares one
         self.dp_rank, self.dp_size = self.mesh.dp_rank_and_size() if self.mesh else (self.rank, self.world_size)
-        self.precision = strategy.precision
         self._check_precision()
-        self.micro_batch = strategy.micro_batch
-        self.accumulation = strategy.accumulation
+        self.accumulation = self.config.strategy.accumulation
         apply_numerics(self.config.numerics, self.device)
         self._check_plan_matches(model)
         self.model = self._wrap(model.to(self.device))
-        # under tensor parallelism the parameters are DTensors, sharded over the data ranks by FSDP2 if any
-        sharding = "fsdp" if self.mesh else strategy.sharding
-        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=sharding)
+        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=self.sharding)
         self._flag_unfused_adam("as asked")
         self.scheduler = self._build_scheduler(scheduler)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.feed = Feed(data, self.config, world=self.dp_size, rank=self.dp_rank, device=self.device)
-        self.micro_batch = self.feed.micro_batch(self.accumulation) or self.micro_batch
-
-        from redline.runtime.metrics import StepMetrics, peak_flops
-
-        catalog, measured = peak_flops(self.device, self.precision)
-        self.metrics = StepMetrics(
-            device=self.device,
-            world_size=self.world_size,
-            rank=self.rank,
-            ranks_per_batch=strategy.tensor * strategy.pipeline,
-            flops_per_sample=self.config.plan.training_flops_per_sample,
-            tokens_per_sample=self.config.plan.tokens_per_sample or 1,
-            peak_flops_catalog=catalog,
-            peak_flops_measured=measured,
-            path=self.config.metrics.path,
-            interval_s=self.config.metrics.interval_s,
-        )
-        self.metrics.data_workers = self.feed.loader.num_workers
+        self.micro_batch = self.feed.micro_batch(self.accumulation) or self.config.strategy.micro_batch
+        self.metrics = self._build_metrics()
         self.checkpointer = None
         if self.config.checkpoint.dir:
             from redline.runtime.checkpoint import Checkpointer
@@ -181,21 +177,31 @@ class Run:
         self.epoch = 0
         self.batch_in_epoch = 0  # per-rank batches of this epoch already trained on
         self.oom_events: list[dict[str, Any]] = []
-        self._micro_index = 0
-        self._last_micro = self.accumulation == 1  # the micro-batch in hand ends its batch
-        self._micro_divisor = float(self.accumulation)  # its loss over this is its share of the batch's mean
-        self._retry = False
-        self._loss_sum = 0.0
-        self._simulated_oom = SimulatedOutOfMemory()
-        self._last_bucket_ready: Any = None  # metrics.mark() of the last DDP bucket ready in this backward
-        self._failed = False  # an error left a micro-batch: the loop ends without a collective checkpoint
-        self._stepped = False  # the current batch's optimizer step is done
-        self._stop: int | None = None  # the signal that asked this rank to stop
-        self._stop_agreed = False  # some rank was asked: all checkpoint at this step's end and leave
-        self._previous_handlers = self._catch_stop_signals()
+        self._in_hand: BatchState | None = None  # the batch the loop is in (see _batch)
+        self._simulated_oom = SimulatedOutOfMemory()  # the test hook REDLINE_TEST_OOM_AT; inert without it
+        self._stop_signals = StopSignals(rank=self.rank, steps_done=lambda: self.step)
+        if self.checkpointer is not None:  # a stop needs the checkpoint it resumes from
+            self._stop_signals.install()
         self._resume()
 
     # ----------------------------------------------------------------------------------- configuration
+
+    @property
+    def precision(self) -> str:
+        """The plan's precision: fp32, bf16, fp16 (autocast and loss scaling) or fp8."""
+        return self.config.strategy.precision
+
+    @property
+    def sharding(self) -> str:
+        """The data-parallel sharding in force: the plan's (ddp, zero1, zero2, fsdp or hsdp), except that beside
+        tensor or pipeline parallelism it is FSDP2 over the mesh's data ranks (DDP takes no DTensor
+        parameters), whose collectives, like tensor parallelism's, run in every forward and backward."""
+        return "fsdp" if self.mesh else self.config.strategy.sharding
+
+    @property
+    def loader(self) -> torch.utils.data.DataLoader:
+        """The user's DataLoader as this rank loads it (``feed.py``)."""
+        return self.feed.loader
 
     def _resolve_config(self, plan: Any, data: torch.utils.data.DataLoader, overrides: dict) -> RunConfig:
         """The plan (a RunConfig, a plan file, ``$REDLINE_PLAN``, or defaults for this machine), then
@@ -225,6 +231,26 @@ class Run:
             return None
         dims = ParallelDims.from_strategy(strategy, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         return build_mesh(dims, self.device.type)
+
+    def _build_metrics(self) -> StepMetrics:
+        """The step metrics (``metrics.py``), against the catalog's and the measured peak of this device."""
+        from redline.runtime.metrics import StepMetrics, peak_flops
+
+        catalog, measured = peak_flops(self.device, self.precision)
+        metrics = StepMetrics(
+            device=self.device,
+            world_size=self.world_size,
+            rank=self.rank,
+            ranks_per_batch=self.config.strategy.tensor * self.config.strategy.pipeline,
+            flops_per_sample=self.config.plan.training_flops_per_sample,
+            tokens_per_sample=self.config.plan.tokens_per_sample or 1,
+            peak_flops_catalog=catalog,
+            peak_flops_measured=measured,
+            path=self.config.metrics.path,
+            interval_s=self.config.metrics.interval_s,
+        )
+        metrics.data_workers = self.feed.loader.num_workers
+        return metrics
 
     def _check_precision(self) -> None:
         if self.device.type == "cuda" and self.precision == "bf16" and not torch.cuda.is_bf16_supported():
@@ -257,9 +283,7 @@ class Run:
         """Steps 3 to 5 of the order above (``parallelize.py``), on the model's repeated blocks."""
         without_kv_cache(model)
         if self.world_size > 1:
-            self._batchnorm_synced = apply_sync_batchnorm(
-                model, enabled=self.config.ddp.sync_batchnorm, device=self.device, rank=self.rank
-            )
+            apply_sync_batchnorm(model, enabled=self.config.ddp.sync_batchnorm, device=self.device, rank=self.rank)
         blocks = [block for _, block in find_blocks(model)]
         strategy = self.config.strategy
         if strategy.precision == "fp8":  # before any parallelism wraps the layers (torchtitan's order)
@@ -277,7 +301,7 @@ class Run:
             if self.mesh.dp is None:
                 return model
             return apply_fsdp(model, blocks, strategy, device=self.device, world=self.world_size, mesh=self.mesh.dp)
-        if strategy.sharding in ("ddp", "zero1"):
+        if self.sharding in ("ddp", "zero1"):
             return apply_ddp(
                 model,
                 self.config.ddp,
@@ -327,7 +351,10 @@ class Run:
         return RankModel(stages)
 
     def _bucket_ready(self) -> None:
-        self._last_bucket_ready = self.metrics.mark()
+        """DDP's comm hook calls this as each gradient bucket is ready: the last mark of a backward is where
+        its compute ended (``backward`` reports the wait after it as communication)."""
+        if self._in_hand is not None:  # None: the user's own loss.backward(), not run.backward()
+            self._in_hand.bucket_ready_mark = self.metrics.mark()
 
     def _flag_unfused_adam(self, why: str) -> None:
         """On a GPU, say when Adam/AdamW steps without fused=True: what the plan does not count."""
@@ -352,11 +379,6 @@ class Run:
                 "pass scheduler=lambda optimizer: YourScheduler(optimizer, ...)"
             )
         return scheduler
-
-    @property
-    def loader(self) -> torch.utils.data.DataLoader:
-        """The user's DataLoader as this rank loads it (``feed.py``)."""
-        return self.feed.loader
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -385,10 +407,11 @@ class Run:
                     self.feed.widen([(record.data_s, record.time_s) for record in records])
                     self.metrics.data_workers = self.feed.loader.num_workers
         except GeneratorExit:  # the loop stopped early: a break (every rank alike), or an error in its body
-            if self._stepped:  # a break after the batch's optimizer step: the checkpoint counts the batch
-                self.batch_in_epoch += 1
+            state = self._in_hand  # the batch it stopped in: every micro-batch is yielded inside one
+            if state is not None and state.stepped:  # a break after the batch's optimizer step: the checkpoint
+                self.batch_in_epoch += 1  # counts the batch
             # after an error the other ranks may sit in a collective: a checkpoint (collective) would hang
-            self.close(checkpoint=not self._failed)
+            self.close(checkpoint=state is None or not state.failed)
             raise
         except BaseException:  # an error, perhaps on this rank only: no collective checkpoint, just the summary
             self.close(checkpoint=False)
@@ -406,10 +429,9 @@ class Run:
                 return
             if self.config.plan.tokens_per_sample is None:  # no plan says: the batches do
                 self.metrics.tokens_per_sample = tokens_per_sample(batch)
-            self._stepped = False  # set by this batch's optimizer step
-            yield from self._batch(to_device(batch, self.device))
+            done = yield from self._batch(to_device(batch, self.device))
             self.batch_in_epoch += 1
-            if self._stop_agreed:  # a SIGTERM or SIGINT reached some rank: checkpoint here and leave
+            if done.stop_agreed:  # a SIGTERM or SIGINT reached some rank: checkpoint here and leave
                 self._stop_at_boundary()
             if self.config.checkpoint.every and self.step % self.config.checkpoint.every == 0:
                 self.save_checkpoint()
@@ -420,61 +442,80 @@ class Run:
         """The run has taken ``max_steps`` optimizer steps (every rank alike: they step together)."""
         return self.config.loop.max_steps is not None and self.step >= self.config.loop.max_steps
 
-    def _batch(self, batch: Any) -> Iterator[Any]:
-        """The batch's micro-batches; replayed, split finer, after an agreed out-of-memory."""
+    def _batch(self, batch: Any) -> Generator[Any, None, BatchState]:
+        """The batch's micro-batches, each read by ``accumulate()`` and ``backward()`` through the batch's
+        ``BatchState`` (``_in_hand``); replayed, split finer, after an agreed out-of-memory. Returns that state
+        when the last micro-batch is through (``stop_agreed``: read after the batch's optimizer step)."""
         size = self.feed.batch_size(self.batch_in_epoch)
         while True:
-            self._retry = False
             parts = 1 if self.pipeline else self.accumulation  # a pipeline's schedule splits the batch itself
             micros = micro_batches(batch, parts=parts, size=size, uneven=self.feed.batches is not None)
-            for index, (micro, divisor) in enumerate(micros):
-                self._micro_index = index
-                self._last_micro = index == len(micros) - 1
-                self._micro_divisor = divisor  # its loss over this is its share of the batch's mean
+            state = self._in_hand = BatchState(loss_divisors=[divisor for _, divisor in micros])
+            for index, (micro, _) in enumerate(micros):
+                state.micro_index = index
                 yield micro
-                if self._retry:
+                if state.replay:
                     break
-            if not self._retry:
-                return
+            if not state.replay:
+                self._in_hand = None
+                return state
+
+    @contextlib.contextmanager
+    def _batch_in_hand(self) -> Iterator[BatchState]:
+        """The state of the batch the loop is in (``_batch`` makes it). Outside ``micro_batches()`` (a loop of
+        the user's own over ``run.loader``) each micro-batch is a whole batch: a state of its own, held while
+        ``accumulate()`` or ``backward()`` runs, then dropped."""
+        if self._in_hand is not None:
+            yield self._in_hand
+            return
+        self._in_hand = BatchState(loss_divisors=[1.0])
+        try:
+            yield self._in_hand
+        finally:
+            self._in_hand = None
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
-        """One micro-batch: autocast, no gradient sync before the last of the step, then the optimizer step."""
-        boundary = self._last_micro
+        """One micro-batch: autocast, no gradient sync before the last of the batch, then the optimizer step
+        (outside ``micro_batches()``: after each, see ``_batch_in_hand``)."""
+        with self._batch_in_hand() as state:
+            out_of_memory = False
+            with self.metrics.compute():
+                try:
+                    with self._no_sync(state.boundary), self._autocast():
+                        yield
+                except torch.OutOfMemoryError as exc:
+                    if in_collective(
+                        world=self.world_size,
+                        boundary=state.boundary,
+                        sharding=self.sharding,
+                        batchnorm_synced=syncs_batchnorm(self.model),
+                    ):  # no agreement is possible: end here and come back smaller
+                        state.failed = True
+                        restart_smaller(
+                            exc,
+                            self.checkpointer,
+                            step=self.step,
+                            rank=self.rank,
+                            smaller=self._smaller_micro_batch(),
+                            events=self.oom_events,
+                        )
+                    out_of_memory = True
+                except BaseException:
+                    state.failed = True  # the error leaves the loop: see micro_batches
+                    raise
+            if agree(out_of_memory, dist.ReduceOp.MAX, world=self.world_size, device=self.device):  # any rank
+                self._shrink_micro_batch(state)
+                return
+            if state.boundary:
+                self._optimizer_step(state)
+
+    def _autocast(self) -> torch.autocast:
+        """The plan's autocast (disabled under fp32) without autocast's weight cache: each cast copy lives only
+        as long as the op that saved it, so the backward (here, inside the autocast region) frees a layer's
+        copies as it finishes it, and a checkpointed block's recomputation does not pile its copies up."""
         dtype = autocast_dtype(self.precision)
-        failed = False
-        with self.metrics.compute():
-            try:
-                # without autocast's weight cache: each cast copy lives only as long as the op that saved it, so
-                # the backward (here, inside the autocast region) frees a layer's copies as it finishes it, and a
-                # checkpointed block's recomputation does not pile its copies up in the cache
-                autocast = torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=False)
-                with self._no_sync(boundary), autocast:
-                    yield
-            except torch.OutOfMemoryError as exc:
-                # tensor parallelism, like FSDP2, runs collectives in every forward and backward
-                sharding = "fsdp" if self.mesh else self.config.strategy.sharding
-                if in_collective(
-                    world=self.world_size, boundary=boundary, sharding=sharding, batchnorm_synced=self._batchnorm_synced
-                ):  # no agreement is possible: end here and come back smaller
-                    self._failed = True
-                    restart_smaller(
-                        exc,
-                        self.checkpointer,
-                        step=self.step,
-                        rank=self.rank,
-                        smaller=self._smaller_micro_batch(),
-                        events=self.oom_events,
-                    )
-                failed = True
-            except BaseException:
-                self._failed = True  # the error leaves the loop: see micro_batches
-                raise
-        if agree(failed, dist.ReduceOp.MAX, world=self.world_size, device=self.device):  # any rank
-            self._shrink_micro_batch()
-            return
-        if boundary:
-            self._optimizer_step()
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=False)
 
     def forward_backward(self, inputs: Any, target: Any) -> torch.Tensor | None:
         """One micro-batch's forward, loss (``prepare``'s ``loss_fn(output, target)``; a Hugging Face model's
@@ -490,22 +531,24 @@ class Run:
         loss = self.pipeline.step(inputs, target, self.accumulation)
         if loss is not None:  # each step's loss is summed over every rank, then divided by their number: only
             # the last stage has it, so it counts for the pipeline's ranks
-            self._loss_sum = self._loss_sum + loss * self.config.strategy.pipeline
+            with self._batch_in_hand() as state:
+                state.loss_sum = state.loss_sum + loss * self.config.strategy.pipeline
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
         if self.pipeline is not None:
             raise BadInput("under pipeline parallelism the schedule runs the backward: call run.forward_backward")
-        self._simulated_oom.maybe_raise(step=self.step, rank=self.rank, micro_index=self._micro_index)
-        share = loss / self._micro_divisor
-        self._loss_sum = self._loss_sum + share.detach()  # a tensor: reading it would sync the GPU every micro-batch
-        self._last_bucket_ready = None
-        with torch.autocast(self.device.type, enabled=False):
-            self.scaler.scale(share).backward()
-        if self._last_bucket_ready is not None:  # DDP reduced gradients in this backward (the boundary one)
-            self.metrics.add_comm_span(self._last_bucket_ready, self.metrics.mark())
-            self._last_bucket_ready = None
+        with self._batch_in_hand() as state:
+            self._simulated_oom.maybe_raise(step=self.step, rank=self.rank, micro_index=state.micro_index)
+            share = loss / state.loss_divisor
+            state.loss_sum = state.loss_sum + share.detach()  # a tensor: reading it would sync the GPU each time
+            state.bucket_ready_mark = None
+            with torch.autocast(self.device.type, enabled=False):
+                self.scaler.scale(share).backward()
+            if state.bucket_ready_mark is not None:  # DDP reduced gradients in this backward (the boundary one)
+                self.metrics.add_comm_span(state.bucket_ready_mark, self.metrics.mark())
+                state.bucket_ready_mark = None
 
     def _no_sync(self, boundary: bool) -> contextlib.AbstractContextManager:
         if self.world_size == 1:
@@ -519,9 +562,11 @@ class Run:
             self.model.set_requires_all_reduce(boundary)
         return contextlib.nullcontext()
 
-    def _optimizer_step(self) -> None:
-        self._stepped = True
-        shared, pending = self._share_step()
+    def _optimizer_step(self, state: BatchState) -> None:
+        """The batch's last micro-batch is done: clip, step (skipped by GradScaler on inf/nan gradients), the
+        scheduler, the step's metrics, and whether some rank was asked to stop."""
+        state.stepped = True
+        shared, pending = self._share_step(state.loss_sum)
         with self.metrics.optimizer():
             skipped = False
             if self.config.numerics.grad_clip_norm is not None:
@@ -550,70 +595,25 @@ class Run:
             accumulation=self.accumulation,
             skipped=skipped,
         )
-        self._loss_sum = 0.0
-        self._stop_agreed = bool(shared[1] > 0)  # read after end_step's synchronisation: no extra wait
+        state.stop_agreed = bool(shared[1] > 0)  # read after end_step's synchronisation: no extra wait
 
-    def _share_step(self) -> tuple[torch.Tensor, Any]:
+    def _share_step(self, loss_sum: torch.Tensor | float) -> tuple[torch.Tensor, Any]:
         """The step's summed loss and whether this rank was asked to stop, summed over the ranks in one small
         all-reduce per optimizer step, started before the optimizer's work so it overlaps it: the reported loss
         is the global batch's, and every rank learns of a stop at the same step boundary."""
         shared = torch.zeros(2, device=self.device)
-        shared[0] = self._loss_sum
-        shared[1] = float(self._stop is not None)
+        shared[0] = loss_sum
+        shared[1] = float(self._stop_signals.requested is not None)
         if self.world_size == 1:
             return shared, None
         return shared, dist.all_reduce(shared, async_op=True)
 
     # ----------------------------------------------------------------------------------- stopping
 
-    def _catch_stop_signals(self) -> dict[int, Any]:
-        """With a checkpoint directory, SIGTERM (a spot instance's preemption notice, torchrun stopping its
-        workers) and SIGINT end the run at the next step boundary, after a checkpoint, instead of at once. A
-        second Ctrl-C acts as it would have; a second SIGTERM is the same request again (one sent to a process
-        group reaches the script directly and through its launcher). Only the main thread can take signals; a
-        process forked from it (DataLoader workers set their own SIGTERM handler) leaves as it would have."""
-        if self.checkpointer is None or threading.current_thread() is not threading.main_thread():
-            return {}
-        self._signal_pid = os.getpid()
-        handlers = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            handlers[sig] = signal.signal(sig, self._on_stop_signal)
-        return handlers
-
-    def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._signal_pid:  # a process forked from this one inherited the handler
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if self._stop is not None and signum == signal.SIGTERM:
-            return  # the same request again
-        if self._stop is not None:  # a second Ctrl-C: as if redline were not there
-            previous = self._previous_handlers.get(signum, signal.SIG_DFL)
-            self._restore_signals()
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                signal.raise_signal(signum)
-            return
-        self._stop = signum
-        if self.rank == 0:
-            log.warning(
-                "%s: checkpointing at the end of step %d, then stopping (send it again to stop at once)",
-                signal.Signals(signum).name,
-                self.step + 1,
-            )
-
-    def _restore_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # close() from a garbage-collected generator elsewhere: only the main thread may
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers = {}
-
     def _stop_at_boundary(self) -> NoReturn:
         """Every rank at the same step boundary: the checkpoint a restart resumes from, then exit 128+signal."""
         path = self.save_checkpoint()
-        signum = self._stop or signal.SIGTERM  # another rank was signalled; this one leaves as they do
+        signum = self._stop_signals.requested or signal.SIGTERM  # another rank was signalled: leave as they do
         if self.rank == 0:
             log.warning("stopped after step %d; checkpoint %s", self.step, path)
         raise Stopped(128 + signum)
@@ -624,11 +624,10 @@ class Run:
         uneven = self.feed.batches is not None
         return smaller_micro_batch(self.micro_batch, self.accumulation, uneven=uneven)
 
-    def _shrink_micro_batch(self) -> None:
+    def _shrink_micro_batch(self, state: BatchState) -> None:
         """Every rank ran this micro-batch out of memory or agreed that one did: the batch again, split finer."""
         self.micro_batch, self.accumulation = self._smaller_micro_batch()
         self.optimizer.zero_grad(set_to_none=True)
-        self._loss_sum = 0.0
         free_memory(self.device)
         event = {"step": self.step, "micro_batch": self.micro_batch, "accumulation": self.accumulation}
         self.oom_events.append(event)
@@ -639,7 +638,7 @@ class Run:
                 self.micro_batch,
                 self.accumulation,
             )
-        self._retry = True
+        state.replay = True  # _batch splits the batch again, in a new BatchState (its loss sum starts at 0)
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -705,7 +704,7 @@ class Run:
 
     def close(self, *, checkpoint: bool = True) -> None:
         """End of training: a last checkpoint, the metrics summary against the plan."""
-        self._restore_signals()
+        self._stop_signals.restore()
         if checkpoint and self.checkpointer is not None and self.checkpointer.latest_step() != self.step:
             self.save_checkpoint()
         if checkpoint and self.checkpointer is not None and self.rank == 0:
