@@ -223,7 +223,7 @@ def _list(device: str, precision: str, json_output: bool) -> None:
     for entry in listed:
         here = "yes" if entry["absent"] is None else f"no: {entry['absent']}"
         here += "" if entry["default"] else " (not by default)"
-        table.add_row(entry["name"], entry["summary"], here)
+        table.add_row(str(entry["name"]), str(entry["summary"]), here)
     ui.console.print(table)
 
 

@@ -268,16 +268,16 @@ def _dry_run(
     for knob, vs in values.items():
         table.add_row(knob, ", ".join(str(v) for v in vs))
     ui.console.print(table)
-    if rows:
-        predicted = Table(title=f"the planner's prediction for {planner.model} (before any trial corrects it)")
+    if rows and planner is not None:  # rows come from the planner
+        prediction = Table(title=f"the planner's prediction for {planner.model} (before any trial corrects it)")
         for column in ("config", "step ms", "samples/s", "x the base plan's", "peak"):
-            predicted.add_column(column, justify="left" if column == "config" else "right")
+            prediction.add_column(column, justify="left" if column == "config" else "right")
         for key, p in rows:
             speedup = p.samples_per_s / rows[0][1].samples_per_s
-            predicted.add_row(
+            prediction.add_row(
                 key, f"{p.step_s * 1e3:,.1f}", f"{p.samples_per_s:,.1f}", f"{speedup:.2f}", fmt_bytes(p.allocated_bytes)
             )
-        ui.console.print(predicted)
+        ui.console.print(prediction)
         ui.console.print("compile, workers, threads and DDP's knobs are not in the planner: predicted as the base")
     elif planner is None:
         ui.console.print("give --model (or --plan with a plan `redline plan -m` wrote) for the planner's predictions")

@@ -72,7 +72,7 @@ class Journal:
 
     def __init__(self, path: Path, header: dict[str, Any]) -> None:
         self.path = path
-        self.results: dict[str, tuple[Candidate, TrialResult]] = {}
+        self.results: dict[str, tuple[Candidate | None, TrialResult]] = {}  # None: the baseline's
         self.resumed = False
         if path.exists():
             lines = _lines(path)

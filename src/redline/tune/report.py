@@ -12,6 +12,7 @@ import base64
 import io
 import statistics
 from html import escape
+from typing import cast
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -50,7 +51,7 @@ def throughput_plot(outcome: Outcome) -> bytes:
     ax.set_xticks(range(len(outcome.trials)), [t.label for t in outcome.trials], rotation=35, fontsize=7, ha="right")
     ax.grid(True, axis="y", color="#e4e8ee", linewidth=0.6)
     buf = io.BytesIO()
-    fig.canvas.print_png(buf, metadata={"Software": GENERATOR})
+    cast(FigureCanvasAgg, fig.canvas).print_png(buf, metadata={"Software": GENERATOR})  # the canvas made above
     return buf.getvalue()
 
 
@@ -122,7 +123,7 @@ def trial_cells(trial: Trial, outcome: Outcome) -> list[str]:
         trial.label,
         "baseline (redline run as it is)" if key is None else key,
         f"{result.samples_per_s:,.1f}" if result.samples_per_s else "",
-        median_cell(outcome.scores.get(key, ())) if first else "",
+        median_cell(outcome.scores.get(key, ())) if first and key is not None else "",
         f"{trial.predicted.samples_per_s:,.1f}" if trial.predicted else "",
         f"{result.step_s * 1e3:,.1f}" if result.step_s else "",
         f"{result.startup_s:.1f}" if result.startup_s is not None else "",

@@ -228,6 +228,8 @@ class Tuner:
             }.items()
         )
         planned = self._planned_line() if not candidate.knobs else None
+        slope: float
+        peak: float
         if len(peaks) >= 2:
             (m1, p1), (m2, p2) = peaks[0], peaks[-1]
             slope, (m, peak), basis = (p2 - p1) / (m2 - m1), (m2, p2), f"the measured micro-batches {m1} and {m2}"

@@ -62,7 +62,7 @@ def traceable_experts() -> Iterator[None]:
     """Hugging Face's mixture-of-experts layers multiply through ``grouped_mm``, whose fake kernel takes bf16
     only (their eager alternative asks for data-dependent shapes): while tracing, they take transformers' own
     fallback operator, the same arithmetic with a fake kernel of its own. Nothing changes for other models."""
-    moe = sys.modules.get("transformers.integrations.moe")  # imported by the model's own module, if any
+    moe: Any = sys.modules.get("transformers.integrations.moe")  # imported by the model's own module, if any
     if moe is None or not hasattr(moe, "_can_use_grouped_mm"):
         yield
         return
@@ -83,7 +83,7 @@ def _sdpa_arguments(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, bool], dict[str, Any]]:
     """F.scaled_dot_product_attention's signature, to read its arguments however they were passed."""
     del enable_gqa  # the fused kernel's fake implementation takes fewer key/value heads as they come
     return (query, key, value, dropout_p, is_causal), {"attn_mask": attn_mask, "scale": scale}

@@ -32,11 +32,12 @@ This module holds the entry and the tracer; beside it, ``kernels.py`` has the GP
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -238,7 +239,9 @@ def _make_fake(module: nn.Module) -> None:
         return replaced[id(tensor)]
 
     for owner in module.modules():
-        for slots in (owner._parameters, owner._buffers):
+        # a fake tensor takes a parameter's slot as it is, not as a Parameter: the module is only traced
+        parameters = cast(dict[str, Any], owner._parameters)
+        for slots in (parameters, owner._buffers):
             for key, tensor in slots.items():
                 if tensor is not None:
                     slots[key] = fake_like(tensor)
@@ -280,6 +283,11 @@ class _Segment:
 def _slope(values: dict[Any, float], key: Callable[[int], Any]) -> float:
     small, large = BATCHES
     return (values.get(key(large), 0.0) - values.get(key(small), 0.0)) / (large - small)
+
+
+def _at(precision: str) -> Callable[[int], tuple[int, str]]:
+    """The key of a figure taken at a batch size in ``precision``."""
+    return lambda batch: (batch, precision)
 
 
 def _intercept(values: dict[Any, float], key: Callable[[int], Any]) -> float:
@@ -450,7 +458,7 @@ class _Tracer:
                 sum(nbytes for ref, nbytes in held.items() if ref not in self.state_storages)
             )
             # the loss (an LM's cross-entropy) runs after the last block: what it saves counts with the head
-            loss = _guarded(self.name, lambda out=output: training_loss(out, x, self.vocab_size))
+            loss = _guarded(self.name, functools.partial(training_loss, output, x, self.vocab_size))
             if lm_logits(output, x, self.vocab_size) is not None:
                 self.loss_vocab = self.vocab_size
             self._forward_boundary()
@@ -484,7 +492,7 @@ class _Tracer:
                 x = self.make_input(batch)
                 try:
                     with self.attention, autocast:
-                        kept = selective_saved_bytes(blocks, lambda x=x: self.module(x))
+                        kept = selective_saved_bytes(blocks, functools.partial(self.module, x))
                 except Exception as error:  # the user's block under torch.utils.checkpoint: any error of theirs
                     message = one_line(error, limit_chars=MAX_MESSAGE_CHARS)
                     self.notes.append(f"selective checkpointing not measured ({message})")
@@ -695,7 +703,7 @@ class _Tracer:
         self, split: list[int] | None = None, whole_beside_fsdp: list[int] | None = None
     ) -> tuple[LayerProfile, ...]:
         def per_sample(values: dict[tuple[int, str], float]) -> dict[str, float]:
-            return {precision: _slope(values, lambda b, p=precision: (b, p)) for precision in ACTIVATION_PRECISIONS}
+            return {precision: _slope(values, _at(precision)) for precision in ACTIVATION_PRECISIONS}
 
         def fixed(values: dict[tuple[int, str], float]) -> dict[str, float]:
             # the fp32 run's, for both: the 16-bit run's constant also has autocast's 16-bit copies of the weights

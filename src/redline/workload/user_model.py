@@ -65,7 +65,7 @@ def training_loss(
     compute it, so the memory that loss keeps is measured too. Otherwise the sum of every floating output
     that needs a gradient."""
     logits = lm_logits(output, inputs, vocab_size)
-    if logits is not None:
+    if logits is not None and inputs is not None:  # logits are found only with the token ids
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), inputs.flatten())
     parts = [
         leaf.sum()

@@ -185,13 +185,15 @@ class VisionTransformer(nn.Module):
         self.class_token = nn.Parameter(torch.zeros(1, 1, hidden))
         tokens = (image_size // patch_size) ** 2 + 1
         self.encoder = Encoder(tokens, layers, hidden, heads, mlp_hidden, dropout)
+        head = nn.Linear(hidden, num_classes)
         self.heads = nn.Sequential()
-        self.heads.add_module("head", nn.Linear(hidden, num_classes))
+        self.heads.add_module("head", head)
         fan_in = 3 * patch_size * patch_size
         nn.init.trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / fan_in))
-        nn.init.zeros_(self.conv_proj.bias)
-        nn.init.zeros_(self.heads.head.weight)
-        nn.init.zeros_(self.heads.head.bias)
+        if self.conv_proj.bias is not None:  # made with one
+            nn.init.zeros_(self.conv_proj.bias)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (batch, 3, H, W) -> (batch, hidden, H/p, W/p) -> (batch, patches, hidden)
