@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from redline.cli import ui
 from redline.errors import BadInput
 from redline.units import fmt_bytes, fmt_duration, parse_bytes
+
+if TYPE_CHECKING:
+    from redline.transfer.engine import Options, Summary
+    from redline.transfer.source import Sockets
 
 _SHA256 = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
 
@@ -134,7 +139,16 @@ def _split(paths: list[str]) -> tuple[list[str], str]:
     return paths[:-1], paths[-1]
 
 
-def _settings(streams, per_endpoint, chunk_size, retries, overwrite, copy_links, congestion, read_timeout):
+def _settings(
+    streams: int | None,
+    per_endpoint: int,
+    chunk_size: str | None,
+    retries: int,
+    overwrite: bool,
+    copy_links: bool,
+    congestion: str,
+    read_timeout: float,
+) -> tuple[Options, Sockets]:
     """The engine's options and the sockets' settings from the command line, each checked (Options checks
     its counts itself, against what this host can run)."""
     from redline import transfer
@@ -152,7 +166,7 @@ def _settings(streams, per_endpoint, chunk_size, retries, overwrite, copy_links,
     return options, transfer.sockets_for(None if congestion == "system" else congestion, read_timeout)
 
 
-def _done(summary, congestion: str, json_out: bool) -> None:
+def _done(summary: Summary, congestion: str, json_out: bool) -> None:
     if json_out:
         ui.print_json(summary.to_dict())
     else:
@@ -161,10 +175,10 @@ def _done(summary, congestion: str, json_out: bool) -> None:
         raise typer.Exit(1)
 
 
-def report(summary, asked_congestion: str) -> None:
+def report(summary: Summary, asked_congestion: str) -> None:
     for f in summary.files:
         if f.status == "failed":
-            ui.error(f.error)
+            ui.error(f.error or f"{f.dest}: failed")
         elif f.note:
             ui.warn(f"{f.dest}: {f.note}")
     counts = {s: sum(f.status == s for f in summary.files) for s in ("fetched", "pushed", "present", "failed")}

@@ -18,6 +18,7 @@ from redline.specs.catalog import GpuSpec, find_gpu
 if TYPE_CHECKING:
     from redline.bench.model import BenchRun
     from redline.hw.snapshot import Snapshot
+    from redline.specs.instances import InstanceSpec
 
 # What a job can allocate of the nominal size: NVML shows an "80GB" H100 as 81559 MiB of 81920, an H200 as
 # 143771 of 144384 (99.6%); 99.5% keeps the planner on the safe side where the catalog is all it has.
@@ -222,7 +223,7 @@ def parse_hardware(text: str) -> Cluster:
     return catalog_cluster(gpu, count, name=text)
 
 
-def instance_cluster(instance) -> Cluster:
+def instance_cluster(instance: InstanceSpec) -> Cluster:
     """A cloud instance: its GPUs from the catalog, its links and network from the instance catalog."""
     if instance.whole_gpus < 1:
         raise BadInput(

@@ -10,6 +10,7 @@ overwrite a plan it wrote and nothing else.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ def make_plan(
     cluster: Cluster,
     goal: Goal,
     chosen: Estimate,
-    notes=(),
+    notes: Iterable[str] = (),
     runtime: dict[str, Any] | None = None,
     load: dict[str, Any] | None = None,
 ) -> Plan:

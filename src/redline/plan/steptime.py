@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from redline.plan.comm import collective_s, network_share, p2p_s, ring_s
+from redline.plan.comm import Collective, collective_s, network_share, p2p_s, ring_s
 from redline.plan.hardware import Cluster
 from redline.plan.memory import (
     DDP_BUCKET_BYTES,
@@ -248,7 +248,7 @@ def _data_parallel_exposed_s(
     gathered = params * activation_value_bytes(strategy)  # parameters are gathered in the compute precision
     units = max(1, len(stage.blocks))
 
-    def dp(kind, size: float, *, per_node: int = where.dp_per_node, nodes: int = where.dp_nodes) -> float:
+    def dp(kind: Collective, size: float, *, per_node: int = where.dp_per_node, nodes: int = where.dp_nodes) -> float:
         return collective_s(
             kind,
             size,
