@@ -114,12 +114,15 @@ def _conv1d_as_linear(module: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if type(child).__name__ != "Conv1D" or not hasattr(child, "nf"):
                 continue
-            inputs, outputs = child.weight.shape
-            linear = nn.Linear(inputs, outputs, bias=child.bias is not None, device=child.weight.device)
+            weight, bias = child.weight, child.bias
+            if not isinstance(weight, torch.Tensor):  # not Hugging Face's Conv1D after all: left as it is
+                continue
+            inputs, outputs = weight.shape
+            linear = nn.Linear(inputs, outputs, bias=bias is not None, device=weight.device)
             with torch.no_grad():
-                linear.weight.copy_(child.weight.t())
-                if child.bias is not None:
-                    linear.bias.copy_(child.bias)
+                linear.weight.copy_(weight.t())
+                if isinstance(bias, torch.Tensor):
+                    linear.bias.copy_(bias)
             setattr(parent, name, linear)
 
 
@@ -194,6 +197,8 @@ def onnx_export(module: nn.Module, example: torch.Tensor, path: Path, dynamic_sh
         program = torch.onnx.export(
             model, (example,), dynamo=True, input_names=["x"], output_names=["y"], verbose=False
         )
+    if program is None:  # documented to come with dynamo=True (None is the TorchScript exporter's answer)
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNX program")
     program.save(str(path))
     return path
 

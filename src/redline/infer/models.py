@@ -42,7 +42,7 @@ class Subject:
     """The model to serve and how to feed it."""
 
     name: str
-    served: nn.Module  # eval mode, fp32, on the CPU; one tensor in, one out
+    served: Served  # eval mode, fp32, on the CPU; one tensor in, one out
     kind: Kind
     sample_shape: tuple[int, ...]  # one sample's input, without the batch dimension
     input_dtype: torch.dtype  # torch.long for token ids
@@ -63,7 +63,7 @@ class Served(nn.Module):
 
     def __init__(self, inner: nn.Module, hugging_face: bool = False, causal: bool = False) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner: nn.Module = inner
         self.hugging_face = hugging_face
         self.causal = causal
         # transformers 4.50+ computes the logits of the last positions only when asked (``logits_to_keep``)
@@ -118,7 +118,10 @@ def load_subject(
 
         preset = traced_presets()[name]
         shape = input_shape or preset.input_shape
-        subject = Subject(name, Served(preset.build()), "classifier", shape, torch.float32, source={"preset": name})
+        module = preset.build()  # typed object: workload's preset list imports no torch
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"preset {name} built a {type(module).__name__}, not a torch module")
+        subject = Subject(name, Served(module), "classifier", shape, torch.float32, source={"preset": name})
     elif name in TRANSFORMER_PRESETS:
         subject = _hugging_face(name, preset_config(name), seq_len)
     else:  # unreachable today; a new preset kind must say how it is served
@@ -233,14 +236,14 @@ def load_weights(module: Served, path: Path) -> None:
         fd = open_regular(path, "--weights")  # a FIFO or a device refused before torch reads from it
         try:
             with os.fdopen(fd, "rb") as f:
-                state = torch.load(f, map_location="cpu", weights_only=True)
+                loaded = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise BadInput(f"--weights {path}: not a torch.save'd state_dict ({one_line(exc, typed=False)})") from None
-        if isinstance(state, dict):
-            state = state.get("model", state.get("state_dict", state))
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        if isinstance(loaded, dict):
+            loaded = loaded.get("model", loaded.get("state_dict", loaded))
+        if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
             raise BadInput(f"--weights {path}: holds no state_dict (a mapping of names to tensors)")
-        state = {key.removeprefix("module.").removeprefix("_orig_mod."): value for key, value in state.items()}
+        state = {key.removeprefix("module.").removeprefix("_orig_mod."): value for key, value in loaded.items()}
     try:
         target.load_state_dict(state, strict=True)
     except RuntimeError as exc:

@@ -119,7 +119,7 @@ def verdict(rows: list[Row], best: Row | None, settings: Settings) -> str:
 def latency_plot(rows: list[Row], batches: tuple[int, ...]) -> bytes:
     """p50 latency per backend, one group of bars per batch size, log scale (batch 1 and 32 differ by 10x+)."""
     fig = Figure(figsize=(10, 3.8), dpi=100)
-    FigureCanvasAgg(fig)
+    canvas = FigureCanvasAgg(fig)
     fig.subplots_adjust(left=0.08, right=0.98, top=0.88, bottom=0.14)
     ax = fig.add_subplot()
     ax.set_title("p50 latency per call (lower is faster); hatched: failed parity", loc="left", fontsize=11)
@@ -131,7 +131,7 @@ def latency_plot(rows: list[Row], batches: tuple[int, ...]) -> bytes:
     for index, name in enumerate(names):
         for position, batch in enumerate(batches):
             row = next((r for r in rows if r.backend == name and r.batch == batch and r.p50_ms), None)
-            if row is None:
+            if row is None or row.p50_ms is None:  # the filter above took rows with a p50 only
                 continue
             ax.bar(
                 position + index * width,
@@ -146,7 +146,7 @@ def latency_plot(rows: list[Row], batches: tuple[int, ...]) -> bytes:
     ax.legend(fontsize="small", frameon=False, ncol=min(4, max(1, len(names))))
     ax.grid(True, axis="y", color="#e4e8ee", linewidth=0.6)
     buf = io.BytesIO()
-    fig.canvas.print_png(buf, metadata={"Software": GENERATOR})
+    canvas.print_png(buf, metadata={"Software": GENERATOR})
     return buf.getvalue()
 
 

@@ -43,15 +43,20 @@ import math
 import os
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
 from datetime import datetime
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from redline.capability import is_available
 from redline.errors import BadInput, RedlineError, one_line
 from redline.queue.engine import Engine
 from redline.queue.spec import EngineJob, JobSpec
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient, V1Job
+    from kubernetes.client.exceptions import ApiException
 
 KINDS = ("job", "trainjob", "pytorchjob")
 MANAGED_BY = {"app.kubernetes.io/managed-by": "redline"}
@@ -333,7 +338,8 @@ PYTORCHJOB_SCHEMA: dict[str, Any] = {
     },
 }
 
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
+# type[Any]: a value that passes its isinstance check stays Any to the checks that follow (len, in, items)
+_TYPES: dict[str, type[Any]] = {"object": dict, "array": list, "string": str, "boolean": bool}
 
 
 def _check(value: Any, schema: Mapping[str, Any], path: str, errors: list[str]) -> None:
@@ -394,7 +400,8 @@ def check(obj: Mapping[str, Any]) -> None:
     _client()
     errors: list[str] = []
     kind = obj.get("kind")
-    metadata = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
+    given = obj.get("metadata")
+    metadata = given if isinstance(given, Mapping) else {}
     name = metadata.get("name") or ""
     rule, rule_name = (_JOB_NAME_RULE, "a DNS label") if kind == "Job" else (_NAME_RULE, "an RFC 1035 label")
     if not isinstance(name, str) or not rule.match(name) or len(name) > 63:
@@ -434,7 +441,7 @@ def render(spec: JobSpec, **options: Any) -> str:
 # -- the cluster ---------------------------------------------------------------------------------------------------
 
 
-def _client():
+def _client() -> ModuleType:
     """The kubernetes package, or a one-line BadInput saying how to get it (as redline.capability does)."""
     if not is_available("kubernetes"):
         raise BadInput("Kubernetes jobs need the official client: pip install kubernetes")
@@ -445,7 +452,7 @@ def _client():
     return client
 
 
-def connect():
+def connect() -> ApiClient:
     """An API client for the cluster of the current kubeconfig context (KUBECONFIG or ~/.kube/config), or of the
     pod this runs in; a one-line BadInput when there is neither. Nothing is sent yet."""
     client = _client()
@@ -466,7 +473,9 @@ def connect():
     return client.ApiClient(configuration)
 
 
-def _call(api_client, what: str, call, *args, missing_ok: bool = False, **kwargs):
+def _call(
+    api_client: ApiClient, what: str, call: Callable[..., Any], *args: Any, missing_ok: bool = False, **kwargs: Any
+) -> Any:
     """Run one API call with short timeouts; what goes wrong is one line naming ``what`` and why: BadInput where
     the API server found the request invalid, RedlineError otherwise (refused, unreachable). With ``missing_ok``,
     a resource the cluster does not have (its operator is not installed) is None."""
@@ -488,12 +497,14 @@ def _call(api_client, what: str, call, *args, missing_ok: bool = False, **kwargs
         raise RedlineError(f"cannot reach the Kubernetes API server at {host} to {what}: {_first_line(exc)}") from None
 
 
-def _api_message(exc) -> str:
+def _api_message(exc: ApiException) -> str:
     import json
 
+    if exc.body is None:  # no answer came with it
+        return exc.reason or ""
     try:
         return json.loads(exc.body)["message"]
-    except (TypeError, ValueError, KeyError):
+    except (TypeError, ValueError, KeyError):  # an answer that is not the API server's JSON Status
         return exc.reason or ""
 
 
@@ -503,7 +514,7 @@ def _first_line(exc: BaseException) -> str:
     return one_line(reason if isinstance(reason, BaseException) else exc, typed=False)
 
 
-def submit(spec: JobSpec, *, api_client=None, **options: Any) -> str:
+def submit(spec: JobSpec, *, api_client: ApiClient | None = None, **options: Any) -> str:
     """Create the job in the cluster (strict field validation: an unknown field is an error, not dropped) and
     return its id: the Job's name, or ``trainjob/<name>`` / ``pytorchjob/<name>``."""
     obj = manifest(spec, **options)
@@ -513,16 +524,16 @@ def submit(spec: JobSpec, *, api_client=None, **options: Any) -> str:
 
     namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     if obj["kind"] == "Job":
-        api = client.BatchV1Api(api_client)
-        _call(api_client, f"create Job {name}", api.create_namespaced_job, namespace, obj, field_validation="Strict")
+        batch = client.BatchV1Api(api_client)
+        _call(api_client, f"create Job {name}", batch.create_namespaced_job, namespace, obj, field_validation="Strict")
         return name
     group, version, plural = TRAINJOB if obj["kind"] == "TrainJob" else PYTORCHJOB
-    api = client.CustomObjectsApi(api_client)
+    custom = client.CustomObjectsApi(api_client)
     what = f"create {obj['kind']} {name}"
     _call(
         api_client,
         what,
-        api.create_namespaced_custom_object,
+        custom.create_namespaced_custom_object,
         group,
         version,
         namespace,
@@ -540,29 +551,29 @@ def _split(job_id: str) -> tuple[tuple[str, str, str] | None, str]:
     return {"trainjob": TRAINJOB, "pytorchjob": PYTORCHJOB}.get(kind), name
 
 
-def cancel(job_id: str, *, namespace: str = "default", api_client=None) -> None:
+def cancel(job_id: str, *, namespace: str = "default", api_client: ApiClient | None = None) -> None:
     """Delete the job and, in the background, its pods (propagationPolicy Background)."""
     resource, name = _split(job_id)
     api_client = api_client or connect()
     from kubernetes import client
 
     if resource is None:
-        api = client.BatchV1Api(api_client)
+        batch = client.BatchV1Api(api_client)
         _call(
             api_client,
             f"delete Job {name}",
-            api.delete_namespaced_job,
+            batch.delete_namespaced_job,
             name,
             namespace,
             propagation_policy="Background",
         )
     else:
         group, version, plural = resource
-        api = client.CustomObjectsApi(api_client)
+        custom = client.CustomObjectsApi(api_client)
         _call(
             api_client,
             f"delete {plural.removesuffix('s')} {name}",
-            api.delete_namespaced_custom_object,
+            custom.delete_namespaced_custom_object,
             group,
             version,
             namespace,
@@ -572,7 +583,7 @@ def cancel(job_id: str, *, namespace: str = "default", api_client=None) -> None:
         )
 
 
-def jobs(*, namespace: str = "default", api_client=None) -> list[EngineJob]:
+def jobs(*, namespace: str = "default", api_client: ApiClient | None = None) -> list[EngineJob]:
     """Every job redline made in ``namespace`` (label app.kubernetes.io/managed-by=redline), oldest first: Jobs,
     and TrainJobs and PyTorchJobs where their operators are installed."""
     api_client = api_client or connect()
@@ -629,7 +640,7 @@ class Kubernetes(Engine):
         cancel(job_id, namespace=self.namespace)
 
 
-def status(ids: Iterable[str], *, namespace: str = "default", api_client=None) -> list[EngineJob]:
+def status(ids: Iterable[str], *, namespace: str = "default", api_client: ApiClient | None = None) -> list[EngineJob]:
     """The named jobs' states; a job that is gone is ``lost``."""
     wanted = [job_id.removeprefix("job/") for job_id in ids]
     for job_id in wanted:
@@ -651,11 +662,13 @@ def _seconds(moment: datetime | str | None) -> float | None:
     return moment.timestamp()
 
 
-def job_state(job) -> EngineJob:
+def job_state(job: V1Job) -> EngineJob:
     """A batch/v1 Job (the client's V1Job) as a row of `redline jobs`: Complete is done, Failed (or its
     FailureTarget, set while pods stop) failed, deleted cancelled, Suspended (Kueue has not admitted it) queued,
     a job with active pods running, one whose pods are not made yet queued."""
     meta, status_ = job.metadata, job.status
+    if meta is None or meta.name is None:  # the API server names every object it lists
+        raise RedlineError("Kubernetes listed a Job without a name")
     annotations = meta.annotations or {}
     conditions = {
         c.type: c for c in (status_.conditions if status_ and status_.conditions else ()) if c.status == "True"
@@ -671,10 +684,10 @@ def job_state(job) -> EngineJob:
         condition = conditions.get("Failed") or conditions["FailureTarget"]
         state, reason, ended = "failed", condition.reason or condition.message or "", condition.last_transition_time
     elif "Suspended" in conditions or (job.spec is not None and job.spec.suspend):
-        condition = conditions.get("Suspended")
+        suspended = conditions.get("Suspended")
         state, reason = (
             "queued",
-            (condition.message if condition and condition.message else "suspended: waiting for Kueue"),
+            (suspended.message if suspended and suspended.message else "suspended: waiting for Kueue"),
         )
     elif status_ and status_.active:
         state, reason = "running", f"{status_.active} pod{'s' if status_.active > 1 else ''} active"

@@ -13,7 +13,7 @@ spread takes the emptiest (a job gets the most headroom).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -148,7 +148,7 @@ class Devices:
         return Devices(slots, [r for r in self.reservations if r.job != job])
 
 
-def _choose(fits: Sequence[Slot], count: int, *, key, pack: bool) -> tuple[list[Slot], str]:
+def _choose(fits: Sequence[Slot], count: int, *, key: Callable[[Slot], int], pack: bool) -> tuple[list[Slot], str]:
     """``count`` of the fitting devices: within one NVLink domain where one has enough, else one NUMA node, else
     any; pack takes the least room first, spread the most (ties by index)."""
 

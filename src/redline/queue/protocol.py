@@ -62,10 +62,13 @@ def parse_request(line: bytes) -> tuple[Op, dict[str, Any]]:
             f"this queue daemon speaks queue protocol {PROTOCOL_VERSION}, the client {version}: "
             "use the redline the daemon runs, or restart the daemon with yours"
         )
+    op = request.get("op")
+    if not isinstance(op, str):  # null, a number, a list: no operation's name either
+        raise BadInput(f"unknown request {op!r}")
     try:
-        return Op(request.get("op")), request
+        return Op(op), request
     except ValueError:
-        raise BadInput(f"unknown request {request.get('op')!r}") from None
+        raise BadInput(f"unknown request {op!r}") from None
 
 
 def check_answer(answer: Any, where: str) -> dict[str, Any]:

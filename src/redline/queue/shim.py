@@ -157,7 +157,8 @@ def _become_the_job(run: dict, log_fd: int, go_read: int, error_write: int) -> N
             os.setgroups(run.get("groups") or [])
             os.setresgid(run["gid"], run["gid"], run["gid"])
             os.setresuid(run["uid"], run["uid"], run["uid"])
-        os.umask(run.get("umask") if run.get("umask") is not None else DEFAULT_UMASK)
+        umask = run.get("umask")
+        os.umask(umask if umask is not None else DEFAULT_UMASK)
         folder = run.get("cwd") or "/"
         try:
             os.chdir(folder)

@@ -29,12 +29,20 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from redline.errors import BadInput
 from redline.transfer.source import Remote, TransferError
 from redline.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from redline.transfer.engine import Options, Progress
+    from redline.transfer.link import Link
+    from redline.transfer.session import Session
+    from redline.transfer.source import Sockets
 
 # no cap given: the cache may take this share of the space its disk has for it (free + what it holds)
 DEFAULT_SHARE_OF_DISK = 0.8
@@ -121,7 +129,11 @@ class Cache:
     ``known_hosts``, ``key_file``) pass through to each fill."""
 
     def __init__(
-        self, root: str | os.PathLike[str] | None = None, max_bytes: int | None = None, fetch_options=None, **fetch_kw
+        self,
+        root: str | os.PathLike[str] | None = None,
+        max_bytes: int | None = None,
+        fetch_options: Options | None = None,
+        **fetch_kw: Any,
     ) -> None:
         self.root = Path(root) if root is not None else default_root()
         self.entries_dir = self.root / "entries"
@@ -139,8 +151,8 @@ class Cache:
                 _write_json(self.root / "cache.json", {"max_bytes": max_bytes})
                 self._make_room(self.entries(), max_bytes)  # a lowered cap holds from now on
         self._state_lock = threading.Lock()
-        self._session = None
-        self._links: dict[str, object] = {}
+        self._session: Session | None = None
+        self._links: dict[str, Link] = {}
 
     # pickled into DataLoader workers (spawn): the connections and measured links stay behind
     def __getstate__(self) -> dict:
@@ -152,7 +164,7 @@ class Cache:
 
     # ------------------------------------------------------------------------------------------- reading
 
-    def get(self, url: str, progress=None) -> Pinned:
+    def get(self, url: str, progress: Progress | None = None) -> Pinned:
         """The entry of ``url``, pinned; fetched now when the cache lacks it (a process filling it already:
         this one waits for it and fetches nothing)."""
         url = normalized(url)
@@ -192,13 +204,13 @@ class Cache:
 
     # ------------------------------------------------------------------------------------------- filling
 
-    def _fill(self, url: str, key: str, progress) -> Entry:
+    def _fill(self, url: str, key: str, progress: Progress | None) -> Entry:
         """Fetch ``url`` into the entry (this process holds its pin and its fill lock)."""
         from redline import transfer
 
-        remote = self._stat(url)  # the fetch below takes it rather than asking again: a round trip less
+        remote, size = self._stat(url)  # the fetch below takes it rather than asking again: a round trip less
         now = time.time()
-        entry = Entry(url, key, remote.size, "filling", now, now, path=str(self._file(key, ".data")))
+        entry = Entry(url, key, size, "filling", now, now, path=str(self._file(key, ".data")))
         self._admit(entry)
         # overwrite: a data file the cache has no record of (its record lost) is replaced, never refused
         options = dataclasses.replace(self.fetch_options or transfer.Options(), overwrite=True)
@@ -214,9 +226,10 @@ class Cache:
         _write_json(self._file(key, ".json"), _meta(entry))
         return entry
 
-    def _stat(self, url: str) -> Remote:
-        """What the file at ``url`` is (size, validators); a source that is not there (404, no such file) is the
-        user's to fix (NotStageable), a network that fails three tries may mend (StageError)."""
+    def _stat(self, url: str) -> tuple[Remote, int]:
+        """What the file at ``url`` is (its validators), and its size, which a fill needs known (room is made
+        first); a source that is not there (404, no such file) is the user's to fix (NotStageable), a network that
+        fails three tries may mend (StageError)."""
         from redline.transfer.engine import retryable
         from redline.transfer.session import is_folder
 
@@ -227,7 +240,7 @@ class Cache:
                 remote = self._session_for().source(url).stat()
                 if remote.size is None:
                     raise TransferError(f"{url}: the server gives no length, and the cache makes room before a fill")
-                return remote
+                return remote, remote.size
             except TransferError as exc:
                 raise NotStageable(f"cannot stage {_naming(url, str(exc))}") from None
             except Exception as exc:
@@ -308,7 +321,8 @@ class Cache:
     def clear(self) -> tuple[list[Entry], list[Entry]]:
         """Remove every entry nobody holds: (removed, kept because in use). Lock files of URLs that were
         never staged (their source was missing) go too."""
-        removed, kept = [], []
+        removed: list[Entry] = []
+        kept: list[Entry] = []
         with self._admission():
             for entry in self.entries():
                 (removed if self._remove(entry.key) else kept).append(entry)
@@ -336,7 +350,7 @@ class Cache:
 
     def _remove(self, key: str) -> bool:
         """Delete an entry's files unless someone holds it; False when held."""
-        pin = _lock(self._file(key, ".pin"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        pin = _flock(self._file(key, ".pin"), fcntl.LOCK_EX | fcntl.LOCK_NB)
         if pin is None:
             return False
         try:
@@ -362,14 +376,14 @@ class Cache:
         return False
 
     @contextlib.contextmanager
-    def _admission(self):
+    def _admission(self) -> Iterator[None]:
         fd = _lock(self.root / "cache.lock", fcntl.LOCK_EX)
         try:
             yield
         finally:
             os.close(fd)
 
-    def _session_for(self):
+    def _session_for(self) -> Session:
         from redline import transfer
 
         with self._state_lock:
@@ -380,12 +394,12 @@ class Cache:
                 self._session = transfer.Session(self._sockets(), options.per_endpoint, credentials)
             return self._session
 
-    def _sockets(self):
+    def _sockets(self) -> Sockets:
         from redline import transfer
 
         return transfer.sockets_for("bbr")
 
-    def _link(self, url: str):
+    def _link(self, url: str) -> Link:
         """What is known of the link to ``url``'s endpoint, measured once per cache object."""
         from redline.transfer.link import to_endpoint
 
@@ -405,7 +419,16 @@ class Cache:
                 self._session = None
 
 
-def _lock(path: Path, mode: int) -> int | None:
+def _lock(path: Path, mode: int) -> int:
+    """A descriptor holding ``flock(mode)`` on ``path`` (made if absent), waited for while another holds it:
+    ``mode`` without LOCK_NB (``_flock`` tries one that may find it held)."""
+    fd = _flock(path, mode)
+    if fd is None:
+        raise ValueError(f"{path}: a lock taken with LOCK_NB may be refused; try it with _flock")
+    return fd
+
+
+def _flock(path: Path, mode: int) -> int | None:
     """A descriptor holding ``flock(mode)`` on ``path`` (made if absent); None when ``mode`` has LOCK_NB and
     another holds it. Kept only when the path still names the inode locked (an evictor may have removed it)."""
     while True:

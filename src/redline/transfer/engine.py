@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from redline.errors import one_line
 from redline.transfer.limits import check_chunk, check_count, check_retries
@@ -19,6 +20,8 @@ from redline.transfer.source import Remote, Source, TransferError
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
+
+_T = TypeVar("_T")  # what an attempt returns
 
 
 @dataclass
@@ -132,7 +135,7 @@ def retryable(exc: BaseException) -> bool:
     return False
 
 
-def retrying(attempt: Callable, retries: int, result: FileResult, abandoned: Callable[[], bool]):
+def retrying(attempt: Callable[[], _T], retries: int, result: FileResult, abandoned: Callable[[], bool]) -> _T:
     """``attempt()``, tried again after failures a retry may cure, at most ``retries`` times, after a pause drawn
     at random up to a doubling ceiling; TransferError, naming the last failure, when the tries run out."""
     for tries in range(retries + 1):

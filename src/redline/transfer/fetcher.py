@@ -71,9 +71,29 @@ class _File:
     done: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def stated(self) -> Remote:
+        """The remote file as stat'ed: ``Fetch._prepare`` sets it before any other step reads it."""
+        if self.remote is None:
+            raise RuntimeError(f"{self.item.source.url}: used before it was stat'ed")
+        return self.remote
+
+    def opened(self) -> journals.Journal:
+        """Its journal: ``Fetch._prepare`` opens it before a block of the file is handed out or it is finished."""
+        if self.journal is None:
+            raise RuntimeError(f"{self.item.source.url}: its blocks were used before its journal was opened")
+        return self.journal
+
+    def size_bytes(self) -> int:
+        """The remote file's length: known before a block is handed out or the file is finished (one of unknown
+        length is read whole by ``Fetch._whole``, which sets the size that came)."""
+        size = self.stated().size
+        if size is None:
+            raise RuntimeError(f"{self.item.source.url}: its blocks were used before its length was known")
+        return size
+
     def block_span(self, block: int) -> tuple[int, int]:
-        size = self.journal.chunk_bytes
-        return block * size, min(self.remote.size, (block + 1) * size)
+        size = self.opened().chunk_bytes
+        return block * size, min(self.size_bytes(), (block + 1) * size)
 
 
 @dataclass
@@ -130,7 +150,7 @@ class Fetch:
         with ThreadPoolExecutor(max_workers=STAT_AHEAD, thread_name_prefix="stat") as stats:
             admitted = [stats.submit(self._admit, f) for f in self.files]
             try:
-                self._size_to_link()
+                link = self._size_to_link()
                 with ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="fetch") as pool:
                     streams = [pool.submit(self._stream) for _ in range(self.streams)]
                     try:
@@ -156,7 +176,7 @@ class Fetch:
             time.perf_counter() - start,
             self.streams,
             self.chunk_bytes,
-            self.link,
+            link,
             self.congestion,
         )
 
@@ -165,13 +185,15 @@ class Fetch:
         with self._cond:
             self._cond.notify_all()
 
-    def _size_to_link(self) -> None:
-        """Streams and chunk size from the link, measured now (while the first files are stat'ed) when not given."""
+    def _size_to_link(self) -> Link:
+        """Streams and chunk size from the link, measured now (while the first files are stat'ed) when not given;
+        the link."""
         if self.link is None:
             self.link = to_endpoint(self.files[0].item.source.endpoint, "down")
         cap = min(self.options.per_endpoint * max(1, len(self.endpoints)), host_streams())
         self.streams = self.options.streams or self.link.streams(cap)
         self.chunk_bytes = self.options.chunk_bytes or self.link.chunk_bytes()
+        return self.link
 
     # ------------------------------------------------------------------------------------- handing out work
 
@@ -186,15 +208,14 @@ class Fetch:
         self._prepare(f)
         if f.failed or f.journal is None:
             return
-        if f.remote.size is None:  # no length given: read to its end here, in one piece
+        size = f.stated().size
+        if size is None:  # no length given: read to its end here, in one piece
             self._whole(f)
             return
         if f.left == 0:  # empty, or every block kept from an earlier run
             self._finish(f)
             return
-        missing = [
-            i for i in range(len(journals.chunks(f.remote.size, f.journal.chunk_bytes))) if i not in f.journal.done
-        ]
+        missing = [i for i in range(len(journals.chunks(size, f.journal.chunk_bytes))) if i not in f.journal.done]
         for block in missing:  # runs of consecutive missing blocks
             if f.holes and f.holes[-1][1] == block:
                 f.holes[-1][1] += 1
@@ -231,8 +252,8 @@ class Fetch:
                 continue
             first, end = f.holes[0]
             share = -(-sum(b - a for a, b in f.holes) // self.streams)
-            take = min(end - first, max(share, self.chunk_bytes // f.journal.chunk_bytes, 1))
-            if not f.remote.ranged:  # each request brings the whole file: one stream reads all of it
+            take = min(end - first, max(share, self.chunk_bytes // f.opened().chunk_bytes, 1))
+            if not f.stated().ranged:  # each request brings the whole file: one stream reads all of it
                 take = end - first
             if take == end - first:
                 f.holes.pop(0)
@@ -247,7 +268,7 @@ class Fetch:
         that, at the rate it has had, will finish last, when that is over SPLIT_AFTER_S away (on a lossy link
         one stream whose window a loss just halved crawls while the others are done; it stops where the new
         segment begins and drops its connection, with what was on the way)."""
-        victims = [s for s in self._active if not s.file.failed and s.file.remote.ranged and self._room(s.file)]
+        victims = [s for s in self._active if not s.file.failed and s.file.stated().ranged and self._room(s.file)]
         if not victims:
             return None
         roomiest = max(victims, key=lambda s: s.end - max(s.requested, s.start + 1))
@@ -255,9 +276,9 @@ class Fetch:
             victim = roomiest
             middle = max(victim.requested, victim.start + 1, victim.end - max(1, (victim.end - victim.start - 1) // 2))
         else:
-            victim = max(victims, key=lambda s: s.seconds_left(s.file.journal.chunk_bytes))
+            victim = max(victims, key=lambda s: s.seconds_left(s.file.opened().chunk_bytes))
             waiting = victim.end - victim.start - 1  # the block being read stays with its stream
-            if waiting < 1 or victim.seconds_left(victim.file.journal.chunk_bytes) < SPLIT_AFTER_S:
+            if waiting < 1 or victim.seconds_left(victim.file.opened().chunk_bytes) < SPLIT_AFTER_S:
                 return None
             middle = victim.end - max(1, waiting // 2)
         if middle >= victim.end:
@@ -300,8 +321,8 @@ class Fetch:
     def _read(self, segment: _Segment) -> None:
         """Read the segment's blocks from the first not yet on disk to its end (which may move closer while
         it is read), in requests of a chunk each."""
-        per_request = max(1, self.chunk_bytes // segment.file.journal.chunk_bytes)
-        if not segment.file.remote.ranged:
+        per_request = max(1, self.chunk_bytes // segment.file.opened().chunk_bytes)
+        if not segment.file.stated().ranged:
             per_request = segment.end  # one request for all of it, however long
         while True:
             with self._cond:
@@ -315,6 +336,7 @@ class Fetch:
         """One range request: each block written at its offset as it arrives and recorded once whole. The
         part file is opened per request: a fetch of many files holds descriptors for the requests in flight."""
         f = segment.file
+        blocks = len(journals.chunks(f.size_bytes(), f.opened().chunk_bytes))
         block = first
         block_start, block_end = f.block_span(block)
         position, digest = block_start, hashlib.sha256()
@@ -340,17 +362,17 @@ class Fetch:
                 if position == block_end:
                     self._landed(segment, block, digest.hexdigest())
                     block += 1
-                    if block < len(journals.chunks(f.remote.size, f.journal.chunk_bytes)):
+                    if block < blocks:
                         block_start, block_end = f.block_span(block)
                     digest = hashlib.sha256()
 
         try:
-            f.item.source.read(f.remote, f.block_span(first)[0], f.block_span(end - 1)[1], sink)
+            f.item.source.read(f.stated(), f.block_span(first)[0], f.block_span(end - 1)[1], sink)
         except _Enough:
             pass
         except BaseException as exc:
             self.progress.advance(-(position - block_start))  # the block in flight comes again
-            if disk_full(exc):
+            if isinstance(exc, OSError) and disk_full(exc):
                 raise self._full(f, exc) from None
             raise
         finally:
@@ -364,7 +386,7 @@ class Fetch:
 
     def _landed(self, segment: _Segment, block: int, sha256: str) -> None:
         f = segment.file
-        f.journal.record(block, sha256)
+        f.opened().record(block, sha256)
         with self._cond:
             segment.start = block + 1
         with f.lock:
@@ -376,69 +398,70 @@ class Fetch:
         """Stat the remote file (unless the caller just did), skip it when the destination already is it, else
         open its journal, once its disk has room for it."""
         try:
-            f.remote = f.item.remote or retrying(f.item.source.stat, self.options.retries, f.result, lambda: False)
-            f.result.size = f.remote.size
-            f.landing = journals.landing(f.item.dest)
-            f.landing.destination()  # a symlink, a device, a FIFO: refused before a lock is made beside it
+            remote = f.item.remote or retrying(f.item.source.stat, self.options.retries, f.result, lambda: False)
+            f.remote, f.result.size = remote, remote.size
+            f.landing = landing = journals.landing(f.item.dest)
+            landing.destination()  # a symlink, a device, a FIFO: refused before a lock is made beside it
             self._lock(f)
-            if self._present(f):
+            if self._present(f, landing, remote):
                 return
-            f.journal = journals.Journal.open(f.landing, f.remote, self.block_bytes)
+            f.journal = journal = journals.Journal.open(landing, remote, self.block_bytes)
             self._from_scratch_without_ranges(f)
-            self._check_room(f)
+            self._check_room(f, landing)
         except TransferError as exc:
             self._fail(f, str(exc))
             return
         except OSError as exc:
             self._fail(f, f"{f.item.dest}: {exc.strerror or exc}")
             return
-        f.result.note = f.result.note or (
-            f.journal.restarted_because and f"started anew: {f.journal.restarted_because}"
-        )
+        f.result.note = f.result.note or (journal.restarted_because and f"started anew: {journal.restarted_because}")
         f.result.resumed_bytes = self._kept_bytes(f)
-        f.left = len(journals.chunks(f.remote.size or 0, f.journal.chunk_bytes)) - len(f.journal.done)
-        self.progress.add_total(f.remote.size or 0)
+        f.left = len(journals.chunks(remote.size or 0, journal.chunk_bytes)) - len(journal.done)
+        self.progress.add_total(remote.size or 0)
         self.progress.advance(f.result.resumed_bytes)
 
-    def _present(self, f: _File) -> bool:
+    def _present(self, f: _File, landing: Landing, remote: Remote) -> bool:
         """Whether the destination already is the remote file (then it is done); TransferError when it is
         another file and --overwrite was not given."""
-        found = f.landing.destination()
-        if found is None or f.landing.lstat(f.landing.journal) is not None:
+        found = landing.destination()
+        if found is None or landing.lstat(landing.journal) is not None:
             return False
-        if _is_same(found, f.remote):
+        if _is_same(found, remote):
             f.result.status = "present"
             self._unlock(f)
             self.progress.finished(f.result)
             return True
         if not self.options.overwrite:
-            raise TransferError(f"{f.item.dest}: exists and is not {f.remote.url} (--overwrite replaces it)")
+            raise TransferError(f"{f.item.dest}: exists and is not {remote.url} (--overwrite replaces it)")
         return False
 
     def _from_scratch_without_ranges(self, f: _File) -> None:
         """A server without byte ranges cannot send the blocks an earlier run lacked alone: it starts over."""
-        if f.remote.ranged or not f.journal.done:
+        journal = f.opened()
+        if f.stated().ranged or not journal.done:
             return
         kept = self._kept_bytes(f)
-        f.journal.forget()
+        journal.forget()
         f.result.note = f"the server serves no byte ranges: the {fmt_bytes(kept)} an earlier run kept come again"
 
     def _kept_bytes(self, f: _File) -> int:
-        spans = journals.chunks(f.remote.size or 0, f.journal.chunk_bytes)
-        return sum(end - start for i, (start, end) in enumerate(spans) if i in f.journal.done)
+        journal = f.opened()
+        spans = journals.chunks(f.stated().size or 0, journal.chunk_bytes)
+        return sum(end - start for i, (start, end) in enumerate(spans) if i in journal.done)
 
-    def _check_room(self, f: _File) -> None:
+    def _check_room(self, f: _File, landing: Landing) -> None:
         """NoSpace when the destination's disk cannot hold what is left of the file and its journal (the
         part file is sparse: blocks already there take no more); then nothing is left behind but what an
         earlier run verified."""
-        if f.remote.size is None:
+        size, journal = f.stated().size, f.opened()
+        if size is None:
             return  # not known until it is read: a full disk fails it then, at once
-        blocks = len(journals.chunks(f.remote.size, f.journal.chunk_bytes))
-        need = f.remote.size - self._kept_bytes(f) + (blocks - len(f.journal.done)) * JOURNAL_LINE_BYTES
-        free = f.landing.free_bytes()
+        blocks = len(journals.chunks(size, journal.chunk_bytes))
+        need = size - self._kept_bytes(f) + (blocks - len(journal.done)) * JOURNAL_LINE_BYTES
+        free = landing.free_bytes()
         if need > free:
-            if not f.journal.done:
-                f.journal.discard()
+            if not journal.done:
+                journal.discard()
             raise NoSpace(
                 f"{f.item.dest}: needs {fmt_bytes(need)} free (the file and its journal) and its disk has "
                 f"{fmt_bytes(free)}; nothing was fetched"
@@ -489,14 +512,16 @@ class Fetch:
         """Verify the whole file, then put it in place: fsync, rename over the destination, fsync the folder."""
         try:
             landing = f.landing
+            if landing is None:  # unlocked: the file failed or the run stopped, as _open_part would say
+                raise TransferError(f"{f.item.source.url}: stopped")
             fd = self._open_part(f)
             try:
-                f.result.sha256 = journals.hash_range(fd, 0, f.remote.size)
+                f.result.sha256 = journals.hash_range(fd, 0, f.size_bytes())
                 self._verify(f)
-                landing.land(fd, f.remote.last_modified)
+                landing.land(fd, f.stated().last_modified)
             finally:
                 os.close(fd)
-            f.journal.discard()
+            f.opened().discard()
             self._unlock(f)
         except TransferError as exc:
             self._fail(f, str(exc))
@@ -513,9 +538,9 @@ class Fetch:
             return
         f.result.verified_against = against
         if expected.lower() != f.result.sha256:
-            f.journal.discard()
+            f.opened().discard()
             raise TransferError(
-                f"{f.remote.url}: SHA-256 {f.result.sha256} is not {expected.lower()} ({against}): the data "
+                f"{f.stated().url}: SHA-256 {f.result.sha256} is not {expected.lower()} ({against}): the data "
                 "is corrupt at the source or was corrupted on the way; nothing was written to the destination"
             )
 
@@ -523,6 +548,7 @@ class Fetch:
         """A file of unknown length (a chunked answer, no Content-Length): read to its end in one request,
         each retry from the start again, then its size is what came; no block is recorded (nothing to resume
         from, as a server without a length has no ranges either)."""
+        remote = f.stated()
         written = 0
 
         def attempt() -> None:
@@ -542,7 +568,7 @@ class Fetch:
                 self.progress.advance(len(piece))
 
             try:
-                f.item.source.read(f.remote, 0, None, sink)
+                f.item.source.read(remote, 0, None, sink)
             except OSError as exc:
                 if disk_full(exc):
                     raise self._full(f, exc) from None
@@ -555,7 +581,7 @@ class Fetch:
         except TransferError as exc:
             self._fail(f, str(exc))
             return
-        f.remote = dataclasses.replace(f.remote, size=written)
+        f.remote = dataclasses.replace(remote, size=written)
         f.result.size = written
         self.progress.add_total(written)
         self._finish(f)
@@ -585,8 +611,9 @@ def _files_ahead() -> int:
 def _reference(f: _File) -> tuple[str | None, str | None]:
     if f.item.sha256:
         return f.item.sha256, "--checksum"
-    if f.remote.checksum and f.remote.checksum[0] == "sha256":
-        return f.remote.checksum[1], "the store's checksum"
+    checksum = f.stated().checksum
+    if checksum and checksum[0] == "sha256":
+        return checksum[1], "the store's checksum"
     return None, None
 
 

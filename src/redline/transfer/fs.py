@@ -15,9 +15,11 @@ from urllib.parse import unquote, urlsplit
 
 from redline.capability import is_available
 from redline.files import kind_of
-from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Source, TransferError
+from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Source, TransferError, read_end
 
 if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
     from redline.transfer.session import Session
 
 
@@ -51,14 +53,15 @@ class LocalSource(Source):
         os.set_blocking(fd, True)
         return fd
 
-    def read(self, remote: Remote, start: int, end: int, sink: Sink) -> None:
+    def read(self, remote: Remote, start: int, end: int | None, sink: Sink) -> None:
+        stop = read_end(remote, end)
         with open(self._open(), "rb", buffering=0) as f:
             info = os.fstat(f.fileno())
             if (info.st_size, info.st_mtime) != (remote.size, remote.last_modified):
                 raise Changed(f"{self.path}: changed since the transfer began; run again to copy it anew")
             offset = start
-            while offset < end:
-                piece = os.pread(f.fileno(), min(PIECE_BYTES, end - offset), offset)
+            while offset < stop:
+                piece = os.pread(f.fileno(), min(PIECE_BYTES, stop - offset), offset)
                 if not piece:
                     raise Changed(f"{self.path}: shorter than when the transfer began")
                 sink(piece)
@@ -132,7 +135,7 @@ def _mount_of(path: Path) -> str:
 class FsspecSource(Source):
     """Any URL fsspec knows; ``fs`` is shared by a transfer's sources of one protocol."""
 
-    def __init__(self, url: str, fs, path: str) -> None:
+    def __init__(self, url: str, fs: AbstractFileSystem, path: str) -> None:
         self.url, self.fs, self.path = url, fs, path
         self.endpoint = f"{fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]}://"
 
@@ -149,17 +152,18 @@ class FsspecSource(Source):
             modified = modified.timestamp()
         return Remote(self.url, int(info["size"]), etag=etag, last_modified=modified)
 
-    def read(self, remote: Remote, start: int, end: int, sink: Sink) -> None:
+    def read(self, remote: Remote, start: int, end: int | None, sink: Sink) -> None:
+        stop = read_end(remote, end)
         offset = start
-        while offset < end:
-            piece = self.fs.cat_file(self.path, start=offset, end=min(end, offset + PIECE_BYTES))
+        while offset < stop:
+            piece = self.fs.cat_file(self.path, start=offset, end=min(stop, offset + PIECE_BYTES))
             if not piece:
                 raise Changed(f"{self.url}: shorter than when the transfer began")
             sink(piece)
             offset += len(piece)
 
 
-def fsspec_filesystem(url: str):
+def fsspec_filesystem(url: str) -> tuple[AbstractFileSystem, str]:
     """(fs, path) for ``url``; a TransferError, one line, when fsspec or the protocol's package is missing."""
     if not is_available("fsspec"):
         raise TransferError(f"{url}: this kind of URL needs fsspec (pip install fsspec)")

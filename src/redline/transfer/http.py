@@ -23,7 +23,7 @@ from urllib.parse import urljoin, urlsplit
 import urllib3
 
 from redline.errors import BadInput, one_line
-from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError
+from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError, read_end
 
 if TYPE_CHECKING:
     from redline.transfer.session import Session
@@ -54,7 +54,9 @@ class Pools:
             socket_options=sockets.options(),
         )
 
-    def request(self, method: str, url: str, headers: dict[str, str], body: bytes | None = None, display: str = ""):
+    def request(
+        self, method: str, url: str, headers: dict[str, str], body: bytes | None = None, display: str = ""
+    ) -> urllib3.BaseHTTPResponse:
         """The answer to ``method url``, redirects followed here (urllib3 would follow one to any scheme it
         knows, and a redirect to file:// came back as an error a retry seemed to cure)."""
         display = display or url
@@ -138,7 +140,7 @@ def _http_time(value: str | None) -> float | None:
         return None
 
 
-def check_status(response, url: str) -> None:
+def check_status(response: urllib3.BaseHTTPResponse, url: str) -> None:
     """A status a retry cannot fix is a TransferError naming it; others (5xx, 429) raise for a retry. 412:
     a store that honours If-Match refused a range of an object replaced since the fetch began."""
     if response.status == 412:
@@ -149,7 +151,7 @@ def check_status(response, url: str) -> None:
         raise OSError(f"{url}: HTTP {response.status} {response.reason}")
 
 
-def _size_header(response, name: str, url: str) -> int | None:
+def _size_header(response: urllib3.BaseHTTPResponse, name: str, url: str) -> int | None:
     """The byte count header ``name`` holds; None when absent; TransferError when it is no size."""
     value = response.headers.get(name)
     if value is None:
@@ -160,7 +162,7 @@ def _size_header(response, name: str, url: str) -> int | None:
     return int(value)
 
 
-def _content_range(response, url: str) -> tuple[int, int, int | None]:
+def _content_range(response: urllib3.BaseHTTPResponse, url: str) -> tuple[int, int, int | None]:
     """A 206's Content-Range: (first, past the last, total or None where the server says *)."""
     text = response.headers.get("Content-Range", "")
     match = _CONTENT_RANGE.fullmatch(text.strip())
@@ -172,7 +174,7 @@ def _content_range(response, url: str) -> tuple[int, int, int | None]:
     return int(match.group(1)), int(match.group(2)) + 1, total
 
 
-def _strong_etag(response) -> str | None:
+def _strong_etag(response: urllib3.BaseHTTPResponse) -> str | None:
     etag = response.headers.get("ETag")
     return None if not etag or etag.startswith("W/") else etag  # a weak one cannot guard ranges (RFC 9110 13.1.5)
 
@@ -196,7 +198,7 @@ class HttpSource(Source):
     def connect(self) -> None:
         self.pools.connect(self.endpoint)
 
-    def _get(self, headers: dict[str, str], remote: Remote | None = None):
+    def _get(self, headers: dict[str, str], remote: Remote | None = None) -> urllib3.BaseHTTPResponse:
         return self.pools.request("GET", self.request_url(remote), headers, display=self.display)
 
     def stat(self) -> Remote:
@@ -225,6 +227,7 @@ class HttpSource(Source):
         """Bytes [start, end) of ``remote`` to ``sink``; ``end`` None: to the end of a file of unknown size."""
         headers = {"Accept-Encoding": "identity", **self.pinned(remote)}
         if remote.ranged:
+            end = read_end(remote, end)  # a file served in ranges has a known size (its stat's Content-Range)
             headers["Range"] = f"bytes={start}-{end - 1}"
             validator = remote.etag or (
                 email.utils.formatdate(remote.last_modified, usegmt=True) if remote.last_modified else None
@@ -241,7 +244,7 @@ class HttpSource(Source):
             raise
         _done_with(response, drain=True)
 
-    def _check_answer(self, response, remote: Remote, start: int, end: int | None) -> int:
+    def _check_answer(self, response: urllib3.BaseHTTPResponse, remote: Remote, start: int, end: int | None) -> int:
         """That the answer is of the file the fetch began on and holds [start, end): the bytes before
         ``start`` it holds (a whole file sent where a range was asked, or by a server without ranges)."""
         if response.status == 206 and remote.ranged:
@@ -262,7 +265,7 @@ class HttpSource(Source):
             )
         return start
 
-    def _check_same(self, response, remote: Remote, size: int | None) -> None:
+    def _check_same(self, response: urllib3.BaseHTTPResponse, remote: Remote, size: int | None) -> None:
         """Changed when this answer's validators are not those the fetch began on: the file was replaced."""
         found = {
             "ETag": (remote.etag, _strong_etag(response)),
@@ -278,7 +281,7 @@ class HttpSource(Source):
                     "nothing of the new version was kept: run again to fetch it anew"
                 )
 
-    def _deliver(self, response, skip: int, wanted: int | None, sink: Sink) -> None:
+    def _deliver(self, response: urllib3.BaseHTTPResponse, skip: int, wanted: int | None, sink: Sink) -> None:
         """The answer's bytes after the first ``skip`` to ``sink``: exactly ``wanted`` of them, or all when
         ``wanted`` is None. read1: what has arrived, up to a piece, at once (read() would wait for a whole
         piece), so a stream whose tail another took stops within a few packets of the point where it began."""
@@ -296,7 +299,7 @@ class HttpSource(Source):
             raise OSError(f"{self.display}: connection closed after {received} of {wanted} bytes")
 
 
-def _done_with(response, drain: bool) -> None:
+def _done_with(response: urllib3.BaseHTTPResponse, drain: bool) -> None:
     """Give the connection back: read to the end what is short (so it can carry the next request), close
     what is not (a whole file the server sent instead of a range must not be read to the end here)."""
     if drain:

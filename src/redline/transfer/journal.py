@@ -133,12 +133,15 @@ class Journal:
     def _verified(self, done: dict[int, str]) -> dict[int, str]:
         """The recorded chunks whose bytes in the part file (this user's, not a link) still hash to what was
         recorded."""
+        size = self.remote.size
+        if size is None:  # a file of unknown length is read whole each time: nothing of it is kept (open)
+            return {}
         fd = self.landing.open_own(self.landing.part, os.O_RDONLY)
         if fd is None:
             return {}
-        spans = chunks(self.remote.size, self.chunk_bytes)
+        spans = chunks(size, self.chunk_bytes)
         try:
-            if os.fstat(fd).st_size != self.remote.size:
+            if os.fstat(fd).st_size != size:
                 return {}
             return {i: sha for i, sha in done.items() if 0 <= i < len(spans) and hash_range(fd, *spans[i]) == sha}
         finally:

@@ -16,10 +16,15 @@ import math
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from redline.bench.network import bdp_bytes
 from redline.units import MiB
+
+if TYPE_CHECKING:
+    from redline.bench.model import BenchRun
 
 MIN_CHUNK_BYTES = 8 * MiB
 MAX_CHUNK_BYTES = 256 * MiB  # one retry re-sends at most this much
@@ -85,13 +90,13 @@ def connect_rtt_s(host: str, port: int, tries: int = 3, timeout_s: float = 10.0)
             return None
 
     with ThreadPoolExecutor(max_workers=tries) as pool:
-        times = list(pool.map(handshake, range(tries)))
-    if None in times:
+        times = [t for t in pool.map(handshake, range(tries)) if t is not None]
+    if len(times) < tries:  # a handshake failed
         return None
     return statistics.median(times)
 
 
-def from_bench(run, direction: str) -> Link | None:
+def from_bench(run: BenchRun | None, direction: str) -> Link | None:
     """The link a saved bench network run measured, in ``direction`` ("down": server -> client, what a fetch
     receives; "up": what a push sends), or None when the run has no network figures that way."""
     if run is None:
@@ -109,7 +114,7 @@ def from_bench(run, direction: str) -> Link | None:
     )
 
 
-def to_endpoint(endpoint: str, direction: str, measure_rtt=connect_rtt_s) -> Link:
+def to_endpoint(endpoint: str, direction: str, measure_rtt: Callable[[str, int], float | None] = connect_rtt_s) -> Link:
     """What is known of the path to ``endpoint`` (scheme://[user@]host:port): this machine's saved bench
     network figures when their RTT is that of this endpoint (within 2x: the same far end, or one as far),
     else the endpoint's handshake time alone. A local path is no link at all."""

@@ -19,9 +19,11 @@ from urllib.parse import urlsplit
 
 from redline.capability import is_available
 from redline.transfer.http import HttpSource, Pools, pools
-from redline.transfer.source import Changed, Remote, TransferError
+from redline.transfer.source import Changed, Remote, Sink, TransferError
 
 if TYPE_CHECKING:
+    from botocore.exceptions import BotoCoreError, ClientError
+
     from redline.transfer.session import Session
     from redline.transfer.upload import S3Destination
 
@@ -35,7 +37,8 @@ def parse(url: str) -> tuple[str, str]:
     return parts.netloc, parts.path.lstrip("/")
 
 
-def client(endpoint_url: str | None, per_endpoint: int):
+def client(endpoint_url: str | None, per_endpoint: int) -> Any:
+    """A boto3 S3 client (of a class botocore makes at run time) for the store at ``endpoint_url``."""
     if not is_available("boto3"):
         raise TransferError("s3:// URLs need boto3 (pip install 'redline[s3]')")
     import boto3
@@ -45,14 +48,14 @@ def client(endpoint_url: str | None, per_endpoint: int):
     return boto3.client("s3", endpoint_url=endpoint_url, config=config)
 
 
-def errors():
+def errors() -> tuple[type[ClientError], type[BotoCoreError]]:
     """The botocore exceptions a call may raise, for the callers' except clauses."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     return ClientError, BotoCoreError
 
 
-def describe(exc, url: str) -> TransferError | None:
+def describe(exc: BaseException, url: str) -> TransferError | None:
     """A TransferError for an answer a retry cannot change (no bucket, no key, denied), else None."""
     client_error, _ = errors()
     if isinstance(exc, client_error):
@@ -79,7 +82,7 @@ def full_object_sha256(head: dict) -> str | None:
 
 
 class S3Source(HttpSource):
-    def __init__(self, url: str, s3, pools: Pools) -> None:
+    def __init__(self, url: str, s3: Any, pools: Pools) -> None:
         self.s3 = s3
         self.bucket, self.key = parse(url)
         super().__init__(self.request_url(), pools, display=url)
@@ -113,7 +116,7 @@ class S3Source(HttpSource):
             ranged=True,
         )
 
-    def read(self, remote, start, end, sink) -> None:
+    def read(self, remote: Remote, start: int, end: int | None, sink: Sink) -> None:
         try:
             super().read(remote, start, end, sink)
         except Changed:
@@ -123,7 +126,7 @@ class S3Source(HttpSource):
             ) from None
 
 
-def listing(s3, url: str) -> list[tuple[str, str]]:
+def listing(s3: Any, url: str) -> list[tuple[str, str]]:
     """Every object under the prefix ``url`` ends with: (its URL, its path below the prefix)."""
     bucket, prefix = parse(url)
     out = []

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from redline.capability import is_available
-from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError
+from redline.transfer.source import PIECE_BYTES, Changed, Remote, Sink, Sockets, Source, TransferError, read_end
 
 if TYPE_CHECKING:
+    from paramiko import SFTPClient, SSHClient
+
     from redline.transfer.session import Session
     from redline.transfer.upload import SftpDestination
 
@@ -55,10 +57,10 @@ class SshPool:
             raise TransferError("sftp:// URLs need paramiko (pip install 'redline[sftp]')")
         self.sockets, self.known_hosts, self.key_file = sockets, known_hosts, key_file
         self._local = threading.local()
-        self._all: list = []
+        self._all: list[SSHClient] = []
         self._lock = threading.Lock()
 
-    def sftp(self, address: Address):
+    def sftp(self, address: Address) -> SFTPClient:
         """This thread's SFTP session to ``address``'s server, opened on first use."""
         sessions = self._local.__dict__.setdefault("sessions", {})
         key = (address.user, address.host, address.port)
@@ -66,7 +68,7 @@ class SshPool:
             sessions[key] = self._open(address)
         return sessions[key]
 
-    def _open(self, address: Address):
+    def _open(self, address: Address) -> SFTPClient:
         import paramiko
 
         client = paramiko.SSHClient()
@@ -98,7 +100,10 @@ class SshPool:
                 raise TransferError(f"{address.endpoint}: authentication failed ({exc})") from None
             raise OSError(f"{address.endpoint}: {exc}") from None
         session = client.open_sftp()
-        session.get_channel().settimeout(self.sockets.read_timeout_s)
+        channel = session.get_channel()
+        if channel is None:  # open_sftp opens its session on a channel: none would be paramiko's fault
+            raise OSError(f"{address.endpoint}: the SFTP session came without its SSH channel")
+        channel.settimeout(self.sockets.read_timeout_s)
         with self._lock:
             self._all.append(client)
         return session
@@ -154,15 +159,19 @@ class SftpSource(Source):
             raise _missing(exc, self.url) or exc from None
         if stat_mode.S_ISDIR(info.st_mode or 0):
             raise TransferError(f"{self.url}: a directory (end the URL with / to fetch what it holds)")
+        if info.st_size is None or info.st_mtime is None:  # optional in SFTP; the validators are these two
+            raise TransferError(f"{self.url}: the server gives no size or modification time for it")
         return Remote(self.url, int(info.st_size), last_modified=float(info.st_mtime))
 
-    def read(self, remote: Remote, start: int, end: int, sink: Sink) -> None:
+    def read(self, remote: Remote, start: int, end: int | None, sink: Sink) -> None:
+        stop = read_end(remote, end)
         session = self.pool.sftp(self.address)
         with session.open(self.address.path, "rb") as f:
             info = f.stat()
-            if (info.st_size, float(info.st_mtime)) != (remote.size, remote.last_modified):
+            modified = float(info.st_mtime) if info.st_mtime is not None else None
+            if (info.st_size, modified) != (remote.size, remote.last_modified):
                 raise Changed(f"{self.url}: changed on the server since the transfer began; run again")
-            pieces = [(offset, min(PIECE_BYTES, end - offset)) for offset in range(start, end, PIECE_BYTES)]
+            pieces = [(offset, min(PIECE_BYTES, stop - offset)) for offset in range(start, stop, PIECE_BYTES)]
             for (_, length), piece in zip(pieces, f.readv(pieces, IN_FLIGHT), strict=True):
                 if len(piece) != length:
                     raise Changed(f"{self.url}: shorter than when the transfer began")
@@ -207,7 +216,7 @@ def listing(pool: SshPool, url: str, follow: bool = False) -> tuple[list[tuple[s
     return sorted(out, key=lambda item: item[1]), sorted(skipped)
 
 
-def _target_mode(session, path: str) -> int:
+def _target_mode(session: SFTPClient, path: str) -> int:
     """The mode of what the symlink ``path`` points to; 0 when it points nowhere."""
     try:
         return session.stat(path).st_mode or 0

@@ -88,6 +88,16 @@ def congestion_allowed(name: str) -> bool:
     return True
 
 
+def read_end(remote: Remote, end: int | None) -> int:
+    """Where a read of ``remote`` up to ``end`` stops: ``end``, or the file's size when None (to its end); for a
+    source that must know the end before it reads. TransferError when neither is known."""
+    if end is not None:
+        return end
+    if remote.size is None:
+        raise TransferError(f"{remote.url}: its length is unknown, and this source reads only up to a known end")
+    return remote.size
+
+
 class Source(ABC):
     """One remote file to read."""
 
@@ -98,7 +108,9 @@ class Source(ABC):
     def stat(self) -> Remote: ...
 
     @abstractmethod
-    def read(self, remote: Remote, start: int, end: int, sink: Sink) -> None: ...
+    def read(self, remote: Remote, start: int, end: int | None, sink: Sink) -> None:
+        """Bytes [start, end) of ``remote`` to ``sink`` as they arrive; ``end`` None: to the end of the file (how
+        one of unknown length, ``Remote.size`` None, is read)."""
 
     def connect(self) -> None:  # noqa: B027 - a source with no connections of its own has nothing to open
         """Open a connection ahead of the first read, where this kind of source keeps them: a stream calls it

@@ -62,7 +62,7 @@ class Staged:
             raise BadInput("no shards to stage")
         if not 0 <= ahead <= 1024:
             raise BadInput(f"ahead must be between 0 and 1024 shards, not {ahead}")
-        if (rank is None) != (world is None) or (world is not None and not 0 <= rank < world):
+        if (rank is None) != (world is None) or (rank is not None and world is not None and not 0 <= rank < world):
             raise BadInput("give rank and world together, with 0 <= rank < world")
         self.cache = cache if isinstance(cache, Cache) else Cache(cache)
         self.ahead, self.split, self.rank, self.world = ahead, split, rank, world
@@ -102,8 +102,10 @@ class Staged:
             try:
                 with path.open("rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
                     for info in tar:
-                        if info.isfile():
-                            yield Member(url, info.name, tar.extractfile(info).read())
+                        # a regular member's file object; None for a folder, a link, a device
+                        extracted = tar.extractfile(info) if info.isfile() else None
+                        if extracted is not None:
+                            yield Member(url, info.name, extracted.read())
             except tarfile.TarError as exc:
                 raise StageError(f"{url}: not a tar archive it can read ({exc})") from None
 
@@ -175,6 +177,8 @@ class _Ahead:
         if slot.error is not None:
             raise slot.error
         pinned, slot.pinned = slot.pinned, None
+        if pinned is None:  # staged without an error: only a second take of it, or one after close(), finds none
+            raise RuntimeError(f"{self.urls[index]}: taken twice, or after the pass was closed")
         return pinned
 
     def _stage(self, url: str, slot: _Slot) -> None:

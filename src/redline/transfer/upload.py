@@ -22,9 +22,11 @@ import json
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from redline.bench.store import home
 from redline.transfer.engine import FileResult, Options, Progress, Summary, retrying
@@ -32,6 +34,12 @@ from redline.transfer.journal import chunks, hash_range
 from redline.transfer.link import Link
 from redline.transfer.source import TransferError
 from redline.units import MiB
+
+if TYPE_CHECKING:
+    from paramiko import SFTPClient
+
+    from redline.transfer.http import Pools
+    from redline.transfer.sftp import Address, SshPool
 
 S3_MIN_PART_BYTES = 5 * MiB
 S3_MAX_PARTS = 10_000
@@ -50,9 +58,12 @@ class Upload:
     part_bytes: int = 0
     upload_id: str | None = None
     done: dict[int, str] = field(default_factory=dict)  # part index -> its ETag (S3) or SHA-256 (SFTP)
-    result: FileResult | None = None
+    result: FileResult = field(init=False)  # what the push reports of it
     failed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.result = FileResult(str(self.path), self.url)
 
     def journal(self) -> Path:
         key = hashlib.sha256(f"{self.path.resolve()}\0{self.url}".encode()).hexdigest()[:24]
@@ -62,17 +73,27 @@ class Upload:
         return chunks(self.size, self.part_bytes)
 
 
-class Destination:
+class Destination(ABC):
     """What a kind of destination does with an upload: begin (or resume) it, send a part, finish it."""
 
     endpoint: str
     min_part_bytes = 1
     checks_parts = False  # the store checks each part against a checksum sent with it
 
-    def begin(self, upload: Upload, resumed: bool) -> None: ...
-    def part(self, upload: Upload, index: int, data: bytes) -> str: ...
-    def finish(self, upload: Upload) -> None: ...
-    def abandon(self, upload: Upload) -> None: ...
+    @abstractmethod
+    def begin(self, upload: Upload, resumed: bool) -> None:
+        """Make ready for the parts: take up an earlier run's (``resumed``) where the destination still has it."""
+
+    @abstractmethod
+    def part(self, upload: Upload, index: int, data: bytes) -> str:
+        """Send part ``index`` (``data``); the tag the journal records of it (its ETag, or its SHA-256)."""
+
+    @abstractmethod
+    def finish(self, upload: Upload) -> None:
+        """Put the file in place once every part is there."""
+
+    def abandon(self, upload: Upload) -> None:  # noqa: B027 - a hook: nothing to let go of by default
+        """Give up on the upload; by default what was sent stays for a later run to resume."""
 
 
 class Push:
@@ -110,7 +131,6 @@ class Push:
         )
 
     def _prepare(self, upload: Upload) -> None:
-        upload.result = FileResult(str(upload.path), upload.url)
         try:
             info = upload.path.stat()
             upload.size, upload.mtime_ns = info.st_size, info.st_mtime_ns
@@ -238,7 +258,7 @@ class S3Destination(Destination):
     min_part_bytes = S3_MIN_PART_BYTES  # S3's smallest part but the last
     checks_parts = True  # Content-MD5: the store refuses a part whose bytes do not match
 
-    def __init__(self, s3, pools) -> None:
+    def __init__(self, s3: Any, pools: Pools) -> None:
         from redline.transfer.http import endpoint_of
 
         self.s3, self.pools = s3, pools
@@ -318,7 +338,7 @@ class S3Destination(Destination):
 
 
 class SftpDestination(Destination):
-    def __init__(self, pool, address) -> None:
+    def __init__(self, pool: SshPool, address: Address) -> None:
         self.pool, self.endpoint = pool, address.endpoint
 
     def _path(self, upload: Upload) -> str:
@@ -360,7 +380,7 @@ class SftpDestination(Destination):
         session.posix_rename(path + ".redline-part", path)
 
 
-def _mkdirs(session, folder: str) -> None:
+def _mkdirs(session: SFTPClient, folder: str) -> None:
     missing = []
     while folder and folder != "/":
         try:
