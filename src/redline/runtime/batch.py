@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 
@@ -74,18 +74,20 @@ def _take(node: Any, size: int, start: int, stop: int) -> Any:
     return _rebuild(node, lambda child: _take(child, size, start, stop))
 
 
-def _map(node: Any, fn: Any) -> Any:
+def _map(node: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(node, torch.Tensor):
         return fn(node)
     return _rebuild(node, lambda child: _map(child, fn))
 
 
-def _rebuild(node: Any, fn: Any) -> Any:
+def _rebuild(node: Any, fn: Callable[[Any], Any]) -> Any:
     """The same container with ``fn`` applied to each child; a leaf of any other type as it is."""
     if isinstance(node, Mapping):
         items = {key: fn(value) for key, value in node.items()}
+        # a concrete Mapping's type, which the abstract Mapping's (no arguments) does not describe
+        rebuild = cast("Callable[[dict[Any, Any]], Mapping[Any, Any]]", type(node))
         try:
-            return type(node)(items)  # dict, OrderedDict, BatchEncoding(data)
+            return rebuild(items)  # dict, OrderedDict, BatchEncoding(data)
         except TypeError:  # a Mapping whose constructor takes something else: a plain dict holds the same
             return items
     if isinstance(node, tuple) and hasattr(node, "_fields"):  # a namedtuple takes its fields as arguments

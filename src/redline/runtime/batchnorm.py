@@ -63,12 +63,15 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
         mean = total[:channels] / count
         var = total[channels : 2 * channels] / count - mean * mean  # biased, as BatchNorm normalises with
         if self.training and self.track_running_stats:
+            tracked, running_mean, running_var = self.num_batches_tracked, self.running_mean, self.running_var
+            if tracked is None or running_mean is None or running_var is None:  # a layer made without them
+                raise ValueError("track_running_stats is set on a BatchNorm layer built without running statistics")
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                tracked.add_(1)
+                momentum = 1.0 / float(tracked) if self.momentum is None else self.momentum
                 unbiased = var * count / (count - 1).clamp(min=1)
-                self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+                running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+                running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
         shape = [1, channels] + [1] * (input.dim() - 2)
         out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:

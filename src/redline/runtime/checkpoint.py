@@ -56,8 +56,9 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,11 @@ from redline.errors import BadInput, RedlineError, one_line
 from redline.files import Trusted, check_trusted, drop_write_for_others, read_user_bytes, refuse_non_folder
 from redline.runtime.tensor_parallel import join_packed, packed_dim, split_packed
 from redline.units import MiB
+
+if TYPE_CHECKING:  # imported when used only: see _is_zero
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+_T = TypeVar("_T")
 
 # the optimizer's state dict keyed by parameter name throughout ("param_groups.<name>.lr"): torchtitan's choice,
 # and what pipeline stages need (a nested "param_groups" list is one object DCP writes from one rank only)
@@ -100,6 +106,14 @@ _RANK_FILE_KEYS = frozenset(
     ("optimizer_state_saved", "zero_optimizer_shard", "rng", "scaler", "scheduler", "extra_json")
 )
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+class _Readable(NamedTuple):
+    """A checkpoint this rank can load: its folder, its COMPLETE marker and this rank's file."""
+
+    path: Path
+    marker: dict[str, Any]
+    per_rank: dict[str, Any]
 
 
 class CheckpointWarning(UserWarning):
@@ -350,19 +364,30 @@ class Checkpointer:
                 )
         raise BadInput(f"no checkpoint in {self.directory} loads ({'; '.join(failures)})")
 
-    def _try_load(self, step, trusted, name, model, optimizer, scaler, scheduler) -> tuple[int, dict] | str:
+    def _try_load(
+        self,
+        step: int,
+        trusted: Trusted | None,
+        name: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+        scheduler: Any,
+    ) -> tuple[int, dict[str, Any]] | str:
         """``(step, extra)`` once the checkpoint ``name`` in the ``trusted`` folder is restored, else why not
         (the same answer on every rank)."""
-        path, error = _checked_step(trusted, name)
-        marker, per_rank, error = (None, None, error) if error else self._read_own_file(step, path, optimizer)
         # agreed before dcp.load, a collective: a rank that skipped it would leave the others waiting in it
-        error = _first_error_of_all_ranks(error)
-        if error is not None:
-            return error
+        readable = _agreed(self._read_own_file(step, trusted, name, optimizer))
+        if isinstance(readable, str):
+            return readable
+        path, marker, per_rank = readable
         same_world = marker["world_size"] == self.world_size
-        zero = per_rank["zero_optimizer_shard"] is not None
+        # a ZeroRedundancyOptimizer's checkpoint holds its shard, another's none (_read_own_file checked)
+        zero = optimizer if _is_zero(optimizer) else None
+        state: dict[str, dict[str, Any]]
+        error = None
         try:
-            if zero:
+            if zero is not None:
                 state = {"model": get_model_state_dict(model)}
             else:
                 # the template: every key get_state_dict gives (it fills an empty optimizer's state); of the
@@ -379,7 +404,7 @@ class Checkpointer:
         try:
             with _single_process_quiet():
                 dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
-            if not zero:
+            if zero is None:
                 state = {"model": _repack(model_state, state["model"]), "optim": _repack(saved, state["optim"])}
         except (Exception, CheckpointException) as exc:
             error = _one_line(exc)
@@ -387,11 +412,11 @@ class Checkpointer:
         if error is not None:
             return error
 
-        if zero:
+        if zero is not None:
             set_model_state_dict(model, state["model"])
-            optimizer.optim.load_state_dict(per_rank["zero_optimizer_shard"])
+            zero.optim.load_state_dict(per_rank["zero_optimizer_shard"])
             # the outer parameter groups are what a scheduler sets and what step() copies into the shard
-            for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups, strict=True):
+            for outer, inner in zip(zero.param_groups, zero.optim.param_groups, strict=True):
                 outer.update({key: value for key, value in inner.items() if key != "params"})
         else:
             optim = template | state["optim"]
@@ -413,30 +438,36 @@ class Checkpointer:
             )
         return step, json.loads(per_rank["extra_json"])
 
-    def _read_own_file(self, step, path, optimizer) -> tuple[dict | None, dict | None, str | None]:
-        """(COMPLETE marker, this rank's file, None), or why they cannot be used; reads nothing collective."""
+    def _read_own_file(
+        self, step: int, trusted: Trusted | None, name: str, optimizer: torch.optim.Optimizer
+    ) -> _Readable | str:
+        """The checkpoint ``name`` in the ``trusted`` folder, its COMPLETE marker and this rank's file, or why
+        they cannot be used; reads nothing collective."""
+        path = _checked_step(trusted, name)
+        if isinstance(path, str):
+            return path
         marker = _read_marker(path, step)
         if marker is None:
-            return None, None, f"no valid {MARKER} marker"
+            return f"no valid {MARKER} marker"
         if not isinstance(marker.get("format"), int) or marker["format"] > FORMAT:
-            return marker, None, f"its format {marker.get('format')!r} is not one this redline reads (up to {FORMAT})"
+            return f"its format {marker.get('format')!r} is not one this redline reads (up to {FORMAT})"
         same_world = marker["world_size"] == self.world_size
-        name = _rank_file(self.rank if same_world else 0)
+        file_name = _rank_file(self.rank if same_world else 0)
         try:
-            per_rank = torch.load(path / name, weights_only=True)
+            per_rank = torch.load(path / file_name, weights_only=True)
             missing = sorted(_RANK_FILE_KEYS - per_rank.keys())
             if missing:
-                return marker, None, f"its {name} lacks {', '.join(missing)}"
+                return f"its {file_name} lacks {', '.join(missing)}"
             json.loads(per_rank["extra_json"])
         except Exception as exc:
-            return marker, None, _one_line(exc)
+            return _one_line(exc)
         zero = per_rank["zero_optimizer_shard"] is not None
         if zero != _is_zero(optimizer):
             kinds = ("a ZeroRedundancyOptimizer", "another optimizer")
-            return marker, None, f"saved with {kinds[not zero]}, loaded into {kinds[zero]}"
+            return f"saved with {kinds[not zero]}, loaded into {kinds[zero]}"
         if zero and not same_world:
-            return marker, None, f"its ZeroRedundancyOptimizer shards are for {marker['world_size']} ranks"
-        return marker, per_rank, None
+            return f"its ZeroRedundancyOptimizer shards are for {marker['world_size']} ranks"
+        return _Readable(path, marker, per_rank)
 
     # ------------------------------------------------------------------------------------------- layout
 
@@ -466,7 +497,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+def _is_zero(optimizer: torch.optim.Optimizer) -> TypeGuard[ZeroRedundancyOptimizer]:
     # not imported here: torch.distributed.optim scripts its optimizers with TorchScript on import (slow, and
     # deprecation warnings); when nobody imported it, the optimizer is not one of its classes
     module = sys.modules.get("torch.distributed.optim")
@@ -585,18 +616,18 @@ def _trusted(directory: Path) -> tuple[Trusted | None, str | None]:
         return None, str(exc)
 
 
-def _checked_step(trusted: Trusted | None, name: str) -> tuple[Path | None, str | None]:
+def _checked_step(trusted: Trusted | None, name: str) -> Path | str:
     """The checkpoint ``name`` inside the folder checked, or why not: this rank found no folder to check (its
     view of a folder the ranks should share differs), or the folder was replaced since its check."""
     if trusted is None:
-        return None, "the checkpoint directory was not there when this rank checked it"
+        return "the checkpoint directory was not there when this rank checked it"
     try:
-        return trusted.confirm("checkpoint directory") / name, None
+        return trusted.confirm("checkpoint directory") / name
     except BadInput as exc:
-        return None, str(exc)
+        return str(exc)
 
 
-def _write_synced(path: Path, write) -> None:
+def _write_synced(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write through ``write(file)`` and fsync, so a rename after it never publishes a file still in cache."""
     with open(path, "wb") as f:
         write(f)
@@ -631,7 +662,7 @@ def _pause_for_tests() -> None:
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
+def _single_process_quiet() -> Iterator[None]:
     """DCP warns at every call in a single process that it assumes one; that is what we mean."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
@@ -655,6 +686,13 @@ def _first_error_of_all_ranks(error: str | None) -> str | None:
     return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
 
 
+def _agreed(outcome: _T | str) -> _T | str:
+    """This rank's ``outcome`` when no rank failed (a failure is its error, a str), else the first rank's error,
+    on every rank (``_first_error_of_all_ranks``)."""
+    error = _first_error_of_all_ranks(outcome if isinstance(outcome, str) else None)
+    return outcome if error is None else error
+
+
 def _rng_states() -> dict[str, Any]:
     """Python's, torch's CPU and (when CUDA is in use) current-device generators, numpy's legacy global one.
 
@@ -668,7 +706,10 @@ def _rng_states() -> dict[str, Any]:
         import numpy as np
     except ImportError:
         return states
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    legacy = np.random.get_state()  # a tuple: the global generator is an MT19937 (a dict for any other)
+    if not isinstance(legacy, tuple):
+        return states
+    kind, keys, pos, has_gauss, cached_gaussian = legacy
     # as a tensor, so the file loads with torch.load(weights_only=True)
     states["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian)
     return states

@@ -26,8 +26,8 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import (
@@ -73,7 +73,7 @@ class DistributedView(Sampler[int]):
     by itself; ``fingerprint`` lets the ranks check that it is.
     """
 
-    def __init__(self, sampler: Sampler[int], *, world: int, rank: int, seed: int) -> None:
+    def __init__(self, sampler: Iterable[int], *, world: int, rank: int, seed: int) -> None:
         self.sampler = sampler
         self.world = world
         self.rank = rank
@@ -109,7 +109,7 @@ class DistributedBatches(Sampler[list[int]]):
     draws stays one global batch, whatever its size; the epoch's order is drawn as ``DistributedView`` draws
     it, and ``sizes`` are this rank's batch sizes in that order (the loader yields batches in order)."""
 
-    def __init__(self, batch_sampler: Sampler[list[int]], *, world: int, rank: int, seed: int) -> None:
+    def __init__(self, batch_sampler: Iterable[list[int]], *, world: int, rank: int, seed: int) -> None:
         self.batch_sampler = batch_sampler
         self.world = world
         self.rank = rank
@@ -121,7 +121,7 @@ class DistributedBatches(Sampler[list[int]]):
         self.set_epoch(0)
 
     @property
-    def sampler(self) -> Sampler[list[int]]:  # what the ranks' check names when they differ
+    def sampler(self) -> Iterable[list[int]]:  # what the ranks' check names when they differ
         return self.batch_sampler
 
     def set_epoch(self, epoch: int) -> None:
@@ -246,11 +246,15 @@ def distributed_loader(
             # worker would keep the epoch and skip it was started with
             _require(settings, "a stream shared over ranks and workers", persistent_workers=False, in_order=True)
         return DataLoader(dataset, batch_size=per_rank_batch, drop_last=True, generator=generator, **settings)
-    if batches_vary(loader):
+    own = own_batch_sampler(loader)
+    if own is not None:
         _require(settings, "a batch sampler's batches (their sizes are looked up in order)", in_order=True)
-        batches = DistributedBatches(loader.batch_sampler, world=world, rank=rank, seed=seed)
+        batches = DistributedBatches(own, world=world, rank=rank, seed=seed)
         return DataLoader(loader.dataset, batch_sampler=batches, generator=generator, **settings)
-    sampler = DistributedView(_undistributed(loader.batch_sampler.sampler), world=world, rank=rank, seed=seed)
+    # batches of one size come from torch's BatchSampler: the one given, or the one the DataLoader made from
+    # its batch_size (loader_batch)
+    plain = cast(BatchSampler, loader.batch_sampler)
+    sampler = DistributedView(_undistributed(plain.sampler), world=world, rank=rank, seed=seed)
     return DataLoader(
         loader.dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, generator=generator, **settings
     )
@@ -266,9 +270,23 @@ def loader_batch(loader: DataLoader) -> int | None:
     return None
 
 
+def own_batch_sampler(loader: DataLoader) -> Iterable[list[int]] | None:
+    """The batch sampler of the user's own the loader draws its batches from (``DistributedBatches`` shares it
+    out); None where its batches are torch's ``BatchSampler``'s, all of one size."""
+    return loader.batch_sampler if loader_batch(loader) is None else None
+
+
 def batches_vary(loader: DataLoader) -> bool:
     """Whether the loader draws its batches from a batch sampler of the user's own (``DistributedBatches``)."""
-    return loader.batch_sampler is not None and loader_batch(loader) is None
+    return own_batch_sampler(loader) is not None
+
+
+def per_rank_batch(loader: DataLoader) -> int:
+    """The batch of a loader ``distributed_loader`` made for batches of one size (a sampler's share, a stream's):
+    its ``batch_size``, the per-rank batch. ValueError for one drawing a batch sampler's batches, which vary."""
+    if loader.batch_size is None:
+        raise ValueError("the loader draws a batch sampler's batches, of varying size: it has no one batch size")
+    return loader.batch_size
 
 
 def rank_view(loader: DataLoader) -> DistributedView | DistributedBatches | None:
@@ -299,15 +317,16 @@ def _stream_for_rank(dataset: IterableDataset, *, world: int, rank: int, batch: 
     return RankShard(dataset, world=world, rank=rank, batch_size=batch)
 
 
-def _undistributed(sampler: Sampler[int]) -> Sampler[int]:
+def _undistributed(sampler: Iterable[int]) -> Iterable[int]:
     """A user's own DistributedSampler (from a DDP script) already takes one rank's share: the order it shares
     out is a plain one, which DistributedView shares out instead."""
     if not isinstance(sampler, DistributedSampler):
         return sampler
     log.info("the loader's DistributedSampler is replaced by the order it shares out; redline shares it over the ranks")
+    dataset = cast(Sized, sampler.dataset)  # DistributedSampler took its len() when it was made
     if sampler.shuffle:
-        return RandomSampler(sampler.dataset, generator=torch.Generator().manual_seed(sampler.seed))
-    return SequentialSampler(sampler.dataset)
+        return RandomSampler(dataset, generator=torch.Generator().manual_seed(sampler.seed))
+    return SequentialSampler(dataset)
 
 
 def set_position(loader: DataLoader, *, epoch: int, batches_done: int, seed: int, rank: int) -> None:
@@ -317,7 +336,7 @@ def set_position(loader: DataLoader, *, epoch: int, batches_done: int, seed: int
     view = rank_view(loader)
     if view is not None:
         view.set_epoch(epoch)
-        view.skip = batches_done if isinstance(view, DistributedBatches) else batches_done * loader.batch_size
+        view.skip = batches_done if isinstance(view, DistributedBatches) else batches_done * per_rank_batch(loader)
     elif isinstance(loader.dataset, RankShard):
         loader.dataset.set_epoch(epoch)
         loader.dataset.skip = batches_done

@@ -58,7 +58,7 @@ def _destroy_process_group(store: dist.Store, world: int) -> None:
     dist.destroy_process_group()
 
 
-def agree(flag: bool, op: dist.ReduceOp, *, world: int, device: torch.device) -> bool:
+def agree(flag: bool, op: dist.ReduceOp.RedOpType, *, world: int, device: torch.device) -> bool:
     """One flag reduced over the ranks in a tiny all-reduce (MAX: any rank; MIN: every rank)."""
     if world == 1:
         return flag

@@ -23,6 +23,7 @@ from redline.runtime.data import (
     distributed_loader,
     loader_batch,
     next_batch,
+    per_rank_batch,
     rank_view,
     set_position,
 )
@@ -188,7 +189,7 @@ class Feed:
         """Samples in this rank's batch ``batch_in_epoch`` (a batch sampler's batches vary; otherwise the
         per-rank batch)."""
         if self.batches is None:
-            return self.loader.batch_size
+            return per_rank_batch(self.loader)
         return self.batches.sizes[batch_in_epoch]
 
     def epoch(self, epoch: int, batches_done: int) -> Iterator[Any]:
@@ -216,6 +217,8 @@ class Feed:
         if self.world == 1 or self.iterable:
             return
         view = rank_view(self.loader)
+        if view is None:  # distributed_loader shares every map-style dataset out through one
+            raise RuntimeError("a map-style loader without its share of the ranks' order")
         mine = view.fingerprint()
         value = torch.tensor([mine, -mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -233,7 +236,7 @@ class Feed:
         done = int(saved["batch_in_epoch"])
         if self.batches is not None:  # the batch sampler's batches are global batches, whatever the ranks
             return done
-        batch = self.loader.batch_size
+        batch = per_rank_batch(self.loader)
         was = (int(saved.get("world_size", self.world)), int(saved.get("per_rank_batch", batch)))
         if was == (self.world, batch):
             return done

@@ -13,6 +13,7 @@ Deciding the launch (``resolve_nproc_per_node``, ``check_world_size``, ``build_l
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -205,16 +206,17 @@ def build_launch(
     if runtime:  # the runtime options, for the script's prepare() (config.runtime_from_env)
         env[REDLINE_RUNTIME] = json.dumps(runtime, sort_keys=True)
     env |= thread_settings(nproc_per_node)
-    common = {
-        "script": script,
-        "nproc_per_node": nproc_per_node,
-        "nodes": nodes,
-        "max_restarts": max_restarts,
-        "plan_path": plan_path,
-        "env": env,
-    }
+    launch = functools.partial(
+        Launch,
+        script=script,
+        nproc_per_node=nproc_per_node,
+        nodes=nodes,
+        max_restarts=max_restarts,
+        plan_path=plan_path,
+        env=env,
+    )
     if nproc_per_node == 1 and nodes.max == 1 and rdzv_endpoint is None and max_restarts == 0:
-        return Launch(argv=(python, script, *script_args), torchrun=False, **common)
+        return launch(argv=(python, script, *script_args), torchrun=False)
     # torchrun's main through redline.runtime.elastic: the same launch, a one-line report when a worker fails
     argv = [python, "-m", ELASTIC, "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nodes)]
     if rdzv_endpoint is None:
@@ -226,7 +228,7 @@ def build_launch(
     # each worker runs the script through redline.runtime.supervised: it dies with torchrun, as torchrun does
     # with redline (execute)
     argv += ["--max-restarts", str(max_restarts), "-m", SUPERVISED, script, *script_args]
-    return Launch(argv=tuple(argv), torchrun=True, **common)
+    return launch(argv=tuple(argv), torchrun=True)
 
 
 def thread_settings(nproc_per_node: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, TypeVar
 
 import torch
 
@@ -109,6 +109,20 @@ class StepRecord:
 
 
 # ------------------------------------------------------------------------------------------- timers
+
+
+_Mark = TypeVar("_Mark")
+
+
+class _Timer(Protocol[_Mark]):
+    """Points in a device's stream of work (``mark``) and the seconds between two; each timer reads only the
+    marks it made."""
+
+    def mark(self) -> _Mark: ...
+
+    def wait(self, mark: _Mark) -> None: ...
+
+    def seconds(self, start: _Mark, end: _Mark) -> float: ...
 
 
 class _HostTimer:
@@ -276,7 +290,8 @@ class StepMetrics:
 
         self._clock = clock
         cuda = self.device.type == "cuda"
-        self._timer: _HostTimer | _CudaTimer = _CudaTimer(self.device) if cuda else _HostTimer(clock)
+        # its marks are host times or CUDA events: Any, as they reach the caller (``mark``)
+        self._timer: _Timer[Any] = _CudaTimer(self.device) if cuda else _HostTimer(clock)
         self._memory: _NoMemory | _CudaMemory = _CudaMemory(self.device) if cuda else _NoMemory()
         where = rank_path(path, rank)
         self._sink: _NoSink | _JsonLines = _JsonLines(where) if where is not None else _NoSink()

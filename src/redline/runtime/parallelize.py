@@ -11,12 +11,13 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from redline.errors import BadInput, one_line
@@ -147,17 +148,19 @@ def apply_ddp(
     )
     hook = config.comm_hook
     state: Any = None
-    reduce: Callable[[Any, dist.GradBucket], torch.futures.Future] = default_hooks.allreduce_hook
+    reduce: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = default_hooks.allreduce_hook
     if hook in ("fp16", "bf16"):
         reduce = default_hooks.fp16_compress_hook if hook == "fp16" else default_hooks.bf16_compress_hook
     elif hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=config.powersgd_rank)
         reduce = powerSGD_hook.powerSGD_hook
 
-    def timed(state, bucket):  # unannotated: DDP checks annotations as objects, and ours are strings
+    def timed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         on_bucket_ready()
         return reduce(state, bucket)
 
+    # DDP compares the hook's annotations with the classes themselves, and this module's are strings until resolved
+    timed.__annotations__ = get_type_hints(timed)
     ddp.register_comm_hook(state, timed)
     return ddp
 
@@ -188,15 +191,21 @@ def apply_fsdp(
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     reshard = strategy.sharding not in ("zero2", "ddp", "zero1")
-    place, ignored = None, set()
+    place: Callable[[nn.Parameter], Shard | None] | None = None
+    ignored: set[nn.Parameter] = set()
     if mesh is not None and mesh.ndim == 1:  # beside tensor parallelism: packed projections' packed dimension
         # is not cut again (fsdp_layout)
         place, ignored = fsdp_layout(model, mesh)
         average_gradients(ignored, mesh)
-    options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard, "shard_placement_fn": place}
-    for block in blocks:
-        fully_shard(block, **options, ignored_params=ignored)
-    fully_shard(model, **options, ignored_params=ignored)
+    for module in (*blocks, model):  # each block, then the root
+        fully_shard(
+            module,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard,
+            shard_placement_fn=place,
+            ignored_params=ignored,
+        )
     return model
 
 
@@ -275,7 +284,7 @@ def constructor_settings(cls: type[torch.optim.Optimizer], group: dict[str, Any]
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
-        parameters = inspect.signature(klass.__init__).parameters.values()
+        parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
         accepted |= {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         if all(p.kind is not p.VAR_KEYWORD for p in parameters):
             break

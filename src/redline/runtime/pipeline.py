@@ -35,7 +35,7 @@ import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -65,34 +65,43 @@ class StageLayout:
 # --------------------------------------------------------------------------------------------- layouts
 
 
+class _OwnStages(Protocol):
+    """A model that computes its own stages (``find_layout``'s first choice)."""
+
+    def redline_pp_stage(self, x: Any, blocks: Sequence[nn.Module], *, first: bool, last: bool) -> Any: ...
+
+
 def _own_stage(model: nn.Module, x: Any, blocks: Sequence[nn.Module], first: bool, last: bool) -> Any:
-    return model.redline_pp_stage(x, blocks, first=first, last=last)
+    own = cast(_OwnStages, model)  # find_layout picked this layout because the model has the method
+    return own.redline_pp_stage(x, blocks, first=first, last=last)
 
 
 def _llama_stage(model: nn.Module, x: Any, blocks: Sequence[nn.Module], first: bool, last: bool, *, base: str) -> Any:
     body = model.get_submodule(base.removesuffix("."))
-    h = body.embed_tokens(x) if first else x
+    part = body.get_submodule  # the modules by name (FAMILIES found them there), each an nn.Module to call
+    h = part("embed_tokens")(x) if first else x
     positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
     mask = _causal_mask(body.config, h, positions)
-    rotary = body.rotary_emb(h, position_ids=positions)
+    rotary = part("rotary_emb")(h, position_ids=positions)
     for block in blocks:
         h = _hidden(block(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions))
     if last:
-        h = body.norm(h)
-        h = model.lm_head(h) if base else h
+        h = part("norm")(h)
+        h = model.get_submodule("lm_head")(h) if base else h
     return h
 
 
 def _gpt2_stage(model: nn.Module, x: Any, blocks: Sequence[nn.Module], first: bool, last: bool, *, base: str) -> Any:
     body = model.get_submodule(base.removesuffix("."))
+    part = body.get_submodule  # the modules by name (FAMILIES found them there), each an nn.Module to call
     positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-    h = body.drop(body.wte(x) + body.wpe(positions)) if first else x
+    h = part("drop")(part("wte")(x) + part("wpe")(positions)) if first else x
     mask = _causal_mask(body.config, h, positions)
     for block in blocks:
         h = _hidden(block(h, attention_mask=mask, position_ids=positions))
     if last:
-        h = body.ln_f(h)
-        h = model.lm_head(h) if base else h
+        h = part("ln_f")(h)
+        h = model.get_submodule("lm_head")(h) if base else h
     return h
 
 
@@ -218,9 +227,11 @@ def register_parts(root: nn.Module, parts: dict[str, nn.Module]) -> None:
         *parents, name = path.split(".")
         node = root
         for part in parents:
-            if part not in node._modules:
-                node.add_module(part, nn.Module())
-            node = node._modules[part]
+            child = node._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                node.add_module(part, child)
+            node = child
         node.add_module(name, module)
 
 
@@ -279,12 +290,17 @@ def free_unheld(model: nn.Module, stages: Sequence[nn.Module]) -> None:
     (same shape, no memory)."""
     held = {id(t) for stage in stages for t in itertools.chain(stage.parameters(), stage.buffers())}
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None or id(tensor) in held:
-                    continue
-                empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-                table[name] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in held:
+                module._parameters[name] = nn.Parameter(_meta_like(param), param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and id(buffer) not in held:
+                module._buffers[name] = _meta_like(buffer)
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``tensor``'s shape and dtype on the meta device: no memory."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def tied_names(model: nn.Module, layout: StageLayout) -> list[tuple[str, str]]:
@@ -381,6 +397,8 @@ class Pipeline:
         if self._tied_group is None:
             return
         for param in self._tied_params(on="any"):
+            if param.grad is None:  # both stages use the weight: each backward gives it a gradient
+                raise RuntimeError("a weight tied across the first and last stages has no gradient after the backward")
             dist.all_reduce(_local(param.grad), group=self._tied_group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -396,7 +414,7 @@ class Pipeline:
         scale = min(1.0, max_norm / (total.item() + 1e-6))
         if scale < 1.0:  # the tied copy on the last stage, which the norm counted on the first
             for param in params:
-                if id(param) in counted_elsewhere:
+                if id(param) in counted_elsewhere and param.grad is not None:  # (params: those with a gradient)
                     param.grad.mul_(scale)
         return total
 

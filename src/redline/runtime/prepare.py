@@ -96,6 +96,8 @@ from redline.runtime.tensor_parallel import apply_tp
 from redline.workload.structure import find_blocks, without_kv_cache
 
 if TYPE_CHECKING:  # metrics.py is imported when a run starts (see _build_metrics)
+    from torch.distributed.device_mesh import DeviceMesh
+
     from redline.runtime.metrics import StepMetrics
 
 __all__ = ["Run", "Stopped", "prepare"]
@@ -291,7 +293,7 @@ class Run:
         if self.mesh is not None and self.mesh.tp is not None:
             apply_tp(model, self.mesh.tp, sequence_parallel=strategy.sequence_parallel)
         if self.mesh is not None and self.mesh.pp is not None:
-            return self._wrap_pipeline(model)
+            return self._wrap_pipeline(model, self.mesh, self.mesh.pp)
         apply_activation_checkpointing(blocks, strategy)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
@@ -311,19 +313,20 @@ class Run:
             )
         return apply_fsdp(model, blocks, strategy, device=self.device, world=self.world_size)
 
-    def _wrap_pipeline(self, model: nn.Module) -> nn.Module:
+    def _wrap_pipeline(self, model: nn.Module, mesh: RunMesh, pp_mesh: DeviceMesh) -> nn.Module:
         """A pipeline-parallel plan: this rank's stages cut from the model (``pipeline.py``), each checkpointed
         and compiled per block as the plan says and sharded by FSDP2 over the data ranks; the model the loop
-        and checkpoints see is the stages' parts under the model's own names (``RankModel``)."""
+        and checkpoints see is the stages' parts under the model's own names (``RankModel``). ``mesh``: the
+        run's, ``pp_mesh`` its pipeline dimension."""
         if self.loss_fn is None:
             raise BadInput(
                 "a pipeline-parallel plan computes the loss on its last stage: pass prepare(..., loss_fn=...) and "
                 "call run.forward_backward(inputs, target) in the loop"
             )
-        strategy, mesh = self.config.strategy, self.mesh
+        strategy = self.config.strategy
         layout = find_layout(model)
         tied = tied_names(model, layout)
-        pp_rank = mesh.pp.get_local_rank()
+        pp_rank = pp_mesh.get_local_rank()
         stages = split(
             model,
             layout,
@@ -342,7 +345,7 @@ class Run:
         self.pipeline = Pipeline(
             stages,
             schedule=strategy.schedule,
-            pp_group=mesh.pp.get_group(),
+            pp_group=pp_mesh.get_group(),
             device=self.device,
             loss_fn=self.loss_fn,
             tied=tied,
@@ -528,12 +531,12 @@ class Run:
             loss = self.loss_fn(getattr(output, "logits", output), target)
             self.backward(loss)
             return loss.detach()
-        loss = self.pipeline.step(inputs, target, self.accumulation)
-        if loss is not None:  # each step's loss is summed over every rank, then divided by their number: only
-            # the last stage has it, so it counts for the pipeline's ranks
+        stage_loss = self.pipeline.step(inputs, target, self.accumulation)
+        if stage_loss is not None:  # each step's loss is summed over every rank, then divided by their number:
+            # only the last stage has it, so it counts for the pipeline's ranks
             with self._batch_in_hand() as state:
-                state.loss_sum = state.loss_sum + loss * self.config.strategy.pipeline
-        return loss
+                state.loss_sum = state.loss_sum + stage_loss * self.config.strategy.pipeline
+        return stage_loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, scaled for accumulation (and fp16 loss scaling)."""
@@ -553,13 +556,16 @@ class Run:
     def _no_sync(self, boundary: bool) -> contextlib.AbstractContextManager:
         if self.world_size == 1:
             return contextlib.nullcontext()
-        if hasattr(self.model, "no_sync"):  # DDP: skip the all-reduce until the last micro-batch
-            return self.model.no_sync() if not boundary else contextlib.nullcontext()
-        if hasattr(self.model, "set_requires_all_reduce"):  # FSDP2
+        # the wrapper's methods, looked up by name: DDP's, FSDP2's, or neither (a pipeline's stages)
+        no_sync = getattr(self.model, "no_sync", None)
+        if no_sync is not None:  # DDP: skip the all-reduce until the last micro-batch
+            return no_sync() if not boundary else contextlib.nullcontext()
+        set_requires_all_reduce = getattr(self.model, "set_requires_all_reduce", None)
+        if set_requires_all_reduce is not None:  # FSDP2
             # reduce-scatter every micro-batch, so that a rank holds only its shard of the gradients, as the plan
             # counts them (skipping it would hold the whole fp32 gradient until the boundary); HSDP's all-reduce
             # across replicas waits for the boundary
-            self.model.set_requires_all_reduce(boundary)
+            set_requires_all_reduce(boundary)
         return contextlib.nullcontext()
 
     def _optimizer_step(self, state: BatchState) -> None:
@@ -654,7 +660,7 @@ class Run:
             extra=self._position(),
         )
 
-    def _position(self) -> dict[str, int]:
+    def _position(self) -> dict[str, int | None]:
         return {
             "world_size": self.dp_size,  # the ranks the batches were split over
             "per_rank_batch": self.loader.batch_size,  # None for a batch sampler's batches

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -338,13 +338,17 @@ def check_divisible(model: nn.Module, plan: TpPlan, degree: int) -> None:
     for key, _, layer in _planned_layers(model, plan):
         style = plan[key]
         dim = _sharded_dim(layer, style)
+        if dim is None:
+            continue
+        # a Linear's, an Embedding's or a Conv1D's Parameter: _sharded_dim names a dimension of no other layer
+        weight = cast(torch.Tensor, layer.weight)
         packed = getattr(style, "packed", 1)  # each packed projection is split on its own
-        if dim is not None and layer.weight.shape[dim] % (packed * degree):
-            size = layer.weight.shape[dim]
+        if weight.shape[dim] % (packed * degree):
+            size = weight.shape[dim]
             what = f"of {size}" if packed == 1 else f"{packed} packed projections of {size // packed}"
             raise BadInput(
                 f"tensor parallelism over {degree} ranks splits {key} ({type(layer).__name__} "
-                f"{tuple(layer.weight.shape)}) along dimension {dim}, {what}: not a multiple of {degree}"
+                f"{tuple(weight.shape)}) along dimension {dim}, {what}: not a multiple of {degree}"
             )
 
 
@@ -462,7 +466,7 @@ def packed_dim(tensor: Any) -> tuple[int, int] | None:
     FSDP2 writes ``_StridedShard`` too, on the data ranks' mesh dimension, where a later (tensor-parallel)
     mesh dimension shards the same tensor dimension after it; a packing is the last to shard its dimension."""
     found = _packing(tensor)
-    return None if found is None else (found[1].dim, found[1].split_factor)
+    return None if found is None else (found[1].dim, _split_factor(found[1]))
 
 
 def _packing(tensor: Any) -> tuple[int, _StridedShard] | None:
@@ -473,6 +477,12 @@ def _packing(tensor: Any) -> tuple[int, _StridedShard] | None:
         if isinstance(placement, _StridedShard) and not any(_shards(p, placement.dim) for p in later):
             return index, placement
     return None
+
+
+def _split_factor(packing: _StridedShard) -> int:
+    """The packing's projections: an int (a SymInt only while torch.compile traces a view of one, and the
+    packings here are made eagerly, from ``PackedColwiseParallel.packed`` or by FSDP2)."""
+    return int(packing.split_factor)
 
 
 def _shards(placement: Placement, dim: int) -> bool:
@@ -521,6 +531,8 @@ def average_gradients(params: set[nn.Parameter], dp_mesh: DeviceMesh) -> None:
 
     def hook(param: torch.Tensor) -> None:
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        if grad is None:  # torch calls the hook once a gradient is accumulated into .grad
+            raise RuntimeError("a post-accumulate-grad hook ran on a parameter without a gradient")
         torch.distributed.all_reduce(grad, group=group)
         grad.div_(dp_mesh.size())
 
@@ -537,7 +549,7 @@ def split_packed(tensor: DTensor) -> list[DTensor]:
     if found is None:
         raise ValueError(f"not a packed DTensor: {getattr(tensor, 'placements', type(tensor).__name__)}")
     index, packing = found
-    dim, packed = packing.dim, packing.split_factor
+    dim, packed = packing.dim, _split_factor(packing)
     placements = list(tensor.placements)
     if any(_shards(p, dim) for i, p in enumerate(placements) if i != index):
         raise ValueError(f"the packed dimension {dim} is sharded twice ({tensor.placements}): cannot split it")
@@ -552,7 +564,10 @@ def split_packed(tensor: DTensor) -> list[DTensor]:
 
 def join_packed(tensor: DTensor, parts: list[DTensor]) -> None:
     """Write ``parts`` (``split_packed``'s, as loaded) back into the packed ``tensor``'s local share."""
-    dim, _ = packed_dim(tensor)
+    found = packed_dim(tensor)
+    if found is None:
+        raise ValueError(f"not a packed DTensor: {getattr(tensor, 'placements', type(tensor).__name__)}")
+    dim, _ = found
     tensor.to_local().copy_(torch.cat([part.to_local() for part in parts], dim=dim))
 
 
