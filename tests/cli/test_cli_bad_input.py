@@ -194,9 +194,10 @@ BASES: dict[tuple[str, ...], dict[str, list[str]]] = {
         "--params": ["--hardware", "8xh100-sxm"],
         "--hardware": ["-m", "gpt2"],
         "--calibrate-micro-batch": ["-m", "resnet50", "--hardware", "local", "--calibrate"],
-        "--provider": ["-m", "gpt2", "--cloud", "--tokens", "1B"],
+        # one node each: a value the ranking takes runs the whole ranking, a quarter of it at one node count
+        "--provider": ["-m", "gpt2", "--cloud", "--tokens", "1B", "--max-nodes", "1"],
         "--max-nodes": ["-m", "gpt2", "--cloud", "--tokens", "1B"],
-        "--deadline": ["-m", "gpt2", "--cloud", "--tokens", "1B"],
+        "--deadline": ["-m", "gpt2", "--cloud", "--tokens", "1B", "--max-nodes", "1"],
     },
     ("run",): {"*": ["--dry-run", "train.py"], "script": ["--dry-run"]},
     ("tune",): {"*": ["--dry-run", "train.py"], "script": ["--dry-run"]},

@@ -25,6 +25,7 @@ from redline.report.output import write_output
 from redline.units import parse_count, parse_duration
 
 if TYPE_CHECKING:
+    from redline.plan.cloud import CloudScope
     from redline.plan.inputs import Ranking, Target
     from redline.plan.planner import Note, Plans
     from redline.plan.search import Constraints
@@ -198,6 +199,7 @@ def plan(
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
     from redline.plan import inputs, planner, search
+    from redline.plan.cloud import CloudScope
     from redline.plan.hardware import ClusterChoice
 
     if list_models:
@@ -222,18 +224,20 @@ def plan(
         memory_margin=memory_margin,
         time_tolerance=search.TIME_TOLERANCE,  # plans within 1% of the fastest rank by memory headroom
     )
-    load = model_load(model, _count("--params", params), seq_len, parse_shape(input_shape), analytic)
-    profile = _profile(model, params, seq_len, input_shape, analytic)
     target = inputs.Target(global_batch, _count("--tokens", tokens), epochs, _count("--dataset-size", dataset_size))
     given = {"--hardware": hardware != "local", "--nodes": nodes != 1, "--network-gbps": network_gbps is not None}
     given |= {"--deadline": deadline is not None, "--provider": bool(provider), "--max-nodes": max_nodes != 8}
     _check_modes(cloud, given, runtime, calibrate, calibrate_micro_batch)
-    if cloud:
-        _rank_cloud(profile, target, constraints, ranking, max_nodes, provider, deadline, json_output)
-        return
-    cluster = ClusterChoice(hardware, nodes, network_gbps).cluster()
+    # every option is checked before the model is traced, which may take a while
+    scope = CloudScope(max_nodes, tuple(provider), _duration(deadline) if deadline is not None else None)
+    cluster = None if cloud else ClusterChoice(hardware, nodes, network_gbps).cluster()
     # no --model (an empty spec) is refused by the request itself
     calibration = inputs.CalibrationRequest(model or "", calibrate_micro_batch) if calibrate else None
+    load = model_load(model, _count("--params", params), seq_len, parse_shape(input_shape), analytic)
+    profile = _profile(model, params, seq_len, input_shape, analytic)
+    if cluster is None:
+        _rank_cloud(profile, target, constraints, ranking, scope, deadline, json_output)
+        return
     plans = planner.plan_training(
         profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
     )
@@ -384,16 +388,14 @@ def _rank_cloud(
     target: Target,
     constraints: Constraints,
     ranking: Ranking,
-    max_nodes: int,
-    providers: list[str],
+    scope: CloudScope,
     deadline: str | None,
     json_output: bool,
 ) -> None:
     """--cloud: the catalog's instances and node counts ranked for the model, as JSON or a table."""
-    from redline.plan.cloud import CloudScope, plan_cloud
+    from redline.plan.cloud import plan_cloud
     from redline.report.plan import cloud_view
 
-    scope = CloudScope(max_nodes, tuple(providers), _duration(deadline) if deadline else None)
     found = plan_cloud(profile, target, constraints, ranking=ranking, scope=scope)
     if json_output:
         ui.print_json(found.to_dict())
