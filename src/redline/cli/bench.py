@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -28,7 +27,7 @@ def bench(
     json_out: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
     save: bool = typer.Option(False, "--save", help="Keep the results for `redline doctor --bench`."),
     device: str = typer.Option("auto", "--device", help="auto (GPUs when present), cpu, cuda or cuda:N."),
-    path: Path = typer.Option(Path("."), "--path", help="storage: directory to test (a dataset's disk)."),
+    path: str = typer.Option(".", "--path", help="storage: directory to test (a dataset's disk)."),
     serve: bool = typer.Option(False, "--serve", help="network: wait for a peer's --connect."),
     listen: str = typer.Option(
         "all", "--listen", help=f"network --serve: where to listen, {params.LISTEN_HELP}.", show_default=True
@@ -59,6 +58,11 @@ def bench(
     stream_counts = _stream_counts(streams)
     if ranks is not None and ranks < 1:
         raise BadInput("--ranks must be at least 1")
+    # an empty value (`--path "$DATA"` with DATA unset) is a mistake, not the default: the current folder, the
+    # loopback peer and the synthetic dataset would be measured in its place
+    for option, value in (("--path", path), ("--connect", connect), ("--dataset", dataset)):
+        if value is not None and not value.strip():
+            raise BadInput(f"{option}: an empty value")
 
     snapshot = take_snapshot()
     resolved_device = _resolve_device(device, snapshot)
@@ -69,7 +73,7 @@ def bench(
         quick=quick,
         device=resolved_device,
         snapshot=snapshot,
-        path=str(path),
+        path=path,
         serve=serve,
         listen=listen_host,
         connect=connect,
