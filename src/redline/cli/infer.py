@@ -70,12 +70,12 @@ def infer(
         raise BadInput(f"give the model as -m SPEC: {FORMS}")
     batches, slo_ms = _checked(batch, latency_slo, iters, generate)
     _check_targets(output, html)
-    from redline.cli.plan import parse_shape
+    from redline.cli.params import parse_input_shape
     from redline.infer.measure import Settings, selected
     from redline.infer.models import load_subject
 
     chosen = selected(_names(backends), where)
-    subject = load_subject(model, weights=weights, seq_len=seq_len, input_shape=parse_shape(input_shape))
+    subject = load_subject(model, weights=weights, seq_len=seq_len, input_shape=parse_input_shape(input_shape))
     settings = Settings(
         batches, precision=precision, device=where, iters=iters, max_iters=MAX_ITERS, latency_slo_ms=slo_ms
     )

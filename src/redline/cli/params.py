@@ -13,6 +13,7 @@ from typing import Any
 import typer
 
 from redline.errors import BadInput
+from redline.units import parse_count, parse_duration
 
 EVERY_INTERFACE = "0.0.0.0"
 LISTEN_HELP = "an IP address of this machine, 'localhost', or 'all' (every IPv4 interface; '::' for IPv6 too)"
@@ -82,3 +83,34 @@ def _declaration(setting: Any) -> str:
 def _optional(kind: Any) -> Any:
     """The option's type: the setting's, None allowed (an option not given)."""
     return kind if type(None) in typing.get_args(kind) else kind | None
+
+
+def count_option(option: str, text: str | None) -> float | None:
+    """A count such as 1B, 300M or 2e9 (``parse_count``); None stays None."""
+    if text is None:
+        return None
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise BadInput(f"{option}: {exc}") from None
+
+
+def parse_input_shape(text: str | None) -> tuple[int, ...] | None:
+    """--input-shape: sizes like 3,224,224 (or 3x224x224), each at least 1; None stays None."""
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise BadInput(f"--input-shape '{text}' is not a list of positive sizes like 3,224,224")
+    return shape
+
+
+def deadline_s(text: str) -> float:
+    """--deadline: 90s, 10m, 36h, 7d; a bare number counts hours."""
+    try:
+        return parse_duration(text, bare_unit_s=3600)  # a bare number is hours
+    except ValueError as exc:
+        raise BadInput(f"--deadline {exc}") from None

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from redline.cli import params, ui
+from redline.cli.params import count_option as _count
+from redline.cli.params import deadline_s, parse_input_shape
 from redline.errors import BadInput
 from redline.report.output import write_output
-from redline.units import parse_count, parse_duration
 
 if TYPE_CHECKING:
     from redline.plan.cloud import CloudScope
@@ -199,7 +200,6 @@ def plan(
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
     from redline.plan import inputs, planner, search
-    from redline.plan.cloud import CloudScope
     from redline.plan.hardware import ClusterChoice
 
     if list_models:
@@ -225,19 +225,17 @@ def plan(
         time_tolerance=search.TIME_TOLERANCE,  # plans within 1% of the fastest rank by memory headroom
     )
     target = inputs.Target(global_batch, _count("--tokens", tokens), epochs, _count("--dataset-size", dataset_size))
-    given = {"--hardware": hardware != "local", "--nodes": nodes != 1, "--network-gbps": network_gbps is not None}
-    given |= {"--deadline": deadline is not None, "--provider": bool(provider), "--max-nodes": max_nodes != 8}
+    given = _placement_flags(hardware, nodes, network_gbps, deadline, provider, max_nodes)
     _check_modes(cloud, given, runtime, calibrate, calibrate_micro_batch)
-    # every option is checked before the model is traced, which may take a while
-    scope = CloudScope(max_nodes, tuple(provider), _duration(deadline) if deadline is not None else None)
-    cluster = None if cloud else ClusterChoice(hardware, nodes, network_gbps).cluster()
-    # no --model (an empty spec) is refused by the request itself
+    # options before the model's trace (which takes a while), this machine's hardware after it (a bad model first)
+    scope = _cloud_scope(max_nodes, provider, deadline)
     calibration = inputs.CalibrationRequest(model or "", calibrate_micro_batch) if calibrate else None
-    load = model_load(model, _count("--params", params), seq_len, parse_shape(input_shape), analytic)
+    load = model_load(model, _count("--params", params), seq_len, parse_input_shape(input_shape), analytic)
     profile = _profile(model, params, seq_len, input_shape, analytic)
-    if cluster is None:
+    if cloud:
         _rank_cloud(profile, target, constraints, ranking, scope, deadline, json_output)
         return
+    cluster = ClusterChoice(hardware, nodes, network_gbps).cluster()
     plans = planner.plan_training(
         profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
     )
@@ -273,7 +271,7 @@ def _profile(
         model,
         params=_count("--params", params),
         seq_len=seq_len,
-        input_shape=parse_shape(input_shape),
+        input_shape=parse_input_shape(input_shape),
         analytic=analytic,
         tensor_split=_tensor_split,
     )
@@ -323,32 +321,19 @@ def _runtime_section(runtime: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- parsing
 
 
-def _count(option: str, text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        return parse_count(text)
-    except ValueError as exc:
-        raise BadInput(f"{option}: {exc}") from None
+def _placement_flags(
+    hardware: str, nodes: int, network_gbps: float | None, deadline: str | None, provider: list[str], max_nodes: int
+) -> dict[str, bool]:
+    """Which of the options that place the run (on hardware of one's own, or in the cloud) were given."""
+    given = {"--hardware": hardware != "local", "--nodes": nodes != 1, "--network-gbps": network_gbps is not None}
+    return given | {"--deadline": deadline is not None, "--provider": bool(provider), "--max-nodes": max_nodes != 8}
 
 
-def parse_shape(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
-    except ValueError:
-        shape = ()
-    if not shape or min(shape) < 1:
-        raise BadInput(f"--input-shape '{text}' is not a list of positive sizes like 3,224,224")
-    return shape
+def _cloud_scope(max_nodes: int, providers: list[str], deadline: str | None) -> CloudScope:
+    """--max-nodes, --provider and --deadline, checked (also without --cloud, where they keep their defaults)."""
+    from redline.plan.cloud import CloudScope
 
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text, bare_unit_s=3600)  # a bare number is hours
-    except ValueError as exc:
-        raise BadInput(f"--deadline {exc}") from None
+    return CloudScope(max_nodes, tuple(providers), deadline_s(deadline) if deadline is not None else None)
 
 
 # ----------------------------------------------------------------------------------------- output

@@ -144,13 +144,14 @@ def _planner(
 ) -> Predictor | None:
     """The planner for the model given (``--model``, else the one the base plan records it was made for) on
     this machine; None without a model, or (said) where the planner cannot predict this machine."""
-    from redline.cli.plan import model_load, parse_shape
+    from redline.cli.params import parse_input_shape
+    from redline.cli.plan import model_load
     from redline.errors import BadInput
     from redline.tune.predict import load_profile, on_this_machine
 
     if model is None and (seq_len is not None or input_shape is not None):
         raise BadInput("--seq-len and --input-shape go with --model")
-    load = model_load(model, None, seq_len, parse_shape(input_shape), False) if model is not None else None
+    load = model_load(model, None, seq_len, parse_input_shape(input_shape), False) if model is not None else None
     load = load or ((base or {}).get("model") or {}).get("load")
     if not load:
         return None
