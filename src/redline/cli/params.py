@@ -8,12 +8,14 @@ import inspect
 import ipaddress
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
 
 from redline.errors import BadInput
 from redline.units import parse_count, parse_duration
+
+T = TypeVar("T")
 
 EVERY_INTERFACE = "0.0.0.0"
 LISTEN_HELP = "an IP address of this machine, 'localhost', or 'all' (every IPv4 interface; '::' for IPv6 too)"
@@ -85,14 +87,20 @@ def _optional(kind: Any) -> Any:
     return kind if type(None) in typing.get_args(kind) else kind | None
 
 
-def count_option(option: str, text: str | None) -> float | None:
-    """A count such as 1B, 300M or 2e9 (``parse_count``); None stays None."""
+def parsed(parse: Callable[[str], T], option: str, text: str | None) -> T | None:
+    """``option``'s value read by ``parse`` (``parse_bytes``, ``parse_duration``...); its ValueError becomes one
+    line of BadInput naming the option; None (not given) stays None."""
     if text is None:
         return None
     try:
-        return parse_count(text)
+        return parse(text)
     except ValueError as exc:
         raise BadInput(f"{option}: {exc}") from None
+
+
+def count_option(option: str, text: str | None) -> float | None:
+    """A count such as 1B, 300M or 2e9 (``parse_count``); None stays None."""
+    return parsed(parse_count, option, text)
 
 
 def parse_input_shape(text: str | None) -> tuple[int, ...] | None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from redline.cli import ui
+from redline.cli.params import parsed
 from redline.errors import BadInput
 
 if TYPE_CHECKING:
@@ -62,8 +63,8 @@ def submit(
     from redline.queue.spec import JobSpec
     from redline.units import parse_bytes, parse_duration
 
-    memory = _option(parse_bytes, "--gpu-memory", gpu_memory)
-    limit = _option(parse_duration, "--time-limit", time_limit)
+    memory = parsed(parse_bytes, "--gpu-memory", gpu_memory)
+    limit = parsed(parse_duration, "--time-limit", time_limit)
     if plan is not None:
         plan_gpus, plan_memory = _plan_needs(plan)
         gpus = plan_gpus if gpus is None else gpus
@@ -412,15 +413,6 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _option(parse: Any, option: str, text: str | None) -> Any:
-    if text is None:
-        return None
-    try:
-        return parse(text)
-    except ValueError as exc:
-        raise BadInput(f"{option}: {exc}") from None
 
 
 def _plan_needs(path: Path) -> tuple[int, int | None]:

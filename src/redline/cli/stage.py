@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from redline.cli import ui
+from redline.cli.params import parsed
 from redline.errors import BadInput
 from redline.units import fmt_bytes, parse_bytes
 
@@ -37,7 +38,7 @@ def add(
     json_out: bool = typer.Option(False, "--json", help="What was staged, as JSON."),
 ) -> None:
     """Fetch files into the cache now; those already there only count as used."""
-    store = _open(cache, _size(max_size))
+    store = _open(cache, parsed(parse_bytes, "--max-size", max_size))
     staged = []
     try:
         with ui.transfer_progress(not json_out) as progress:
@@ -120,15 +121,6 @@ def _open(cache: str | None, max_bytes: int | None = None) -> Cache:
     if cache is not None and not cache.strip():
         raise BadInput("--cache: an empty path")
     return Cache(Path(cache) if cache is not None else None, max_bytes)
-
-
-def _size(text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise BadInput(f"--max-size: {exc}") from None
 
 
 def _usage(store: Cache) -> dict[str, int | bool]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from redline.cli import ui
+from redline.cli.params import parsed
 from redline.errors import BadInput
 from redline.units import fmt_bytes, fmt_duration, parse_bytes
 
@@ -156,7 +157,7 @@ def _settings(
     options = transfer.Options(
         streams=streams,
         per_endpoint=per_endpoint,
-        chunk_bytes=_size("--chunk-size", chunk_size),
+        chunk_bytes=parsed(parse_bytes, "--chunk-size", chunk_size),
         retries=retries,
         overwrite=overwrite,
         copy_links=copy_links,
@@ -210,15 +211,6 @@ def report(summary: Summary, asked_congestion: str) -> None:
     if retries := sum(f.retries for f in summary.files):
         details.append(f"{retries} retries")
     ui.console.print(ui.dim(f"{'; '.join(details)}; link: {summary.link.describe()}"))
-
-
-def _size(option: str, text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise BadInput(f"{option}: {exc}") from None
 
 
 def _sha256(text: str | None) -> str | None:
