@@ -15,6 +15,7 @@ from redline.errors import BadInput
 from redline.plan.estimate import Estimate, Goal
 from redline.plan.hardware import MAX_NODES, instance_cluster
 from redline.plan.inputs import Ranking, Target
+from redline.plan.memory import Footprints
 from redline.plan.messages import check_whole, refuse
 from redline.plan.search import Constraints, search
 from redline.units import fmt_duration
@@ -103,6 +104,7 @@ def cloud_options(
     if goal.tokens is None and goal.samples is None:
         raise refuse("{plan_cloud} compares the cost of a whole run: the goal needs {tokens} or {samples}")
     options: list[CloudOption] = []
+    footprints = Footprints(profile)
     for instance in instance_catalog():
         if instance.whole_gpus < 1 or (providers and instance.provider not in providers):
             continue
@@ -110,7 +112,7 @@ def cloud_options(
         for nodes in node_counts(max_nodes):
             try:
                 cluster = base.with_nodes(nodes)
-                result = search(profile, cluster, goal, constraints)
+                result = search(profile, cluster, goal, constraints, footprints=footprints)
             except BadInput:
                 continue  # a precision the GPU lacks, no network to more nodes, a --tp/--pp this size cannot take
             if result.ranked:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redline.plan.hardware import Cluster
-from redline.plan.memory import MemoryBreakdown, memory_per_gpu
+from redline.plan.memory import Footprints, MemoryBreakdown, memory_per_gpu
 from redline.plan.messages import check_whole, refuse, refuse_field
 from redline.plan.steptime import StepTime, recomputed_flops_per_sample, step_time
 from redline.plan.strategy import Strategy
@@ -86,11 +86,20 @@ class Estimate:
 
 
 def estimate(
-    profile: WorkloadProfile, strategy: Strategy, cluster: Cluster, goal: Goal, *, memory_margin: float = 0.0
+    profile: WorkloadProfile,
+    strategy: Strategy,
+    cluster: Cluster,
+    goal: Goal,
+    *,
+    memory_margin: float = 0.0,
+    footprints: Footprints | None = None,
 ) -> Estimate:
     """The strategy's predictions; it fits when its device total leaves ``memory_margin`` of the GPU's memory
-    free."""
-    memory = memory_per_gpu(profile, strategy, cluster.gpus_per_node)
+    free. ``footprints`` (of this profile) remembers the memory of strategies estimated before."""
+    if footprints is not None:
+        memory = footprints.of(strategy, cluster.gpus_per_node)
+    else:
+        memory = memory_per_gpu(profile, strategy, cluster.gpus_per_node)
     time = step_time(profile, strategy, cluster)
     step_s = time.total
     samples_per_s = strategy.global_batch / step_s

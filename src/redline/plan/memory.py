@@ -751,6 +751,22 @@ def memory_per_gpu(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: 
     return _calibrated(profile, max(candidates, key=lambda m: m.device_total))
 
 
+class Footprints:
+    """``memory_per_gpu`` of one workload, each (strategy, GPUs per node) worked out once: a cloud ranking
+    estimates the same strategies on every instance with as many GPUs, and memory does not depend on which GPU
+    they are (whether it fits does)."""
+
+    def __init__(self, profile: WorkloadProfile) -> None:
+        self.profile = profile
+        self._known: dict[tuple[Strategy, int], MemoryBreakdown] = {}
+
+    def of(self, strategy: Strategy, gpus_per_node: int) -> MemoryBreakdown:
+        key = (strategy, gpus_per_node)
+        if key not in self._known:
+            self._known[key] = memory_per_gpu(self.profile, strategy, gpus_per_node)
+        return self._known[key]
+
+
 def pipeline_stages(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int) -> list[dict[str, float]]:
     """Each pipeline rank's share, first to last: its repeated blocks (the runtime cuts the model there) and
     the bytes of the weights it holds."""

@@ -26,6 +26,7 @@ from typing import Any
 from redline.errors import BadInput
 from redline.plan.estimate import Estimate, Goal, estimate
 from redline.plan.hardware import Cluster
+from redline.plan.memory import Footprints
 from redline.plan.messages import check_choice, check_whole, refuse
 from redline.plan.model_states import OPTIMIZERS, PRECISIONS, SHARDINGS
 from redline.plan.strategy import CHECKPOINTING, SCHEDULES, Strategy
@@ -304,8 +305,11 @@ def search(
     cluster: Cluster,
     goal: Goal,
     constraints: Constraints | None = None,
+    *,
+    footprints: Footprints | None = None,
 ) -> SearchResult:
-    """Estimate every candidate; keep those that fit, fastest (or cheapest) first."""
+    """Estimate every candidate; keep those that fit, fastest (or cheapest) first. ``footprints`` (of this
+    profile) carries the memory of strategies from one search to the next, over clusters of one workload."""
     constraints = constraints or Constraints()
     excluded: Counter[str] = Counter()
     fitting: list[Estimate] = []
@@ -313,7 +317,9 @@ def search(
     considered = 0
     for strategy in candidates(profile, cluster, goal, constraints, excluded):
         considered += 1
-        result = estimate(profile, strategy, cluster, goal, memory_margin=constraints.memory_margin)
+        result = estimate(
+            profile, strategy, cluster, goal, memory_margin=constraints.memory_margin, footprints=footprints
+        )
         if result.fits:
             fitting.append(result)
             continue
@@ -369,6 +375,7 @@ def smallest_fitting(
 
     lean = replace(constraints, micro_batch=1, checkpointing="full" if profile.blocks else None)
     found: list[tuple[Cluster, Estimate]] = []
+    footprints = Footprints(profile)
     for gpu in gpu_catalog():
         if gpu.vendor != "NVIDIA":
             continue
@@ -378,7 +385,7 @@ def smallest_fitting(
             batch = max(goal.global_batch, total)
             sized = replace(goal, global_batch=-(-batch // total) * total)
             try:
-                result = search(profile, cluster, sized, lean)
+                result = search(profile, cluster, sized, lean, footprints=footprints)
             except BadInput:
                 continue  # this size cannot take the user's --tp/--pp (or the GPU lacks the precision)
             if result.ranked:
