@@ -293,8 +293,8 @@ class StepMetrics:
         # its marks are host times or CUDA events: Any, as they reach the caller (``mark``)
         self._timer: _Timer[Any] = _CudaTimer(self.device) if cuda else _HostTimer(clock)
         self._memory: _NoMemory | _CudaMemory = _CudaMemory(self.device) if cuda else _NoMemory()
-        where = rank_path(path, rank)
-        self._sink: _NoSink | _JsonLines = _JsonLines(where) if where is not None else _NoSink()
+        self._where = rank_path(path, rank)
+        self._sink: _NoSink | _JsonLines = _JsonLines(self._where) if self._where is not None else _NoSink()
         self._console = console if console is not None and rank == 0 else _discard
         self._last_line_at: float | None = None
         self._closed = False
@@ -444,6 +444,15 @@ class StepMetrics:
             out["vs_predicted"] = compare_with_prediction(out, predicted)
             out["why"] = explain(out, predicted)
         return out
+
+    def reopen(self) -> None:
+        """Go on after ``close``: the JSON lines appended to the same file, the summary printed again at the
+        next ``close`` (over every step since the start). A loop that trains one epoch per call closes and
+        reopens at each."""
+        if not self._closed:
+            return
+        self._closed = False
+        self._sink = _JsonLines(self._where) if self._where is not None else _NoSink()
 
     def close(self, predicted: dict[str, Any] | None = None) -> None:
         """Close the JSON-lines file and print the summary line (rank 0). Calling it again does nothing."""

@@ -117,7 +117,12 @@ class Run:
     What a loop uses:
 
     - ``micro_batches(epochs=1)``: the micro-batches on the device, ``accumulation`` per optimizer step; the
-      run resumes where its checkpoint left it, and closes at the end of the loop or at a ``break``;
+      run resumes where its checkpoint left it, and closes at the end of the loop or at a ``break`` (a later
+      call goes on from there: a loop may call it once per epoch);
+    - ``epochs(n)``: for a loop per epoch, the epochs still to train, from where a checkpoint left off;
+      ``micro_batches()`` inside trains the rest of that epoch;
+    - ``optimizer_stepped``: whether the last ``accumulate()`` ended with an optimizer step (for code that
+      runs once per step);
     - ``accumulate()``: one micro-batch: autocast, gradient sync at the batch's last micro-batch only, then
       the optimizer step (clipping, loss scaling, the scheduler);
     - ``backward(loss)``: the micro-batch's share of the batch's loss, backward;
@@ -179,7 +184,12 @@ class Run:
         self.epoch = 0
         self.batch_in_epoch = 0  # per-rank batches of this epoch already trained on
         self.oom_events: list[dict[str, Any]] = []
+        self.optimizer_stepped = False  # whether the last accumulate() ended with an optimizer step
         self._in_hand: BatchState | None = None  # the batch the loop is in (see _batch)
+        self._epoch_scope: int | None = None  # inside epochs(): the epoch micro_batches() trains to its end
+        self._closed = False  # close() ran; a later micro_batches() reopens the run
+        # the last finished epoch's steps (seconds waiting for data, in all), for the next epoch's loader
+        self._finished_epoch: list[tuple[float, float]] = []
         self._simulated_oom = SimulatedOutOfMemory()  # the test hook REDLINE_TEST_OOM_AT; inert without it
         self._stop_signals = StopSignals(rank=self.rank, steps_done=lambda: self.step)
         if self.checkpointer is not None:  # a stop needs the checkpoint it resumes from
@@ -385,30 +395,36 @@ class Run:
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def micro_batches(self, epochs: int = 1) -> Iterator[Any]:
-        """Micro-batches on the device, ``accumulation`` per optimizer step, for ``epochs`` epochs (counted
-        from the start of the run, so a resumed run finishes the same epochs)."""
-        if self.epoch >= epochs and self.rank == 0:
+    def micro_batches(self, epochs: int | None = None) -> Iterator[Any]:
+        """Micro-batches on the device, ``accumulation`` per optimizer step, until the end of epoch ``epochs``
+        (counted from the start of the run, so a resumed run finishes the same epochs): by default 1, or inside
+        ``epochs()`` the epoch it is at. Each call ends as ``close()`` does (a checkpoint, the summary so far);
+        a later call goes on from there, into the same metrics file, with the stop signals taken again."""
+        until = epochs if epochs is not None else (self._epoch_scope or 1)
+        self._reopen()
+        if self.epoch >= until and self.rank == 0:
             log.warning(
-                "nothing to train: the checkpoint in %s is at step %d, after epoch %d of %d (raise epochs to go on, "
+                "nothing to train: the checkpoint in %s is at step %d, after epoch %d of %d (a loop per epoch: "
+                "iterate run.epochs(n), which starts where the checkpoint left off; else raise epochs to go on, "
                 "or give another checkpoint_dir to start again)",
                 self.config.checkpoint.dir,
                 self.step,
                 self.epoch,
-                epochs,
+                until,
             )
         try:
-            while self.epoch < epochs and not self._steps_done():
+            while self.epoch < until and not self._steps_done():
+                if self._finished_epoch:  # loading too slow in the epoch before: more workers, where it can
+                    self.feed.widen(self._finished_epoch)
+                    self.metrics.data_workers = self.feed.loader.num_workers
+                    self._finished_epoch = []
                 first_record = len(self.metrics.records)
                 yield from self._epoch()
                 if self._steps_done():  # the epoch was cut short: the checkpoint goes on from this batch
                     break
                 self.epoch += 1
                 self.batch_in_epoch = 0
-                if self.epoch < epochs:  # loading too slow: more workers for the next epoch, where it can
-                    records = self.metrics.records[first_record:]
-                    self.feed.widen([(record.data_s, record.time_s) for record in records])
-                    self.metrics.data_workers = self.feed.loader.num_workers
+                self._finished_epoch = [(r.data_s, r.time_s) for r in self.metrics.records[first_record:]]
         except GeneratorExit:  # the loop stopped early: a break (every rank alike), or an error in its body
             state = self._in_hand  # the batch it stopped in: every micro-batch is yielded inside one
             if state is not None and state.stepped:  # a break after the batch's optimizer step: the checkpoint
@@ -420,6 +436,34 @@ class Run:
             self.close(checkpoint=False)
             raise
         self.close()
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """The epochs of ``count`` still to train, from the one a checkpoint left off, for a loop per epoch::
+
+            for epoch in run.epochs(3):
+                for x, y in run.micro_batches():  # the rest of this epoch
+                    ...
+                evaluate(run.model)               # once per epoch, not again for epochs done before a resume
+
+        Ends early where the run does: ``max_steps`` reached, or an epoch left unfinished (a ``break``)."""
+        while self.epoch < count and not self._steps_done():
+            epoch = self.epoch
+            self._epoch_scope = epoch + 1
+            try:
+                yield epoch
+            finally:
+                self._epoch_scope = None
+            if self.epoch == epoch:  # the body did not finish the epoch: going on would repeat it
+                return
+
+    def _reopen(self) -> None:
+        """A ``micro_batches()`` call after ``close()``: the stop signals taken again, the metrics reopened."""
+        if not self._closed:
+            return
+        self._closed = False
+        if self.checkpointer is not None:
+            self._stop_signals.install()
+        self.metrics.reopen()
 
     def _epoch(self) -> Iterator[Any]:
         """The epoch's micro-batches from where a checkpoint left it, a checkpoint every ``checkpoint_every``
@@ -481,6 +525,7 @@ class Run:
     def accumulate(self) -> Iterator[None]:
         """One micro-batch: autocast, no gradient sync before the last of the batch, then the optimizer step
         (outside ``micro_batches()``: after each, see ``_batch_in_hand``)."""
+        self.optimizer_stepped = False
         with self._batch_in_hand() as state:
             out_of_memory = False
             with self.metrics.compute():
@@ -572,6 +617,7 @@ class Run:
         """The batch's last micro-batch is done: clip, step (skipped by GradScaler on inf/nan gradients), the
         scheduler, the step's metrics, and whether some rank was asked to stop."""
         state.stepped = True
+        self.optimizer_stepped = True
         shared, pending = self._share_step(state.loss_sum)
         with self.metrics.optimizer():
             skipped = False
@@ -709,7 +755,9 @@ class Run:
             self.oom_events.append({"step": self.step, "micro_batch": recorded[0], "accumulation": recorded[1]})
 
     def close(self, *, checkpoint: bool = True) -> None:
-        """End of training: a last checkpoint, the metrics summary against the plan."""
+        """End of training, or of this ``micro_batches()`` call: a last checkpoint, the metrics summary against
+        the plan; SIGTERM and SIGINT act as without redline until the next call."""
+        self._closed = True
         self._stop_signals.restore()
         if checkpoint and self.checkpointer is not None and self.checkpointer.latest_step() != self.step:
             self.save_checkpoint()
