@@ -12,9 +12,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
+from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.config import RunConfig
 from redline.runtime.prepare import prepare
@@ -95,6 +97,29 @@ def test_epochs_ends_where_an_epoch_is_left_unfinished(tmp_path: Path) -> None:
     assert run.step == 2
 
 
+def test_a_scheduler_given_an_epoch_interval_steps_once_per_epoch(tmp_path: Path) -> None:
+    """StepLR over epochs passed as ``scheduler=`` used to step at every optimizer step (0.1 -> 2.4e-5 in 12
+    steps instead of 0.0125)."""
+    decay = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # noqa: E731
+    run, _, _ = make_run(tmp_path, "per-epoch-lr", scheduler=decay, scheduler_interval="epoch")
+    rates = []
+    for _ in run.epochs(EPOCHS):
+        train(run, run.micro_batches())
+        rates.append(run.optimizer.param_groups[0]["lr"])
+    assert rates == [0.05 * 0.5 ** (epoch + 1) for epoch in range(EPOCHS)]
+
+
+def test_a_scheduler_interval_is_step_or_epoch(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="scheduler_interval must be one of step, epoch, not 'batch'"):
+        make_run(tmp_path, "bad", scheduler_interval="batch")
+
+
+def test_state_without_state_dict_is_refused_for_checkpointing(tmp_path: Path) -> None:
+    run, _, _ = make_run(tmp_path, "registered")
+    with pytest.raises(BadInput, match="int has no state_dict"):
+        run.register_for_checkpointing(3)
+
+
 def test_optimizer_stepped_is_true_after_each_batchs_last_micro_batch(tmp_path: Path) -> None:
     run, _, _ = make_run(tmp_path, "accumulated", accumulation=2)
     stepped = []
@@ -119,7 +144,23 @@ g = torch.Generator().manual_seed(1)
 data = torch.utils.data.TensorDataset(torch.randn({samples}, 8, generator=g), torch.randn({samples}, 1, generator=g))
 loader = torch.utils.data.DataLoader(data, batch_size={batch}, shuffle=True)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-run = redline.prepare(model, optimizer, loader, checkpoint_dir=ckpt)
+decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # per epoch, as the MNIST example
+
+
+class Evaluations:  # state of the script's own, checkpointed with the run's
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self):
+        return {{"count": self.count}}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+evaluations = Evaluations()
+run = redline.prepare(model, optimizer, loader, checkpoint_dir=ckpt, scheduler=decay, scheduler_interval="epoch")
+run.register_for_checkpointing(evaluations)
 epochs = run.epochs({epochs}) if style == "epochs" else range({epochs})
 for epoch in epochs:
     print(f"epoch {{epoch}} starts at step {{run.step}}", file=sys.stderr, flush=True)
@@ -130,6 +171,8 @@ for epoch in epochs:
             print("holding", file=sys.stderr, flush=True)
             while not os.path.exists(gate):
                 time.sleep(0.02)
+    evaluations.count += 1
+print(f"lr {{optimizer.param_groups[0]['lr']}} after {{evaluations.count}} evaluations", file=sys.stderr)
 torch.save(model.state_dict(), out)
 """
 
@@ -139,7 +182,8 @@ def test_sigterm_in_the_second_epoch_of_a_per_epoch_loop_checkpoints_and_resumes
 ) -> None:
     """SIGTERM in the second call used to end the run with no checkpoint (exit 143, the handlers gone with the
     first call); resumed through ``run.epochs``, the loop starts at the epoch and batch it stopped in and ends
-    at the uninterrupted run's weights."""
+    at the uninterrupted run's weights, its StepLR stepped once per epoch (not decayed again for the epochs
+    before the stop) and the script's own registered state restored."""
     stop_at = STEPS_PER_EPOCH + 2  # in the second epoch
     script = tmp_path / "train.py"
     script.write_text(
@@ -152,7 +196,10 @@ def test_sigterm_in_the_second_epoch_of_a_per_epoch_loop_checkpoints_and_resumes
         return subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
 
     whole = launch("whole", "-", "range")
-    assert whole.wait(timeout=600) == 0, whole.stderr.read()
+    _, whole_log = whole.communicate(timeout=600)
+    assert whole.returncode == 0, whole_log
+    finished = f"lr {0.05 * 0.5**EPOCHS} after {EPOCHS} evaluations"
+    assert finished in whole_log, whole_log
     # the uninterrupted run had its own checkpoint folder: start the interrupted one in a fresh one
     (tmp_path / "ckpt").rename(tmp_path / "ckpt-whole")
 
@@ -175,6 +222,7 @@ def test_sigterm_in_the_second_epoch_of_a_per_epoch_loop_checkpoints_and_resumes
     assert resumed.returncode == 0, log
     starts = [line for line in log.splitlines() if line.startswith("epoch ")]
     assert starts == [f"epoch 1 starts at step {stopped_at}", f"epoch 2 starts at step {2 * STEPS_PER_EPOCH}"], log
+    assert finished in log, log
     whole_weights = torch.load(tmp_path / "whole.pt")
     resumed_weights = torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(whole_weights[k], resumed_weights[k]) for k in whole_weights)

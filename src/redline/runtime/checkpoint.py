@@ -132,6 +132,7 @@ class Checkpointer:
             raise BadInput(f"a checkpointer keeps at least 1 checkpoint, not {keep}")
         self.directory = Path(directory)
         self.keep = keep
+        self.restored_states: dict[str, Any] = {}  # the ``states`` of the checkpoint load_latest restored
 
     @property
     def rank(self) -> int:
@@ -152,13 +153,16 @@ class Checkpointer:
         scaler: Any = None,
         scheduler: Any = None,
         extra: dict | None = None,
+        states: dict[str, Any] | None = None,
     ) -> Path:
         """Write the checkpoint of ``step`` (every rank calls this) and return its directory.
 
         ``extra`` is a plain JSON-serialisable dict kept per rank (data position, epoch, micro-batch ...);
-        ``load_latest`` returns it as ``json.loads`` reads it back. A checkpoint of the same step replaces the
-        old one; complete checkpoints of later steps (from a run this one did not resume) are removed with a
-        warning, since a resume would otherwise pick them over this run's.
+        ``load_latest`` returns it as ``json.loads`` reads it back. ``states``: more objects with a
+        ``state_dict()``, by name, saved per rank; ``load_latest`` leaves what it read in ``restored_states``.
+        A checkpoint of the same step replaces the old one; complete checkpoints of later steps (from a run this
+        one did not resume) are removed with a warning, since a resume would otherwise pick them over this
+        run's.
         """
         if step < 0:
             raise BadInput(f"a checkpoint step is 0 or more, not {step}")
@@ -196,6 +200,7 @@ class Checkpointer:
             "scaler": scaler.state_dict() if scaler is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra_json": extra_json,
+            "states": {name: state.state_dict() for name, state in (states or {}).items()},
         }
         error = None
         try:
@@ -427,6 +432,7 @@ class Checkpointer:
             scaler.load_state_dict(per_rank["scaler"])
         if scheduler is not None and per_rank["scheduler"] is not None:
             scheduler.load_state_dict(per_rank["scheduler"])
+        self.restored_states = per_rank.get("states") or {}  # a checkpoint of an older redline has none
         if same_world:
             _set_rng_states(per_rank["rng"])
         elif self.rank == 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import typing
 from dataclasses import dataclass, field
@@ -30,8 +31,12 @@ from redline.plan.strategy import Strategy
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
+
+log = logging.getLogger("redline.runtime")
 
 COMM_HOOKS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
+SCHEDULER_INTERVALS: tuple[str, ...] = ("step", "epoch")
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,17 @@ class LoopConfig:
     """End the run after this many optimizer steps, counted from its start (a resumed run counts the steps
     before it), as if the data had run out: a short trial (``redline tune``) or a smoke test. None: the epochs
     decide."""
+    scheduler_interval: str = "step"
+    """When the LR scheduler given to ``prepare()`` steps: after each optimizer ``step``, or at the end of each
+    ``epoch`` (StepLR over epochs, as PyTorch's examples use it)."""
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
             raise BadInput(f"max_steps must be 1 or more, not {self.max_steps}")
+        if self.scheduler_interval not in SCHEDULER_INTERVALS:
+            raise BadInput(
+                f"scheduler_interval must be one of {', '.join(SCHEDULER_INTERVALS)}, not {self.scheduler_interval!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -294,6 +306,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("metrics.interval_s", "metrics_interval_s"),
     Setting("loop.max_steps", "max_steps", "--max-steps", "End the run after this many optimizer steps."),
+    Setting("loop.scheduler_interval", "scheduler_interval"),
     Setting(
         "strategy.accumulation",
         "accumulation",
@@ -428,3 +441,39 @@ def _planned_device(hardware: dict[str, Any]) -> str | None:
     if hardware.get("accelerator") == "cpu":
         return "cpu"
     return hardware.get("device")
+
+
+def check_plan_matches(config: RunConfig, model: nn.Module, device: torch.device, *, rank: int) -> None:
+    """A plan made for other hardware, or for another model, still runs (its strategy may suit), but its
+    predictions do not hold here: said once, by rank 0."""
+    if rank != 0:
+        return
+    planned, here = config.plan.device, _device_name(device)
+    if planned and _device_kind(planned) != _device_kind(here):
+        log.warning(
+            "the plan was made for %s and runs on %s: its memory and time predictions do not apply", planned, here
+        )
+    if config.plan.params:
+        count = sum(p.numel() for p in model.parameters())
+        if abs(count - config.plan.params) > 0.05 * config.plan.params:
+            log.warning(
+                "the model has %s parameters and the plan was made for %s: is it the planned model?",
+                f"{count:,}",
+                f"{config.plan.params:,}",
+            )
+
+
+def _device_name(device: torch.device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _device_kind(name: str) -> str:
+    """What decides a plan's figures in a device's name: its model (H100, A100, L40S, MI300X), or cpu."""
+    import re
+
+    if "cpu" in name.lower():
+        return "cpu"
+    models = re.findall(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
+    return models[0] if models else name.lower()

@@ -64,7 +64,14 @@ from redline.errors import BadInput
 from redline.runtime.api import prepare
 from redline.runtime.batch import to_device, tokens_per_sample
 from redline.runtime.batch_state import BatchState
-from redline.runtime.config import RunConfig, check_runnable, default_config, from_plan_file, runtime_from_env
+from redline.runtime.config import (
+    RunConfig,
+    check_plan_matches,
+    check_runnable,
+    default_config,
+    from_plan_file,
+    runtime_from_env,
+)
 from redline.runtime.distributed import agree, clip_grad_norm, init_distributed
 from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
 from redline.runtime.fp8 import apply_fp8
@@ -129,6 +136,8 @@ class Run:
       ``forward_backward(inputs, target)``: the model, ``loss_fn`` and the backward (a pipeline's whole step);
       in a loop of one's own over ``loader`` instead of ``micro_batches()``, each micro-batch is a whole batch;
     - ``save_checkpoint()`` and ``close(checkpoint=True)``, which ``micro_batches`` calls itself;
+      ``register_for_checkpointing(*objects)``: more state in the checkpoint (a scheduler stepped by the loop,
+      an EMA copy, a counter), restored as it is registered when the run resumed;
     - ``model``, ``optimizer``, ``scheduler``, ``scaler``: as wrapped, rebuilt and made for the plan;
     - ``step`` (optimizer steps done), ``epoch``, ``batch_in_epoch`` (this rank's batches of the epoch done),
       ``attempt`` (starts on this checkpoint directory before this one);
@@ -164,7 +173,7 @@ class Run:
         self._check_precision()
         self.accumulation = self.config.strategy.accumulation
         apply_numerics(self.config.numerics, self.device)
-        self._check_plan_matches(model)
+        check_plan_matches(self.config, model, self.device, rank=self.rank)
         self.model = self._wrap(model.to(self.device))
         self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=self.sharding)
         self._flag_unfused_adam("as asked")
@@ -185,6 +194,7 @@ class Run:
         self.batch_in_epoch = 0  # per-rank batches of this epoch already trained on
         self.oom_events: list[dict[str, Any]] = []
         self.optimizer_stepped = False  # whether the last accumulate() ended with an optimizer step
+        self._registered: list[Any] = []  # register_for_checkpointing's objects, in the order registered
         self._in_hand: BatchState | None = None  # the batch the loop is in (see _batch)
         self._epoch_scope: int | None = None  # inside epochs(): the epoch micro_batches() trains to its end
         self._closed = False  # close() ran; a later micro_batches() reopens the run
@@ -269,25 +279,6 @@ class Run:
             raise BadInput(f"{torch.cuda.get_device_name(self.device)} has no bf16: plan with --precision fp16")
         if self.device.type == "cpu" and self.precision == "fp16":
             raise BadInput("fp16 autocast with loss scaling needs a GPU; on the CPU plan with bf16 or fp32")
-
-    def _check_plan_matches(self, model: nn.Module) -> None:
-        """A plan made for other hardware, or for another model, still runs (its strategy may suit), but its
-        predictions do not hold here: said once."""
-        if self.rank != 0:
-            return
-        planned, here = self.config.plan.device, _device_name(self.device)
-        if planned and _device_kind(planned) != _device_kind(here):
-            log.warning(
-                "the plan was made for %s and runs on %s: its memory and time predictions do not apply", planned, here
-            )
-        if self.config.plan.params:
-            count = sum(p.numel() for p in model.parameters())
-            if abs(count - self.config.plan.params) > 0.05 * self.config.plan.params:
-                log.warning(
-                    "the model has %s parameters and the plan was made for %s: is it the planned model?",
-                    f"{count:,}",
-                    f"{self.config.plan.params:,}",
-                )
 
     # ------------------------------------------------------------------------------------------ wrapping
 
@@ -424,6 +415,8 @@ class Run:
                     break
                 self.epoch += 1
                 self.batch_in_epoch = 0
+                if self.scheduler is not None and self.config.loop.scheduler_interval == "epoch":
+                    self.scheduler.step()
                 self._finished_epoch = [(r.data_s, r.time_s) for r in self.metrics.records[first_record:]]
         except GeneratorExit:  # the loop stopped early: a break (every rank alike), or an error in its body
             state = self._in_hand  # the batch it stopped in: every micro-batch is yielded inside one
@@ -635,7 +628,7 @@ class Run:
             if scale is not None and self.scaler.get_scale() < scale:
                 skipped = True  # inf/nan gradients: GradScaler skipped the step and lowered the scale
             self.optimizer.zero_grad(set_to_none=True)
-            if self.scheduler is not None and not skipped:
+            if self.scheduler is not None and not skipped and self.config.loop.scheduler_interval == "step":
                 self.scheduler.step()
         if pending is not None:
             pending.wait()
@@ -694,6 +687,19 @@ class Run:
 
     # ------------------------------------------------------------------------------------- checkpoints
 
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save ``objects`` (each with ``state_dict()`` and ``load_state_dict()``: a scheduler the loop steps
+        itself, an EMA model, a counter) in every checkpoint, per rank; on a resumed run each is restored now,
+        from the checkpoint resumed from. Register them in the same order on every run."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise BadInput(f"{type(obj).__name__} has no state_dict() and load_state_dict() to checkpoint")
+            name = str(len(self._registered))
+            self._registered.append(obj)
+            saved = self.checkpointer.restored_states if self.checkpointer is not None else {}
+            if name in saved:
+                obj.load_state_dict(saved[name])
+
     def save_checkpoint(self) -> Path | None:
         if self.checkpointer is None:
             return None
@@ -704,6 +710,7 @@ class Run:
             scaler=self.scaler,
             scheduler=self.scheduler,
             extra=self._position(),
+            states={str(index): obj for index, obj in enumerate(self._registered)},
         )
 
     def _position(self) -> dict[str, int | None]:
@@ -765,20 +772,3 @@ class Run:
             self.checkpointer.clear_micro_batch()  # it was for the restarts of this run, not for later ones
         self.summary = self.metrics.summary(self.config.plan.predicted)
         self.metrics.close(self.config.plan.predicted)
-
-
-# ----------------------------------------------------------------------------------------------- helpers
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _device_kind(name: str) -> str:
-    """What decides a plan's figures in a device's name: its model (H100, A100, L40S, MI300X), or cpu."""
-    import re
-
-    if "cpu" in name.lower():
-        return "cpu"
-    models = re.findall(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
-    return models[0] if models else name.lower()
