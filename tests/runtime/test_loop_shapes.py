@@ -120,6 +120,15 @@ def test_state_without_state_dict_is_refused_for_checkpointing(tmp_path: Path) -
         run.register_for_checkpointing(3)
 
 
+def test_the_steps_a_schedule_needs_are_known_before_the_first_step(tmp_path: Path) -> None:
+    run, _, _ = make_run(tmp_path, "counted")
+    assert (run.steps_per_epoch, run.total_steps(EPOCHS)) == (STEPS_PER_EPOCH, EPOCHS * STEPS_PER_EPOCH)
+    train(run, run.micro_batches(epochs=EPOCHS))
+    assert run.step == run.total_steps(EPOCHS)
+    capped, _, _ = make_run(tmp_path, "capped", max_steps=4)
+    assert capped.total_steps(EPOCHS) == 4
+
+
 def test_optimizer_stepped_is_true_after_each_batchs_last_micro_batch(tmp_path: Path) -> None:
     run, _, _ = make_run(tmp_path, "accumulated", accumulation=2)
     stepped = []

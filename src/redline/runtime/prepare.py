@@ -140,6 +140,7 @@ class Run:
       an EMA copy, a counter), restored as it is registered when the run resumed;
     - ``model``, ``optimizer``, ``scheduler``, ``scaler``: as wrapped, rebuilt and made for the plan;
     - ``step`` (optimizer steps done), ``epoch``, ``batch_in_epoch`` (this rank's batches of the epoch done),
+      ``steps_per_epoch`` and ``total_steps(epochs)`` (known before the first step, for a scheduler's length),
       ``attempt`` (starts on this checkpoint directory before this one);
     - ``micro_batch`` and ``accumulation`` as they run now (after an out-of-memory, smaller and more),
       ``oom_events`` (one dict per change);
@@ -219,6 +220,24 @@ class Run:
         tensor or pipeline parallelism it is FSDP2 over the mesh's data ranks (DDP takes no DTensor
         parameters), whose collectives, like tensor parallelism's, run in every forward and backward."""
         return "fsdp" if self.mesh else self.config.strategy.sharding
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps in a whole epoch (one per batch of this rank's loader, every rank alike); None for
+        a stream, whose length is not known ahead."""
+        if self.feed.iterable:
+            return None
+        return len(self.feed.loader)
+
+    def total_steps(self, epochs: int) -> int | None:
+        """Optimizer steps of a run of ``epochs`` epochs from its start, ``max_steps`` the most: the length
+        to give a scheduler (OneCycleLR's ``total_steps``, a warm-up-then-decay schedule). None for a stream
+        without ``max_steps``."""
+        whole = None if self.steps_per_epoch is None else epochs * self.steps_per_epoch
+        limit = self.config.loop.max_steps
+        if whole is None or limit is None:
+            return whole if limit is None else limit
+        return min(whole, limit)
 
     @property
     def loader(self) -> torch.utils.data.DataLoader:
