@@ -40,7 +40,8 @@ def prepare(
             with run.accumulate():
                 run.backward(loss_fn(run.model(x), y))
 
-    - ``model``: your ``nn.Module``; ``run.model`` is it on this rank's device, wrapped as the plan says.
+    - ``model``: your ``nn.Module``; ``run.model`` is it on this rank's device, wrapped as the plan says, every rank
+      starting from rank 0's parameters and buffers (a seed per rank is fine; said once when the ranks' differed).
     - ``optimizer``: an optimizer over the model's parameters (rebuilt from its class and settings where
       sharding replaces the parameters: FSDP2, ZeRO-1), or a factory ``lambda params: AdamW(params, ...)``,
       which an optimizer with several parameter groups needs.

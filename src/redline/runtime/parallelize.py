@@ -1,8 +1,9 @@
 """The steps ``prepare()`` applies to the model and its optimizer, one free function each, in the order it calls
-them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_sync_batchnorm``, ``apply_fp8``
-(``fp8.py``), ``apply_tp`` (``tensor_parallel.py``), ``apply_activation_checkpointing``, ``apply_compile``,
-then ``apply_ddp`` or ``apply_fsdp``, then ``build_optimizer`` (with ``apply_zero1`` for ZeRO-1). Each takes the
-model and the settings it needs, and none holds state: each can be called and tested on its own.
+them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_same_start``, ``apply_sync_batchnorm``,
+``apply_fp8`` (``fp8.py``), ``apply_tp`` (``tensor_parallel.py``), ``apply_activation_checkpointing``,
+``apply_compile``, then ``apply_ddp`` or ``apply_fsdp``, then ``build_optimizer`` (with ``apply_zero1`` for
+ZeRO-1). Each takes the model and the settings it needs, and none holds state: each can be called and tested on
+its own.
 """
 
 from __future__ import annotations
@@ -10,19 +11,21 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any, get_type_hints
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from redline.errors import BadInput, one_line
 from redline.plan.strategy import Strategy
 from redline.runtime.config import DdpConfig, NumericsConfig
+from redline.runtime.distributed import agree
 from redline.runtime.tensor_parallel import average_gradients, fsdp_layout
 from redline.workload.selective import selective_checkpoint_context
 
@@ -33,6 +36,8 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # the 16-bit type a plan's precision computes in outside its matmuls (autocast, FSDP2's parameters); fp8 recipes
 # run everything but their float8 linear layers in bf16 (torchtitan's); fp32 has none
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+# apply_same_start's bucket: few enough collectives for a large model, and a temporary small beside it
+BROADCAST_BUCKET_BYTES = 64 * 2**20
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -48,6 +53,84 @@ def apply_numerics(config: NumericsConfig, device: torch.device) -> None:
         torch.backends.cuda.matmul.allow_tf32 = config.tf32
         torch.backends.cudnn.allow_tf32 = config.tf32
         torch.backends.cudnn.benchmark = config.cudnn_benchmark
+
+
+def apply_same_start(model: nn.Module, *, rank: int, world: int, device: torch.device) -> None:
+    """Every rank's parameters and buffers made rank 0's, before anything shards or splits them. A script that
+    seeds each rank differently (``torch.manual_seed(1337 + rank)``, as nanoGPT does) builds other weights on
+    each rank: DDP would replace them by rank 0's as it starts, but FSDP2, tensor and pipeline parallelism cut
+    each rank's share from the weights that rank built, and the ranks would train a patchwork of several models.
+    Said once, on rank 0, when some rank's weights differed. Rank 0's bytes go out in buckets of
+    ``BROADCAST_BUCKET_BYTES`` (any dtype: a bucket is bytes; a tensor larger than a bucket in pieces), so the
+    temporary memory stays one bucket whatever the model's size. Left as they are: meta tensors (no values yet)
+    and DTensors (already laid out by whoever made them). The ranks must have built the same shapes: checked
+    first, in one small all-reduce, and refused in one line otherwise."""
+    if world == 1:
+        return
+    tensors = [
+        tensor.detach()
+        for tensor in (*model.parameters(), *model.buffers())
+        if tensor.numel() and not tensor.is_meta and tensor.layout == torch.strided and not isinstance(tensor, DTensor)
+    ]
+    _check_same_shapes(tensors, device)
+    # a strided tensor (a transposed weight, channels_last) has no flat view: its bytes go through a dense copy
+    staged = [(tensor, tensor.contiguous()) for tensor in tensors if not tensor.is_contiguous()]
+    dense = [tensor for tensor in tensors if tensor.is_contiguous()] + [copy for _, copy in staged]
+    differed = False
+    with torch.no_grad():
+        for bucket in _byte_buckets(dense, BROADCAST_BUCKET_BYTES):
+            differed = _broadcast_from_rank0(bucket, rank=rank) or differed
+        for tensor, copy in staged:
+            tensor.copy_(copy)
+    if agree(differed, dist.ReduceOp.MAX, world=world, device=device) and rank == 0:
+        log.warning(
+            "the ranks built different weights (a seed per rank?): each starts from rank 0's instead, so that "
+            "they train one model"
+        )
+
+
+def _check_same_shapes(tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Every rank holds the same shapes and dtypes in the same order (a CRC of them compared in one all-reduce):
+    bytes broadcast into another model's tensors would fill them with garbage, or hang."""
+    layout = repr([(tuple(tensor.shape), str(tensor.dtype)) for tensor in tensors]).encode()
+    fingerprint = zlib.crc32(layout)
+    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and, negated, the smallest
+    if int(extremes[0]) != -int(extremes[1]):
+        raise BadInput(
+            "the ranks built models of different shapes: every rank must build the same model (its weights may "
+            "differ; rank 0's are broadcast)"
+        )
+
+
+def _byte_buckets(tensors: list[torch.Tensor], limit_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """The contiguous ``tensors``' bytes as flat uint8 views (writing into one writes its tensor), grouped into
+    buckets of at most ``limit_bytes`` on one device; a tensor larger than that is cut into pieces."""
+    bucket: list[torch.Tensor] = []
+    size_bytes = 0
+    for tensor in tensors:
+        for piece in tensor.reshape(-1).view(torch.uint8).split(limit_bytes):
+            if bucket and (size_bytes + piece.numel() > limit_bytes or piece.device != bucket[0].device):
+                yield bucket
+                bucket, size_bytes = [], 0
+            bucket.append(piece)
+            size_bytes += piece.numel()
+    if bucket:
+        yield bucket
+
+
+def _broadcast_from_rank0(pieces: list[torch.Tensor], *, rank: int) -> bool:
+    """Rank 0's bytes written into every rank's ``pieces`` in one broadcast; whether this rank's differed."""
+    if rank == 0:
+        dist.broadcast(torch.cat(pieces), src=0)
+        return False
+    received = torch.empty(sum(piece.numel() for piece in pieces), dtype=torch.uint8, device=pieces[0].device)
+    dist.broadcast(received, src=0)
+    differed = False
+    for piece, theirs in zip(pieces, received.split([piece.numel() for piece in pieces]), strict=True):
+        differed = differed or not torch.equal(piece, theirs)  # bytes: a NaN equals itself
+        piece.copy_(theirs)
+    return differed
 
 
 def apply_sync_batchnorm(model: nn.Module, *, enabled: bool, device: torch.device, rank: int) -> None:

@@ -13,8 +13,9 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
 
 1. process group (``WORLD_SIZE`` > 1) and device (``cuda:LOCAL_RANK``, else the CPU); the plan's world size
    must match the ranks that exist; a tensor-parallel plan's device mesh (``mesh.py``);
-2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); BatchNorm synchronised over the
-   ranks (``apply_sync_batchnorm``); under an fp8 plan the linear layers made torchao ``Float8Linear``s
+2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); every rank's parameters and buffers
+   made rank 0's, so that every sharding starts from one model (``apply_same_start``); BatchNorm synchronised
+   over the ranks (``apply_sync_batchnorm``); under an fp8 plan the linear layers made torchao ``Float8Linear``s
    (``apply_fp8`` of ``fp8.py``; the plan refused at the start where fp8 cannot run); tensor parallelism over
    the mesh's ``tp`` group (``tensor`` > 1; ``apply_tp`` of ``tensor_parallel.py``), before anything else
    wraps the layers;
@@ -84,6 +85,7 @@ from redline.runtime.parallelize import (
     apply_ddp,
     apply_fsdp,
     apply_numerics,
+    apply_same_start,
     apply_sync_batchnorm,
     autocast_dtype,
     build_optimizer,
@@ -284,7 +286,8 @@ class Run:
     def _wrap(self, model: nn.Module) -> nn.Module:
         """Steps 3 to 5 of the order above (``parallelize.py``), on the model's repeated blocks."""
         without_kv_cache(model)
-        if self.world_size > 1:
+        if self.world_size > 1:  # before anything shards or splits the model: every rank starts from rank 0's
+            apply_same_start(model, rank=self.rank, world=self.world_size, device=self.device)
             apply_sync_batchnorm(model, enabled=self.config.ddp.sync_batchnorm, device=self.device, rank=self.rank)
         blocks = [block for _, block in find_blocks(model)]
         strategy = self.config.strategy
