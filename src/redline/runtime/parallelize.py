@@ -13,6 +13,7 @@ import logging
 import os
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 import torch
@@ -292,68 +293,129 @@ def apply_fsdp(
     return model
 
 
-def build_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory, *, world: int, sharding: str
-) -> torch.optim.Optimizer:
-    """The factory's optimizer over the wrapped model's parameters. A ready optimizer is kept where its
-    parameters are still the model's (one rank, DDP); under FSDP2 and ZeRO-1 it is rebuilt from its
-    class and settings, which needs a single parameter group."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    sharded = world > 1 and sharding != "ddp"
-    if isinstance(optimizer, torch.optim.Optimizer) and not sharded:
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if owned != {id(p) for p in params}:
+class Trainable(list[nn.Parameter]):
+    """The wrapped model's trainable parameters in the model's order: what an optimizer factory receives
+    (``prepare(model, lambda params: AdamW(params, lr=...), loader)``). Under FSDP2 and tensor parallelism they
+    are sharded DTensors, whose ``shape`` and ``dim()`` are the whole parameter's, so groups split by dimension
+    come out as on the model itself. ``named`` pairs each with its module path in the model as you built it (no
+    wrapper's prefix), for groups split by name::
+
+        def adamw(params):
+            decay = [p for name, p in params.named if not name.endswith("bias") and "norm" not in name]
+            rest = [p for name, p in params.named if name.endswith("bias") or "norm" in name]
+            groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+            return torch.optim.AdamW(groups, lr=3e-4)
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        super().__init__(parameter for _, parameter in named)
+        self.named = named
+
+
+def trainable(model: nn.Module) -> Trainable:
+    """The wrapped ``model``'s trainable parameters by their module paths in the model as the user built it:
+    DDP's ``module.`` left out; FSDP2, tensor parallelism, fp8 and per-block ``torch.compile`` keep the paths,
+    and a pipeline rank's ``RankModel`` holds its stages' parameters under them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return Trainable([(path, parameter) for path, parameter in inner.named_parameters() if parameter.requires_grad])
+
+
+@dataclass(frozen=True)
+class ReadyOptimizer:
+    """An optimizer the user built, each of its groups' parameters known by its module paths in the model. Taken
+    before the model is wrapped: FSDP2 and tensor parallelism replace the parameters by DTensor ones under the
+    same paths, and ``rebuild`` makes the optimizer again over those, group by group, as torch's own
+    ``fully_shard`` recipe does (the optimizer built after sharding)."""
+
+    optimizer: torch.optim.Optimizer
+    paths: list[list[list[str]]]  # per group, per parameter: its paths in the model (several for a shared one)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> ReadyOptimizer:
+        """``optimizer`` over ``model``, which it must hold exactly the trainable parameters of (refused in
+        one line otherwise: an optimizer over another copy of the model would step nothing of this one)."""
+        paths: dict[int, list[str]] = {}
+        for path, parameter in model.named_parameters(remove_duplicate=False):
+            paths.setdefault(id(parameter), []).append(path)
+        owned = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        if owned != {id(parameter) for parameter in model.parameters() if parameter.requires_grad}:
             raise BadInput("the optimizer does not hold exactly the model's trainable parameters")
-        fuse_adam(optimizer)
-        return optimizer
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        factory = _explained(optimizer)
-    else:
-        if len(optimizer.param_groups) > 1:
-            raise BadInput(
-                "the optimizer has several parameter groups; pass a factory instead, which receives the flat "
-                "list of the wrapped model's trainable parameters: prepare(model, lambda params: "
-                "MyOptimizer(params, ...), loader)"
-            )
-        # the group's current settings: a scheduler or the user may have changed lr after construction
-        cls = type(optimizer)
-        settings = constructor_settings(cls, optimizer.param_groups[0])
+        return cls(optimizer, [[paths[id(p)] for p in group["params"]] for group in optimizer.param_groups])
 
-        def factory(ps: Any) -> torch.optim.Optimizer:
-            return cls(ps, **settings)
+    def holds(self, params: list[nn.Parameter]) -> bool:
+        """Whether the optimizer steps exactly ``params`` (the wrapped model's kept the user's: one rank, DDP)."""
+        owned = {id(parameter) for group in self.optimizer.param_groups for parameter in group["params"]}
+        return owned == {id(parameter) for parameter in params}
 
-    if world > 1 and sharding == "zero1":
+    def rebuild(self, params: Trainable) -> torch.optim.Optimizer:
+        """The optimizer's class over the wrapped model's ``params``: each group holds those at its parameters'
+        paths (on a pipeline rank, those of its stages: a group may be empty there, kept so that the groups line
+        up with a scheduler's per-group settings), with every setting the group has now (a scheduler or the user
+        may have changed ``lr`` since construction). ``param_names`` (an optimizer built over named parameters)
+        is left out: ZeRO-1 shares each group's parameters out and keeps no names in line with them."""
+        held = dict(params.named)
+        groups: list[dict[str, Any]] = []
+        for group, paths in zip(self.optimizer.param_groups, self.paths, strict=True):
+            found = [next((held[path] for path in names if path in held), None) for names in paths]
+            settings = {key: value for key, value in group.items() if key not in ("params", "param_names")}
+            groups.append(settings | {"params": [parameter for parameter in found if parameter is not None]})
+        if sum(len(group["params"]) for group in groups) != len(params):  # a wrapper that renamed the modules
+            raise RuntimeError("the wrapped model's parameters are not all at their module paths in the model")
+        cls = type(self.optimizer)
+        return cls(groups, **constructor_settings(cls, self.optimizer.defaults))
+
+
+def build_optimizer(
+    model: nn.Module, optimizer: ReadyOptimizer | OptimizerFactory, *, world: int, sharding: str
+) -> torch.optim.Optimizer:
+    """The optimizer over the wrapped model's trainable parameters. A ready optimizer is kept where they are
+    still the ones it holds (one rank, DDP); where sharding replaced them (FSDP2, tensor or pipeline
+    parallelism) or ZeRO-1 shares its state out, it is rebuilt from its class, each of its parameter groups
+    with its settings (``ReadyOptimizer.rebuild``). A factory receives the parameters as ``Trainable`` (with
+    their names) and may make several groups. Under ZeRO-1 the optimizer's class and groups make a
+    ``ZeroRedundancyOptimizer`` (``apply_zero1``)."""
+    params = trainable(model)
+    zero1 = world > 1 and sharding == "zero1"
+    if isinstance(optimizer, ReadyOptimizer) and not zero1 and optimizer.holds(params):
+        fuse_adam(optimizer.optimizer)
+        return optimizer.optimizer
+    factory = optimizer.rebuild if isinstance(optimizer, ReadyOptimizer) else _explained(optimizer)
+    if zero1:
         return apply_zero1(params, factory)
     built = factory(params)
     fuse_adam(built)
     return built
 
 
-def apply_zero1(params: list[nn.Parameter], factory: OptimizerFactory) -> torch.optim.Optimizer:
-    """ZeRO-1: ``ZeroRedundancyOptimizer`` over the factory's optimizer class and settings, each rank holding
-    the optimizer state of its shard of the parameters (the gradients are DDP's)."""
+def apply_zero1(params: Trainable, factory: OptimizerFactory) -> torch.optim.Optimizer:
+    """ZeRO-1: ``ZeroRedundancyOptimizer`` over the factory's optimizer class and parameter groups, each group's
+    settings kept, each rank holding the optimizer state of its share of every group's parameters (the
+    gradients are DDP's)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     built = factory(params)
-    if len(built.param_groups) > 1:
-        raise BadInput("ZeRO-1 takes one parameter group: the optimizer factory made several")
     fuse_adam(built)  # ZeRO-1 copies its groups' settings into its shard's optimizer at every step
-    settings = constructor_settings(type(built), built.param_groups[0])
-    return ZeroRedundancyOptimizer(params, optimizer_class=type(built), **settings)
+    # ZeRO-1 shares each group's parameters out and keeps no names in line with them: param_names left out
+    groups = [{key: value for key, value in group.items() if key != "param_names"} for group in built.param_groups]
+    settings = constructor_settings(type(built), built.defaults)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(built), **settings)
 
 
 def _explained(factory: OptimizerFactory) -> OptimizerFactory:
-    """The user's optimizer factory, its failure on what it is given said as such: it receives a flat list of
-    parameters (FSDP2's sharded ones), not the model or named groups."""
+    """The user's optimizer factory, its failure on what it is given said as such: it receives the parameters
+    (``Trainable``, FSDP2's sharded ones), not the model."""
 
-    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    def build(params: Trainable) -> torch.optim.Optimizer:
         try:
             return factory(params)
         except (TypeError, AttributeError, ValueError) as exc:
             raise BadInput(
                 f"the optimizer factory failed ({one_line(exc)}); it receives a flat list of the "
-                "wrapped model's trainable parameters (sharded DTensors under FSDP2), not the model or named "
-                "groups: prepare(model, lambda params: AdamW(params, lr=...), loader)"
+                "wrapped model's trainable parameters (sharded DTensors under FSDP2; params.named holds them by "
+                "module path, for groups split by name), not the model: "
+                "prepare(model, lambda params: AdamW(params, lr=...), loader)"
             ) from exc
 
     return build
@@ -379,7 +441,8 @@ def fuse_adam(optimizer: torch.optim.Optimizer) -> bool:
     ``fused`` nor ``foreach`` given) and it has not stepped yet, on GPUs and CPUs: one kernel over all parameters
     and no parameter-sized temporary, as the plan assumes (PyTorch's default on a GPU, foreach, holds the square
     roots of the second moments, 4 bytes a parameter). Subclasses, whose step may differ, are left alone. Under
-    fp16 GradScaler unscales the gradients itself, as for any optimizer. True if it did."""
+    fp16 GradScaler unscales the gradients itself, as for any optimizer. Not where a group mixes DTensors and plain
+    tensors. True if it did."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
         return False
     groups = optimizer.param_groups
@@ -387,6 +450,10 @@ def fuse_adam(optimizer: torch.optim.Optimizer) -> bool:
         return False
     params = [p for g in groups for p in g["params"]]
     if not all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params):
+        return False
+    # tensor parallelism alone leaves some layers whole: one group of DTensors and plain tensors, which the fused
+    # kernel refuses in one call: left to PyTorch's default step (on the CPU, one parameter at a time)
+    if any(len({isinstance(p, DTensor) for p in g["params"]}) > 1 for g in groups):
         return False
     for group in groups:
         group["fused"] = True

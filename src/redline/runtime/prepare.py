@@ -26,8 +26,9 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
    ``apply_ddp``), ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``, ``apply_zero1``), or FSDP2 ``fully_shard`` per
    block then the root (ZeRO-2: ``reshard_after_forward=False``; FSDP: True), with bf16/fp16 parameters and
    fp32 reductions (``apply_fsdp``); beside tensor parallelism always FSDP2, over the mesh's ``dp`` group;
-6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave,
-   or rebuilt from the ready optimizer's class and settings (``build_optimizer``);
+6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave, or
+   rebuilt from the ready optimizer's class, each of its groups with its settings over the parameters at the
+   same module paths (``build_optimizer``);
 7. precision: autocast to bf16/fp16 around each micro-batch (bf16 under fp8, outside the float8 layers), a
    GradScaler for fp16;
 8. data: the user's DataLoader with every setting kept, its sampler (any) or its IterableDataset shared out
@@ -80,6 +81,7 @@ from redline.runtime.oom import (
 )
 from redline.runtime.parallelize import (
     OptimizerFactory,
+    ReadyOptimizer,
     apply_activation_checkpointing,
     apply_compile,
     apply_ddp,
@@ -162,8 +164,11 @@ class Run:
         self.accumulation = self.config.strategy.accumulation
         apply_numerics(self.config.numerics, self.device)
         self._check_plan_matches(model)
-        self.model = self._wrap(model.to(self.device))
-        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=self.sharding)
+        model = model.to(self.device)
+        # a ready optimizer's groups by module path, taken before sharding replaces the parameters
+        ready = ReadyOptimizer.of(optimizer, model) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        self.model = self._wrap(model)
+        self.optimizer = build_optimizer(self.model, ready, world=self.world_size, sharding=self.sharding)
         self._flag_unfused_adam("as asked")
         self.scheduler = self._build_scheduler(scheduler)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
