@@ -1,8 +1,9 @@
 """The steps ``prepare()`` applies to the model and its optimizer, one free function each, in the order it calls
-them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_sync_batchnorm``, ``apply_fp8``
-(``fp8.py``), ``apply_tp`` (``tensor_parallel.py``), ``apply_activation_checkpointing``, ``apply_compile``,
-then ``apply_ddp`` or ``apply_fsdp``, then ``build_optimizer`` (with ``apply_zero1`` for ZeRO-1). Each takes the
-model and the settings it needs, and none holds state: each can be called and tested on its own.
+them (torchtitan's ``parallelize_*`` shape): ``apply_numerics``, ``apply_same_start``, ``apply_sync_batchnorm``,
+``apply_fp8`` (``fp8.py``), ``apply_tp`` (``tensor_parallel.py``), ``apply_activation_checkpointing``,
+``apply_compile``, then ``apply_ddp`` or ``apply_fsdp``, then ``build_optimizer`` (with ``apply_zero1`` for
+ZeRO-1). Each takes the model and the settings it needs, and none holds state: each can be called and tested on
+its own.
 """
 
 from __future__ import annotations
@@ -10,19 +11,24 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from redline.errors import BadInput, one_line
 from redline.plan.strategy import Strategy
-from redline.runtime.config import DdpConfig, NumericsConfig
+from redline.runtime.config import DdpConfig, NumericsConfig, RunConfig
+from redline.runtime.distributed import agree
+from redline.runtime.mesh import RunMesh
+from redline.runtime.pipeline import LossFn, Pipeline, RankModel, find_layout, split, tied_group, tied_names
 from redline.runtime.tensor_parallel import average_gradients, fsdp_layout
 from redline.workload.selective import selective_checkpoint_context
 
@@ -33,6 +39,8 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 # the 16-bit type a plan's precision computes in outside its matmuls (autocast, FSDP2's parameters); fp8 recipes
 # run everything but their float8 linear layers in bf16 (torchtitan's); fp32 has none
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+# apply_same_start's bucket: few enough collectives for a large model, and a temporary small beside it
+BROADCAST_BUCKET_BYTES = 64 * 2**20
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -48,6 +56,84 @@ def apply_numerics(config: NumericsConfig, device: torch.device) -> None:
         torch.backends.cuda.matmul.allow_tf32 = config.tf32
         torch.backends.cudnn.allow_tf32 = config.tf32
         torch.backends.cudnn.benchmark = config.cudnn_benchmark
+
+
+def apply_same_start(model: nn.Module, *, rank: int, world: int, device: torch.device) -> None:
+    """Every rank's parameters and buffers made rank 0's, before anything shards or splits them. A script that
+    seeds each rank differently (``torch.manual_seed(1337 + rank)``, as nanoGPT does) builds other weights on
+    each rank: DDP would replace them by rank 0's as it starts, but FSDP2, tensor and pipeline parallelism cut
+    each rank's share from the weights that rank built, and the ranks would train a patchwork of several models.
+    Said once, on rank 0, when some rank's weights differed. Rank 0's bytes go out in buckets of
+    ``BROADCAST_BUCKET_BYTES`` (any dtype: a bucket is bytes; a tensor larger than a bucket in pieces), so the
+    temporary memory stays one bucket whatever the model's size. Left as they are: meta tensors (no values yet)
+    and DTensors (already laid out by whoever made them). The ranks must have built the same shapes: checked
+    first, in one small all-reduce, and refused in one line otherwise."""
+    if world == 1:
+        return
+    tensors = [
+        tensor.detach()
+        for tensor in (*model.parameters(), *model.buffers())
+        if tensor.numel() and not tensor.is_meta and tensor.layout == torch.strided and not isinstance(tensor, DTensor)
+    ]
+    _check_same_shapes(tensors, device)
+    # a strided tensor (a transposed weight, channels_last) has no flat view: its bytes go through a dense copy
+    staged = [(tensor, tensor.contiguous()) for tensor in tensors if not tensor.is_contiguous()]
+    dense = [tensor for tensor in tensors if tensor.is_contiguous()] + [copy for _, copy in staged]
+    differed = False
+    with torch.no_grad():
+        for bucket in _byte_buckets(dense, BROADCAST_BUCKET_BYTES):
+            differed = _broadcast_from_rank0(bucket, rank=rank) or differed
+        for tensor, copy in staged:
+            tensor.copy_(copy)
+    if agree(differed, dist.ReduceOp.MAX, world=world, device=device) and rank == 0:
+        log.warning(
+            "the ranks built different weights (a seed per rank?): each starts from rank 0's instead, so that "
+            "they train one model"
+        )
+
+
+def _check_same_shapes(tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Every rank holds the same shapes and dtypes in the same order (a CRC of them compared in one all-reduce):
+    bytes broadcast into another model's tensors would fill them with garbage, or hang."""
+    layout = repr([(tuple(tensor.shape), str(tensor.dtype)) for tensor in tensors]).encode()
+    fingerprint = zlib.crc32(layout)
+    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and, negated, the smallest
+    if int(extremes[0]) != -int(extremes[1]):
+        raise BadInput(
+            "the ranks built models of different shapes: every rank must build the same model (its weights may "
+            "differ; rank 0's are broadcast)"
+        )
+
+
+def _byte_buckets(tensors: list[torch.Tensor], limit_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """The contiguous ``tensors``' bytes as flat uint8 views (writing into one writes its tensor), grouped into
+    buckets of at most ``limit_bytes`` on one device; a tensor larger than that is cut into pieces."""
+    bucket: list[torch.Tensor] = []
+    size_bytes = 0
+    for tensor in tensors:
+        for piece in tensor.reshape(-1).view(torch.uint8).split(limit_bytes):
+            if bucket and (size_bytes + piece.numel() > limit_bytes or piece.device != bucket[0].device):
+                yield bucket
+                bucket, size_bytes = [], 0
+            bucket.append(piece)
+            size_bytes += piece.numel()
+    if bucket:
+        yield bucket
+
+
+def _broadcast_from_rank0(pieces: list[torch.Tensor], *, rank: int) -> bool:
+    """Rank 0's bytes written into every rank's ``pieces`` in one broadcast; whether this rank's differed."""
+    if rank == 0:
+        dist.broadcast(torch.cat(pieces), src=0)
+        return False
+    received = torch.empty(sum(piece.numel() for piece in pieces), dtype=torch.uint8, device=pieces[0].device)
+    dist.broadcast(received, src=0)
+    differed = False
+    for piece, theirs in zip(pieces, received.split([piece.numel() for piece in pieces]), strict=True):
+        differed = differed or not torch.equal(piece, theirs)  # bytes: a NaN equals itself
+        piece.copy_(theirs)
+    return differed
 
 
 def apply_sync_batchnorm(model: nn.Module, *, enabled: bool, device: torch.device, rank: int) -> None:
@@ -209,68 +295,129 @@ def apply_fsdp(
     return model
 
 
-def build_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory, *, world: int, sharding: str
-) -> torch.optim.Optimizer:
-    """The factory's optimizer over the wrapped model's parameters. A ready optimizer is kept where its
-    parameters are still the model's (one rank, DDP); under FSDP2 and ZeRO-1 it is rebuilt from its
-    class and settings, which needs a single parameter group."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    sharded = world > 1 and sharding != "ddp"
-    if isinstance(optimizer, torch.optim.Optimizer) and not sharded:
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if owned != {id(p) for p in params}:
+class Trainable(list[nn.Parameter]):
+    """The wrapped model's trainable parameters in the model's order: what an optimizer factory receives
+    (``prepare(model, lambda params: AdamW(params, lr=...), loader)``). Under FSDP2 and tensor parallelism they
+    are sharded DTensors, whose ``shape`` and ``dim()`` are the whole parameter's, so groups split by dimension
+    come out as on the model itself. ``named`` pairs each with its module path in the model as you built it (no
+    wrapper's prefix), for groups split by name::
+
+        def adamw(params):
+            decay = [p for name, p in params.named if not name.endswith("bias") and "norm" not in name]
+            rest = [p for name, p in params.named if name.endswith("bias") or "norm" in name]
+            groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+            return torch.optim.AdamW(groups, lr=3e-4)
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        super().__init__(parameter for _, parameter in named)
+        self.named = named
+
+
+def trainable(model: nn.Module) -> Trainable:
+    """The wrapped ``model``'s trainable parameters by their module paths in the model as the user built it:
+    DDP's ``module.`` left out; FSDP2, tensor parallelism, fp8 and per-block ``torch.compile`` keep the paths,
+    and a pipeline rank's ``RankModel`` holds its stages' parameters under them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return Trainable([(path, parameter) for path, parameter in inner.named_parameters() if parameter.requires_grad])
+
+
+@dataclass(frozen=True)
+class ReadyOptimizer:
+    """An optimizer the user built, each of its groups' parameters known by its module paths in the model. Taken
+    before the model is wrapped: FSDP2 and tensor parallelism replace the parameters by DTensor ones under the
+    same paths, and ``rebuild`` makes the optimizer again over those, group by group, as torch's own
+    ``fully_shard`` recipe does (the optimizer built after sharding)."""
+
+    optimizer: torch.optim.Optimizer
+    paths: list[list[list[str]]]  # per group, per parameter: its paths in the model (several for a shared one)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> ReadyOptimizer:
+        """``optimizer`` over ``model``, which it must hold exactly the trainable parameters of (refused in
+        one line otherwise: an optimizer over another copy of the model would step nothing of this one)."""
+        paths: dict[int, list[str]] = {}
+        for path, parameter in model.named_parameters(remove_duplicate=False):
+            paths.setdefault(id(parameter), []).append(path)
+        owned = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        if owned != {id(parameter) for parameter in model.parameters() if parameter.requires_grad}:
             raise BadInput("the optimizer does not hold exactly the model's trainable parameters")
-        fuse_adam(optimizer)
-        return optimizer
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        factory = _explained(optimizer)
-    else:
-        if len(optimizer.param_groups) > 1:
-            raise BadInput(
-                "the optimizer has several parameter groups; pass a factory instead, which receives the flat "
-                "list of the wrapped model's trainable parameters: prepare(model, lambda params: "
-                "MyOptimizer(params, ...), loader)"
-            )
-        # the group's current settings: a scheduler or the user may have changed lr after construction
-        cls = type(optimizer)
-        settings = constructor_settings(cls, optimizer.param_groups[0])
+        return cls(optimizer, [[paths[id(p)] for p in group["params"]] for group in optimizer.param_groups])
 
-        def factory(ps: Any) -> torch.optim.Optimizer:
-            return cls(ps, **settings)
+    def holds(self, params: list[nn.Parameter]) -> bool:
+        """Whether the optimizer steps exactly ``params`` (the wrapped model's kept the user's: one rank, DDP)."""
+        owned = {id(parameter) for group in self.optimizer.param_groups for parameter in group["params"]}
+        return owned == {id(parameter) for parameter in params}
 
-    if world > 1 and sharding == "zero1":
+    def rebuild(self, params: Trainable) -> torch.optim.Optimizer:
+        """The optimizer's class over the wrapped model's ``params``: each group holds those at its parameters'
+        paths (on a pipeline rank, those of its stages: a group may be empty there, kept so that the groups line
+        up with a scheduler's per-group settings), with every setting the group has now (a scheduler or the user
+        may have changed ``lr`` since construction). ``param_names`` (an optimizer built over named parameters)
+        is left out: ZeRO-1 shares each group's parameters out and keeps no names in line with them."""
+        held = dict(params.named)
+        groups: list[dict[str, Any]] = []
+        for group, paths in zip(self.optimizer.param_groups, self.paths, strict=True):
+            found = [next((held[path] for path in names if path in held), None) for names in paths]
+            settings = {key: value for key, value in group.items() if key not in ("params", "param_names")}
+            groups.append(settings | {"params": [parameter for parameter in found if parameter is not None]})
+        if sum(len(group["params"]) for group in groups) != len(params):  # a wrapper that renamed the modules
+            raise RuntimeError("the wrapped model's parameters are not all at their module paths in the model")
+        cls = type(self.optimizer)
+        return cls(groups, **constructor_settings(cls, self.optimizer.defaults))
+
+
+def build_optimizer(
+    model: nn.Module, optimizer: ReadyOptimizer | OptimizerFactory, *, world: int, sharding: str
+) -> torch.optim.Optimizer:
+    """The optimizer over the wrapped model's trainable parameters. A ready optimizer is kept where they are
+    still the ones it holds (one rank, DDP); where sharding replaced them (FSDP2, tensor or pipeline
+    parallelism) or ZeRO-1 shares its state out, it is rebuilt from its class, each of its parameter groups
+    with its settings (``ReadyOptimizer.rebuild``). A factory receives the parameters as ``Trainable`` (with
+    their names) and may make several groups. Under ZeRO-1 the optimizer's class and groups make a
+    ``ZeroRedundancyOptimizer`` (``apply_zero1``)."""
+    params = trainable(model)
+    zero1 = world > 1 and sharding == "zero1"
+    if isinstance(optimizer, ReadyOptimizer) and not zero1 and optimizer.holds(params):
+        fuse_adam(optimizer.optimizer)
+        return optimizer.optimizer
+    factory = optimizer.rebuild if isinstance(optimizer, ReadyOptimizer) else _explained(optimizer)
+    if zero1:
         return apply_zero1(params, factory)
     built = factory(params)
     fuse_adam(built)
     return built
 
 
-def apply_zero1(params: list[nn.Parameter], factory: OptimizerFactory) -> torch.optim.Optimizer:
-    """ZeRO-1: ``ZeroRedundancyOptimizer`` over the factory's optimizer class and settings, each rank holding
-    the optimizer state of its shard of the parameters (the gradients are DDP's)."""
+def apply_zero1(params: Trainable, factory: OptimizerFactory) -> torch.optim.Optimizer:
+    """ZeRO-1: ``ZeroRedundancyOptimizer`` over the factory's optimizer class and parameter groups, each group's
+    settings kept, each rank holding the optimizer state of its share of every group's parameters (the
+    gradients are DDP's)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     built = factory(params)
-    if len(built.param_groups) > 1:
-        raise BadInput("ZeRO-1 takes one parameter group: the optimizer factory made several")
     fuse_adam(built)  # ZeRO-1 copies its groups' settings into its shard's optimizer at every step
-    settings = constructor_settings(type(built), built.param_groups[0])
-    return ZeroRedundancyOptimizer(params, optimizer_class=type(built), **settings)
+    # ZeRO-1 shares each group's parameters out and keeps no names in line with them: param_names left out
+    groups = [{key: value for key, value in group.items() if key != "param_names"} for group in built.param_groups]
+    settings = constructor_settings(type(built), built.defaults)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(built), **settings)
 
 
 def _explained(factory: OptimizerFactory) -> OptimizerFactory:
-    """The user's optimizer factory, its failure on what it is given said as such: it receives a flat list of
-    parameters (FSDP2's sharded ones), not the model or named groups."""
+    """The user's optimizer factory, its failure on what it is given said as such: it receives the parameters
+    (``Trainable``, FSDP2's sharded ones), not the model."""
 
-    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    def build(params: Trainable) -> torch.optim.Optimizer:
         try:
             return factory(params)
         except (TypeError, AttributeError, ValueError) as exc:
             raise BadInput(
                 f"the optimizer factory failed ({one_line(exc)}); it receives a flat list of the "
-                "wrapped model's trainable parameters (sharded DTensors under FSDP2), not the model or named "
-                "groups: prepare(model, lambda params: AdamW(params, lr=...), loader)"
+                "wrapped model's trainable parameters (sharded DTensors under FSDP2; params.named holds them by "
+                "module path, for groups split by name), not the model: "
+                "prepare(model, lambda params: AdamW(params, lr=...), loader)"
             ) from exc
 
     return build
@@ -296,7 +443,8 @@ def fuse_adam(optimizer: torch.optim.Optimizer) -> bool:
     ``fused`` nor ``foreach`` given) and it has not stepped yet, on GPUs and CPUs: one kernel over all parameters
     and no parameter-sized temporary, as the plan assumes (PyTorch's default on a GPU, foreach, holds the square
     roots of the second moments, 4 bytes a parameter). Subclasses, whose step may differ, are left alone. Under
-    fp16 GradScaler unscales the gradients itself, as for any optimizer. True if it did."""
+    fp16 GradScaler unscales the gradients itself, as for any optimizer. Not where a group mixes DTensors and plain
+    tensors. True if it did."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
         return False
     groups = optimizer.param_groups
@@ -304,6 +452,10 @@ def fuse_adam(optimizer: torch.optim.Optimizer) -> bool:
         return False
     params = [p for g in groups for p in g["params"]]
     if not all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params):
+        return False
+    # tensor parallelism alone leaves some layers whole: one group of DTensors and plain tensors, which the fused
+    # kernel refuses in one call: left to PyTorch's default step (on the CPU, one parameter at a time)
+    if any(len({isinstance(p, DTensor) for p in g["params"]}) > 1 for g in groups):
         return False
     for group in groups:
         group["fused"] = True
@@ -316,3 +468,41 @@ def unfused_adam(optimizer: torch.optim.Optimizer) -> bool:
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps the local optimizer here
     adam = isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
     return adam and not all(group.get("fused") for group in inner.param_groups)
+
+
+def apply_pipeline(
+    model: nn.Module, config: RunConfig, mesh: RunMesh, *, device: torch.device, world: int, loss_fn: LossFn
+) -> tuple[Pipeline, nn.Module]:
+    """A pipeline-parallel plan: this rank's stages cut from the model (``pipeline.py``), each checkpointed
+    and compiled per block as the plan says and sharded by FSDP2 over the data ranks; returns the schedule's
+    driver and the model the loop and checkpoints see, the stages' parts under the model's own names
+    (``RankModel``)."""
+    strategy = config.strategy
+    pp_mesh = mesh.pp
+    assert pp_mesh is not None, "a pipeline-parallel plan lays its ranks out with a pipeline dimension"
+    layout = find_layout(model)
+    tied = tied_names(model, layout)
+    stages = split(
+        model,
+        layout,
+        pipeline=strategy.pipeline,
+        virtual=strategy.virtual_stages,
+        pp_rank=pp_mesh.get_local_rank(),
+        rank_blocks=config.plan.stage_blocks,
+    )
+    blocks = [block for stage in stages for block in stage.held_blocks]
+    apply_activation_checkpointing(blocks, strategy)
+    if config.numerics.compile:
+        apply_compile(model, blocks)
+    for stage in stages if mesh.dp is not None else ():
+        apply_fsdp(stage, list(stage.held_blocks), strategy, device=device, world=world, mesh=mesh.dp)
+    pipeline = Pipeline(
+        stages,
+        schedule=strategy.schedule,
+        pp_group=pp_mesh.get_group(),
+        device=device,
+        loss_fn=loss_fn,
+        tied=tied,
+        tied_group=tied_group(mesh.world, tied),
+    )
+    return pipeline, RankModel(stages)

@@ -13,8 +13,9 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
 
 1. process group (``WORLD_SIZE`` > 1) and device (``cuda:LOCAL_RANK``, else the CPU); the plan's world size
    must match the ranks that exist; a tensor-parallel plan's device mesh (``mesh.py``);
-2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); BatchNorm synchronised over the
-   ranks (``apply_sync_batchnorm``); under an fp8 plan the linear layers made torchao ``Float8Linear``s
+2. numerics: TF32 and ``cudnn.benchmark`` on GPUs (``apply_numerics``); every rank's parameters and buffers
+   made rank 0's, so that every sharding starts from one model (``apply_same_start``); BatchNorm synchronised
+   over the ranks (``apply_sync_batchnorm``); under an fp8 plan the linear layers made torchao ``Float8Linear``s
    (``apply_fp8`` of ``fp8.py``; the plan refused at the start where fp8 cannot run); tensor parallelism over
    the mesh's ``tp`` group (``tensor`` > 1; ``apply_tp`` of ``tensor_parallel.py``), before anything else
    wraps the layers;
@@ -25,8 +26,9 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
    ``apply_ddp``), ZeRO-1 (DDP + ``ZeroRedundancyOptimizer``, ``apply_zero1``), or FSDP2 ``fully_shard`` per
    block then the root (ZeRO-2: ``reshard_after_forward=False``; FSDP: True), with bf16/fp16 parameters and
    fp32 reductions (``apply_fsdp``); beside tensor parallelism always FSDP2, over the mesh's ``dp`` group;
-6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave,
-   or rebuilt from the ready optimizer's class and settings (``build_optimizer``);
+6. the optimizer, built after sharding (FSDP2 replaces the parameters): from the factory the user gave, or
+   rebuilt from the ready optimizer's class, each of its groups with its settings over the parameters at the
+   same module paths (``build_optimizer``);
 7. precision: autocast to bf16/fp16 around each micro-batch (bf16 under fp8, outside the float8 layers), a
    GradScaler for fp16;
 8. data: the user's DataLoader with every setting kept, its sampler (any) or its IterableDataset shared out
@@ -86,25 +88,26 @@ from redline.runtime.oom import (
 )
 from redline.runtime.parallelize import (
     OptimizerFactory,
+    ReadyOptimizer,
     apply_activation_checkpointing,
     apply_compile,
     apply_ddp,
     apply_fsdp,
     apply_numerics,
+    apply_pipeline,
+    apply_same_start,
     apply_sync_batchnorm,
     autocast_dtype,
     build_optimizer,
     syncs_batchnorm,
     unfused_adam,
 )
-from redline.runtime.pipeline import LossFn, Pipeline, RankModel, find_layout, split, tied_group, tied_names
+from redline.runtime.pipeline import LossFn, Pipeline
 from redline.runtime.stop import Stopped, StopSignals
 from redline.runtime.tensor_parallel import apply_tp
 from redline.workload.structure import find_blocks, without_kv_cache
 
 if TYPE_CHECKING:  # metrics.py is imported when a run starts (see _build_metrics)
-    from torch.distributed.device_mesh import DeviceMesh
-
     from redline.runtime.metrics import StepMetrics
 
 __all__ = ["Run", "Stopped", "prepare"]
@@ -175,8 +178,11 @@ class Run:
         self.accumulation = self.config.strategy.accumulation
         apply_numerics(self.config.numerics, self.device)
         check_plan_matches(self.config, model, self.device, rank=self.rank)
-        self.model = self._wrap(model.to(self.device))
-        self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=self.sharding)
+        model = model.to(self.device)
+        # a ready optimizer's groups by module path, taken before sharding replaces the parameters
+        ready = ReadyOptimizer.of(optimizer, model) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        self.model = self._wrap(model)
+        self.optimizer = build_optimizer(self.model, ready, world=self.world_size, sharding=self.sharding)
         self._flag_unfused_adam("as asked")
         self.scheduler = self._build_scheduler(scheduler)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -304,7 +310,8 @@ class Run:
     def _wrap(self, model: nn.Module) -> nn.Module:
         """Steps 3 to 5 of the order above (``parallelize.py``), on the model's repeated blocks."""
         without_kv_cache(model)
-        if self.world_size > 1:
+        if self.world_size > 1:  # before anything shards or splits the model: every rank starts from rank 0's
+            apply_same_start(model, rank=self.rank, world=self.world_size, device=self.device)
             apply_sync_batchnorm(model, enabled=self.config.ddp.sync_batchnorm, device=self.device, rank=self.rank)
         blocks = [block for _, block in find_blocks(model)]
         strategy = self.config.strategy
@@ -313,7 +320,15 @@ class Run:
         if self.mesh is not None and self.mesh.tp is not None:
             apply_tp(model, self.mesh.tp, sequence_parallel=strategy.sequence_parallel)
         if self.mesh is not None and self.mesh.pp is not None:
-            return self._wrap_pipeline(model, self.mesh, self.mesh.pp)
+            if self.loss_fn is None:
+                raise BadInput(
+                    "a pipeline-parallel plan computes the loss on its last stage: pass prepare(..., loss_fn=...) "
+                    "and call run.forward_backward(inputs, target) in the loop"
+                )
+            self.pipeline, held = apply_pipeline(
+                model, self.config, self.mesh, device=self.device, world=self.world_size, loss_fn=self.loss_fn
+            )
+            return held
         apply_activation_checkpointing(blocks, strategy)
         if self.config.numerics.compile:
             apply_compile(model, blocks)
@@ -332,46 +347,6 @@ class Run:
                 on_bucket_ready=self._bucket_ready,
             )
         return apply_fsdp(model, blocks, strategy, device=self.device, world=self.world_size)
-
-    def _wrap_pipeline(self, model: nn.Module, mesh: RunMesh, pp_mesh: DeviceMesh) -> nn.Module:
-        """A pipeline-parallel plan: this rank's stages cut from the model (``pipeline.py``), each checkpointed
-        and compiled per block as the plan says and sharded by FSDP2 over the data ranks; the model the loop
-        and checkpoints see is the stages' parts under the model's own names (``RankModel``). ``mesh``: the
-        run's, ``pp_mesh`` its pipeline dimension."""
-        if self.loss_fn is None:
-            raise BadInput(
-                "a pipeline-parallel plan computes the loss on its last stage: pass prepare(..., loss_fn=...) and "
-                "call run.forward_backward(inputs, target) in the loop"
-            )
-        strategy = self.config.strategy
-        layout = find_layout(model)
-        tied = tied_names(model, layout)
-        pp_rank = pp_mesh.get_local_rank()
-        stages = split(
-            model,
-            layout,
-            pipeline=strategy.pipeline,
-            virtual=strategy.virtual_stages,
-            pp_rank=pp_rank,
-            rank_blocks=self.config.plan.stage_blocks,
-        )
-        blocks = [block for stage in stages for block in stage.held_blocks]
-        apply_activation_checkpointing(blocks, strategy)
-        if self.config.numerics.compile:
-            apply_compile(model, blocks)
-        for stage in stages if mesh.dp is not None else ():
-            blocks = list(stage.held_blocks)
-            apply_fsdp(stage, blocks, strategy, device=self.device, world=self.world_size, mesh=mesh.dp)
-        self.pipeline = Pipeline(
-            stages,
-            schedule=strategy.schedule,
-            pp_group=pp_mesh.get_group(),
-            device=self.device,
-            loss_fn=self.loss_fn,
-            tied=tied,
-            tied_group=tied_group(mesh.world, tied),
-        )
-        return RankModel(stages)
 
     def _bucket_ready(self) -> None:
         """DDP's comm hook calls this as each gradient bucket is ready: the last mark of a backward is where
