@@ -19,7 +19,7 @@ from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.batch import split, to_device
 from redline.runtime.config import RunConfig
-from redline.runtime.data import DistributedView, distributed_loader, set_position
+from redline.runtime.data import DistributedView, distributed_loader, fixed_seed, set_position
 from redline.runtime.prepare import prepare
 
 
@@ -39,8 +39,9 @@ def _collate(samples, scale):
 
 
 def test_every_setting_of_the_users_loader_is_kept() -> None:
-    """A rebuilt loader used to drop timeout, worker_init_fn, multiprocessing_context, generator and a
-    collate_fn's options: each changes what training sees."""
+    """A rebuilt loader used to drop timeout, worker_init_fn, multiprocessing_context, generator, drop_last and
+    a collate_fn's options: each changes what training sees. The generator's seed seeds the order and the
+    workers (test_data_order.py); the generator itself is left as it is."""
     generator = torch.Generator().manual_seed(5)
     collate = functools.partial(_collate, scale=3.0)
     loader = DataLoader(
@@ -58,11 +59,13 @@ def test_every_setting_of_the_users_loader_is_kept() -> None:
     )
     rebuilt = distributed_loader(loader, world=2, rank=1, per_rank_batch=2, seed=0, overrides={})
     assert rebuilt.collate_fn is collate and rebuilt.worker_init_fn is _init_worker
-    assert rebuilt.timeout == 7.5 and rebuilt.generator is generator
+    assert rebuilt.timeout == 7.5 and fixed_seed(loader, None) == 5
     assert rebuilt.multiprocessing_context is loader.multiprocessing_context
     assert (rebuilt.num_workers, rebuilt.prefetch_factor, rebuilt.persistent_workers) == (2, 3, True)
     assert rebuilt.in_order is False
-    assert rebuilt.batch_size == 2 and rebuilt.drop_last
+    assert rebuilt.batch_size == 2 and not rebuilt.drop_last
+    set_position(rebuilt, epoch=1, batches_done=0, seed=5, rank=1)
+    assert rebuilt.generator.initial_seed() == 5 + 1_000_003 + 1 and generator.initial_seed() == 5
     # the run's config wins where it sets a value
     tuned = distributed_loader(loader, world=1, rank=0, per_rank_batch=4, seed=0, overrides={"num_workers": 0})
     assert tuned.num_workers == 0 and tuned.timeout == 7.5 and tuned.collate_fn is collate
@@ -149,16 +152,6 @@ def test_the_order_is_fixed_per_epoch_and_changes_between_epochs() -> None:
     first, again, other = shares(sampler, 2, epoch=0), shares(sampler, 2, epoch=0), shares(sampler, 2, epoch=1)
     assert first == again != other
     assert sorted(first[0] + first[1]) == list(range(50))  # 25 each, none twice
-
-
-def test_a_sampler_given_a_generator_keeps_its_seed() -> None:
-    a = DistributedView(
-        torch.utils.data.RandomSampler(range(20), generator=torch.Generator().manual_seed(7)), world=1, rank=0, seed=0
-    )
-    b = DistributedView(
-        torch.utils.data.RandomSampler(range(20), generator=torch.Generator().manual_seed(8)), world=1, rank=0, seed=0
-    )
-    assert list(a) != list(b)
 
 
 def test_ranks_that_draw_different_orders_are_told(monkeypatch) -> None:

@@ -115,8 +115,11 @@ class DataConfig:
     the worker that owes the batch; 0: wait forever."""
     shard_stream: bool = True
     """An IterableDataset is shared over ranks and workers; False: it shards itself."""
-    seed: int = 0
-    """Seeds the sampler's shuffling (and nothing else: the user seeds their own model)."""
+    seed: int | None = None
+    """Seeds the loader's order and its workers' seeds where neither the loader nor its sampler has a generator
+    of its own (whose seed wins); None: drawn from the process's seed (``torch.manual_seed``), as a plain
+    DataLoader draws it. Every rank takes rank 0's, and a resumed run its checkpoint's. It seeds nothing else:
+    the user seeds their own model."""
     adapt_workers: bool = True
     """When the steps of an epoch wait for batches more than ``data_wait_limit`` of their time, the next
     epoch loads with more DataLoader workers (none to two, then twice as many, up to this rank's share of the

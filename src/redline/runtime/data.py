@@ -9,20 +9,25 @@ every other setting it has is carried over as it is (``KEPT``). What changes:
   ``WeightedRandomSampler`` keeps its weights;
 - an ``IterableDataset`` is read through ``RankShard``: every (ranks x workers)-th item, so each rank and each
   of its DataLoader workers reads a disjoint share;
-- the batch size becomes the per-rank batch, and a short last batch is dropped (every step takes the plan's
-  global batch, so accumulation and the loss scaling stay exact, as in Megatron);
+- the batch size becomes the per-rank batch; the epoch's short last global batch is kept or dropped as the
+  loader's ``drop_last`` says: kept, it is split over the ranks like the others, and each rank's ``BatchShare``
+  weighs its loss by its samples, so the step is still the mean over that batch's samples (a rank that holds
+  none of them loads one and weighs it 0: every rank takes part in the step's collectives);
 - a batch sampler of the user's own (batches by length or token budget) is wrapped in ``DistributedBatches``:
   each batch it draws stays one global batch, split over the ranks; torch's plain ``BatchSampler`` is its
   sampler and batch size, and goes the first way.
 
-All three resume mid-epoch without loading again what a checkpoint already trained on.
+All three resume mid-epoch without loading again what a checkpoint already trained on. The order is drawn from
+one seed per run, the same on every rank (``fixed_seed`` names the one the user fixed; ``feed.py`` decides it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
+import math
 import os
 import signal
 import threading
@@ -60,25 +65,85 @@ KEPT = (
     "in_order",
 )
 
+SEEDS = 2**64  # torch's seeds are unsigned 64-bit: a seed plus an epoch wraps around
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShare:
+    """This rank's part of one global batch, which its loss is weighed by: the loop's micro-batches and their
+    loss divisors (``feed.micro_batches``) read it."""
+
+    loaded: int
+    """Samples in this rank's batch as the loader gives it."""
+    trained: int
+    """Of them, the samples this rank trains on: all of them, except that a rank holding none of a short last
+    batch loads one of another rank's (it must take part in the step's collectives) and trains on none."""
+    global_samples: int
+    """Samples of the global batch, over all the ranks."""
+    world: int
+    """The ranks the global batch is split over (whose gradients are averaged)."""
+    fewest: int
+    """The fewest samples any rank loads for this batch: every rank splits it in as many micro-batches."""
+    uneven: bool = False
+    """Its micro-batches may differ in size by one (a batch sampler's batches, the short last batch)."""
+
+    @classmethod
+    def whole(cls, per_rank: int, world: int, *, uneven: bool = False) -> BatchShare:
+        """A global batch of ``per_rank`` samples on each of ``world`` ranks."""
+        return cls(per_rank, per_rank, per_rank * world, world, per_rank, uneven)
+
+    @classmethod
+    def last(cls, samples: int, *, world: int, rank: int) -> BatchShare:
+        """The epoch's short last global batch of ``samples``, split as ``DistributedView`` splits it: rank
+        ``r`` holds its samples ``r, r + world, ...``."""
+        held = [len(range(r, samples, world)) for r in range(world)]
+        return cls(max(1, held[rank]), held[rank], samples, world, max(1, min(held)), uneven=True)
+
+    def loss_divisor(self, micro_samples: int) -> float:
+        """What the mean loss of a micro-batch of ``micro_samples`` of this share is divided by to make it its
+        part of the global batch's mean loss, the ranks' gradients being averaged: the global batch's samples
+        over (ranks x the micro-batch's). The accumulation where every rank holds a whole batch in equal parts;
+        infinite (the loss counts 0) for a rank that trains on none of the batch."""
+        if self.trained == 0:
+            return math.inf
+        return self.global_samples / (self.world * micro_samples)
+
 
 class DistributedView(Sampler[int]):
     """This rank's share of any sampler: of the order the sampler draws for an epoch, the indices at
-    ``rank, rank + world, ...`` (cut to a multiple of ``world``, so every rank has as many), starting ``skip``
-    in (a run resumed mid-epoch).
+    ``rank, rank + world, ...``, starting ``skip`` in (a run resumed mid-epoch). Taken ``per_rank_batch`` at a
+    time, rank ``r``'s batch ``k`` is the samples ``r, r + world, ...`` of global batch ``k`` of the order.
+
+    With ``drop_last`` the order is cut to whole global batches, so every rank has as many whole batches.
+    Without, the short last global batch is split over the ranks too, and a rank that holds none of it (a batch
+    smaller than the ranks) gets its first sample, which ``share`` weighs 0: every rank has as many batches (a
+    BatchNorm synchronised over the ranks counts that sample twice in that one batch's statistics).
 
     Every rank must draw the same order. A sampler that draws from a ``generator`` (RandomSampler,
-    WeightedRandomSampler, SubsetRandomSampler) is given one seeded with ``seed + epoch`` for the draw, where
-    ``seed`` is the seed of the generator the user gave it, else the run's: the same order on every rank, and
-    again after a restart. A sampler with ``set_epoch`` gets the epoch. Any other sampler must be deterministic
-    by itself; ``fingerprint`` lets the ranks check that it is.
+    WeightedRandomSampler, SubsetRandomSampler) is given one seeded with ``seed + epoch`` for the draw, ``seed``
+    the run's data seed (the same on every rank: ``feed.py``): the same order on every rank, and again after a
+    restart. A sampler with ``set_epoch`` gets the epoch. Any other sampler must be deterministic by itself;
+    ``fingerprint`` lets the ranks check that it is.
     """
 
-    def __init__(self, sampler: Iterable[int], *, world: int, rank: int, seed: int) -> None:
+    def __init__(
+        self,
+        sampler: Iterable[int],
+        *,
+        world: int,
+        rank: int,
+        seed: int,
+        per_rank_batch: int = 1,
+        drop_last: bool = True,
+    ) -> None:
         self.sampler = sampler
         self.world = world
         self.rank = rank
-        self.seed = _own_seed(sampler, seed)
+        self.seed = seed
+        self.per_rank_batch = per_rank_batch
+        self.drop_last = drop_last
         self.skip = 0
+        self.samples = 0  # of the epoch's order, those the ranks train on
         self._order: list[int] = []
         self._fingerprint = 0
         self.set_epoch(0)
@@ -87,8 +152,19 @@ class DistributedView(Sampler[int]):
         """Draw the epoch's order now, in the main process, before any worker starts."""
         order = [int(i) for i in _draw(self.sampler, self.seed, epoch)]
         self._fingerprint = hash(tuple(order))
-        usable = len(order) // self.world * self.world
-        self._order = order[self.rank : usable : self.world]
+        global_batch = self.world * self.per_rank_batch
+        self.samples = len(order) // global_batch * global_batch if self.drop_last else len(order)
+        self._order = order[self.rank : self.samples : self.world]
+        short = self.samples % global_batch
+        if short and self.rank >= short:  # none of the short last batch is this rank's: its first, weighed 0
+            self._order.append(order[self.samples - short])
+
+    def share(self, batch_index: int) -> BatchShare:
+        """This rank's part of the epoch's global batch ``batch_index``."""
+        global_batch = self.world * self.per_rank_batch
+        if batch_index < self.samples // global_batch:
+            return BatchShare.whole(self.per_rank_batch, self.world)
+        return BatchShare.last(self.samples % global_batch, world=self.world, rank=self.rank)
 
     def fingerprint(self) -> int:
         """The epoch's whole order as one number (int hashes are the same in every process): ranks whose
@@ -113,7 +189,7 @@ class DistributedBatches(Sampler[list[int]]):
         self.batch_sampler = batch_sampler
         self.world = world
         self.rank = rank
-        self.seed = _own_seed(batch_sampler, seed)
+        self.seed = seed
         self.skip = 0
         self.sizes: list[int] = []
         self._batches: list[list[int]] = []
@@ -148,10 +224,23 @@ class DistributedBatches(Sampler[list[int]]):
         return max(0, len(self._batches) - self.skip)
 
 
-def _own_seed(sampler: Any, seed: int) -> int:
-    """The seed of the generator the user gave the sampler (or its inner sampler), else the run's."""
-    own = getattr(_drawing(sampler), "generator", None)
-    return own.initial_seed() if isinstance(own, torch.Generator) else seed
+def fixed_seed(loader: DataLoader, configured: int | None) -> int | None:
+    """The seed the user fixed for the loader's order, if any: that of the generator its sampler draws from
+    (``DataLoader(shuffle=True, generator=g)`` gives its RandomSampler ``g``; a DDP script's DistributedSampler
+    has its ``seed``), else of the loader's own ``generator``, else ``configured`` (the run's ``data.seed``).
+    None: nothing fixes it, and the run draws one from the process's seed, as a plain DataLoader does."""
+    batches = loader.batch_sampler
+    sampler: Any = loader.sampler  # batch_size=None: the items are batches (distributed_loader refuses it)
+    if own_batch_sampler(loader) is not None:
+        sampler = batches  # its generator, or that of the sampler it batches (_drawing)
+    elif batches is not None:
+        sampler = cast(BatchSampler, batches).sampler  # torch's BatchSampler batches its sampler's order
+    if isinstance(sampler, DistributedSampler):
+        return sampler.seed
+    for generator in (getattr(_drawing(sampler), "generator", None), loader.generator):
+        if isinstance(generator, torch.Generator):
+            return generator.initial_seed()
+    return configured
 
 
 def _drawing(sampler: Any) -> Any:
@@ -168,7 +257,7 @@ def _draw(sampler: Any, seed: int, epoch: int) -> list[Any]:
     source = _drawing(sampler)
     if hasattr(source, "generator"):
         saved = source.generator
-        source.generator = torch.Generator().manual_seed(seed + epoch)
+        source.generator = torch.Generator().manual_seed((seed + epoch) % SEEDS)
         try:
             return list(sampler)
         finally:
@@ -223,11 +312,14 @@ def distributed_loader(
     seed: int,
     overrides: dict[str, Any],
     shard_stream: bool = True,
+    drop_last: bool | None = None,
 ) -> DataLoader:
     """The user's loader for this rank: its settings (``overrides`` from the run's config win where not None),
-    its sampler or stream shared out, the per-rank batch. The loader's ``generator`` (or a new one) seeds the
-    workers per epoch and rank (``set_position``). ``shard_stream=False`` leaves an IterableDataset that shards
-    itself over the ranks as it is."""
+    its sampler or stream shared out, the per-rank batch, its order drawn from ``seed``. Its short last batch
+    is kept or dropped as its ``drop_last`` says (``drop_last`` set: as that says); a stream's is dropped (its
+    length is unknown until it ends, when the ranks can no longer share it out). A generator of its own seeds
+    the workers per epoch and rank (``set_position``): the user's is left as it is. ``shard_stream=False``
+    leaves an IterableDataset that shards itself over the ranks as it is."""
     if loader.batch_size is None and loader.batch_sampler is None:
         raise BadInput("the DataLoader has batch_size=None (each item already a batch): give it a batch_size")
     settings = {name: getattr(loader, name) for name in KEPT if hasattr(loader, name)}
@@ -238,7 +330,7 @@ def distributed_loader(
         settings["persistent_workers"] = False
     elif settings.get("prefetch_factor") is None:
         settings["prefetch_factor"] = 2
-    generator = loader.generator if loader.generator is not None else torch.Generator()
+    generator = torch.Generator()
     if isinstance(loader.dataset, IterableDataset):
         dataset = _stream_for_rank(loader.dataset, world=world, rank=rank, batch=per_rank_batch, shard=shard_stream)
         if isinstance(dataset, RankShard):
@@ -252,11 +344,14 @@ def distributed_loader(
         batches = DistributedBatches(own, world=world, rank=rank, seed=seed)
         return DataLoader(loader.dataset, batch_sampler=batches, generator=generator, **settings)
     # batches of one size come from torch's BatchSampler: the one given, or the one the DataLoader made from
-    # its batch_size (loader_batch)
+    # its batch_size and drop_last (loader_batch)
     plain = cast(BatchSampler, loader.batch_sampler)
-    sampler = DistributedView(_undistributed(plain.sampler), world=world, rank=rank, seed=seed)
+    drop = plain.drop_last if drop_last is None else drop_last
+    sampler = DistributedView(
+        _undistributed(plain.sampler), world=world, rank=rank, seed=seed, per_rank_batch=per_rank_batch, drop_last=drop
+    )
     return DataLoader(
-        loader.dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=True, generator=generator, **settings
+        loader.dataset, batch_size=per_rank_batch, sampler=sampler, drop_last=drop, generator=generator, **settings
     )
 
 
@@ -330,11 +425,13 @@ def _undistributed(sampler: Iterable[int]) -> Iterable[int]:
 
 
 def set_position(loader: DataLoader, *, epoch: int, batches_done: int, seed: int, rank: int) -> None:
-    """Before iterating an epoch: the sampler's (or stream's) epoch, the batches to skip, and the workers' seed.
-    The workers' seed is drawn from the loader's generator, seeded per epoch and rank: workers on different
-    ranks must not draw the same augmentations, and a resumed run draws as the interrupted one did."""
+    """Before iterating an epoch: the sampler's (or stream's) epoch and order seed, the batches to skip, and the
+    workers' seed. The workers' seed is drawn from the loader's generator, seeded per epoch and rank from the
+    run's seed: workers on different ranks must not draw the same augmentations, and a resumed run draws as the
+    interrupted one did."""
     view = rank_view(loader)
     if view is not None:
+        view.seed = seed
         view.set_epoch(epoch)
         view.skip = batches_done if isinstance(view, DistributedBatches) else batches_done * per_rank_batch(loader)
     elif isinstance(loader.dataset, RankShard):
@@ -347,7 +444,19 @@ def set_position(loader: DataLoader, *, epoch: int, batches_done: int, seed: int
             log.warning(
                 "the stream shards itself: resumed at batch %d of the epoch, it starts the epoch again", batches_done
             )
-    loader.generator.manual_seed(seed + 1_000_003 * epoch + rank)
+    loader.generator.manual_seed((seed + 1_000_003 * epoch + rank) % SEEDS)
+
+
+def batch_share(loader: DataLoader, batch_index: int, *, world: int) -> BatchShare:
+    """This rank's part of the epoch's global batch ``batch_index``, for a loader ``distributed_loader`` made
+    for ``world`` ranks: a batch sampler's batch is split evenly (cut to a multiple of the ranks); a sampler's
+    last batch may be short (``DistributedView.share``); a stream's batches are whole."""
+    view = rank_view(loader)
+    if isinstance(view, DistributedBatches):
+        return BatchShare.whole(view.sizes[batch_index], world, uneven=True)
+    if isinstance(view, DistributedView):
+        return view.share(batch_index)
+    return BatchShare.whole(per_rank_batch(loader), world)
 
 
 class LoaderStalled(RedlineError):

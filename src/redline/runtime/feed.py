@@ -1,6 +1,7 @@
 """This rank's batches for the loop: the user's DataLoader shared out over the ranks (``data.py``), each batch
-split into micro-batches (``batch.py``), and the ranks kept in step: once per epoch they check that they drew
-one order, and over a stream, per batch, that every rank still has one.
+split into micro-batches (``batch.py``), and the ranks kept in step: they draw the order from one seed (rank
+0's), once per epoch they check that they drew one order, and over a stream, per batch, that every rank still
+has one.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ from redline.errors import BadInput
 from redline.runtime.batch import bounds, split
 from redline.runtime.config import RunConfig
 from redline.runtime.data import (
+    SEEDS,
+    BatchShare,
     DistributedBatches,
+    batch_share,
     batches_vary,
     distributed_loader,
+    fixed_seed,
     loader_batch,
     next_batch,
     per_rank_batch,
@@ -63,12 +68,32 @@ def global_batch_without_plan(data: DataLoader, *, world: int, rank: int) -> int
     return batch
 
 
-def micro_batches(batch: Any, *, parts: int, size: int, uneven: bool) -> list[tuple[Any, float]]:
-    """The batch of ``size`` samples in ``parts`` micro-batches, each with the divisor that makes its loss its
-    share of the batch's mean: ``parts``, or, where the parts differ in size, the batch's size over its own."""
-    micros = split(batch, parts, size, uneven=uneven)
-    edges = bounds(size, len(micros))
-    return [(micro, size / (edges[index + 1] - edges[index])) for index, micro in enumerate(micros)]
+def micro_batches(batch: Any, *, parts: int, share: BatchShare) -> list[tuple[Any, float]]:
+    """This rank's batch (``share.loaded`` samples) in ``parts`` micro-batches, each with the divisor that makes
+    its loss its part of the global batch's mean (``BatchShare.loss_divisor``). Every rank splits a batch in as
+    many micro-batches, each ending in a collective (the out-of-memory agreement, FSDP2's reduce-scatter): no
+    more than the fewest samples a rank holds of it."""
+    micros = split(batch, min(parts, share.fewest), share.loaded, uneven=share.uneven)
+    edges = bounds(share.loaded, len(micros))
+    return [(micro, share.loss_divisor(edges[index + 1] - edges[index])) for index, micro in enumerate(micros)]
+
+
+def run_seed(loader: DataLoader, configured: int | None, *, device: torch.device) -> int:
+    """The seed of the run's data order and workers, rank 0's on every rank: the one the user fixed
+    (``data.fixed_seed``: a generator of the loader's or its sampler's, else ``data.seed``), else one drawn from
+    the process's default generator as a DataLoader without a generator draws its order's, so that
+    ``torch.manual_seed`` decides it. Every rank draws (its random stream moves on alike) and takes rank 0's:
+    scripts seed each rank apart (nanoGPT's ``1337 + rank``) and the ranks must still share one order."""
+    seed = fixed_seed(loader, configured)
+    if seed is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return seed
+    # a tensor-parallel group shares one batch, so every rank of the run takes rank 0's, not just the data ranks;
+    # the tensor holds the unsigned seed as a signed one
+    shared = torch.tensor([seed - SEEDS if seed >= SEEDS // 2 else seed], dtype=torch.int64, device=device)
+    dist.broadcast(shared, src=0)
+    return int(shared.item()) % SEEDS
 
 
 class Feed:
@@ -92,6 +117,9 @@ class Feed:
             )
         self.iterable = isinstance(loader.dataset, IterableDataset)
         self.source = loader
+        self.seed = run_seed(loader, config.data.seed, device=device)
+        # a pipeline's schedule splits whole batches into its micro-batches: the short last one is dropped
+        self.drop_last = True if strategy.pipeline > 1 else None
         self.loader = self._build(self._loader_settings(loader))
         self._said_slow = False  # the run said once why it leaves a slow loader as it is
         sampler = self.loader.batch_sampler
@@ -110,9 +138,10 @@ class Feed:
             world=self.world,
             rank=self.rank,
             per_rank_batch=self.config.per_rank_batch,
-            seed=self.config.data.seed,
+            seed=self.seed,
             shard_stream=self.config.data.shard_stream,
             overrides=overrides,
+            drop_last=self.drop_last,
         )
 
     def widen(self, steps: Sequence[tuple[float, float]]) -> None:
@@ -185,18 +214,16 @@ class Feed:
             return None
         return max(1, round(self.batches.mean_batch() / self.world / accumulation))
 
-    def batch_size(self, batch_in_epoch: int) -> int:
-        """Samples in this rank's batch ``batch_in_epoch`` (a batch sampler's batches vary; otherwise the
-        per-rank batch)."""
-        if self.batches is None:
-            return per_rank_batch(self.loader)
-        return self.batches.sizes[batch_in_epoch]
+    def share(self, batch_in_epoch: int) -> BatchShare:
+        """This rank's part of the epoch's global batch ``batch_in_epoch`` (``data.batch_share``): its samples,
+        those of the global batch, and how its micro-batches' losses weigh."""
+        return batch_share(self.loader, batch_in_epoch, world=self.world)
 
     def epoch(self, epoch: int, batches_done: int) -> Iterator[Any]:
         """The epoch's batches from ``batches_done`` on: a resumed run does not load again what its checkpoint
         trained on (the order is the same; with DataLoader workers, per-worker random augmentations draw
         differently from an uninterrupted run)."""
-        set_position(self.loader, epoch=epoch, batches_done=batches_done, seed=self.config.data.seed, rank=self.rank)
+        set_position(self.loader, epoch=epoch, batches_done=batches_done, seed=self.seed, rank=self.rank)
         self._check_ranks_drew_alike()
         return iter(self.loader)
 
@@ -227,6 +254,13 @@ class Feed:
                 f"the DataLoader's sampler ({type(view.sampler).__name__}) drew a different order "
                 "on each rank: give it a generator (the same seed on every rank) or a set_epoch method"
             )
+
+    def restore_seed(self, saved: dict[str, Any]) -> None:
+        """The seed a checkpoint's position (``saved``) drew its order with: a resumed run replays that order,
+        whatever this start drew. A checkpoint of an older redline saved none: it drew with the seed the user
+        fixed, else 0."""
+        fixed = fixed_seed(self.source, self.config.data.seed)
+        self.seed = int(saved.get("data_seed", fixed if fixed is not None else 0))
 
     def batches_done(self, saved: dict[str, Any]) -> int:
         """This epoch's batches a checkpoint's position (``saved``) already trained on, in this run's per-rank

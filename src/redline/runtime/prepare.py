@@ -32,7 +32,8 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
 7. precision: autocast to bf16/fp16 around each micro-batch (bf16 under fp8, outside the float8 layers), a
    GradScaler for fp16;
 8. data: the user's DataLoader with every setting kept, its sampler (any) or its IterableDataset shared out
-   over the ranks (deterministic per epoch, also on one rank, so a resumed run sees the same order), the
+   over the ranks (one order per epoch drawn from the process's seed or the loader's generator, the same on
+   every rank and again on resume), its short last batch kept or dropped as ``drop_last`` says, the
    plan's per-rank batch (without a plan, the loader's batch is the global batch); each loaded batch, of any
    shape (tensors, tuples, dicts, ``BatchEncoding``, dataclasses, lists of strings), is moved to the device
    and split into the plan's micro-batches (``feed.py``, ``data.py``, ``batch.py``);
@@ -480,10 +481,10 @@ class Run:
         """The batch's micro-batches, each read by ``accumulate()`` and ``backward()`` through the batch's
         ``BatchState`` (``_in_hand``); replayed, split finer, after an agreed out-of-memory. Returns that state
         when the last micro-batch is through (``stop_agreed``: read after the batch's optimizer step)."""
-        size = self.feed.batch_size(self.batch_in_epoch)
+        share = self.feed.share(self.batch_in_epoch)
         while True:
             parts = 1 if self.pipeline else self.accumulation  # a pipeline's schedule splits the batch itself
-            micros = micro_batches(batch, parts=parts, size=size, uneven=self.feed.batches is not None)
+            micros = micro_batches(batch, parts=parts, share=share)
             state = self._in_hand = BatchState(loss_divisors=[divisor for _, divisor in micros])
             for index, (micro, _) in enumerate(micros):
                 state.micro_index = index
@@ -628,7 +629,7 @@ class Run:
             pending.wait()
         self.step += 1
         self.metrics.end_step(
-            samples=self.feed.batch_size(self.batch_in_epoch),
+            samples=self.feed.share(self.batch_in_epoch).trained,
             loss=shared[0] / self.world_size,
             micro_batch=self.micro_batch,
             accumulation=self.accumulation,
@@ -717,6 +718,7 @@ class Run:
             "batch_in_epoch": self.batch_in_epoch,
             "micro_batch": self.micro_batch,
             "accumulation": self.accumulation,
+            "data_seed": self.feed.seed,  # a resumed run draws the same order
         }
 
     def _resume(self) -> None:
@@ -731,6 +733,7 @@ class Run:
             _, extra = restored
             self.step = int(extra["step"])
             self.epoch = int(extra["epoch"])
+            self.feed.restore_seed(extra)
             self.batch_in_epoch = self.feed.batches_done(extra)
             as_saved = int(extra["micro_batch"]) * int(extra["accumulation"]) == self.loader.batch_size
             if as_saved or self.feed.batches is not None:
