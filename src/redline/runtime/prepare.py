@@ -93,6 +93,13 @@ from redline.runtime.parallelize import (
 from redline.runtime.pipeline import LossFn, Pipeline, RankModel, find_layout, split, tied_group, tied_names
 from redline.runtime.stop import Stopped, StopSignals
 from redline.runtime.tensor_parallel import apply_tp
+from redline.runtime.whole_model import (
+    expose_module,
+    how_sharded,
+    load_whole_state_dict,
+    refuse_copies_when_sharded,
+    whole_state_dict,
+)
 from redline.workload.structure import find_blocks, without_kv_cache
 
 if TYPE_CHECKING:  # metrics.py is imported when a run starts (see _build_metrics)
@@ -125,6 +132,10 @@ class Run:
       in a loop of one's own over ``loader`` instead of ``micro_batches()``, each micro-batch is a whole batch;
     - ``save_checkpoint()`` and ``close(checkpoint=True)``, which ``micro_batches`` calls itself;
     - ``model``, ``optimizer``, ``scheduler``, ``scaler``: as wrapped, rebuilt and made for the plan;
+    - ``model.module``: the model, as under DDP (on one process and under FSDP2, a handle on ``model``);
+      ``state_dict()`` and ``load_state_dict(sd)``: the whole model's, full tensors on the CPU, on rank 0, under any
+      sharding; ``copy.deepcopy(model)`` (an EMA, a teacher) computes with its own weights, and ``torch.save(model)``
+      pickles (a sharded model says what to save instead: ``whole_model.py``);
     - ``step`` (optimizer steps done), ``epoch``, ``batch_in_epoch`` (this rank's batches of the epoch done),
       ``attempt`` (starts on this checkpoint directory before this one);
     - ``micro_batch`` and ``accumulation`` as they run now (after an out-of-memory, smaller and more),
@@ -161,6 +172,10 @@ class Run:
         apply_numerics(self.config.numerics, self.device)
         self._check_plan_matches(model)
         self.model = self._wrap(model.to(self.device))
+        refuse_copies_when_sharded(
+            self.model, how_sharded(self.config.strategy, world=self.world_size, sharding=self.sharding)
+        )
+        expose_module(self.model)  # run.model.module, as under DDP (whole_model.py); after the line above: shares it
         self.optimizer = build_optimizer(self.model, optimizer, world=self.world_size, sharding=self.sharding)
         self._flag_unfused_adam("as asked")
         self.scheduler = self._build_scheduler(scheduler)
@@ -647,6 +662,23 @@ class Run:
         state.replay = True  # _batch splits the batch again, in a new BatchState (its loss sum starts at 0)
 
     # ------------------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict under any sharding, for ``save_pretrained`` and friends: full (unsharded)
+        tensors on the CPU under the model's own names (no DDP ``module.`` prefix), on rank 0; the other ranks
+        get an empty dict. Every rank calls it (it gathers the shards)::
+
+            state = run.state_dict()
+            if run.rank == 0:
+                run.model.module.save_pretrained("out", state_dict=state)   # or torch.save(state, path)
+        """
+        return whole_state_dict(self.model, pipeline=self.pipeline is not None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole model's state dict (``state_dict()``'s, a one-process model's) into the run's model under
+        any sharding, each rank taking its shard of rank 0's (the other ranks' argument is not read: pass
+        ``{}``). Every rank calls it. The optimizer's state is not touched."""
+        load_whole_state_dict(self.model, state_dict, pipeline=self.pipeline is not None)
 
     def save_checkpoint(self) -> Path | None:
         if self.checkpointer is None:
