@@ -8,13 +8,15 @@ its own.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
+import pickle
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import Any, NoReturn, get_type_hints
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ from redline.runtime.distributed import agree
 from redline.runtime.mesh import RunMesh
 from redline.runtime.pipeline import LossFn, Pipeline, RankModel, find_layout, split, tied_group, tied_names
 from redline.runtime.tensor_parallel import average_gradients, fsdp_layout
+from redline.runtime.whole_model import DDP_SAVE_INSTEAD
 from redline.workload.selective import selective_checkpoint_context
 
 log = logging.getLogger("redline.runtime")
@@ -195,19 +198,33 @@ def checkpoint_blocks(blocks: list[nn.Module], *, selective: bool = False) -> No
     fused attention kernels (``workload.selective.SAVED_OPS``, the same policy the planner measures) and
     recomputes the rest. The random ops recompute as they ran: the checkpoint restores the RNG state. A Hugging
     Face model must also run without its KV cache (``workload.structure.without_kv_cache``), or each
-    recomputation appends its keys and values again."""
+    recomputation appends its keys and values again. Each block's ``forward`` becomes a ``CheckpointedForward``
+    of the block."""
     for block in blocks:
-        block.forward = _checkpointed(block.forward, selective=selective)
+        block.forward = CheckpointedForward(block, selective=selective)
 
 
-def _checkpointed(forward: Callable[..., Any], *, selective: bool) -> Callable[..., Any]:
-    # called by each forward, it makes the pair of contexts that hold what that forward saved for its backward
-    context_fn = selective_checkpoint_context if selective else noop_context_fn
+class CheckpointedForward:
+    """A checkpointed block's ``forward``: its class's forward, run under ``torch.utils.checkpoint``.
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    It holds the block itself and looks its forward up at each call, where a closure over the block's bound
+    ``forward`` would hold the block it was made for: ``copy.deepcopy`` of the model (an EMA, a teacher) maps
+    the block to its copy, so the copy's forward computes with the copy's weights, and ``torch.save`` pickles
+    it as the block and a flag (a closure does not pickle)."""
+
+    def __init__(self, block: nn.Module, *, selective: bool) -> None:
+        self.block = block
+        self.selective = selective  # also keep the matmuls' outputs (selective_checkpoint_context)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # the context functions make, at each forward, the pair of contexts that hold what it saved for its backward
+        context_fn = selective_checkpoint_context if self.selective else noop_context_fn
+        forward = functools.partial(type(self.block).forward, self.block)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-    return run
+    def __repr__(self) -> str:
+        kind = "selective" if self.selective else "full"
+        return f"CheckpointedForward({type(self.block).__name__}, {kind})"
 
 
 def apply_compile(model: nn.Module, blocks: list[nn.Module]) -> None:
@@ -241,14 +258,42 @@ def apply_ddp(
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=config.powersgd_rank)
         reduce = powerSGD_hook.powerSGD_hook
 
-    def timed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        on_bucket_ready()
-        return reduce(state, bucket)
-
-    # DDP compares the hook's annotations with the classes themselves, and this module's are strings until resolved
-    timed.__annotations__ = get_type_hints(timed)
-    ddp.register_comm_hook(state, timed)
+    ddp.register_comm_hook(state, TimedCommHook(reduce, on_bucket_ready))
     return ddp
+
+
+class TimedCommHook:
+    """``apply_ddp``'s comm hook: ``on_bucket_ready()``, then the gradient reduction ``reduce``.
+
+    An object rather than a closure so that pickling the DDP wrapper (``torch.save(run.model)``) ends in one line
+    saying what to save instead: the wrapper belongs to this run's process group, the model it wraps
+    (``run.model.module``) pickles. A copy of the wrapper shares the hook, as it shared the closure."""
+
+    def __init__(
+        self,
+        reduce: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]],
+        on_bucket_ready: Callable[[], None],
+    ) -> None:
+        self.reduce = reduce
+        self.on_bucket_ready = on_bucket_ready
+        self.__name__ = self.__qualname__ = "timed_comm_hook"  # DDP reads a hook's names (logs, its bf16 check)
+
+    def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self.on_bucket_ready()
+        return self.reduce(state, bucket)
+
+    def __reduce__(self) -> NoReturn:
+        raise pickle.PicklingError(DDP_SAVE_INSTEAD)
+
+    def __copy__(self) -> TimedCommHook:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TimedCommHook:
+        return self  # a deep copy would copy the run its on_bucket_ready is bound to
+
+
+# DDP compares the hook's annotations with the classes themselves, and this module's are strings until resolved
+TimedCommHook.__call__.__annotations__ = get_type_hints(TimedCommHook.__call__)
 
 
 def apply_fsdp(
@@ -389,6 +434,21 @@ def build_optimizer(
     built = factory(params)
     fuse_adam(built)
     return built
+
+
+def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """The LR scheduler over ``optimizer``: a ready one must drive it; where the optimizer was rebuilt (FSDP2,
+    ZeRO-1), a factory (``scheduler=lambda optimizer: ...``) builds it on the new one."""
+    if scheduler is None:
+        return None
+    if not hasattr(scheduler, "step"):
+        return scheduler(optimizer)
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise BadInput(
+            "the optimizer was rebuilt after sharding, so the scheduler would drive the old one: "
+            "pass scheduler=lambda optimizer: YourScheduler(optimizer, ...)"
+        )
+    return scheduler
 
 
 def apply_zero1(params: Trainable, factory: OptimizerFactory) -> torch.optim.Optimizer:

@@ -100,12 +100,20 @@ from redline.runtime.parallelize import (
     apply_sync_batchnorm,
     autocast_dtype,
     build_optimizer,
+    build_scheduler,
     syncs_batchnorm,
     unfused_adam,
 )
 from redline.runtime.pipeline import LossFn, Pipeline
 from redline.runtime.stop import Stopped, StopSignals
 from redline.runtime.tensor_parallel import apply_tp
+from redline.runtime.whole_model import (
+    expose_module,
+    how_sharded,
+    load_whole_state_dict,
+    refuse_copies_when_sharded,
+    whole_state_dict,
+)
 from redline.workload.structure import find_blocks, without_kv_cache
 
 if TYPE_CHECKING:  # metrics.py is imported when a run starts (see _build_metrics)
@@ -143,6 +151,10 @@ class Run:
       ``register_for_checkpointing(*objects)``: more state in the checkpoint (a scheduler stepped by the loop,
       an EMA copy, a counter), restored as it is registered when the run resumed;
     - ``model``, ``optimizer``, ``scheduler``, ``scaler``: as wrapped, rebuilt and made for the plan;
+    - ``model.module``: the model, as under DDP (on one process and under FSDP2, a handle on ``model``);
+      ``state_dict()`` and ``load_state_dict(sd)``: the whole model's, full tensors on the CPU, on rank 0, under any
+      sharding; ``copy.deepcopy(model)`` (an EMA, a teacher) computes with its own weights, and ``torch.save(model)``
+      pickles (a sharded model says what to save instead: ``whole_model.py``);
     - ``step`` (optimizer steps done), ``epoch``, ``batch_in_epoch`` (this rank's batches of the epoch done),
       ``steps_per_epoch`` and ``total_steps(epochs)`` (known before the first step, for a scheduler's length),
       ``attempt`` (starts on this checkpoint directory before this one);
@@ -183,9 +195,13 @@ class Run:
         # a ready optimizer's groups by module path, taken before sharding replaces the parameters
         ready = ReadyOptimizer.of(optimizer, model) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         self.model = self._wrap(model)
+        refuse_copies_when_sharded(
+            self.model, how_sharded(self.config.strategy, world=self.world_size, sharding=self.sharding)
+        )
+        expose_module(self.model)  # run.model.module, as under DDP (whole_model.py); after the line above: shares it
         self.optimizer = build_optimizer(self.model, ready, world=self.world_size, sharding=self.sharding)
         self._flag_unfused_adam("as asked")
-        self.scheduler = self._build_scheduler(scheduler)
+        self.scheduler = build_scheduler(scheduler, self.optimizer)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.feed = Feed(data, self.config, world=self.dp_size, rank=self.dp_rank, device=self.device)
         self.micro_batch = self.feed.micro_batch(self.accumulation) or self.config.strategy.micro_batch
@@ -364,20 +380,6 @@ class Run:
                 type(self.optimizer).__name__,
                 why,
             )
-
-    def _build_scheduler(self, scheduler: Any) -> Any:
-        """A ready LR scheduler must drive the optimizer in use; where that was rebuilt (FSDP2, ZeRO-1), pass
-        a factory (``scheduler=lambda optimizer: ...``) so it is built on the new one."""
-        if scheduler is None:
-            return None
-        if not hasattr(scheduler, "step"):
-            return scheduler(self.optimizer)
-        if getattr(scheduler, "optimizer", self.optimizer) is not self.optimizer:
-            raise BadInput(
-                "the optimizer was rebuilt after sharding, so the scheduler would drive the old one: "
-                "pass scheduler=lambda optimizer: YourScheduler(optimizer, ...)"
-            )
-        return scheduler
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -694,6 +696,23 @@ class Run:
             saved = self.checkpointer.restored_states if self.checkpointer is not None else {}
             if name in saved:
                 obj.load_state_dict(saved[name])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict under any sharding, for ``save_pretrained`` and friends: full (unsharded)
+        tensors on the CPU under the model's own names (no DDP ``module.`` prefix), on rank 0; the other ranks
+        get an empty dict. Every rank calls it (it gathers the shards)::
+
+            state = run.state_dict()
+            if run.rank == 0:
+                run.model.module.save_pretrained("out", state_dict=state)   # or torch.save(state, path)
+        """
+        return whole_state_dict(self.model, pipeline=self.pipeline is not None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole model's state dict (``state_dict()``'s, a one-process model's) into the run's model under
+        any sharding, each rank taking its shard of rank 0's (the other ranks' argument is not read: pass
+        ``{}``). Every rank calls it. The optimizer's state is not touched."""
+        load_whole_state_dict(self.model, state_dict, pipeline=self.pipeline is not None)
 
     def save_checkpoint(self) -> Path | None:
         if self.checkpointer is None:

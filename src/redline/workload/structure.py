@@ -21,22 +21,35 @@ def without_kv_cache(model: nn.Module) -> None:
     defaults to its config's, True for most). The loop holds it with the output to the end of the step: every
     layer's keys and values, a rotary model's keys in fp32 beside the 16-bit copy attention saved; and each
     recomputation of a checkpointed block appends them again. Every module with a ``config`` whose forward
-    takes ``use_cache`` gets False unless the caller passes it; the config itself is left as it was."""
+    takes ``use_cache`` gets False unless the caller passes it; the config itself is left as it was.
+
+    A forward pre-hook does it, not a wrapper put over the instance's ``forward``: the module's hooks are its
+    own state, so ``copy.deepcopy`` of the model (an EMA, a teacher) and ``torch.save`` keep it, and a copy's
+    forward is the copy's (a wrapper closing over the original's bound ``forward`` computed a deep copy with the
+    original's weights, and did not pickle)."""
     for module in model.modules():
-        if hasattr(module, "config") and "use_cache" in inspect.signature(module.forward).parameters:
-            module.forward = _no_cache_by_default(module.forward)
+        if not hasattr(module, "config") or "use_cache" not in _forward_signature(type(module).forward).parameters:
+            continue
+        if _no_cache_by_default not in module._forward_pre_hooks.values():  # once, however often it is asked
+            module.register_forward_pre_hook(_no_cache_by_default, with_kwargs=True)
 
 
-def _no_cache_by_default(forward: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(forward)
+def _no_cache_by_default(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """``without_kv_cache``'s hook: ``use_cache=False`` added to a call that does not pass it, by name or by
+    position (bound against the class's forward, whatever the instance's ``forward`` is)."""
+    if "use_cache" in kwargs:
+        return None
+    if "use_cache" in _forward_signature(type(module).forward).bind_partial(module, *args).arguments:
+        return None
+    return args, {**kwargs, "use_cache": False}
 
-    @functools.wraps(forward)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if "use_cache" not in signature.bind_partial(*args, **kwargs).arguments:
-            kwargs["use_cache"] = False
-        return forward(*args, **kwargs)
 
-    return call
+@functools.cache
+def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature:
+    """A forward's signature, ``self`` first; worked out once per class (it is read by every call)."""
+    return inspect.signature(forward)
 
 
 def module_prefix(model: nn.Module, names: tuple[str, ...]) -> str | None:
