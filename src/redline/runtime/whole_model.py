@@ -171,9 +171,7 @@ def _load_packed(model: nn.Module, state_dict: dict[str, Any], *, from_rank0: bo
     each projection into place (``split_packed``'s layout) from the whole tensor: broadcast from rank 0
     (``from_rank0``), else in every rank's ``state_dict``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import distribute_tensor
-
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     for name, held in get_model_state_dict(model).items():  # the model's own tensors, sharded
         if not isinstance(held, DTensor) or (found := packed_dim(held)) is None:
