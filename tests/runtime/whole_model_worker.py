@@ -39,7 +39,14 @@ def gpt2() -> nn.Module:
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0
     )
     config.attn_pdrop = 0.0
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    # the weights drawn again, module by module, from the seed: the same in a fresh rank and in the test process,
+    # where another test may have left transformers' post-init weight initialisation switched off (a pytest-xdist
+    # worker once built this model with nn.Embedding's own N(0, 1) weights)
+    model.tie_weights()  # the head and the token embedding one tensor, as post-init leaves them
+    torch.manual_seed(0)
+    model.apply(model._init_weights)
+    return model
 
 
 def token_ids() -> torch.Tensor:
