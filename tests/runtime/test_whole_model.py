@@ -112,21 +112,23 @@ def test_two_ranks_copy_save_unwrap_and_give_the_whole_model_as_one_process_does
     out = tmp_path / "seen.pt"
     spawn_ranks(WORKER, 2, store=tmp_path / "store", env={"SHARDING": sharding, "OUT": str(out)})
     seen = torch.load(out, weights_only=False)
-    live, plain_ema = plain_loop() if sharding in ("ddp", "fsdp") else (gpt2(), None)
+    # the loop without redline ran in rank 0's process: a pytest-xdist worker that ran other tests before once
+    # built this GPT-2 with nn.Embedding's own N(0, 1) token embedding (transformers' init left off; not found why)
+    want, want_ema = seen["reference"], seen["reference_ema"]
     # the whole model, full tensors on the CPU under the model's own names, on rank 0 only; and put back
-    assert_same_weights(seen["state_dict"], live.state_dict())
+    assert_same_weights(seen["state_dict"], want)
     assert all(value.device.type == "cpu" and type(value) is torch.Tensor for value in seen["state_dict"].values())
     assert torch.load(f"{out}.rank1") == {}
-    assert_same_weights(seen["reloaded"], live.state_dict())
+    assert_same_weights(seen["reloaded"], want)
     if sharding in ("ddp", "fsdp"):  # what the state dict is for
         saved = transformers.GPT2LMHeadModel.from_pretrained(f"{out}.hf")
-        assert_same_weights(saved.state_dict(), live.state_dict())
+        assert_same_weights(saved.state_dict(), want)
     if sharding == "ddp":  # DDP's module: the model; the wrapper says to save that instead, which saves
         assert seen["module_class"] == "GPT2LMHeadModel" and not seen["module_has_module"]
         assert seen["save_refused"].startswith("PicklingError: run.model is DDP's wrapper")
         assert "torch.save(run.model.module, path)" in seen["save_refused"]
         assert seen["module_save_refused"] is None
-        assert_same_weights(seen["ema"], plain_ema.state_dict())
+        assert_same_weights(seen["ema"], want_ema)
         return
     # sharded in place: its module is a handle on it; a copy or a pickle of either says what to save instead
     assert seen["module_shares_model"]

@@ -39,14 +39,7 @@ def gpt2() -> nn.Module:
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0
     )
     config.attn_pdrop = 0.0
-    model = GPT2LMHeadModel(config)
-    # the weights drawn again, module by module, from the seed: the same in a fresh rank and in the test process,
-    # where another test may have left transformers' post-init weight initialisation switched off (a pytest-xdist
-    # worker once built this model with nn.Embedding's own N(0, 1) weights)
-    model.tie_weights()  # the head and the token embedding one tensor, as post-init leaves them
-    torch.manual_seed(0)
-    model.apply(model._init_weights)
-    return model
+    return GPT2LMHeadModel(config)
 
 
 def token_ids() -> torch.Tensor:
@@ -163,6 +156,10 @@ def main() -> None:
         for (ids,) in run.micro_batches():
             with run.accumulate():
                 run.backward(lm_loss(run.model, ids))
+    if rank == 0:  # the loop without redline, here: a fresh process, as the ranks are (see the test)
+        reference, reference_ema = plain_loop() if sharding in ("ddp", "fsdp") else (gpt2(), None)
+        seen["reference"] = reference.state_dict()
+        seen["reference_ema"] = reference_ema.state_dict() if reference_ema is not None else None
     whole = run.state_dict()
     seen["state_dict"] = whole
     if rank == 0 and sharding in ("ddp", "fsdp"):  # what the state dict is for
