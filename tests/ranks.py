@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import forked
 
@@ -53,6 +54,17 @@ def spawn_ranks(
     for rank, (code, output) in enumerate(zip(codes, outputs, strict=True)):
         assert code == 0, f"rank {rank} exited with {code}:\n{output[-3000:]}"
     return outputs
+
+
+def leave_together() -> NoReturn:
+    """The end of a rank script whose results are written: wait for every rank (a gloo group torn down under a
+    busy peer can abort it), tear the group down, and exit 0 without the interpreter's teardown, where gloo's
+    threads abort now and then."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
 
 
 def _forks(argv: list[str], envs: list[dict[str, str]], timeout: float) -> tuple[list[int], list[str]]:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 import tp_worker
 
+from ranks import leave_together
+
 LAYERS = 4  # two stages of two blocks, or four of one (interleaved over two ranks)
 
 
@@ -78,9 +80,7 @@ def main() -> None:
     if rank == 0:
         Path(f"{out}.losses.json").write_text(json.dumps(losses))
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
-        torch.distributed.destroy_process_group()
-        os._exit(0)  # the results are written: skip the teardown, where gloo's threads abort now and then
+        leave_together()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import tp_worker
 from torch import nn
 
-from ranks import spawn_ranks
+from ranks import leave_together, spawn_ranks
 
 SEED = 1337
 LR, SGD_LR = 0.01, 0.1
@@ -165,9 +165,7 @@ def main() -> None:
                 for g in run.optimizer.param_groups
             ]
             Path(f"{out}.groups.json").write_text(json.dumps(groups))
-    torch.distributed.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # the results are written: skip the teardown, where gloo's threads abort now and then
+    leave_together()
 
 
 if __name__ == "__main__":

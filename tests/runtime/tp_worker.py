@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ranks import leave_together
+
 EXAMPLES = Path(__file__).parents[2] / "examples"
 VOCAB, SEQ, SAMPLES = 64, 16, 32
 NORM_ROWS: list[int] = []  # the sequence rows of each forward of the norm NORM names, on this rank
@@ -158,9 +160,7 @@ def main() -> None:
             torch.save(weights, os.environ["OUT"])
             Path(os.environ["OUT"] + ".losses.json").write_text(json.dumps(losses))
             Path(os.environ["OUT"] + ".samples.json").write_text(json.dumps([r.samples for r in run.metrics.records]))
-        torch.distributed.barrier()  # leave together: a gloo group torn down under a busy peer can abort it
-        torch.distributed.destroy_process_group()
-        os._exit(0)  # the results are written: skip the teardown, where gloo's threads abort now and then
+        leave_together()
 
 
 if __name__ == "__main__":
