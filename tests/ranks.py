@@ -28,6 +28,15 @@ import forked
 TESTS = Path(__file__).parent
 
 
+def script_pythonpath() -> str:
+    """``PYTHONPATH`` for a rank script a command launches (``redline run`` through torchrun): this redline,
+    whatever the working directory, and tests/, whose modules (this one) the scripts import by plain name."""
+    import redline
+
+    source = str(Path(redline.__file__).parents[1])
+    return os.pathsep.join(filter(None, [source, str(TESTS), os.environ.get("PYTHONPATH")]))
+
+
 def spawn_ranks(
     script: Path,
     world: int,

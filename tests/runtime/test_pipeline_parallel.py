@@ -4,7 +4,6 @@ trains as one process does; beside data- and tensor-parallel ranks too; a resume
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pp_worker
@@ -12,8 +11,7 @@ import pytest
 import torch
 import tp_worker
 
-import redline
-from ranks import spawn_ranks
+from ranks import script_pythonpath, spawn_ranks
 from redline.errors import BadInput
 
 WORKER = Path(pp_worker.__file__)
@@ -141,9 +139,7 @@ def test_redline_run_applies_a_pipeline_plan_redline_plan_wrote(tmp_path: Path) 
     assert (strategy["pipeline"], strategy["schedule"]) == (2, "1f1b")
     assert strategy["accumulation"] >= 2  # 1F1B over two stages needs two micro-batches or more
     assert [stage["blocks"] for stage in stages] == [2, 2]
-    source = str(Path(redline.__file__).parents[1])  # the ranks run this redline, whatever the working directory
-    pythonpath = os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])
-    env = {"MODEL": "llama", "OUT": str(tmp_path / "w"), "PYTHONPATH": pythonpath}
+    env = {"MODEL": "llama", "OUT": str(tmp_path / "w"), "PYTHONPATH": script_pythonpath()}
     result = run_cli("run", "--plan", str(plan), "--nproc-per-node", "2", str(WORKER), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     weights = torch.load(tmp_path / "w.0.pt") | torch.load(tmp_path / "w.1.pt")

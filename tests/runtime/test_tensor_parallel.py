@@ -4,7 +4,6 @@ the split is checked before anything is sharded."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,7 @@ import torch
 import tp_worker
 from torch.distributed.checkpoint import FileSystemReader
 
-import redline
-from ranks import spawn_ranks
+from ranks import script_pythonpath, spawn_ranks
 from redline.plan.strategy import Strategy
 
 WORKER = Path(tp_worker.__file__)
@@ -277,8 +275,7 @@ def test_redline_run_applies_a_tensor_parallel_plan_redline_plan_wrote(
     assert (strategy["data"], strategy["tensor"]) == (gpus // 2, 2)
     assert strategy["data"] * strategy["micro_batch"] * strategy["accumulation"] == 8
     out = tmp_path / "weights.pt"
-    source = str(Path(redline.__file__).parents[1])  # the ranks run this redline, whatever the working directory
-    env = {"MODEL": model, "OUT": str(out), "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
+    env = {"MODEL": model, "OUT": str(out), "PYTHONPATH": script_pythonpath()}
     result = run_cli("run", "--plan", str(plan), "--nproc-per-node", str(gpus), str(WORKER), env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert strategy["sequence_parallel"]  # the plan asked for it, and the family's plan applies it: no warning
@@ -348,13 +345,11 @@ def test_redline_run_resumes_a_tensor_parallel_gpt2_plan_bit_identically(
     assert result.returncode == 0, result.stderr[-2000:]
     strategy = yaml.safe_load(plan.read_text())["strategy"]
     assert (strategy["data"], strategy["tensor"]) == degrees
-    source = str(Path(redline.__file__).parents[1])  # the ranks run this redline, whatever the working directory
 
     def launch(name: str, **env: str) -> tuple[dict, list[float]]:
         (tmp_path / name).mkdir()
         out = tmp_path / name / "weights.pt"
-        path = os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])
-        env = {"MODEL": "gpt2", "OUT": str(out), "MOMENTUM": "0.9", "PYTHONPATH": path} | env
+        env = {"MODEL": "gpt2", "OUT": str(out), "MOMENTUM": "0.9", "PYTHONPATH": script_pythonpath()} | env
         argv = ("run", "--plan", str(plan), "--nproc-per-node", str(gpus), str(WORKER))
         result = run_cli(*argv, env=env, cwd=tmp_path / name)
         assert result.returncode == 0, result.stderr[-3000:]
