@@ -247,6 +247,34 @@ def test_initialisers_are_restored_and_cuda_stays_untouched():
     assert not torch.cuda.is_initialized()
 
 
+def test_a_library_first_imported_while_tracing_still_initialises_its_models_later():
+    """transformers records torch's initialisers when its ``initialization`` module is first imported: a trace
+    whose build imported it (a Hugging Face config traced first in a process) left it holding no-ops, and every
+    GPT-2 built in that process afterwards kept nn.Embedding's N(0, 1) embedding instead of N(0, 0.02)."""
+    pytest.importorskip("transformers")
+    code = textwrap.dedent(
+        """
+        import sys
+        from redline.workload.trace import trace_module
+
+        def build():
+            import transformers  # first imported here, under the trace
+            config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=512)
+            return transformers.GPT2LMHeadModel(config)
+
+        assert "transformers.initialization" not in sys.modules
+        trace_module(build, (16,), name="gpt2", source="test")
+        import torch, transformers
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_embd=256, n_layer=1, n_head=2, n_positions=16, vocab_size=4096)
+        print(float(transformers.GPT2LMHeadModel(config).transformer.wte.weight.std()))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) == pytest.approx(0.02, rel=0.05)  # initializer_range
+
+
 def test_trace_imports_no_transformers():
     code = "import redline.workload.trace, redline.workload.zoo, redline.workload.factory, sys\n"
     code += "assert 'transformers' not in sys.modules\n"

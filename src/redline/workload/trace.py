@@ -207,20 +207,29 @@ _INITIALISERS = (
 
 @contextmanager
 def _skipped_init() -> Iterator[None]:
-    """Make torch.nn.init's initialisers no-ops while the model is built (what ``torch.nn.utils.skip_init`` and
-    Accelerate's ``init_empty_weights`` do for real tensors). Code that imported one by name still runs it."""
-
-    def skip(tensor: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
-        return tensor
-
+    """Make torch.nn.init's initialisers no-ops on fake tensors while the model is built (what
+    ``torch.nn.utils.skip_init`` and Accelerate's ``init_empty_weights`` do for real tensors). Code that imported
+    one by name still runs it. A library that records the initialisers when it is first imported, as
+    transformers' ``initialization`` module does, may record these stand-ins if the build imports it: on real
+    tensors they initialise as the originals do, so every model that library builds later is initialised."""
     saved = {name: getattr(nn.init, name) for name in _INITIALISERS if hasattr(nn.init, name)}
     try:
-        for name in saved:
-            setattr(nn.init, name, skip)
+        for name, initialiser in saved.items():
+            setattr(nn.init, name, _on_real_tensors_only(initialiser))
         yield
     finally:
         for name, initialiser in saved.items():
             setattr(nn.init, name, initialiser)
+
+
+def _on_real_tensors_only(initialiser: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(initialiser)
+    def skip_fake(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(tensor, FakeTensor):
+            return tensor
+        return initialiser(tensor, *args, **kwargs)
+
+    return skip_fake
 
 
 def _make_fake(module: nn.Module) -> None:
