@@ -20,13 +20,13 @@ FLAGS: dict[str, set[str]] = {
         *("--schedule", "--virtual-stages", "--analytic", "--memory-margin"),
         # the runtime's settings (runtime.config.SETTINGS), the same as `redline run`'s
         *("--ac-every", "--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile"),
-        *("--metrics", "--no-compile", "--num-workers", "--cpu-threads", "--max-steps"),
+        *("--metrics", "--no-compile", "--num-workers", "--cpu-threads", "--max-steps", "--loader-batch"),
     },
     "run": {
         *("--dry-run", "--json", "--max-restarts", "--nnodes", "--nproc-per-node", "--plan", "--rdzv-endpoint"),
         "--rdzv-id",
         *("--ac-every", "--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile"),
-        *("--metrics", "--no-compile", "--num-workers", "--cpu-threads", "--max-steps"),
+        *("--metrics", "--no-compile", "--num-workers", "--cpu-threads", "--max-steps", "--loader-batch"),
     },
     "monitor": {
         *("--duration", "--gpus", "--interval", "--job-pid", "--json", "--listen", "--once", "--port", "--record"),

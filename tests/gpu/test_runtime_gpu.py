@@ -66,3 +66,19 @@ def test_out_of_memory_on_the_real_allocator_halves_the_micro_batch() -> None:
     assert run.oom_events, "expected at least one out-of-memory adaptation"
     assert run.micro_batch * run.accumulation == rows  # the per-rank batch, and so the result, unchanged
     assert run.step == 2
+
+
+def test_an_evaluation_and_the_whole_model_on_the_gpu() -> None:
+    """``run.evaluating()`` under a bf16 plan autocasts as the training step does, without gradients, and puts
+    the training mode back; ``run.state_dict()`` is the whole model, full fp32 tensors on the CPU."""
+    plan = RunConfig(strategy=Strategy(precision="bf16", micro_batch=64))
+    model = mlp(width=1024, depth=2)
+    run = train(model, plan, samples=64 * 4, width=1024)
+    with run.evaluating() as evaluated:
+        out = evaluated(torch.randn(8, 1024, device=run.device))
+        assert out.dtype == torch.bfloat16 and not out.requires_grad and not evaluated.training
+    assert run.model.training
+    state = run.state_dict()
+    for name, param in model.named_parameters():
+        assert state[name].device.type == "cpu" and state[name].dtype == torch.float32
+        torch.testing.assert_close(state[name], param.detach().cpu())

@@ -321,7 +321,8 @@ def gpt2_loop() -> dict:
             **settings, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=1
         )
     )
-    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), loader)  # no plan: fp32 on a CPU
+    # no plan: fp32 on a CPU; the loader's batch the global batch, which any number of ranks share out
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, loader_batch="global")
     seen = []
     for batch in run.micro_batches():
         assert set(batch) == {"input_ids", "attention_mask", "labels"}
@@ -416,7 +417,7 @@ def classifier_loop() -> dict:
             summary_first_dropout=0.0,
         )
     )
-    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), loader)
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), loader, loader_batch="global")
     widths = []
     for batch in run.micro_batches():
         widths.append(batch["input_ids"].shape[1])
@@ -531,7 +532,7 @@ def cnn_loop() -> dict:
     g = torch.Generator().manual_seed(5)
     images, labels = torch.randn(32, 3, 10, 10, generator=g) * 3 + 1, torch.randint(0, 3, (32,), generator=g)
     loader = DataLoader(TensorDataset(images, labels), batch_size=8)
-    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.2), loader)
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.2), loader, loader_batch="global")
     for x, y in run.micro_batches():
         with run.accumulate():
             run.backward(nn.functional.cross_entropy(run.model(x), y))
@@ -564,7 +565,8 @@ def bucketed_loop() -> dict:
     loader = DataLoader(TensorDataset(x, y), batch_sampler=ByLength(80, torch.Generator().manual_seed(5), even=True))
     world = int(os.environ["WORLD_SIZE"])
     plan = RunConfig(strategy=Strategy(data=world, micro_batch=1, accumulation=2, precision="fp32"))
-    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.2), loader, plan=plan)
+    # each batch of the sampler one global batch, split over the ranks (loader_batch="global")
+    run = prepare(model, torch.optim.SGD(model.parameters(), lr=0.2), loader, plan=plan, loader_batch="global")
     sizes = []
     for inputs, targets in run.micro_batches():
         sizes.append(len(inputs))

@@ -524,14 +524,18 @@ def test_a_redline_error_in_two_ranks_is_a_line_per_rank_and_a_short_summary(tmp
 
         model = torch.nn.Linear(2, 1)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=3)
-        redline.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)  # 3 does not split over 2
+        # a global batch of 3 does not split over 2 ranks
+        redline.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, loader_batch="global")
         """,
     )
     result = run_cli("run", "--nproc-per-node", "2", str(script), timeout=600)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     for rank in (0, 1):
-        assert f"redline: rank {rank}: without a plan the loader's batch of 3 is the global batch" in result.stderr
+        said = (
+            f"redline: rank {rank}: loader_batch='global': the loader's batch of 3 is the global batch, which 2 ranks"
+        )
+        assert said in result.stderr
     assert "failed first (exit 2); 1 other process failed too" in result.stderr
     assert len(result.stderr.splitlines()) < 12, result.stderr
 

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ log = logging.getLogger("redline.runtime")
 
 COMM_HOOKS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
 SCHEDULER_INTERVALS: tuple[str, ...] = ("step", "epoch")
+LOADER_BATCHES: tuple[str, ...] = ("per_rank", "global")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,13 @@ class LoopConfig:
     """When the LR scheduler given to ``prepare()`` steps: after each optimizer ``step``, or at the end of each
     ``epoch`` (StepLR over epochs, as PyTorch's examples use it)."""
 
+    wait_for_ranks_s: float = 120.0
+    """Under sharding, how long a rank that evaluates, or asks for the whole model, waits for the other ranks
+    to do the same before it ends the run saying which did not (a rank-0-only evaluation would hang)."""
+
     def __post_init__(self) -> None:
+        if not self.wait_for_ranks_s > 0:
+            raise BadInput(f"wait_for_ranks_s must be positive, not {self.wait_for_ranks_s}")
         if self.max_steps is not None and self.max_steps < 1:
             raise BadInput(f"max_steps must be 1 or more, not {self.max_steps}")
         if self.scheduler_interval not in SCHEDULER_INTERVALS:
@@ -120,6 +128,11 @@ class DataConfig:
     of its own (whose seed wins); None: drawn from the process's seed (``torch.manual_seed``), as a plain
     DataLoader draws it. Every rank takes rank 0's, and a resumed run its checkpoint's. It seeds nothing else:
     the user seeds their own model."""
+    loader_batch: str = "per_rank"
+    """What the DataLoader's batch is: ``per_rank``, each rank's (DDP's, Accelerate's, Lightning's convention: N
+    ranks train on N of them per optimizer step), or ``global``, one optimizer step's over all the ranks, shared
+    out among them. A batch sampler's batches likewise: each one rank's, or each one split over the ranks. A
+    plan's batch replaces it (said before the first step)."""
     adapt_workers: bool = True
     """When the steps of an epoch wait for batches more than ``data_wait_limit`` of their time, the next
     epoch loads with more DataLoader workers (none to two, then twice as many, up to this rank's share of the
@@ -130,6 +143,8 @@ class DataConfig:
     slow."""
 
     def __post_init__(self) -> None:
+        if self.loader_batch not in LOADER_BATCHES:
+            raise BadInput(f"loader_batch must be one of {', '.join(LOADER_BATCHES)}, not {self.loader_batch!r}")
         if not 0 < self.data_wait_limit < 1:
             raise BadInput(f"data_wait_limit is a share of the time, between 0 and 1, not {self.data_wait_limit}")
         if self.loader_stall_s < 0:
@@ -297,6 +312,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("data.loader_stall_s", "loader_stall_s"),
     Setting("data.shard_stream", "shard_stream"),
     Setting("data.seed", "seed"),
+    Setting(
+        "data.loader_batch",
+        "loader_batch",
+        "--loader-batch",
+        f"The DataLoader's batch is {' | '.join(LOADER_BATCHES)} (default per_rank, as under DDP).",
+    ),
     Setting("data.adapt_workers", "adapt_workers"),
     Setting("data.data_wait_limit", "data_wait_limit"),
     Setting("checkpoint.dir", "checkpoint_dir", "--checkpoint-dir", "Checkpoint here, and resume from the newest."),
@@ -310,6 +331,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics.interval_s", "metrics_interval_s"),
     Setting("loop.max_steps", "max_steps", "--max-steps", "End the run after this many optimizer steps."),
     Setting("loop.scheduler_interval", "scheduler_interval"),
+    Setting("loop.wait_for_ranks_s", "wait_for_ranks_s"),
     Setting(
         "strategy.accumulation",
         "accumulation",
@@ -405,6 +427,49 @@ def runtime_from_env() -> dict[str, Any]:
     if not isinstance(settings, dict):
         raise BadInput(f"${REDLINE_RUNTIME} must be a JSON object of settings, not {text[:80]!r}")
     return settings
+
+
+def resolve_config(
+    plan: str | Path | RunConfig | None,
+    keywords: dict[str, Any],
+    *,
+    world: int,
+    say: bool,
+    batch_without_plan: Callable[[str], int],
+) -> RunConfig:
+    """What a run applies: the plan (a RunConfig, a plan file; None: defaults for ``world`` ranks on this
+    machine, with the per-rank batch ``batch_without_plan(loader_batch)`` makes of the loader's), then
+    ``prepare()``'s ``keywords``, then ``redline run``'s options over both (``with_launch_settings``)."""
+    import torch
+
+    if isinstance(plan, RunConfig):
+        config = plan
+    elif plan is not None:
+        config = from_plan_file(plan)
+    else:  # what the loader's batch is: the command line's word, else the keyword's, else the default
+        setting = runtime_from_env().get("loader_batch") or keywords.get("loader_batch") or DataConfig.loader_batch
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        config = default_config(world, batch_without_plan(setting), cuda=torch.cuda.is_available(), bf16=bf16)
+    return with_launch_settings(config, keywords, planned=plan is not None, say=say)
+
+
+def with_launch_settings(config: RunConfig, keywords: dict[str, Any], *, planned: bool, say: bool) -> RunConfig:
+    """``config`` with ``prepare()``'s ``keywords``, then ``redline run``'s options, over it. Where either
+    splits a plan's per-rank batch otherwise than the plan did, said before the first step (``say``: rank 0)."""
+    options = runtime_from_env()
+    resolved = config.with_settings(keywords).with_settings(options)
+    was, now = config.strategy, resolved.strategy
+    if planned and say and now.accumulation != was.accumulation:
+        log.warning(
+            "%s splits the plan's per-rank batch of %d in %d micro-batch(es) of %d, not the plan's %d of %d",
+            "--accumulation" if options.get("accumulation") else "prepare(accumulation=...)",
+            resolved.per_rank_batch,
+            now.accumulation,
+            now.micro_batch,
+            was.accumulation,
+            was.micro_batch,
+        )
+    return resolved
 
 
 def default_config(world_size: int, per_rank_batch: int, *, cuda: bool, bf16: bool) -> RunConfig:

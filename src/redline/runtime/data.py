@@ -179,19 +179,25 @@ class DistributedView(Sampler[int]):
 
 
 class DistributedBatches(Sampler[list[int]]):
-    """This rank's share of a user's batch sampler (batches by length, by token budget): of each batch the
-    sampler draws for the epoch, the indices at ``rank, rank + world, ...``, the batch cut to a multiple of
-    ``world`` (a batch smaller than ``world`` is left out), starting ``skip`` batches in. Each batch the sampler
-    draws stays one global batch, whatever its size; the epoch's order is drawn as ``DistributedView`` draws
-    it, and ``sizes`` are this rank's batch sizes in that order (the loader yields batches in order)."""
+    """This rank's share of a user's batch sampler (batches by length, by token budget), starting ``skip``
+    batches in. ``per_rank`` (``loader_batch``, as under DDP): each batch the sampler draws is one rank's,
+    ``world`` of them an optimizer step (rank ``r`` takes batches ``r, r + world, ...``; the last few that make
+    no whole step are left out). Otherwise each batch is one global batch, whatever its size: the indices at
+    ``rank, rank + world, ...``, the batch cut to a multiple of ``world`` (a batch smaller than ``world`` is left
+    out). The epoch's order is drawn as ``DistributedView`` draws it; ``sizes`` are this rank's batch sizes in
+    that order (the loader yields batches in order)."""
 
-    def __init__(self, batch_sampler: Iterable[list[int]], *, world: int, rank: int, seed: int) -> None:
+    def __init__(
+        self, batch_sampler: Iterable[list[int]], *, world: int, rank: int, seed: int, per_rank: bool = False
+    ) -> None:
         self.batch_sampler = batch_sampler
         self.world = world
         self.rank = rank
         self.seed = seed
+        self.per_rank = per_rank
         self.skip = 0
         self.sizes: list[int] = []
+        self._steps: list[list[int]] = []  # per optimizer step, every rank's batch size
         self._batches: list[list[int]] = []
         self._fingerprint = 0
         self.set_epoch(0)
@@ -203,19 +209,34 @@ class DistributedBatches(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         drawn = [[int(i) for i in batch] for batch in _draw(self.batch_sampler, self.seed, epoch)]
         self._fingerprint = hash(tuple(map(tuple, drawn)))
-        self._batches = [
-            batch[self.rank : len(batch) // self.world * self.world : self.world]
-            for batch in drawn
-            if len(batch) >= self.world
-        ]
+        world = self.world
+        if self.per_rank:
+            drawn = [batch for batch in drawn if batch]
+            groups = [drawn[start : start + world] for start in range(0, len(drawn) // world * world, world)]
+            self._batches = [group[self.rank] for group in groups]
+        else:
+            shares = [
+                [batch[rank : len(batch) // world * world : world] for rank in range(world)]
+                for batch in drawn
+                if len(batch) >= world
+            ]
+            groups, self._batches = shares, [share[self.rank] for share in shares]
+        self._steps = [[len(batch) for batch in group] for group in groups]
         self.sizes = [len(batch) for batch in self._batches]
+
+    def share(self, batch_index: int) -> BatchShare:
+        """This rank's part of the epoch's optimizer step ``batch_index``: its batch, weighed against every
+        rank's (per-rank batches may differ in size)."""
+        sizes = self._steps[batch_index]
+        mine = sizes[self.rank]
+        return BatchShare(mine, mine, sum(sizes), self.world, min(sizes), uneven=True)
 
     def fingerprint(self) -> int:
         return self._fingerprint
 
     def mean_batch(self) -> float:
-        """The mean global batch of the epoch drawn."""
-        return self.world * sum(self.sizes) / max(1, len(self.sizes))
+        """The mean samples per optimizer step, over every rank, of the epoch drawn."""
+        return sum(map(sum, self._steps)) / max(1, len(self._steps))
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self._batches[self.skip :])
@@ -313,13 +334,15 @@ def distributed_loader(
     overrides: dict[str, Any],
     shard_stream: bool = True,
     drop_last: bool | None = None,
+    per_rank_batches: bool = False,
 ) -> DataLoader:
     """The user's loader for this rank: its settings (``overrides`` from the run's config win where not None),
     its sampler or stream shared out, the per-rank batch, its order drawn from ``seed``. Its short last batch
     is kept or dropped as its ``drop_last`` says (``drop_last`` set: as that says); a stream's is dropped (its
     length is unknown until it ends, when the ranks can no longer share it out). A generator of its own seeds
     the workers per epoch and rank (``set_position``): the user's is left as it is. ``shard_stream=False``
-    leaves an IterableDataset that shards itself over the ranks as it is."""
+    leaves an IterableDataset that shards itself over the ranks as it is. A batch sampler of the user's own
+    keeps its batches: each one rank's with ``per_rank_batches``, else each split over the ranks."""
     if loader.batch_size is None and loader.batch_sampler is None:
         raise BadInput("the DataLoader has batch_size=None (each item already a batch): give it a batch_size")
     settings = {name: getattr(loader, name) for name in KEPT if hasattr(loader, name)}
@@ -341,7 +364,7 @@ def distributed_loader(
     own = own_batch_sampler(loader)
     if own is not None:
         _require(settings, "a batch sampler's batches (their sizes are looked up in order)", in_order=True)
-        batches = DistributedBatches(own, world=world, rank=rank, seed=seed)
+        batches = DistributedBatches(own, world=world, rank=rank, seed=seed, per_rank=per_rank_batches)
         return DataLoader(loader.dataset, batch_sampler=batches, generator=generator, **settings)
     # batches of one size come from torch's BatchSampler: the one given, or the one the DataLoader made from
     # its batch_size and drop_last (loader_batch)
@@ -452,9 +475,7 @@ def batch_share(loader: DataLoader, batch_index: int, *, world: int) -> BatchSha
     for ``world`` ranks: a batch sampler's batch is split evenly (cut to a multiple of the ranks); a sampler's
     last batch may be short (``DistributedView.share``); a stream's batches are whole."""
     view = rank_view(loader)
-    if isinstance(view, DistributedBatches):
-        return BatchShare.whole(view.sizes[batch_index], world, uneven=True)
-    if isinstance(view, DistributedView):
+    if view is not None:
         return view.share(batch_index)
     return BatchShare.whole(per_rank_batch(loader), world)
 

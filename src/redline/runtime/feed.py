@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from redline.errors import BadInput
 from redline.runtime.batch import bounds, split
@@ -23,7 +23,6 @@ from redline.runtime.data import (
     BatchShare,
     DistributedBatches,
     batch_share,
-    batches_vary,
     distributed_loader,
     fixed_seed,
     loader_batch,
@@ -41,31 +40,21 @@ ADAPT_MIN_WAIT_S = 0.5  # an epoch that waited less in all gains less than start
 MAX_PREFETCH = 8  # batches per worker the loader may hold ahead, at most, when the runtime deepens it
 
 
-def global_batch_without_plan(data: DataLoader, *, world: int, rank: int) -> int:
-    """Without a plan, the loader's batch is the global batch: it must share evenly over the ranks. A batch
-    sampler of the user's own sets the micro-batches from its batches (``Feed``); ``world`` stands for it."""
+def per_rank_batch_without_plan(data: DataLoader, setting: str, *, world: int) -> int:
+    """Without a plan, the per-rank batch the loader's batch makes: the loader's batch itself (``per_rank``, as
+    under DDP), or its share of it as the global batch (``global``: it must share evenly over the ranks). A
+    batch sampler of the user's own sets the micro-batches from its batches (``Feed``): 1 stands for them."""
     batch = loader_batch(data)
-    if batch is None:  # a batch sampler of the user's own: each batch it draws is a global batch
+    if batch is None:
         if data.batch_sampler is None:
-            raise BadInput(
-                "the DataLoader has batch_size=None: give it the batch size (a global batch, without a plan)"
-            )
-        if world > 1 and rank == 0:
-            log.warning("no plan: each batch of the batch sampler is a global batch, split over %d ranks", world)
-        batch = world  # a placeholder: the batches set the micro-batch
-    if batch % world:
+            raise BadInput("the DataLoader has batch_size=None: give it a batch size (each rank's, see loader_batch)")
+        return 1
+    if setting == "global" and batch % world:
         raise BadInput(
-            f"without a plan the loader's batch of {batch} is the global batch, which {world} ranks "
+            f"loader_batch='global': the loader's batch of {batch} is the global batch, which {world} ranks "
             f"cannot share evenly: give the loader a multiple of {world}, or a plan"
         )
-    if world > 1 and rank == 0 and not batches_vary(data):
-        log.warning(
-            "no plan: the loader's batch of %d is the global batch, %d per rank over %d ranks",
-            batch,
-            batch // world,
-            world,
-        )
-    return batch
+    return batch if setting == "per_rank" else batch // world
 
 
 def micro_batches(batch: Any, *, parts: int, share: BatchShare) -> list[tuple[Any, float]]:
@@ -100,37 +89,69 @@ class Feed:
     """The user's DataLoader for this rank: every setting kept (the config's loader settings win where set),
     its sampler or stream shared out over the ranks, the per-rank batch (``data.py``)."""
 
-    def __init__(self, loader: DataLoader, config: RunConfig, *, world: int, rank: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        config: RunConfig,
+        *,
+        world: int,
+        rank: int,
+        device: torch.device,
+    ) -> None:
         self.world = world
         self.rank = rank
         self.device = device
         self.config = config
-        strategy = config.strategy
-        given = loader_batch(loader)
-        if given not in (None, config.per_rank_batch) and rank == 0:
-            log.info(
-                "loader batch size %s replaced by the per-rank batch %s (micro-batch %s x accumulation %s)",
-                given,
-                config.per_rank_batch,
-                strategy.micro_batch,
-                strategy.accumulation,
+        per_rank = config.data.loader_batch == "per_rank"
+        if not per_rank and world > 1 and isinstance(loader.sampler, DistributedSampler):
+            raise BadInput(
+                "the loader has a DistributedSampler, so its batch is each rank's (DDP's convention), but "
+                "loader_batch='global' makes it the global batch: drop the one that does not hold"
             )
         self.iterable = isinstance(loader.dataset, IterableDataset)
         self.source = loader
         self.seed = run_seed(loader, config.data.seed, device=device)
         # a pipeline's schedule splits whole batches into its micro-batches: the short last one is dropped
-        self.drop_last = True if strategy.pipeline > 1 else None
+        self.drop_last = True if config.strategy.pipeline > 1 else None
         self.loader = self._build(self._loader_settings(loader))
         self._said_slow = False  # the run said once why it leaves a slow loader as it is
         sampler = self.loader.batch_sampler
         self.batches = sampler if isinstance(sampler, DistributedBatches) else None  # batches of every size
-        if self.batches is not None and rank == 0:
-            log.info(
-                "the batch sampler's batches are kept: %.1f samples per global batch on average, each split in "
-                "%d micro-batch(es) per rank",
-                self.batches.mean_batch(),
-                strategy.accumulation,
+
+    def say_batch(self, *, planned: bool) -> None:
+        """Before the first step, what an optimizer step trains on, where the script may have meant another
+        batch: on several ranks, how the loader's batch is read (``loader_batch``); a plan's batch that replaces
+        the loader's; with the steps per epoch a scheduler's length follows from."""
+        setting, world, strategy = self.config.data.loader_batch, self.world, self.config.strategy
+        steps = "" if self.iterable else f", {len(self.loader)} optimizer steps per epoch"
+        if self.batches is not None:  # a batch sampler's: kept whatever the plan says
+            if world > 1:
+                log.warning(
+                    "the batch sampler's batches are kept, each %s (loader_batch=%r): %.1f samples per optimizer "
+                    "step on average%s",
+                    "one rank's" if setting == "per_rank" else "split over the ranks",
+                    setting,
+                    self.batches.mean_batch(),
+                    steps,
+                )
+            return
+        batch, mine = loader_batch(self.source), self.config.per_rank_batch
+        meant = batch if setting == "per_rank" else (batch or 0) // world
+        split = f" (micro-batch {strategy.micro_batch} x accumulation {strategy.accumulation})"
+        step = f"{mine} per rank x {world} rank(s) = {mine * world} per optimizer step"
+        step += split if strategy.accumulation > 1 else ""
+        if planned and meant != mine:
+            log.warning(
+                "the plan's batch replaces the loader's batch_size=%s (%s): %s%s; size schedulers with "
+                "run.total_steps(epochs)",
+                batch,
+                "each rank's" if setting == "per_rank" else "the global batch",
+                step,
+                steps,
             )
+        elif world > 1 and not planned:
+            how = "each rank's, as under DDP" if setting == "per_rank" else "the global batch"
+            log.warning("the loader's batch_size=%s is %s (loader_batch=%r): %s%s", batch, how, setting, step, steps)
 
     def _build(self, overrides: dict[str, Any]) -> DataLoader:
         return distributed_loader(
@@ -142,6 +163,7 @@ class Feed:
             shard_stream=self.config.data.shard_stream,
             overrides=overrides,
             drop_last=self.drop_last,
+            per_rank_batches=self.config.data.loader_batch == "per_rank",
         )
 
     def widen(self, steps: Sequence[tuple[float, float]]) -> None:
@@ -268,8 +290,10 @@ class Feed:
         samples of it, whatever its ranks and batch were: an elastic restart with fewer nodes goes on from the
         same sample (to a whole global batch). A stream's shares are per rank, and change with the ranks."""
         done = int(saved["batch_in_epoch"])
-        if self.batches is not None:  # the batch sampler's batches are global batches, whatever the ranks
-            return done
+        if self.batches is not None:  # steps of the batch sampler's batches: each one rank's, or one step's
+            if not self.batches.per_rank:
+                return done
+            return done * int(saved.get("world_size", self.world)) // self.world
         batch = per_rank_batch(self.loader)
         was = (int(saved.get("world_size", self.world)), int(saved.get("per_rank_batch", batch)))
         if was == (self.world, batch):

@@ -8,6 +8,7 @@ flattened into ``dp``: the group the data path splits batches over and FSDP2 sha
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -83,3 +84,18 @@ def build_mesh(dims: ParallelDims, device_type: str) -> RunMesh:
     dp = mesh[data]._flatten("dp") if data else None
     pick = {name: mesh[name] if name in sizes else None for name in ("tp", "pp")}
     return RunMesh(world=mesh, dp=dp, **pick)
+
+
+def lay_out_ranks(strategy: Strategy, *, world: int, device_type: str) -> RunMesh | None:
+    """The plan's layout must be the running ranks. A tensor- or pipeline-parallel plan lays them out on a
+    device mesh; the others keep the flat group (None)."""
+    if strategy.gpus != world:
+        layout = f" x tensor degree {strategy.tensor}" if strategy.tensor > 1 else ""
+        raise BadInput(
+            f"the plan is for {strategy.data} data-parallel ranks{layout} but {world} are running; "
+            f"launch with `redline run --nproc-per-node {strategy.gpus}` or re-plan"
+        )
+    if strategy.tensor == 1 and strategy.pipeline == 1:
+        return None
+    dims = ParallelDims.from_strategy(strategy, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return build_mesh(dims, device_type)

@@ -34,23 +34,22 @@ it, so the loop has one code path; steps 2 to 6 are the free functions of ``para
 8. data: the user's DataLoader with every setting kept, its sampler (any) or its IterableDataset shared out
    over the ranks (one order per epoch drawn from the process's seed or the loader's generator, the same on
    every rank and again on resume), its short last batch kept or dropped as ``drop_last`` says, the
-   plan's per-rank batch (without a plan, the loader's batch is the global batch); each loaded batch, of any
-   shape (tensors, tuples, dicts, ``BatchEncoding``, dataclasses, lists of strings), is moved to the device
-   and split into the plan's micro-batches (``feed.py``, ``data.py``, ``batch.py``);
+   plan's per-rank batch (without a plan, the loader's: each rank's, or with ``loader_batch="global"`` the
+   global batch); each loaded batch, of any shape (tensors, tuples, dicts, ``BatchEncoding``, dataclasses,
+   lists of strings), is moved to the device and split into micro-batches (``feed.py``, ``data.py``, ``batch.py``);
 9. checkpoints (resume from the newest on start), step metrics (the loss is the global batch's, summed over
    the ranks in one small all-reduce per step), and with a checkpoint directory SIGTERM/SIGINT stop the run
    at the next step boundary after a checkpoint (a spot instance's preemption notice; ``stop.py``).
 
-The loop's state for the batch in hand (which micro-batch, its share of the loss, whether the step is done) is
-one ``BatchState`` per batch (``batch_state.py``), made by the batch generator and read by ``accumulate()`` and
-``backward()``. Out of memory inside ``accumulate()``: a smaller micro-batch made up with accumulation, agreed
-by the ranks in place or after a restart (``oom.py``). ``prepare()`` itself is defined in ``api.py``, which
-``import redline`` loads without torch.
+The state of the batch in hand is one ``BatchState`` per batch (``batch_state.py``). Out of memory inside
+``accumulate()``: a smaller micro-batch made up with accumulation (``oom.py``). ``prepare()`` itself is defined
+in ``api.py``, which ``import redline`` loads without torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -67,18 +66,11 @@ from redline.errors import BadInput
 from redline.runtime.api import prepare
 from redline.runtime.batch import to_device, tokens_per_sample
 from redline.runtime.batch_state import BatchState
-from redline.runtime.config import (
-    RunConfig,
-    check_plan_matches,
-    check_runnable,
-    default_config,
-    from_plan_file,
-    runtime_from_env,
-)
+from redline.runtime.config import RunConfig, check_plan_matches, check_runnable, resolve_config
 from redline.runtime.distributed import agree, clip_grad_norm, init_distributed
-from redline.runtime.feed import Feed, global_batch_without_plan, micro_batches
+from redline.runtime.feed import Feed, micro_batches, per_rank_batch_without_plan
 from redline.runtime.fp8 import apply_fp8
-from redline.runtime.mesh import ParallelDims, RunMesh, build_mesh
+from redline.runtime.mesh import lay_out_ranks
 from redline.runtime.oom import (
     SimulatedOutOfMemory,
     free_memory,
@@ -107,6 +99,7 @@ from redline.runtime.parallelize import (
 from redline.runtime.pipeline import LossFn, Pipeline
 from redline.runtime.stop import Stopped, StopSignals
 from redline.runtime.tensor_parallel import apply_tp
+from redline.runtime.together import Together
 from redline.runtime.whole_model import (
     expose_module,
     how_sharded,
@@ -155,9 +148,12 @@ class Run:
       ``state_dict()`` and ``load_state_dict(sd)``: the whole model's, full tensors on the CPU, on rank 0, under any
       sharding; ``copy.deepcopy(model)`` (an EMA, a teacher) computes with its own weights, and ``torch.save(model)``
       pickles (a sharded model says what to save instead: ``whole_model.py``);
-    - ``step`` (optimizer steps done), ``epoch``, ``batch_in_epoch`` (this rank's batches of the epoch done),
-      ``steps_per_epoch`` and ``total_steps(epochs)`` (known before the first step, for a scheduler's length),
-      ``attempt`` (starts on this checkpoint directory before this one);
+    - ``evaluating()``: an evaluation on every rank (eval mode, no gradients; under sharding a rank that runs the
+      model alone ends the run in one line, ``together.py``); ``is_main``: rank 0, for what one process does;
+    - ``step`` (optimizer steps done), ``loss`` (the last step's, of the global batch), ``epoch``,
+      ``batch_in_epoch`` (this rank's batches of the epoch done), ``steps_per_epoch`` and ``total_steps(epochs)``
+      (known before the first step, for a scheduler's length), ``attempt`` (starts on this checkpoint directory
+      before this one);
     - ``micro_batch`` and ``accumulation`` as they run now (after an out-of-memory, smaller and more),
       ``oom_events`` (one dict per change);
     - ``config`` (the ``RunConfig`` in force), ``precision``, ``sharding``; ``device``, ``world_size``, ``rank``,
@@ -182,9 +178,13 @@ class Run:
         self.loss_fn = loss_fn
         self.pipeline: Pipeline | None = None  # the stages and their schedule, under a pipeline-parallel plan
         self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-        self.config = self._resolve_config(plan, data, overrides)
+        planned = plan if plan is not None else os.environ.get(REDLINE_PLAN) or None
+        without_plan = functools.partial(per_rank_batch_without_plan, data, world=self.world_size)
+        self.config = resolve_config(
+            planned, overrides, world=self.world_size, say=self.rank == 0, batch_without_plan=without_plan
+        )
         check_runnable(self.config.strategy, device=self.device)  # the launcher's check (fp8), on this rank's GPU
-        self.mesh = self._lay_out_ranks()
+        self.mesh = lay_out_ranks(self.config.strategy, world=self.world_size, device_type=self.device.type)
         # the ranks that load different batches: all of them, except that a tensor-parallel group shares one
         self.dp_rank, self.dp_size = self.mesh.dp_rank_and_size() if self.mesh else (self.rank, self.world_size)
         self._check_precision()
@@ -195,15 +195,22 @@ class Run:
         # a ready optimizer's groups by module path, taken before sharding replaces the parameters
         ready = ReadyOptimizer.of(optimizer, model) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         self.model = self._wrap(model)
-        refuse_copies_when_sharded(
-            self.model, how_sharded(self.config.strategy, world=self.world_size, sharding=self.sharding)
+        how = how_sharded(self.config.strategy, world=self.world_size, sharding=self.sharding)
+        refuse_copies_when_sharded(self.model, how)
+        # a rank-0-only evaluation of a sharded model would hang (a pipeline stage's forward gathers nothing)
+        wait_s = self.config.loop.wait_for_ranks_s
+        self._together = Together(
+            how=None if self.pipeline else how, world=self.world_size, rank=self.rank, wait_s=wait_s
         )
+        self._together.watch(self.model)
         expose_module(self.model)  # run.model.module, as under DDP (whole_model.py); after the line above: shares it
         self.optimizer = build_optimizer(self.model, ready, world=self.world_size, sharding=self.sharding)
         self._flag_unfused_adam("as asked")
         self.scheduler = build_scheduler(scheduler, self.optimizer)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.feed = Feed(data, self.config, world=self.dp_size, rank=self.dp_rank, device=self.device)
+        if self.rank == 0:
+            self.feed.say_batch(planned=planned is not None)
         self.micro_batch = self.feed.micro_batch(self.accumulation) or self.config.strategy.micro_batch
         self.metrics = self._build_metrics()
         self.checkpointer = None
@@ -245,6 +252,12 @@ class Run:
         return "fsdp" if self.mesh else self.config.strategy.sharding
 
     @property
+    def loss(self) -> float | None:
+        """The last optimizer step's loss, the global batch's mean over every rank (the step metrics'), the same
+        on every rank; None before the first step."""
+        return self.metrics.records[-1].loss if self.metrics.records else None
+
+    @property
     def steps_per_epoch(self) -> int | None:
         """Optimizer steps in a whole epoch (one per batch of this rank's loader, every rank alike); None for
         a stream, whose length is not known ahead."""
@@ -266,35 +279,6 @@ class Run:
     def loader(self) -> torch.utils.data.DataLoader:
         """The user's DataLoader as this rank loads it (``feed.py``)."""
         return self.feed.loader
-
-    def _resolve_config(self, plan: Any, data: torch.utils.data.DataLoader, overrides: dict) -> RunConfig:
-        """The plan (a RunConfig, a plan file, ``$REDLINE_PLAN``, or defaults for this machine), then
-        ``prepare()``'s keywords, then ``redline run``'s options over both."""
-        if isinstance(plan, RunConfig):
-            config = plan
-        elif path := plan if plan is not None else os.environ.get(REDLINE_PLAN):
-            config = from_plan_file(path)
-        else:
-            batch = global_batch_without_plan(data, world=self.world_size, rank=self.rank)
-            bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-            cuda = torch.cuda.is_available()
-            config = default_config(self.world_size, batch // self.world_size, cuda=cuda, bf16=bf16)
-        return config.with_settings(overrides).with_settings(runtime_from_env())
-
-    def _lay_out_ranks(self) -> RunMesh | None:
-        """The plan's layout must be the running ranks. A tensor- or pipeline-parallel plan lays them out on a
-        device mesh; the others keep the flat group (None)."""
-        strategy = self.config.strategy
-        if strategy.gpus != self.world_size:
-            layout = f" x tensor degree {strategy.tensor}" if strategy.tensor > 1 else ""
-            raise BadInput(
-                f"the plan is for {strategy.data} data-parallel ranks{layout} but {self.world_size} are running; "
-                f"launch with `redline run --nproc-per-node {strategy.gpus}` or re-plan"
-            )
-        if strategy.tensor == 1 and strategy.pipeline == 1:
-            return None
-        dims = ParallelDims.from_strategy(strategy, per_node=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
-        return build_mesh(dims, self.device.type)
 
     def _build_metrics(self) -> StepMetrics:
         """The step metrics (``metrics.py``), against the catalog's and the measured peak of this device."""
@@ -520,7 +504,7 @@ class Run:
             out_of_memory = False
             with self.metrics.compute():
                 try:
-                    with self._no_sync(state.boundary), self._autocast():
+                    with self._no_sync(state.boundary), self._autocast(), self._together.training():
                         yield
                 except torch.OutOfMemoryError as exc:
                     if in_collective(
@@ -608,6 +592,7 @@ class Run:
         scheduler, the step's metrics, and whether some rank was asked to stop."""
         state.stepped = True
         self.optimizer_stepped = True
+        self._together.stepped()
         shared, pending = self._share_step(state.loss_sum)
         with self.metrics.optimizer():
             skipped = False
@@ -703,16 +688,33 @@ class Run:
         get an empty dict. Every rank calls it (it gathers the shards)::
 
             state = run.state_dict()
-            if run.rank == 0:
+            if run.is_main:
                 run.model.module.save_pretrained("out", state_dict=state)   # or torch.save(state, path)
         """
+        self._together.meet("asked for the whole model (run.state_dict())")
         return whole_state_dict(self.model, pipeline=self.pipeline is not None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole model's state dict (``state_dict()``'s, a one-process model's) into the run's model under
         any sharding, each rank taking its shard of rank 0's (the other ranks' argument is not read: pass
         ``{}``). Every rank calls it. The optimizer's state is not touched."""
+        self._together.meet("loaded the whole model (run.load_state_dict())")
         load_whole_state_dict(self.model, state_dict, pipeline=self.pipeline is not None)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: where what one process does (print, log, save a file) goes, after every rank took part in
+        what gathers a sharded model (``evaluating()``, ``state_dict()``)."""
+        return self.rank == 0
+
+    def evaluating(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """An evaluation on every rank: the ranks meet (a rank left alone ends the run in one line, not a
+        hang), the model in eval mode without gradients under the plan's autocast; its mode as it was after::
+
+            with run.evaluating() as model:
+                loss = sum(loss_fn(model(x), y) for x, y in val_loader)   # each rank its share
+        """
+        return self._together.evaluating(self.model, self._autocast())
 
     def save_checkpoint(self) -> Path | None:
         if self.checkpointer is None:
