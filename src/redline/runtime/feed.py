@@ -89,21 +89,12 @@ class Feed:
     """The user's DataLoader for this rank: every setting kept (the config's loader settings win where set),
     its sampler or stream shared out over the ranks, the per-rank batch (``data.py``)."""
 
-    def __init__(
-        self,
-        loader: DataLoader,
-        config: RunConfig,
-        *,
-        world: int,
-        rank: int,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, loader: DataLoader, config: RunConfig, *, world: int, rank: int, device: torch.device) -> None:
         self.world = world
         self.rank = rank
         self.device = device
         self.config = config
-        per_rank = config.data.loader_batch == "per_rank"
-        if not per_rank and world > 1 and isinstance(loader.sampler, DistributedSampler):
+        if config.data.loader_batch == "global" and world > 1 and isinstance(loader.sampler, DistributedSampler):
             raise BadInput(
                 "the loader has a DistributedSampler, so its batch is each rank's (DDP's convention), but "
                 "loader_batch='global' makes it the global batch: drop the one that does not hold"
@@ -136,7 +127,9 @@ class Feed:
                 )
             return
         batch, mine = loader_batch(self.source), self.config.per_rank_batch
-        meant = batch if setting == "per_rank" else (batch or 0) // world
+        if batch is None:  # a loader without a batch size is refused as the loader is made
+            return
+        meant = batch if setting == "per_rank" else batch // world
         split = f" (micro-batch {strategy.micro_batch} x accumulation {strategy.accumulation})"
         step = f"{mine} per rank x {world} rank(s) = {mine * world} per optimizer step"
         step += split if strategy.accumulation > 1 else ""
