@@ -18,7 +18,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     train = DataLoader(samples(1024, 1), batch_size=16, shuffle=True)
     val = DataLoader(samples(256, 2), batch_size=64)
     run = redline.prepare(model, optimizer, train, scheduler=scheduler, scheduler_interval="epoch")

@@ -15,7 +15,7 @@ import torch
 
 from redline.plan.strategy import Strategy
 from redline.runtime.config import RunConfig
-from redline.runtime.parallelize import ReadyOptimizer, Trainable, trainable
+from redline.runtime.parallelize import ReadyOptimizer, Trainable, build_optimizer, build_scheduler, trainable
 from redline.runtime.prepare import prepare
 
 MLP = {"data": 2, "micro_batch": 4, "accumulation": 2}  # a global batch of 16, 4 steps
@@ -87,3 +87,40 @@ def test_a_factory_receives_the_parameters_with_their_module_paths() -> None:
     assert [path for path, _ in received[0].named] == [path for path, _ in model.named_parameters()]
     assert [id(p) for p in received[0]] == [id(p) for p in model.parameters()]
     assert [len(g["params"]) for g in run.optimizer.param_groups] == [2, 4]
+
+
+def test_a_ready_optimizer_without_state_is_kept_and_pointed_at_the_sharded_parameters() -> None:
+    """Under FSDP2 (tensor, pipeline parallelism) the script's own optimizer object goes on, its groups holding
+    the new parameters at the same paths, each setting as it is now: a scheduler made on it before
+    ``prepare()`` (StepLR over epochs, as PyTorch's examples make it) still drives the optimizer that steps."""
+    model = start_worker.build("mlp", 0)
+    named = list(model.named_parameters())
+    plain = [(name, p) for name, p in named if name.endswith("bias") or "norm" in name]
+    decayed = [(name, p) for name, p in named if not (name.endswith("bias") or "norm" in name)]
+    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.5}, {"params": plain}], lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    ready = ReadyOptimizer.of(optimizer, model)
+    replaced = copy.deepcopy(model)  # new parameter objects at the same paths, as FSDP2 makes them
+    assert build_optimizer(replaced, ready, world=2, sharding="fsdp") is optimizer
+    by_path = dict(replaced.named_parameters())
+    assert [[id(by_path[n]) for n in g["param_names"]] for g in optimizer.param_groups] == [
+        [id(p) for p in g["params"]] for g in optimizer.param_groups
+    ]
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in replaced.parameters()}
+    assert build_scheduler(scheduler, optimizer) is scheduler
+    optimizer.step()  # no gradients yet: nothing moves, but the scheduler sees its optimizer step
+    scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [0.005, 0.005]
+
+
+def test_a_ready_optimizer_with_state_is_rebuilt() -> None:
+    """Its state is keyed by the tensors it held: a new one is made over the new parameters."""
+    model = start_worker.build("mlp", 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(start_worker.dataset("mlp")[0:2][0]).sum().backward()
+    optimizer.step()
+    replaced = copy.deepcopy(model)
+    built = build_optimizer(replaced, ReadyOptimizer.of(optimizer, model), world=2, sharding="fsdp")
+    assert built is not optimizer and {id(p) for p in built.param_groups[0]["params"]} == {
+        id(p) for p in replaced.parameters()
+    }

@@ -23,7 +23,7 @@ ROOT = Path(__file__).parents[2]
 PORTS = ROOT / "examples" / "porting"
 PAGE = ROOT / "docs" / "porting.md"
 # lines each port adds or rewrites (re-indented lines not counted), as the page says
-CHANGED = {"plain": 15, "ddp": 16, "accelerate": 19, "fabric": 15}
+CHANGED = {"plain": 14, "ddp": 15, "accelerate": 19, "fabric": 14}
 # per port: the original's batch per process, and the micro-batches in each (its gradient accumulation)
 BATCH = {"plain": (32, 1), "ddp": (16, 1), "accelerate": (16, 2), "fabric": (16, 1)}
 # the DDP port sees the original's batches in its order; the others draw another shuffle than the original (one

@@ -402,16 +402,36 @@ class ReadyOptimizer:
         up with a scheduler's per-group settings), with every setting the group has now (a scheduler or the user
         may have changed ``lr`` since construction). ``param_names`` (an optimizer built over named parameters)
         is left out: ZeRO-1 shares each group's parameters out and keeps no names in line with them."""
-        held = dict(params.named)
-        groups: list[dict[str, Any]] = []
-        for group, paths in zip(self.optimizer.param_groups, self.paths, strict=True):
-            found = [next((held[path] for path in names if path in held), None) for names in paths]
+        groups = []
+        for group, found in zip(self.optimizer.param_groups, self._found(params), strict=True):
             settings = {key: value for key, value in group.items() if key not in ("params", "param_names")}
-            groups.append(settings | {"params": [parameter for parameter in found if parameter is not None]})
-        if sum(len(group["params"]) for group in groups) != len(params):  # a wrapper that renamed the modules
-            raise RuntimeError("the wrapped model's parameters are not all at their module paths in the model")
+            groups.append(settings | {"params": [parameter for _, parameter in found]})
         cls = type(self.optimizer)
         return cls(groups, **constructor_settings(cls, self.optimizer.defaults))
+
+    def repoint(self, params: Trainable) -> torch.optim.Optimizer:
+        """The user's optimizer itself, each group's parameters replaced by the wrapped model's at their paths
+        (as ``rebuild`` finds them), every setting left as it is: the object the script holds, and a scheduler
+        made on it, step the sharded model (accelerate re-points an optimizer prepared for FSDP likewise). For
+        an optimizer without state only: its state is keyed by the tensors it held."""
+        for group, found in zip(self.optimizer.param_groups, self._found(params), strict=True):
+            group["params"] = [parameter for _, parameter in found]
+            if "param_names" in group:
+                group["param_names"] = [path for path, _ in found]
+        return self.optimizer
+
+    def _found(self, params: Trainable) -> list[list[tuple[str, nn.Parameter]]]:
+        """Per group, the wrapped model's parameters (with their paths) at its parameters' paths: on a pipeline
+        rank those of its stages only, so a group may be empty there."""
+        held = dict(params.named)
+        groups = [
+            [next(((path, held[path]) for path in names if path in held), None) for names in paths]
+            for paths in self.paths
+        ]
+        found = [[pair for pair in group if pair is not None] for group in groups]
+        if sum(map(len, found)) != len(params):  # a wrapper that renamed the modules
+            raise RuntimeError("the wrapped model's parameters are not all at their module paths in the model")
+        return found
 
 
 def build_optimizer(
@@ -419,14 +439,19 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer over the wrapped model's trainable parameters. A ready optimizer is kept where they are
     still the ones it holds (one rank, DDP); where sharding replaced them (FSDP2, tensor or pipeline
-    parallelism) or ZeRO-1 shares its state out, it is rebuilt from its class, each of its parameter groups
-    with its settings (``ReadyOptimizer.rebuild``). A factory receives the parameters as ``Trainable`` (with
+    parallelism) it is kept too, its groups re-pointed at the new ones (``ReadyOptimizer.repoint``), so that
+    the script's ``optimizer`` and a scheduler made on it go on; where it has state already (keyed by the old
+    tensors), or ZeRO-1 shares its state out, it is rebuilt from its class, each of its parameter groups with
+    its settings (``ReadyOptimizer.rebuild``). A factory receives the parameters as ``Trainable`` (with
     their names) and may make several groups. Under ZeRO-1 the optimizer's class and groups make a
     ``ZeroRedundancyOptimizer`` (``apply_zero1``)."""
     params = trainable(model)
     zero1 = world > 1 and sharding == "zero1"
     if isinstance(optimizer, ReadyOptimizer) and not zero1 and optimizer.holds(params):
         fuse_adam(optimizer.optimizer)
+        return optimizer.optimizer
+    if isinstance(optimizer, ReadyOptimizer) and not zero1 and not optimizer.optimizer.state:
+        fuse_adam(optimizer.repoint(params))
         return optimizer.optimizer
     factory = optimizer.rebuild if isinstance(optimizer, ReadyOptimizer) else _explained(optimizer)
     if zero1:
@@ -437,8 +462,8 @@ def build_optimizer(
 
 
 def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
-    """The LR scheduler over ``optimizer``: a ready one must drive it; where the optimizer was rebuilt (FSDP2,
-    ZeRO-1), a factory (``scheduler=lambda optimizer: ...``) builds it on the new one."""
+    """The LR scheduler over ``optimizer``: a ready one must drive it; where the optimizer was rebuilt (ZeRO-1,
+    an optimizer with state), a factory (``scheduler=lambda optimizer: ...``) builds it on the new one."""
     if scheduler is None:
         return None
     if not hasattr(scheduler, "step"):
