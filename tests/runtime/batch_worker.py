@@ -66,7 +66,8 @@ def ported(data: Samples, batch: int, epochs: int) -> tuple[nn.Module, dict]:
         seen.append(index.tolist())
         with run.accumulate():
             run.backward(nn.functional.mse_loss(run.model(x), y))
-    return net, {"seen": seen, "steps": run.step, "steps_per_epoch": run.steps_per_epoch}
+    samples = [record.samples for record in run.metrics.records]  # per step, over every rank
+    return net, {"seen": seen, "steps": run.step, "steps_per_epoch": run.steps_per_epoch, "samples": samples}
 
 
 def main() -> None:

@@ -3,8 +3,9 @@
 
 Environment: OUT (rank 0 writes a ``torch.save`` file there), EVAL: ``all`` (every rank evaluates its half of
 the validation samples in ``run.evaluating()``), ``rank0`` (rank 0 alone runs ``run.model`` under
-``torch.no_grad()``, as a script written for DDP does), or ``state_rank0`` (rank 0 alone asks for
-``run.state_dict()``); WAIT (``wait_for_ranks_s``).
+``torch.no_grad()``, as a script written for DDP does), ``state_rank0`` (rank 0 alone asks for
+``run.state_dict()``), or ``mixed`` (rank 0 evaluates alone, then every rank asks for ``run.state_dict()``);
+WAIT (``wait_for_ranks_s``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def main() -> None:
         with torch.no_grad():
             run.model(validation.x)
     elif os.environ["EVAL"] == "state_rank0" and run.is_main:
+        run.state_dict()
+    elif os.environ["EVAL"] == "mixed":  # rank 0 evaluates alone, then every rank asks for the whole model
+        if run.is_main:
+            with torch.no_grad():
+                run.model(validation.x)
         run.state_dict()
     if run.is_main:
         torch.save(result | {"validation": (validation.x, validation.y)}, os.environ["OUT"])

@@ -20,7 +20,7 @@ from ranks import spawn_ranks
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.config import DataConfig, RunConfig
-from redline.runtime.feed import Feed
+from redline.runtime.feed import Feed, per_rank_batch_without_plan
 from redline.runtime.prepare import prepare
 
 WORKER = Path(batch_worker.__file__)
@@ -78,6 +78,7 @@ def test_a_batch_samplers_batches_are_each_ranks_and_a_step_their_mean(tmp_path:
     batches = [[0, 1, 2], [3, 4, 5, 6, 7], [8], [9, 10, 11, 12], [13, 14], [15, 16, 17], [18]]
     port, _ = ranks(tmp_path, MODE="redline", BATCHES=json.dumps(batches))
     assert [r["seen"] for r in port["ranks"]] == [batches[0:6:2], batches[1:6:2]]
+    assert [r["samples"] for r in port["ranks"]] == [[8, 5, 5], [8, 5, 5]]  # the step's, both ranks' batches
     expected = plain_loop([batches[0] + batches[1], batches[2] + batches[3], batches[4] + batches[5]])
     assert_same_weights(port["weights"], expected)
 
@@ -151,12 +152,31 @@ def test_without_a_plan_one_process_says_nothing_of_the_batch(caplog: pytest.Log
 
 def test_a_distributed_sampler_with_a_global_loader_batch_is_refused() -> None:
     """A DistributedSampler makes the loader's batch each rank's; ``loader_batch="global"`` says the
-    opposite: one of them does not hold."""
+    opposite: one of them does not hold (without a plan, where the loader's batch is read)."""
     data = Samples(64)
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=0))
-    config = RunConfig(strategy=Strategy(data=2, micro_batch=4), data=DataConfig(loader_batch="global"))
     with pytest.raises(BadInput, match=r"^the loader has a DistributedSampler, .* loader_batch='global' makes it"):
-        Feed(loader, config, world=2, rank=0, device=torch.device("cpu"))
+        per_rank_batch_without_plan(loader, "global", world=2)
+    assert per_rank_batch_without_plan(loader, "per_rank", world=2) == 8
+
+
+def test_a_batch_samplers_position_resumes_under_either_reading() -> None:
+    """A checkpoint counts steps: of a batch sampler's batches, one per step (each split over the ranks, as
+    every checkpoint before ``loader_batch`` counted them) or ``world`` per step (each one rank's). A resume
+    under either reading, or after the ranks changed, goes on from the same drawn batch."""
+    batches = batch_worker.GivenBatches([[i] for i in range(40)])
+    loader = DataLoader(Samples(64), batch_sampler=batches)
+    cpu = torch.device("cpu")
+
+    def feed(setting: str) -> Feed:
+        config = RunConfig(strategy=Strategy(data=2, micro_batch=1), data=DataConfig(loader_batch=setting))
+        return Feed(loader, config, world=2, rank=0, device=cpu)
+
+    per_rank, split = feed("per_rank"), feed("global")
+    older = {"batch_in_epoch": 6, "world_size": 2}  # 6 steps of one drawn batch each
+    assert (per_rank.batches_done(older), split.batches_done(older)) == (3, 6)
+    mine = {"batch_in_epoch": 3, "world_size": 4, "loader_batch": "per_rank"}  # 3 steps of 4 drawn batches
+    assert (per_rank.batches_done(mine), split.batches_done(mine)) == (6, 12)
 
 
 def test_an_unknown_loader_batch_is_one_line() -> None:

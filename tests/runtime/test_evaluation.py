@@ -65,6 +65,19 @@ def test_rank_0_alone_with_a_sharded_model_is_one_line_not_a_hang(tmp_path: Path
     assert "redline: rank 0 failed first" in stderr, stderr[-3000:]
 
 
+@pytest.mark.ranks
+def test_ranks_that_meet_for_different_work_end_in_one_line(tmp_path: Path) -> None:
+    """Rank 0 evaluates alone, then every rank asks for the whole model: rank 0's forward and rank 1's state
+    dict meet at once, and their gathers would pair wrongly; what they came for differs, said in one line."""
+    code, stderr, _ = launch(tmp_path, "mixed", wait=120)
+    assert code != 0
+    said = (
+        "redline: rank 0: rank 0 ran the model outside the training step (an evaluation?) while rank 1 asked for "
+        "the whole model (run.state_dict()): under sharding (FSDP2, fsdp) every rank does the same work"
+    )
+    assert said in stderr, stderr[-3000:]
+
+
 def test_on_one_process_evaluating_is_eval_mode_without_gradients_and_loss_is_the_last_steps() -> None:
     net = model()
     data = torch.utils.data.DataLoader(

@@ -124,3 +124,18 @@ def test_a_ready_optimizer_with_state_is_rebuilt() -> None:
     assert built is not optimizer and {id(p) for p in built.param_groups[0]["params"]} == {
         id(p) for p in replaced.parameters()
     }
+
+
+def test_a_zero_redundancy_optimizer_is_not_repointed(tmp_path: Path) -> None:
+    """ZeroRedundancyOptimizer steps lists of its own beside its groups: re-pointed, it would step the old,
+    unsharded tensors and leave the model as it was."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = start_worker.build("mlp", 0)
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        assert not ReadyOptimizer.of(zero, model).repointable()
+        assert ReadyOptimizer.of(torch.optim.SGD(model.parameters(), lr=0.1), model).repointable()
+    finally:
+        torch.distributed.destroy_process_group()

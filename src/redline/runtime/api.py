@@ -43,11 +43,13 @@ def prepare(
     - ``model``: your ``nn.Module``; ``run.model`` is it on this rank's device, wrapped as the plan says, every rank
       starting from rank 0's parameters and buffers (a seed per rank is fine; said once when the ranks' differed).
     - ``optimizer``: an optimizer over the model's trainable parameters, in as many parameter groups as you like
-      (rebuilt from its class where sharding replaces the parameters or shares its state out: FSDP2, tensor and
-      pipeline parallelism, ZeRO-1; each group keeps its settings and its parameters, found by module path), or
+      (kept where sharding replaces the parameters, FSDP2, tensor and pipeline parallelism: its groups hold the
+      new ones, found by module path; rebuilt from its class, each group with its settings, where ZeRO-1 shares
+      its state out or it has state already), or
       a factory ``lambda params: AdamW(params, ...)``, which receives the wrapped model's trainable parameters
       (``params.named``: the same with their module paths, for groups split by name).
-    - ``data``: your DataLoader, every setting kept, its samples shared out over the ranks.
+    - ``data``: your DataLoader, every setting kept, its samples shared out over the ranks, its batch each
+      rank's (``loader_batch="global"``: the global batch).
     - ``plan``: a plan file (``redline plan -o``), a ``RunConfig``, or None: ``$REDLINE_PLAN``, else defaults
       for this machine.
     - ``scheduler``: an LR scheduler over the optimizer, or a factory ``lambda optimizer: ...``, which a

@@ -75,9 +75,11 @@ class LoopConfig:
     """When the LR scheduler given to ``prepare()`` steps: after each optimizer ``step``, or at the end of each
     ``epoch`` (StepLR over epochs, as PyTorch's examples use it)."""
 
-    wait_for_ranks_s: float = 120.0
+    wait_for_ranks_s: float = 600.0
     """Under sharding, how long a rank that evaluates, or asks for the whole model, waits for the other ranks
-    to do the same before it ends the run saying which did not (a rank-0-only evaluation would hang)."""
+    to do the same before it ends the run saying which did not (a rank-0-only evaluation would hang): as long
+    as NCCL's own default timeout, so that a rank busy with work of its own first (an upload, a long log) is
+    not taken for one that went elsewhere."""
 
     def __post_init__(self) -> None:
         if not self.wait_for_ranks_s > 0:

@@ -472,7 +472,8 @@ def set_position(loader: DataLoader, *, epoch: int, batches_done: int, seed: int
 
 def batch_share(loader: DataLoader, batch_index: int, *, world: int) -> BatchShare:
     """This rank's part of the epoch's global batch ``batch_index``, for a loader ``distributed_loader`` made
-    for ``world`` ranks: a batch sampler's batch is split evenly (cut to a multiple of the ranks); a sampler's
+    for ``world`` ranks: a batch sampler's batch is one rank's, weighed against the others' of the step, or
+    split evenly (cut to a multiple of the ranks) under ``loader_batch="global"``; a sampler's
     last batch may be short (``DistributedView.share``); a stream's batches are whole."""
     view = rank_view(loader)
     if view is not None:

@@ -44,6 +44,11 @@ def per_rank_batch_without_plan(data: DataLoader, setting: str, *, world: int) -
     """Without a plan, the per-rank batch the loader's batch makes: the loader's batch itself (``per_rank``, as
     under DDP), or its share of it as the global batch (``global``: it must share evenly over the ranks). A
     batch sampler of the user's own sets the micro-batches from its batches (``Feed``): 1 stands for them."""
+    if setting == "global" and world > 1 and isinstance(data.sampler, DistributedSampler):
+        raise BadInput(
+            "the loader has a DistributedSampler, so its batch is each rank's (DDP's convention), but "
+            "loader_batch='global' makes it the global batch: drop the one that does not hold"
+        )
     batch = loader_batch(data)
     if batch is None:
         if data.batch_sampler is None:
@@ -94,11 +99,6 @@ class Feed:
         self.rank = rank
         self.device = device
         self.config = config
-        if config.data.loader_batch == "global" and world > 1 and isinstance(loader.sampler, DistributedSampler):
-            raise BadInput(
-                "the loader has a DistributedSampler, so its batch is each rank's (DDP's convention), but "
-                "loader_batch='global' makes it the global batch: drop the one that does not hold"
-            )
         self.iterable = isinstance(loader.dataset, IterableDataset)
         self.source = loader
         self.seed = run_seed(loader, config.data.seed, device=device)
@@ -284,9 +284,10 @@ class Feed:
         same sample (to a whole global batch). A stream's shares are per rank, and change with the ranks."""
         done = int(saved["batch_in_epoch"])
         if self.batches is not None:  # steps of the batch sampler's batches: each one rank's, or one step's
-            if not self.batches.per_rank:
-                return done
-            return done * int(saved.get("world_size", self.world)) // self.world
+            # a checkpoint from before loader_batch took each of them for a global batch
+            was_per_rank = saved.get("loader_batch", "global") == "per_rank"
+            drawn = done * int(saved.get("world_size", self.world)) if was_per_rank else done
+            return drawn // self.world if self.batches.per_rank else drawn
         batch = per_rank_batch(self.loader)
         was = (int(saved.get("world_size", self.world)), int(saved.get("per_rank_batch", batch)))
         if was == (self.world, batch):

@@ -374,11 +374,14 @@ class StepMetrics:
         micro_batch: int,
         accumulation: int,
         skipped: bool = False,
+        global_samples: int | None = None,
     ) -> StepRecord:
         """Close the optimizer step: wait for its device work (one synchronisation), read the phases,
         write the record and maybe a console line. ``samples`` is what THIS rank processed in the step.
         ``loss`` may be a tensor: it is read after that synchronisation, so passing one costs no extra
-        sync (``loss.item()`` in the loop would add one)."""
+        sync (``loss.item()`` in the loop would add one). ``global_samples``: the step's samples over every
+        rank where the ranks' batches differ (a batch sampler's, a short last batch); else ``samples`` times
+        the ranks that load batches."""
         if samples < 0:
             raise ValueError(f"samples must not be negative, not {samples}")
         end = self._timer.mark()
@@ -395,7 +398,8 @@ class StepMetrics:
             phase_s["compute"] = max(phase_s["compute"] - phase_s["comm"], 0.0)
             comm_s = (comm_s or 0.0) + phase_s["comm"]
 
-        global_samples = samples * (self.world_size // self.ranks_per_batch)
+        if global_samples is None:
+            global_samples = samples * (self.world_size // self.ranks_per_batch)
         samples_per_s = global_samples / time_s if time_s > 0 else 0.0
         record = StepRecord(
             step=self.first_step + len(self.records),

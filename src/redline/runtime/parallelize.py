@@ -420,6 +420,13 @@ class ReadyOptimizer:
                 group["param_names"] = [path for path, _ in found]
         return self.optimizer
 
+    def repointable(self) -> bool:
+        """Whether ``repoint`` may keep the optimizer: one without state (its state is keyed by the tensors it
+        held) whose parameters are its groups' (a ZeroRedundancyOptimizer keeps its own lists beside them)."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return not self.optimizer.state and not isinstance(self.optimizer, ZeroRedundancyOptimizer)
+
     def _found(self, params: Trainable) -> list[list[tuple[str, nn.Parameter]]]:
         """Per group, the wrapped model's parameters (with their paths) at its parameters' paths: on a pipeline
         rank those of its stages only, so a group may be empty there."""
@@ -450,7 +457,7 @@ def build_optimizer(
     if isinstance(optimizer, ReadyOptimizer) and not zero1 and optimizer.holds(params):
         fuse_adam(optimizer.optimizer)
         return optimizer.optimizer
-    if isinstance(optimizer, ReadyOptimizer) and not zero1 and not optimizer.optimizer.state:
+    if isinstance(optimizer, ReadyOptimizer) and not zero1 and optimizer.repointable():
         fuse_adam(optimizer.repoint(params))
         return optimizer.optimizer
     factory = optimizer.rebuild if isinstance(optimizer, ReadyOptimizer) else _explained(optimizer)
@@ -470,7 +477,7 @@ def build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
         return scheduler(optimizer)
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise BadInput(
-            "the optimizer was rebuilt after sharding, so the scheduler would drive the old one: "
+            "the optimizer was rebuilt (ZeRO-1, or it had state already), so the scheduler would drive the old one: "
             "pass scheduler=lambda optimizer: YourScheduler(optimizer, ...)"
         )
     return scheduler

@@ -615,8 +615,10 @@ class Run:
         if pending is not None:
             pending.wait()
         self.step += 1
+        share = self.feed.share(self.batch_in_epoch)
         self.metrics.end_step(
-            samples=self.feed.share(self.batch_in_epoch).trained,
+            samples=share.trained,
+            global_samples=share.global_samples,
             loss=shared[0] / self.world_size,
             micro_batch=self.micro_batch,
             accumulation=self.accumulation,
@@ -729,9 +731,10 @@ class Run:
             states={str(index): obj for index, obj in enumerate(self._registered)},
         )
 
-    def _position(self) -> dict[str, int | None]:
+    def _position(self) -> dict[str, int | str | None]:
         return {
             "world_size": self.dp_size,  # the ranks the batches were split over
+            "loader_batch": self.config.data.loader_batch,  # what a batch sampler's batch was: a rank's, or a step's
             "per_rank_batch": self.loader.batch_size,  # None for a batch sampler's batches
             "attempt": self.attempt,
             "step": self.step,

@@ -86,19 +86,31 @@ class Together:
             model.train(was)
 
     def meet(self, doing: str) -> None:
-        """Wait up to ``wait_s`` for every rank to get here; RanksApart naming the ranks that did not."""
+        """Wait up to ``wait_s`` for every rank to get here; RanksApart naming the ranks that did not. Ranks
+        that met for different work (rank 0 evaluating alone while the others ask for the state dict) would
+        pair their gathers wrongly: they compare what they came for, and end the run where it differs."""
         if self._group is None:
             return
         try:
             dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=self.wait_s), wait_all_ranks=True)
         except RuntimeError as exc:
             raise RanksApart(self._apart(doing, str(exc))) from None
+        came_for: list[str | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(came_for, doing, group=self._group)
+        others = sorted({(what, rank) for rank, what in enumerate(came_for) if what != doing})
+        if others:
+            what, rank = others[0]
+            raise RanksApart(
+                f"rank {self.rank} {doing} while rank {rank} {what}: under sharding ({self.how}) every rank does "
+                "the same work outside the training step, so evaluate on every rank (`with run.evaluating():`) "
+                "and keep what only rank 0 does under `if run.is_main:`"
+            )
 
     def _apart(self, doing: str, error: str) -> str:
         missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", error)
         others = f"rank(s) {missing.group(1).strip()}" if missing else "the other ranks"
-        if self.rank != 0 and not missing:  # it came, and rank 0 did not answer: rank 0 is elsewhere
-            others = "rank 0"
+        if self.rank != 0 and not missing:  # it came; rank 0, which gathers the others, did not answer
+            others = "rank 0 (or a rank rank 0 waited for)"
         return (
             f"rank {self.rank} {doing} and {others} did not within {self.wait_s:g} s: the model is sharded "
             f"({self.how}) and every forward gathers it from every rank, so evaluate on every rank "
