@@ -441,27 +441,22 @@ def resolve_config(
 ) -> RunConfig:
     """What a run applies: the plan (a RunConfig, a plan file; None: defaults for ``world`` ranks on this
     machine, with the per-rank batch ``batch_without_plan(loader_batch)`` makes of the loader's), then
-    ``prepare()``'s ``keywords``, then ``redline run``'s options over both (``with_launch_settings``)."""
+    ``prepare()``'s ``keywords``, then ``redline run``'s options over both. Where either splits a plan's
+    per-rank batch otherwise than the plan did, said before the first step (``say``: rank 0)."""
     import torch
 
+    options = runtime_from_env()
     if isinstance(plan, RunConfig):
         config = plan
     elif plan is not None:
         config = from_plan_file(plan)
     else:  # what the loader's batch is: the command line's word, else the keyword's, else the default
-        setting = runtime_from_env().get("loader_batch") or keywords.get("loader_batch") or DataConfig.loader_batch
+        setting = options.get("loader_batch") or keywords.get("loader_batch") or DataConfig.loader_batch
         bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         config = default_config(world, batch_without_plan(setting), cuda=torch.cuda.is_available(), bf16=bf16)
-    return with_launch_settings(config, keywords, planned=plan is not None, say=say)
-
-
-def with_launch_settings(config: RunConfig, keywords: dict[str, Any], *, planned: bool, say: bool) -> RunConfig:
-    """``config`` with ``prepare()``'s ``keywords``, then ``redline run``'s options, over it. Where either
-    splits a plan's per-rank batch otherwise than the plan did, said before the first step (``say``: rank 0)."""
-    options = runtime_from_env()
     resolved = config.with_settings(keywords).with_settings(options)
     was, now = config.strategy, resolved.strategy
-    if planned and say and now.accumulation != was.accumulation:
+    if plan is not None and say and now.accumulation != was.accumulation:
         log.warning(
             "%s splits the plan's per-rank batch of %d in %d micro-batch(es) of %d, not the plan's %d of %d",
             "--accumulation" if options.get("accumulation") else "prepare(accumulation=...)",

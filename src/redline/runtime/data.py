@@ -88,9 +88,9 @@ class BatchShare:
     """Its micro-batches may differ in size by one (a batch sampler's batches, the short last batch)."""
 
     @classmethod
-    def whole(cls, per_rank: int, world: int, *, uneven: bool = False) -> BatchShare:
+    def whole(cls, per_rank: int, world: int) -> BatchShare:
         """A global batch of ``per_rank`` samples on each of ``world`` ranks."""
-        return cls(per_rank, per_rank, per_rank * world, world, per_rank, uneven)
+        return cls(per_rank, per_rank, per_rank * world, world, per_rank)
 
     @classmethod
     def last(cls, samples: int, *, world: int, rank: int) -> BatchShare:
@@ -196,7 +196,6 @@ class DistributedBatches(Sampler[list[int]]):
         self.seed = seed
         self.per_rank = per_rank
         self.skip = 0
-        self.sizes: list[int] = []
         self._steps: list[list[int]] = []  # per optimizer step, every rank's batch size
         self._batches: list[list[int]] = []
         self._fingerprint = 0
@@ -222,7 +221,11 @@ class DistributedBatches(Sampler[list[int]]):
             ]
             groups, self._batches = shares, [share[self.rank] for share in shares]
         self._steps = [[len(batch) for batch in group] for group in groups]
-        self.sizes = [len(batch) for batch in self._batches]
+
+    @property
+    def sizes(self) -> list[int]:
+        """This rank's batch sizes, in the epoch's order."""
+        return [sizes[self.rank] for sizes in self._steps]
 
     def share(self, batch_index: int) -> BatchShare:
         """This rank's part of the epoch's optimizer step ``batch_index``: its batch, weighed against every

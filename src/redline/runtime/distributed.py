@@ -2,7 +2,8 @@
 
 ``init_distributed`` joins the group torchrun's environment describes (or one already made) and tears down,
 at exit, the group it made. ``agree`` is the tiny all-reduce the loop uses wherever every rank must decide
-alike: whether some rank ran out of memory, whether every rank still has a batch.
+alike: whether some rank ran out of memory, whether every rank still has a batch; ``same_on_every_rank`` the
+one that checks the ranks built or drew alike.
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ def agree(flag: bool, op: dist.ReduceOp.RedOpType, *, world: int, device: torch.
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=op)
     return bool(value.item())
+
+
+def same_on_every_rank(value: int, *, device: torch.device) -> bool:
+    """Whether every rank holds the same ``value`` (a fingerprint of what it built or drew): its largest and,
+    negated, its smallest over the ranks in one tiny all-reduce."""
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    return int(extremes[0]) == -int(extremes[1])
 
 
 def clip_grad_norm(

@@ -31,7 +31,7 @@ from redline.runtime.data import (
     rank_view,
     set_position,
 )
-from redline.runtime.distributed import agree
+from redline.runtime.distributed import agree, same_on_every_rank
 
 log = logging.getLogger("redline.runtime")
 
@@ -261,10 +261,7 @@ class Feed:
         view = rank_view(self.loader)
         if view is None:  # distributed_loader shares every map-style dataset out through one
             raise RuntimeError("a map-style loader without its share of the ranks' order")
-        mine = view.fingerprint()
-        value = torch.tensor([mine, -mine], dtype=torch.int64, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        if value[0].item() != -value[1].item():
+        if not same_on_every_rank(view.fingerprint(), device=self.device):
             raise BadInput(
                 f"the DataLoader's sampler ({type(view.sampler).__name__}) drew a different order "
                 "on each rank: give it a generator (the same seed on every rank) or a set_epoch method"

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from redline.errors import BadInput, one_line
 from redline.plan.strategy import Strategy
 from redline.runtime.config import DdpConfig, NumericsConfig, RunConfig
-from redline.runtime.distributed import agree
+from redline.runtime.distributed import agree, same_on_every_rank
 from redline.runtime.mesh import RunMesh
 from redline.runtime.pipeline import LossFn, Pipeline, RankModel, find_layout, split, tied_group, tied_names
 from redline.runtime.tensor_parallel import average_gradients, fsdp_layout
@@ -99,10 +99,7 @@ def _check_same_shapes(tensors: list[torch.Tensor], device: torch.device) -> Non
     """Every rank holds the same shapes and dtypes in the same order (a CRC of them compared in one all-reduce):
     bytes broadcast into another model's tensors would fill them with garbage, or hang."""
     layout = repr([(tuple(tensor.shape), str(tensor.dtype)) for tensor in tensors]).encode()
-    fingerprint = zlib.crc32(layout)
-    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # the largest and, negated, the smallest
-    if int(extremes[0]) != -int(extremes[1]):
+    if not same_on_every_rank(zlib.crc32(layout), device=device):
         raise BadInput(
             "the ranks built models of different shapes: every rank must build the same model (its weights may "
             "differ; rank 0's are broadcast)"
