@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -37,6 +38,56 @@ def error(message: str) -> None:
 
 def warn(message: str) -> None:
     err_console.print(Text.assemble(("redline: ", "yellow"), message), highlight=False, soft_wrap=True)
+
+
+def print_table(table: Table, *, out: Console | None = None) -> None:
+    """Print ``table`` so that no cell is cut: as a table when it renders at the console's width with every
+    word of every cell whole, else stacked, one block per row (its first cell, then ``header: value`` lines, as
+    kubectl describe does). Rich's own answer to a narrow console is to cut a number to ``$17,4…`` or fold a name
+    over five lines; a pipe, a job log or an SSH window is 80 columns, so every table a command prints goes
+    through here."""
+    out = out or console
+    drawn = io.StringIO()
+    Console(file=drawn, width=out.width, color_system=None, markup=False, emoji=False).print(table)
+    out.print(table if _whole(table, drawn.getvalue()) else stacked(table))
+
+
+def _whole(table: Table, drawn: str) -> bool:
+    """Whether every word of every cell (and header) of ``table`` appears unbroken on a line of ``drawn``."""
+    lines = drawn.splitlines()
+    words = {
+        word for column in table.columns for cell in (column.header, *column.cells) for word in _plain(cell).split()
+    }
+    return all(any(word in line for line in lines) for word in words)
+
+
+def stacked(table: Table) -> Text:
+    """``table`` as one block per row: the first cell as the row's heading, each other non-empty cell under it
+    as ``header: value`` (a value longer than the line wraps under itself, at word boundaries)."""
+    headers = [_plain(column.header) for column in table.columns]
+    columns = [list(column.cells) for column in table.columns]
+    width = max((len(h) for h in headers[1:]), default=0)
+    lines = Text()
+    if table.title:
+        lines.append_text(Text.assemble(_styled(table.title), "\n"))
+    for row in zip(*columns, strict=True):
+        lines.append_text(Text.assemble(_styled(row[0]), "\n"))
+        for header, cell in zip(headers[1:], row[1:], strict=True):
+            if _plain(cell):
+                label = f"  {header}:".ljust(width + 4) if header else "  "
+                lines.append_text(Text.assemble(label, _styled(cell), "\n"))
+    for caption in (table.caption,) if table.caption else ():
+        lines.append_text(Text.assemble(_styled(caption), "\n"))
+    lines.rstrip()
+    return lines
+
+
+def _styled(cell: RenderableType) -> Text:
+    return cell.copy() if isinstance(cell, Text) else Text(str(cell))
+
+
+def _plain(cell: RenderableType) -> str:
+    return cell.plain if isinstance(cell, Text) else str(cell)
 
 
 def key_value_table(title: str, rows: dict[str, Any]) -> Table:
