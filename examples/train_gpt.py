@@ -1,10 +1,17 @@
 """A small GPT-style language model on synthetic tokens: a plain PyTorch loop with redline's few lines.
 
     python examples/train_gpt.py                                  # one process, CPU or GPU, defaults
-    redline plan --params 20M --hardware local -o plan.yaml       # or plan it first ...
-    redline run --plan plan.yaml examples/train_gpt.py            # ... and run the plan
     redline run --nproc-per-node 2 examples/train_gpt.py --epochs 1
     redline monitor                                               # meanwhile: the GPUs, the host, its steps
+
+or plan this model (its factory, one sample's 64 tokens, the loader's batch of 32) for this machine first, from
+the repository's root (on a machine without a GPU, after `redline bench compute memory --save` once), and run
+the plan:
+
+    redline plan --model examples.train_gpt:Gpt --input-shape 64 --global-batch 32 --hardware local -o plan.yaml
+    redline run --plan plan.yaml examples/train_gpt.py
+
+A plan made for another model or device is refused (`redline run --plan-anyway` runs it all the same).
 
 The lines marked `# redline` are all that differs from the same loop without redline.
 """

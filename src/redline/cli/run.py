@@ -3,7 +3,8 @@
 Everything after the script is the script's own arguments. The plan goes to the script in REDLINE_PLAN and is
 checked first: it must load, and its world size (data x tensor x pipeline) must equal the processes launched.
 The runtime options (--metrics, --checkpoint-dir, --accumulation ...: ``runtime.config.SETTINGS``) go to the
-script's prepare() in REDLINE_RUNTIME, over the plan's ``runtime:`` section and prepare()'s keywords. One
+script's prepare() in REDLINE_RUNTIME, over the plan's ``runtime:`` section and prepare()'s keywords. A plan
+made for another device or another model is refused by prepare() in one line (exit 2) unless --plan-anyway. One
 process on one node runs as `python SCRIPT ARGS` would; more, several nodes or --max-restarts go through
 torchrun, which restarts the worker group when a worker dies (elastic).
 """
@@ -48,6 +49,11 @@ def run(
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="Restart the workers this many times when one fails (torchrun, elastic)."
     ),
+    plan_anyway: bool = typer.Option(
+        False,
+        "--plan-anyway",
+        help="Run a plan made for another device or model (refused otherwise); its predictions do not hold.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment, run nothing."),
     json_out: bool = typer.Option(False, "--json", help="With --dry-run: the launch as JSON."),
     runtime: dict | None = None,  # the runtime options given (params.with_runtime_options)
@@ -61,6 +67,10 @@ def run(
         raise BadInput("--json describes the launch and goes with --dry-run; a run's output is the script's")
     nodes = launcher.parse_nodes(nnodes)
     runtime = runtime or {}
+    if plan_anyway:  # for the script's prepare(), which sees the model and the device the plan must fit
+        if plan is None:
+            raise BadInput("--plan-anyway goes with --plan: without a plan there is nothing to force")
+        runtime = runtime | {"plan_anyway": True}
     strategy = _checked_plan(plan, runtime)
     plan_path = str(plan.resolve()) if plan is not None else None
     nproc, why = launcher.resolve_nproc_per_node(nproc_per_node, nodes, strategy, launcher.visible_cuda_gpus)

@@ -51,7 +51,8 @@ def prepare(
     - ``data``: your DataLoader, every setting kept, its samples shared out over the ranks, its batch each
       rank's (``loader_batch="global"``: the global batch).
     - ``plan``: a plan file (``redline plan -o``), a ``RunConfig``, or None: ``$REDLINE_PLAN``, else defaults
-      for this machine.
+      for this machine. A plan made for another kind of device or another model is refused (``PlanMismatch``,
+      saying how to re-plan) unless ``plan_anyway=True`` (``redline run --plan-anyway``).
     - ``scheduler``: an LR scheduler over the optimizer, or a factory ``lambda optimizer: ...``, which a
       rebuilt optimizer needs.
     - ``loss_fn``: ``loss_fn(output, target)``, for ``run.forward_backward``; a pipeline-parallel plan needs it

@@ -32,7 +32,6 @@ from redline.plan.strategy import Strategy
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
 log = logging.getLogger("redline.runtime")
 
@@ -206,6 +205,11 @@ class PlanFacts:
     """The model's parameters as the planner counted them."""
     stage_blocks: tuple[int, ...] | None = None
     """The repeated blocks each pipeline rank holds, first to last: where the runtime cuts the model."""
+    load: dict[str, Any] | None = None
+    """How the planner loaded the model (the plan file's ``model.load``): the re-plan command a refusal gives."""
+    anyway: bool = False
+    """Run the plan where it was made for another device or another model (``redline run --plan-anyway``,
+    ``prepare(plan_anyway=True)``): said, not refused (``plan_fit.py``)."""
 
 
 @dataclass(frozen=True)
@@ -284,10 +288,15 @@ class Setting:
     help: str = ""
 
     @property
+    def owner(self) -> type:
+        """The dataclass the setting is a field of: a runtime section, the strategy, or the plan's facts."""
+        section = self.path.split(".")[0]
+        return {"strategy": Strategy, "plan": PlanFacts}.get(section) or SECTIONS[section]
+
+    @property
     def type(self) -> Any:
         """The field's type, read off the section's dataclass (``int | None``, ``bool``, ``str | None``...)."""
-        section, name = self.path.split(".")
-        return typing.get_type_hints(Strategy if section == "strategy" else SECTIONS[section])[name]
+        return typing.get_type_hints(self.owner)[self.path.split(".")[1]]
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -340,6 +349,8 @@ SETTINGS: tuple[Setting, ...] = (
         "--accumulation",
         "Micro-batches per optimizer step (the global batch stays the same).",
     ),
+    # `redline run --plan-anyway` is run's own option (a plan to make has nothing to force)
+    Setting("plan.anyway", "plan_anyway"),
 )
 
 
@@ -356,11 +367,9 @@ def check_settings(settings: dict[str, Any], where: str | None = None) -> None:
     runs): BadInput naming the option (or ``where``)."""
     for keyword, value in settings.items():
         known = setting(keyword)
-        section, name = known.path.split(".")
-        owner = Strategy if section == "strategy" else SECTIONS[section]
         option = where or known.flag or keyword
         try:
-            _replaced(owner(), {name: value}, where=option)
+            _replaced(known.owner(), {known.path.split(".")[1]: value}, where=option)
         except BadInput as exc:  # a section's own words, said of the option the user typed
             message = str(exc)
             raise BadInput(message if message.startswith(option) else f"{option}: {message}") from None
@@ -399,6 +408,7 @@ def from_plan_file(path: str | Path) -> RunConfig:
             device=_planned_device(plan.hardware or {}),
             params=model.get("params"),
             stage_blocks=tuple(int(stage["blocks"]) for stage in plan.predicted.get("pipeline_stages", ())) or None,
+            load=model.get("load"),
         ),
         **runtime_sections(plan.runtime, str(path)),
     )
@@ -506,39 +516,3 @@ def _planned_device(hardware: dict[str, Any]) -> str | None:
     if hardware.get("accelerator") == "cpu":
         return "cpu"
     return hardware.get("device")
-
-
-def check_plan_matches(config: RunConfig, model: nn.Module, device: torch.device, *, rank: int) -> None:
-    """A plan made for other hardware, or for another model, still runs (its strategy may suit), but its
-    predictions do not hold here: said once, by rank 0."""
-    if rank != 0:
-        return
-    planned, here = config.plan.device, _device_name(device)
-    if planned and _device_kind(planned) != _device_kind(here):
-        log.warning(
-            "the plan was made for %s and runs on %s: its memory and time predictions do not apply", planned, here
-        )
-    if config.plan.params:
-        count = sum(p.numel() for p in model.parameters())
-        if abs(count - config.plan.params) > 0.05 * config.plan.params:
-            log.warning(
-                "the model has %s parameters and the plan was made for %s: is it the planned model?",
-                f"{count:,}",
-                f"{config.plan.params:,}",
-            )
-
-
-def _device_name(device: torch.device) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _device_kind(name: str) -> str:
-    """What decides a plan's figures in a device's name: its model (H100, A100, L40S, MI300X), or cpu."""
-    import re
-
-    if "cpu" in name.lower():
-        return "cpu"
-    models = re.findall(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
-    return models[0] if models else name.lower()

@@ -190,7 +190,9 @@ def build_launch(
     python: str = sys.executable,
 ) -> Launch:
     """The command that runs ``script``: plain python for one process on one node with nothing to restart,
-    else torchrun (``--standalone`` on one node without a rendezvous endpoint, c10d rendezvous otherwise)."""
+    else torchrun (``--standalone`` on one node without a rendezvous endpoint, c10d rendezvous otherwise). Either
+    runs the script through ``supervised``, as ``python SCRIPT`` would, so that an error of redline's own (a plan
+    that does not fit the run) ends it in one line and redline's exit code, not a traceback."""
     refuse_non_regular(script, "script")
     if not Path(script).is_file():
         raise BadInput(f"no such script: {script}")
@@ -216,7 +218,7 @@ def build_launch(
         env=env,
     )
     if nproc_per_node == 1 and nodes.max == 1 and rdzv_endpoint is None and max_restarts == 0:
-        return launch(argv=(python, script, *script_args), torchrun=False)
+        return launch(argv=(python, "-m", SUPERVISED, script, *script_args), torchrun=False)
     # torchrun's main through redline.runtime.elastic: the same launch, a one-line report when a worker fails
     argv = [python, "-m", ELASTIC, "--nproc-per-node", str(nproc_per_node), "--nnodes", str(nodes)]
     if rdzv_endpoint is None:

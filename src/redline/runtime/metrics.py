@@ -27,7 +27,8 @@ Conventions (each figure in a record is one of these, nothing else):
 - ``samples`` and ``tokens`` are GLOBAL per optimizer step: ``end_step(samples=...)`` takes the samples
   this rank processed (micro-batch x accumulation, the same on every data-parallel rank) and multiplies
   by the data-parallel ranks, ``world_size / ranks_per_batch`` (a tensor-parallel group shares one batch);
-  ``tokens = samples x tokens_per_sample``. ``samples_per_s`` and ``tokens_per_s``
+  ``tokens = samples x tokens_per_sample``, the tokens per sample of the batches (``count_tokens``: they have
+  the last word over a plan's, which may be another sequence length's). ``samples_per_s`` and ``tokens_per_s``
   are these over ``time_s``, comparable with a plan's ``samples_per_s``/``tokens_per_s`` (also global).
 - MFU (PaLM's model FLOPs utilisation, ``redline.plan.estimate.model_flops_utilization``, as the planner's)::
 
@@ -62,8 +63,9 @@ import torch
 
 from redline.errors import BadInput
 from redline.plan.estimate import model_flops_utilization
+from redline.runtime.step_lines import SPLIT_LEGEND, eta_s, format_step, format_summary
 from redline.specs.catalog import peak_precisions
-from redline.units import fmt_bytes, fmt_count, fmt_duration
+from redline.units import fmt_duration
 
 # the first steps compile kernels, pick cuBLAS algorithms and grow the caching allocator: left out of the
 # medians when there are enough steps left to judge the rest
@@ -240,7 +242,8 @@ class StepMetrics:
     ``ranks_per_batch``: ranks that share each batch (a tensor-parallel group): the global batch is
     ``samples x world_size / ranks_per_batch``, and MFU counts every rank.
     ``flops_per_sample``: training FLOPs per sample, 3 x forward (from the plan or a trace); None: no MFU.
-    ``tokens_per_sample``: tokens per sample (sequence length for a language model; 1 otherwise).
+    ``tokens_per_sample``: tokens per sample (sequence length for a language model; 1 otherwise), a plan's, with
+    ``flops_per_sample`` for that length; None: 1 until the batches say (``count_tokens``).
     ``peak_flops_catalog``, ``peak_flops_measured``: per-device peaks in FLOP/s (see ``peak_flops``).
     ``path``: JSON lines, one per step; rank 0 writes it, other ranks only if it contains ``{rank}``.
     ``interval_s``: print a console line at most this often (the first step always prints).
@@ -256,7 +259,7 @@ class StepMetrics:
         rank: int = 0,
         ranks_per_batch: int = 1,
         flops_per_sample: float | None = None,
-        tokens_per_sample: int = 1,
+        tokens_per_sample: int | None = None,
         peak_flops_catalog: float | None = None,
         peak_flops_measured: float | None = None,
         path: str | Path | None = None,
@@ -270,7 +273,7 @@ class StepMetrics:
             raise ValueError(f"rank must be in [0, {world_size}), not {rank}")
         if ranks_per_batch < 1 or world_size % ranks_per_batch:
             raise ValueError(f"ranks_per_batch must divide world_size {world_size}, not {ranks_per_batch}")
-        if tokens_per_sample < 1:
+        if tokens_per_sample is not None and tokens_per_sample < 1:
             raise ValueError(f"tokens_per_sample must be at least 1, not {tokens_per_sample}")
         if interval_s < 0:
             raise ValueError(f"interval_s must not be negative, not {interval_s}")
@@ -279,7 +282,7 @@ class StepMetrics:
         self.rank = rank
         self.ranks_per_batch = ranks_per_batch
         self.flops_per_sample = flops_per_sample
-        self.tokens_per_sample = tokens_per_sample
+        self.tokens_per_sample = tokens_per_sample or 1
         self.peak_flops_catalog = peak_flops_catalog
         self.peak_flops_measured = peak_flops_measured
         self.interval_s = interval_s
@@ -287,6 +290,11 @@ class StepMetrics:
         self.first_step = 1  # the number the next step of this object gets, if it is the first
         self.attempt = 0
         self.data_workers = 0  # set by the runtime: its loader's workers
+        self.total_steps: int | None = None  # set by the runtime where the run's length is known: "N of M", ETA
+        # a plan's tokens and FLOPs per sample, which the batches' tokens per sample may overrule (count_tokens)
+        self._planned = (tokens_per_sample, flops_per_sample) if tokens_per_sample is not None else None
+        self._said_tokens = False  # that the batches' tokens per sample are not the plan's
+        self._said_split = False  # the legend of the step's split printed (under the first line)
 
         self._clock = clock
         cuda = self.device.type == "cuda"
@@ -357,6 +365,27 @@ class StepMetrics:
         ``compute_s`` to ``comm_s`` so the phases stay disjoint."""
         self._begin()
         self._spans.append(("comm", start, end))
+
+    def count_tokens(self, batch_tokens: int) -> None:
+        """The tokens per sample of the batch at hand (its token ids' length; 1: it has none), which the steps'
+        tokens and MFU count from then on. Over a plan's count the batches win where they have token ids, and
+        the plan's training FLOPs per sample scale with them (the ``6 x params`` FLOPs per token are the bulk;
+        attention's, quadratic in the length, scale only roughly): said once, as the plan's predictions are for
+        its own length."""
+        if batch_tokens == self.tokens_per_sample or (self._planned is not None and batch_tokens == 1):
+            return
+        if self._planned is not None:
+            planned_tokens, planned_flops = self._planned
+            if planned_flops is not None:
+                self.flops_per_sample = planned_flops * batch_tokens / planned_tokens
+            if not self._said_tokens:
+                self._said_tokens = True
+                self._console(
+                    f"redline: the batches hold {batch_tokens} tokens per sample and the plan {planned_tokens}: "
+                    f"tokens/s and MFU count the batches', the plan's predictions are for {planned_tokens} "
+                    f"(re-plan with --seq-len {batch_tokens})"
+                )
+        self.tokens_per_sample = batch_tokens
 
     def continue_from(self, steps_done: int, attempt: int) -> None:
         """A run resumed after ``steps_done`` steps, as its ``attempt``-th resume: records go on counting from
@@ -431,7 +460,11 @@ class StepMetrics:
         self._sink.write(record)
         if self._last_line_at is None or now - self._last_line_at >= self.interval_s:
             self._last_line_at = now
-            self._console(format_step(record, self.tokens_per_sample))
+            eta = eta_s(self.records, self.total_steps)
+            self._console(format_step(record, self.tokens_per_sample, total_steps=self.total_steps, eta=eta))
+            if not self._said_split:
+                self._said_split = True
+                self._console(SPLIT_LEGEND)
 
         self._memory.reset()
         self._step_start = now
@@ -615,82 +648,6 @@ def explain(summary: dict[str, Any], predicted: dict[str, Any]) -> list[str]:
         else:
             reasons.append(f"{where} ({100 * gap / total:.0f}% of the planned step): faster than the plan assumed")
     return reasons
-
-
-# ------------------------------------------------------------------------------------------- console
-
-
-def _percent(part: float | None, whole: float) -> str:
-    return "n/a" if part is None or whole <= 0 else f"{100 * part / whole:.0f}%"
-
-
-def _throughput(samples_per_s: float | None, tokens_per_s: float | None, tokens_per_sample: int) -> str:
-    if tokens_per_sample > 1:
-        return "n/a tokens/s" if tokens_per_s is None else f"{fmt_count(tokens_per_s)} tokens/s"
-    return "n/a samples/s" if samples_per_s is None else f"{fmt_count(samples_per_s)} samples/s"
-
-
-def _mfu(catalog: float | None, measured: float | None) -> str | None:
-    """Utilisation as a share of a peak; above 100% it cannot be: the peak is wrong (a bench run on other
-    hardware, a CPU figure under a GPU run) or the FLOPs per sample are, and the line says so instead."""
-    parts = []
-    for label, value in (("MFU", catalog), ("of measured peak", measured)):
-        if value is None:
-            continue
-        text = f"{100 * value:.1f}%" if value <= 1.0 else f"{100 * value:.0f}% (over 100%: a wrong peak or FLOP count)"
-        parts.append(f"MFU {text}" if label == "MFU" else f"{text} {label}")
-    return ", ".join(parts) or None
-
-
-def format_step(record: StepRecord, tokens_per_sample: int = 1) -> str:
-    """One console line: 'step 120 | loss 2.3456 | 412 ms/step (data 3%, compute 81%, optimizer 9%, comm 4%,
-    other 3%) | 12.3k tokens/s | MFU 41.2%, 52.0% of measured peak | peak mem 61.2 GiB'."""
-    t = record.time_s
-    accounted = record.data_s + record.compute_s + record.optimizer_s + (record.comm_s or 0.0)
-    split = [
-        f"data {_percent(record.data_s, t)}",
-        f"compute {_percent(record.compute_s, t)}",
-        f"optimizer {_percent(record.optimizer_s, t)}",
-    ]
-    if record.comm_s is not None:
-        split.append(f"comm {_percent(record.comm_s, t)}")
-    split.append(f"other {_percent(max(t - accounted, 0.0), t)}")
-    loss = "n/a" if record.loss is None else f"{record.loss:.4g}"
-    parts = [
-        f"step {record.step}" + (" (skipped)" if record.skipped else ""),
-        f"loss {loss}",
-        f"{fmt_duration(t)}/step ({', '.join(split)})",
-        _throughput(record.samples_per_s, record.tokens_per_s, tokens_per_sample),
-    ]
-    if (mfu := _mfu(record.mfu_catalog, record.mfu_measured)) is not None:
-        parts.append(mfu)
-    if record.peak_memory_bytes is not None:
-        parts.append(f"peak mem {fmt_bytes(record.peak_memory_bytes)}")
-    return " | ".join(parts)
-
-
-def format_summary(summary: dict[str, Any], tokens_per_sample: int = 1) -> str:
-    """The closing line: steady-state medians, and the ratios to the plan when there was one."""
-    median = summary["median"]
-    warmup = f" ({summary['warmup_steps']} warm-up)" if summary["warmup_steps"] else ""
-    step = "n/a" if median["time_s"] is None else fmt_duration(median["time_s"])
-    parts = [
-        f"redline: {summary['steps']} steps{warmup}, median {step}/step",
-        _throughput(median["samples_per_s"], median["tokens_per_s"], tokens_per_sample),
-    ]
-    if (mfu := _mfu(median["mfu_catalog"], median["mfu_measured"])) is not None:
-        parts.append(mfu)
-    if summary["peak_memory_bytes"] is not None:
-        parts.append(f"peak mem {fmt_bytes(summary['peak_memory_bytes'])}")
-    if summary["skipped_steps"]:
-        parts.append(f"{summary['skipped_steps']} skipped")
-    line = ", ".join(parts)
-    versus = summary.get("vs_predicted")
-    if versus:
-        ratios = [f"{name} {v['ratio']:.3g}x" for name, v in versus.items() if v["ratio"] is not None]
-        if ratios:
-            line += "; measured/predicted: " + ", ".join(ratios)
-    return line
 
 
 # ------------------------------------------------------------------------------------------- peaks

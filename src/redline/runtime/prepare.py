@@ -66,7 +66,7 @@ from redline.errors import BadInput
 from redline.runtime.api import prepare
 from redline.runtime.batch import to_device, tokens_per_sample
 from redline.runtime.batch_state import BatchState
-from redline.runtime.config import RunConfig, check_plan_matches, check_runnable, resolve_config
+from redline.runtime.config import RunConfig, check_runnable, resolve_config
 from redline.runtime.distributed import agree, clip_grad_norm, init_distributed
 from redline.runtime.feed import Feed, micro_batches, per_rank_batch_without_plan
 from redline.runtime.fp8 import apply_fp8
@@ -97,6 +97,7 @@ from redline.runtime.parallelize import (
     unfused_adam,
 )
 from redline.runtime.pipeline import LossFn, Pipeline
+from redline.runtime.plan_fit import check_plan_fits
 from redline.runtime.stop import Stopped, StopSignals
 from redline.runtime.tensor_parallel import apply_tp
 from redline.runtime.together import Together
@@ -190,7 +191,7 @@ class Run:
         self._check_precision()
         self.accumulation = self.config.strategy.accumulation
         apply_numerics(self.config.numerics, self.device)
-        check_plan_matches(self.config, model, self.device, rank=self.rank)
+        check_plan_fits(self.config, model, self.device, rank=self.rank)
         model = model.to(self.device)
         # a ready optimizer's groups by module path, taken before sharding replaces the parameters
         ready = ReadyOptimizer.of(optimizer, model) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
@@ -291,7 +292,7 @@ class Run:
             rank=self.rank,
             ranks_per_batch=self.config.strategy.tensor * self.config.strategy.pipeline,
             flops_per_sample=self.config.plan.training_flops_per_sample,
-            tokens_per_sample=self.config.plan.tokens_per_sample or 1,
+            tokens_per_sample=self.config.plan.tokens_per_sample,
             peak_flops_catalog=catalog,
             peak_flops_measured=measured,
             path=self.config.metrics.path,
@@ -373,6 +374,8 @@ class Run:
         ``epochs()`` the epoch it is at. Each call ends as ``close()`` does (a checkpoint, the summary so far);
         a later call goes on from there, into the same metrics file, with the stop signals taken again."""
         until = epochs if epochs is not None else (self._epoch_scope or 1)
+        if self._epoch_scope is None:  # inside epochs(), which knows the run's length, the epoch's end is not it
+            self.metrics.total_steps = self.total_steps(until)
         self._reopen()
         if self.epoch >= until and self.rank == 0:
             log.warning(
@@ -420,6 +423,7 @@ class Run:
                 evaluate(run.model)               # once per epoch, not again for epochs done before a resume
 
         Ends early where the run does: ``max_steps`` reached, or an epoch left unfinished (a ``break``)."""
+        self.metrics.total_steps = self.total_steps(count)
         while self.epoch < count and not self._steps_done():
             epoch = self.epoch
             self._epoch_scope = epoch + 1
@@ -448,8 +452,7 @@ class Run:
                 batch = self.feed.next(batches)
             if not self.feed.all_ranks_have(batch is not None):
                 return
-            if self.config.plan.tokens_per_sample is None:  # no plan says: the batches do
-                self.metrics.tokens_per_sample = tokens_per_sample(batch)
+            self.metrics.count_tokens(tokens_per_sample(batch))  # the batches' own, over the plan's
             done = yield from self._batch(to_device(batch, self.device))
             self.batch_in_epoch += 1
             if done.stop_agreed:  # a SIGTERM or SIGINT reached some rank: checkpoint here and leave

@@ -4,8 +4,9 @@ torchrun starts each worker in a session of its own, and nothing ties either to 
 ``redline run`` (or of its process group) used to leave torchrun and every worker training, unsupervised, to
 the end. Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) asks the kernel to kill a process when its
 parent ends, however the parent ends. redline sets it on the process it starts (the script, or torchrun), and
-torchrun's workers run the script through this module, which sets it on itself first, and turns an error of
-redline's own (``RedlineError``: a plan that does not fit the launch) into one line naming the rank::
+torchrun's workers, and a single process, run the script through this module, which sets it on itself first,
+and turns an error of redline's own (``RedlineError``: a plan that does not fit the launch) into one line (naming
+the rank under torchrun)::
 
     python -m redline.runtime.supervised SCRIPT ARGS...   # then SCRIPT runs as `python SCRIPT ARGS` would
 """
@@ -56,7 +57,8 @@ def main() -> None:
     except RedlineError as exc:  # redline's own errors (a plan that does not fit this launch): one line per rank
         if os.environ.get(REDLINE_DEBUG):
             raise
-        print(f"redline: rank {os.environ.get('RANK', '?')}: {exc}", file=sys.stderr)
+        rank = os.environ.get("RANK")  # torchrun's workers have one; a single process is no rank of a group
+        print(f"redline: rank {rank}: {exc}" if rank is not None else f"redline: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
 
 
