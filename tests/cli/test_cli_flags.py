@@ -24,7 +24,7 @@ FLAGS: dict[str, set[str]] = {
     },
     "run": {
         *("--dry-run", "--json", "--max-restarts", "--nnodes", "--nproc-per-node", "--plan", "--rdzv-endpoint"),
-        "--rdzv-id",
+        *("--rdzv-id", "--plan-anyway"),
         *("--ac-every", "--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile"),
         *("--metrics", "--no-compile", "--num-workers", "--cpu-threads", "--max-steps", "--loader-batch"),
     },

@@ -14,14 +14,8 @@ import torch
 from redline.bench import store
 from redline.bench.model import BenchRun, Measurement
 from redline.errors import BadInput
-from redline.runtime.metrics import (
-    StepMetrics,
-    StepRecord,
-    explain,
-    format_step,
-    peak_flops,
-    rank_path,
-)
+from redline.runtime.metrics import StepMetrics, StepRecord, explain, peak_flops, rank_path
+from redline.runtime.step_lines import SPLIT_LEGEND, format_step
 
 
 class FakeClock:
@@ -290,11 +284,12 @@ def test_console_prints_the_first_step_then_at_most_every_interval():
     metrics = StepMetrics(device=torch.device("cpu"), interval_s=10.0, console=lines.append, clock=clock)
     fake_steps(metrics, clock, [3.0] * 8)  # steps end at 3, 6, ..., 24 s after the first phase
     # the first step (at 3 s), then the first to end 10 s or more after it: step 5 (at 15 s); next would be step 9
-    assert [line.split(" | ")[0] for line in lines] == ["step 1", "step 5"]
+    steps = [line.split(" | ")[0] for line in lines if line.startswith("step ")]
+    assert steps == ["step 1", "step 5"] and lines[1] == SPLIT_LEGEND  # explained once, under the first line
     metrics.close()
     assert lines[-1].startswith("redline: 8 steps (2 warm-up), median 3.0 s/step")
     metrics.close()  # twice: nothing more
-    assert len(lines) == 3
+    assert len(lines) == 4
 
 
 def test_console_line_says_loss_split_throughput_mfu_and_memory():

@@ -13,8 +13,8 @@ from torch import nn
 from redline.errors import BadInput
 from redline.plan.strategy import Strategy
 from redline.runtime.config import PlanFacts, RunConfig
-from redline.runtime.metrics import _mfu
 from redline.runtime.prepare import prepare
+from redline.runtime.step_lines import _mfu
 
 
 def data() -> torch.utils.data.DataLoader:
@@ -97,13 +97,14 @@ def test_a_recorded_micro_batch_is_said_and_cleared_when_the_run_completes(tmp_p
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({"facts": PlanFacts(device="NVIDIA H100 SXM5 80GB")}, "made for NVIDIA H100 SXM5 80GB and runs on cpu"),
-        ({"facts": PlanFacts(params=1000)}, "the model has 5 parameters and the plan was made for 1,000"),
+        ({"facts": PlanFacts(device="NVIDIA H100 SXM5 80GB")}, "made for NVIDIA H100 SXM5 80GB and this run is on cpu"),
+        ({"facts": PlanFacts(params=1000)}, "made for a model of 1,000 parameters and this model has 5"),
     ],
 )
-def test_a_plan_for_other_hardware_or_another_model_is_said(caplog, overrides: dict, expected: str) -> None:
+def test_a_plan_for_other_hardware_or_another_model_is_said_when_run_anyway(caplog, overrides, expected) -> None:
+    """Refused without plan_anyway (tests/runtime/test_plan_fit.py)."""
     with caplog.at_level("WARNING", logger="redline.runtime"):
-        train(1, **overrides)
+        train(1, plan_anyway=True, **overrides)
     assert expected in caplog.text
 
 

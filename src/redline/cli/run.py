@@ -49,11 +49,7 @@ def run(
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="Restart the workers this many times when one fails (torchrun, elastic)."
     ),
-    plan_anyway: bool = typer.Option(
-        False,
-        "--plan-anyway",
-        help="Run a plan made for another device or model (refused otherwise); its predictions do not hold.",
-    ),
+    plan_anyway: bool = typer.Option(False, "--plan-anyway", help="Run a plan made for another device or model."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and environment, run nothing."),
     json_out: bool = typer.Option(False, "--json", help="With --dry-run: the launch as JSON."),
     runtime: dict | None = None,  # the runtime options given (params.with_runtime_options)
