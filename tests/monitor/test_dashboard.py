@@ -10,16 +10,19 @@ import pytest
 from rich.console import Console
 
 from fakes.traces import scenario
+from redline.cli.monitor import _sample_line
 from redline.monitor.dashboard import reason_label, render
 from redline.monitor.diagnose import diagnose
-from redline.units import fmt_bytes
+from redline.report.wrap import Values, prose
+from redline.units import fmt_bytes, fmt_duration
+from tables import WIDTHS, assert_whole
 
 
 def screen(samples, width: int) -> list[str]:
     steps = {st.rank: st for s in samples for st in s.steps}
     console = Console(width=width, force_terminal=False, color_system=None)
     with console.capture() as captured:
-        console.print(render(samples, diagnose(samples), steps, "redline monitor"))
+        console.print(render(samples, diagnose(samples), steps, ["redline monitor", "every 1 s"]))
     return captured.get().splitlines()
 
 
@@ -73,3 +76,65 @@ def test_the_history_gives_way_before_the_bars(tmp_path: Path) -> None:
     assert "busy (recent)" not in narrow[1] and "█" not in narrow[2]  # at 80 the numbers alone
     middle = screen(samples, 100)
     assert "█" in middle[2] and not history.search(middle[2])  # the bars kept, the history gone
+
+
+def rate(value: float | None) -> str:
+    return f"{fmt_bytes(value)}/s"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", ["swapping", "throttling"])
+def test_the_host_steps_and_findings_lines_wrap_between_values(tmp_path: Path, name: str, width: int) -> None:
+    samples = scenario(name, root=tmp_path, ticks=40).run()
+    host = samples[-1].host
+    assert host is not None
+    text = "\n".join(screen(samples, width))
+    assert_whole(
+        text,
+        f"mem {fmt_bytes(host.memory_used_bytes)}/{fmt_bytes(host.memory_total_bytes)}",
+        f"swap {fmt_bytes(host.swap_used_bytes)}",
+        f"disk r/w {rate(host.disk_read_bytes_per_second)} {rate(host.disk_write_bytes_per_second)}",
+        f"net rx/tx {rate(host.network_rx_bytes_per_second)} {rate(host.network_tx_bytes_per_second)}",
+        width=width,
+    )
+    latest = {st.rank: st for s in samples for st in s.steps}
+    if latest:  # past four ranks, one line for them all and one for the rank whose own work is longest
+        slow = max(latest.values(), key=lambda st: st.data_s + st.compute_s + st.optimizer_s)
+        assert_whole(text, f"{len(latest)} ranks: step", f"rank {slow.rank}: step {slow.step}")
+        assert_whole(text, f"{fmt_duration(slow.time_s)}/step", f"loss {slow.loss:.4g}")
+    for finding in diagnose(samples):  # a number stays with its unit ("40.0 s", "90 °C", "306.6 MiB/s")
+        assert_whole(text, *(value for value in prose(finding.title) if " " in value))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_sample_line_in_a_pipe_wraps_between_gpus(tmp_path: Path, width: int) -> None:
+    samples = scenario("throttling", root=tmp_path, ticks=40).run()
+    console = Console(width=width, force_terminal=False, color_system=None)
+    with console.capture() as captured:
+        console.print(_sample_line(samples[-1], diagnose(samples)))
+    text = captured.get()
+    gpus = [
+        f"gpu{g.index} {100 * g.utilization_ratio:.0f}% {g.memory_used_bytes / 2**30:.1f}GiB" for g in samples[-1].gpus
+    ]
+    assert_whole(text, *gpus, "fail monitor.thermal", width=width)
+    assert text.splitlines()[0].split()[0].count(":") == 2  # each sample starts with its time; the rest indented
+    assert all(line.startswith("  ") for line in text.splitlines()[1:])
+
+
+def test_values_fill_each_line_and_break_only_a_value_wider_than_it() -> None:
+    values = Values(["alpha 1", "beta 22", "gamma 333", "delta 4444"])
+    assert [line.plain for line in values.lines(20)] == ["alpha 1 | beta 22", "  gamma 333", "  delta 4444"]
+    assert [line.plain for line in values.lines(80)] == ["alpha 1 | beta 22 | gamma 333 | delta 4444"]
+    console = Console(width=12, force_terminal=False, color_system=None)
+    with console.capture() as captured:
+        console.print(Values(["a", "a-value-longer-than-the-line"]))
+    assert all(len(line) <= 12 for line in captured.get().splitlines())
+    assert prose("SM clock 1980 → 1544 MHz, on GPU 2 at 90 °C") == [
+        "SM",
+        "clock",
+        "1980 → 1544 MHz,",
+        "on",
+        "GPU 2",
+        "at",
+        "90 °C",
+    ]

@@ -18,6 +18,8 @@ import pytest
 from conftest import run_cli
 from fakes.traces import scenario
 from redline.monitor.store import Store
+from redline.units import fmt_bytes
+from tables import WIDTHS, assert_whole
 
 
 def record_of(name: str, tmp_path: Path, ticks: int = 40) -> Path:
@@ -137,6 +139,23 @@ def test_report_diagnoses_a_recorded_trace_and_writes_html_and_pngs(tmp_path: Pa
 
     text = run_cli("report", str(record))
     assert text.returncode == 0 and "40 samples" in text.stdout and "GPUs 2,5" in text.stdout
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_report_at_a_terminal_width_keeps_every_value_whole(tmp_path: Path, width: int) -> None:
+    record = record_of("throttling", tmp_path)
+    result = run_cli("report", str(record), columns=width)
+    assert result.returncode == 0, result.stderr
+    with Store.read(record) as store:
+        gpus = list(store.gpu_stats().values())
+    assert_whole(result.stdout, "40 samples", "over 39.0 s", "1980 → 1544 MHz", "40.0 s", "90 °C", width=width)
+    lines = [line.split() for line in result.stdout.splitlines()]
+    for g in gpus:  # each GPU's row whole, a cell per column
+        memory, power, energy = fmt_bytes(g.memory_peak_bytes), g.power_mean_watts, g.energy_joules / 3.6e6
+        cells = f"{g.gpu} {100 * g.utilization_mean_ratio:.0f}% {100 * g.utilization_p95_ratio:.0f}% {memory}"
+        cells += f" {power:.0f} {energy:.3g} {g.temperature_max_celsius:.0f}"
+        assert cells.split() in lines, (cells, result.stdout)
+    assert_whole(result.stdout, "mean W", "energy kWh", "rank  steps  mean step  waiting for data")
 
 
 def test_a_healthy_trace_reports_no_findings(tmp_path: Path) -> None:

@@ -568,6 +568,22 @@ def test_a_truncated_or_replaced_step_file_is_read_again_from_the_start(tmp_path
     assert tail.poll(notes) == [] and tail._files == {}
 
 
+def test_a_restarted_runs_new_step_files_are_followed_from_their_start(tmp_path: Path) -> None:
+    folder = tmp_path / "redline-steps"
+    folder.mkdir()
+    (folder / "rank-0.jsonl").write_text(step_line(0, 1))
+    tail = StepTail([str(folder / "rank-{rank}.jsonl")])
+    assert tail.poll([]) == []  # the first run, there before the monitor: followed from its end
+    append(folder / "rank-0.jsonl", step_line(0, 2))
+    assert [s.step for s in tail.poll([])] == [2]
+    for path in folder.iterdir():  # the run is started again from scratch: its folder removed, written anew
+        path.unlink()
+    assert tail.poll([]) == []
+    for rank in (0, 1):
+        (folder / f"rank-{rank}.jsonl").write_text(step_line(rank, 1))
+    assert [(s.rank, s.step) for s in tail.poll([])] == [(0, 1), (1, 1)]
+
+
 def test_lines_that_are_not_step_records_are_skipped_with_one_note(tmp_path: Path) -> None:
     path = tmp_path / "steps-0.jsonl"
     path.write_text("")
@@ -726,9 +742,8 @@ def test_each_trace_plays_what_it_says(name: str, tmp_path: Path) -> None:
     steps = [s for sample in samples for s in sample.steps]
     assert {s.rank for s in steps} == set(range(8))
     if name != "nvml_lost":
-        # the first sample comes before the first step is written: that, and only that, is worth a note
-        notes = [note for sample in samples for note in sample.notes]
-        assert notes in ([], [f"steps: no file matches {trace.step_paths[0].replace('{rank}', '*')} yet"]), name
+        # the first sample comes before the first step is written: a run still to come, not worth a note
+        assert [note for sample in samples for note in sample.notes] == [], name
         assert all(g.power_watts and g.energy_joules_total for g in gpus)
     busy = [g.utilization_ratio or 0 for g in gpus]
     if name == "healthy":
@@ -788,7 +803,12 @@ def test_a_trace_moves_forward_only_and_knows_its_names() -> None:
         scenario("overclocked")
 
 
-def test_a_steps_pattern_that_matches_nothing_is_said_once(tmp_path) -> None:
+def test_a_steps_pattern_that_matches_nothing_yet_is_watched_without_a_note(tmp_path) -> None:
+    # a run started after the monitor: no note while it is to come (the monitor says where it watches, once, at
+    # start: tests/monitor/test_monitor_steps.py), and its files followed from their first line when they come
     sampler = Sampler(nvml=None, host=None, kernel_log=None, step_paths=[str(tmp_path / "metrics-{rank}.jsonl")])
-    notes = [note for _ in range(3) for note in sampler.sample().notes if note.startswith("steps:")]
-    assert notes == [f"steps: no file matches {tmp_path}/metrics-*.jsonl yet"]
+    assert [note for _ in range(3) for note in sampler.sample().notes if note.startswith("steps")] == []
+    assert sampler.steps.patterns == [f"{tmp_path}/metrics-*.jsonl"]
+    (tmp_path / "metrics-1.jsonl").write_text(step_line(1, 1) + step_line(1, 2))
+    sample = sampler.sample()
+    assert [(s.rank, s.step) for s in sample.steps] == [(1, 1), (1, 2)]

@@ -80,10 +80,9 @@ def test_redline_monitor_follows_the_steps_redline_run_writes(tmp_path: Path) ->
 
 
 def test_redline_monitor_follows_the_examples_default_steps(tmp_path: Path, monkeypatch) -> None:
-    from redline.monitor.steps import DEFAULT_STEPS, default_steps
+    from redline.monitor.steps import DEFAULT_STEPS, step_patterns
 
     monkeypatch.chdir(tmp_path)
-    assert default_steps() == []  # no run here: nothing to follow, and no note about it
-    (tmp_path / DEFAULT_STEPS.format(rank=0)).parent.mkdir()
-    (tmp_path / DEFAULT_STEPS.format(rank=0)).write_text("")
-    assert default_steps() == [DEFAULT_STEPS]
+    # watched before any run has written there (a monitor is often started first), as an absolute path
+    assert step_patterns([]) == [str(Path.cwd() / DEFAULT_STEPS)]
+    assert step_patterns(["m-{rank}.jsonl"]) == [str(Path.cwd() / "m-{rank}.jsonl")]  # --steps replaces it

@@ -57,8 +57,8 @@ def monitor(
     steps: list[str] = typer.Option(
         [],
         "--steps",
-        help="The training run's metrics JSON lines (a path or glob, '{rank}' allowed); repeatable. "
-        "Default: redline-steps/rank-{rank}.jsonl, where the examples write, when it is there.",
+        help="The training run's metrics JSON lines (a path or glob, '{rank}' allowed); repeatable; files that "
+        "appear later are followed too. Default: redline-steps/rank-{rank}.jsonl, where the examples write.",
     ),
     gpus: str | None = typer.Option(None, "--gpus", help="GPU indices to watch, e.g. 0,1 (default: all)."),
     job_pids: list[int] = typer.Option([], "--job-pid", help="A process of the job; others are 'foreign'."),
@@ -85,17 +85,18 @@ def monitor(
         listen = params.listen_address("--listen", listen)
 
     from redline.monitor.sampler import Sampler
-    from redline.monitor.steps import default_steps
+    from redline.monitor.steps import step_patterns, watch_note
 
     _check_step_files(steps)
     _check_pids(job_pids)
-    steps = steps or default_steps()
+    steps = step_patterns(steps)
 
     with contextlib.ExitStack() as stack:
         store = _open_record(record, retention_s, stack)
         sampler = Sampler(indices=_indices(gpus), step_paths=steps)
         stack.callback(sampler.close)
         exporter = _serve(sampler, port, listen, interval, stack)
+        ui.warn(watch_note(steps))  # once every option is taken: a refused one stays the only line
         session = _Session(sampler, store, exporter, window_s, interval, set(job_pids) or None)
         if once:
             session.once(json_out)
@@ -242,7 +243,7 @@ class _Session:
                 sys.stdout.write(json.dumps(sample.to_dict(), separators=(",", ":")) + "\n")
                 sys.stdout.flush()
             else:
-                ui.console.print(_one_line(sample, self.findings), soft_wrap=True)
+                ui.console.print(_sample_line(sample, self.findings))
 
         timer = threading.Timer(stop_after_s, stop.set) if stop_after_s is not None else None
         with _stop_on_sigterm(stop), live or contextlib.nullcontext():
@@ -260,10 +261,11 @@ class _Session:
     def _screen(self) -> Any:
         from redline.monitor.dashboard import render
 
-        parts = [f"redline monitor | every {self.interval:g} s"]
+        header = ["redline monitor", f"every {self.interval:g} s"]
         if self.store is not None:
-            parts.append(f"recording to {self.store.name} ({self.recorded} samples)")
-        return render(list(self.recent), self.findings, self.latest_steps, " | ".join(parts), list(self.notes))
+            header.append(f"recording to {self.store.name} ({self.recorded} samples)")
+        watched = self.sampler.steps.patterns
+        return render(list(self.recent), self.findings, self.latest_steps, header, list(self.notes), watched)
 
 
 @contextlib.contextmanager
@@ -276,8 +278,12 @@ def _stop_on_sigterm(stop: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _one_line(sample: Any, findings: list[Any]) -> str:
-    """For a log file or a pipe: time, each GPU's utilisation/memory/power, the host CPU, the findings."""
+def _sample_line(sample: Any, findings: list[Any]) -> Any:
+    """For a log file or a pipe: time, each GPU's utilisation/memory/power, the host CPU, the findings; one line
+    where they fit the console's width, else wrapped between GPUs onto indented lines (a reader, and grep, finds
+    each GPU's figures whole)."""
+    from redline.report.wrap import Values
+
     stamp = time.strftime("%H:%M:%S", time.localtime(sample.time))
     parts = [stamp]
     for gpu in sample.gpus:
@@ -290,9 +296,10 @@ def _one_line(sample: Any, findings: list[Any]) -> str:
         parts.append(f"gpu{gpu.index} {util} {memory} {power}")
     cpu = None if sample.host is None else sample.host.cpu_ratio
     parts.append("cpu n/a" if cpu is None else f"cpu {100 * cpu:.0f}%")
-    if findings:
-        parts.append("findings: " + "; ".join(f"{f.severity.value} {f.rule}" for f in findings))
-    return " | ".join(parts)
+    named = [f"{f.severity.value} {f.rule}" for f in findings]
+    if named:
+        parts += [f"findings: {named[0]}", *named[1:]]
+    return Values(parts)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -382,40 +389,65 @@ def _windows(store: Any, window_s: float) -> Iterator[list[Any]]:
 
 
 def _print_report(summary: dict[str, Any], findings: list[Any]) -> None:
-    from rich.table import Table
-
+    """The record's span, a table of its GPUs and one of its ranks, then the findings; whole at 80 columns."""
     from redline.report.terminal import render_finding
-    from redline.units import fmt_bytes, fmt_duration
+    from redline.report.wrap import Values
+    from redline.units import fmt_duration
 
     start, end = summary["start"], summary["end"]
-    ui.console.print(
-        f"{summary['record']}: {summary['samples']} samples over {fmt_duration(end - start)}, "
-        f"from {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(start))}"
-    )
+    span = [
+        f"{summary['record']}:",
+        f"{summary['samples']} samples",
+        f"over {fmt_duration(end - start)}",
+        f"from {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(start))}",
+    ]
+    ui.console.print(Values(span, separator=" "))
     if summary["gpus"]:
-        table = Table(box=None, header_style="bold")
-        for column in ("GPU", "busy mean", "busy p95", "peak memory", "mean power", "energy", "max °C"):
-            table.add_column(column, justify="right")
-        for gpu in summary["gpus"]:
-            table.add_row(
-                str(gpu["gpu"]),
-                _percent(gpu["utilization_mean_ratio"]),
-                _percent(gpu["utilization_p95_ratio"]),
-                fmt_bytes(gpu["memory_peak_bytes"]),
-                "n/a" if gpu["power_mean_watts"] is None else f"{gpu['power_mean_watts']:.0f} W",
-                "n/a" if gpu["energy_joules"] is None else f"{gpu['energy_joules'] / 3.6e6:.3g} kWh",
-                "n/a" if gpu["temperature_max_celsius"] is None else f"{gpu['temperature_max_celsius']:.0f}",
-            )
-        ui.console.print(table)
-    for rank in summary["ranks"]:
-        ui.console.print(
-            f"rank {rank['rank']}: {rank['steps']} steps, mean {fmt_duration(rank['time_mean_s'])}/step, "
-            f"{_percent(rank['data_share_ratio'])} waiting for data"
-        )
+        ui.print_table(_gpu_table(summary["gpus"]))
+    if summary["ranks"]:
+        ui.print_table(_rank_table(summary["ranks"]))
     for finding in sorted(findings, key=lambda f: f.severity.rank):
         ui.console.print(render_finding(finding))
     if not findings:
         ui.console.print("no findings over this record")
+
+
+def _gpu_table(gpus: list[dict[str, Any]]) -> Any:
+    """Per GPU: how busy (mean and 95th percentile), memory and power; the units in the headers."""
+    from rich.table import Table
+
+    from redline.units import fmt_bytes
+
+    table = Table(box=None, header_style="bold")
+    for column in ("GPU", "busy mean", "busy p95", "peak memory", "mean W", "energy kWh", "max °C"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for gpu in gpus:
+        table.add_row(
+            str(gpu["gpu"]),
+            _percent(gpu["utilization_mean_ratio"]),
+            _percent(gpu["utilization_p95_ratio"]),
+            fmt_bytes(gpu["memory_peak_bytes"]),
+            "n/a" if gpu["power_mean_watts"] is None else f"{gpu['power_mean_watts']:.0f}",
+            "n/a" if gpu["energy_joules"] is None else f"{gpu['energy_joules'] / 3.6e6:.3g}",
+            "n/a" if gpu["temperature_max_celsius"] is None else f"{gpu['temperature_max_celsius']:.0f}",
+        )
+    return table
+
+
+def _rank_table(ranks: list[dict[str, Any]]) -> Any:
+    """Per training rank: its steps, their mean time and the share of it spent waiting for data."""
+    from rich.table import Table
+
+    from redline.units import fmt_duration
+
+    table = Table(box=None, header_style="bold")
+    for column in ("rank", "steps", "mean step", "waiting for data"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for rank in ranks:
+        table.add_row(
+            str(rank["rank"]), str(rank["steps"]), fmt_duration(rank["time_mean_s"]), _percent(rank["data_share_ratio"])
+        )
+    return table
 
 
 def _percent(ratio: float | None) -> str:

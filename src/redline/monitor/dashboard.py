@@ -12,11 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 from redline.doctor.model import Finding, Severity
 from redline.monitor.sample import GpuSample, HostSample, Sample, StepSample
+from redline.report.wrap import Values, prose
 from redline.units import fmt_bytes, fmt_count, fmt_duration
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -49,6 +51,7 @@ COLUMNS = (  # header, justify
 )
 _EVENTS = 7  # the clock-events column: the one that may wrap, one reason to a line at the narrowest
 COLUMN_GAP = 2  # padding (0, 1) without the outer edges: two spaces between columns
+FINDING_INDENT = 7  # a finding's lines after its first start under its title, past the " WARN " badge
 SEVERITY_STYLE = {Severity.FAIL: "bold white on red", Severity.WARN: "bold black on yellow", Severity.INFO: "blue"}
 
 
@@ -193,9 +196,10 @@ class GpuTable:
         yield gpu_table(self.samples, options.max_width)
 
 
-def host_line(host: HostSample | None) -> Text:
+def host_line(host: HostSample | None) -> Values:
+    """The host's figures as "key value" items, wrapped between items at the screen's width."""
     if host is None:
-        return Text("host: n/a", style="dim")
+        return Values(["host: n/a"], style="dim")
 
     def rate(value: float | None) -> str:
         return "n/a" if value is None else f"{fmt_bytes(value)}/s"
@@ -209,11 +213,16 @@ def host_line(host: HostSample | None) -> Text:
         f"disk r/w {rate(host.disk_read_bytes_per_second)} {rate(host.disk_write_bytes_per_second)}",
         f"net rx/tx {rate(host.network_rx_bytes_per_second)} {rate(host.network_tx_bytes_per_second)}",
     ]
-    return Text("host: " + " | ".join(parts))
+    return Values([f"host: {parts[0]}", *parts[1:]])
 
 
-def step_lines(latest_steps: dict[int, StepSample]) -> list[Text]:
-    """One line per rank; past ``MAX_RANK_LINES`` ranks, one line for all of them and one for the slowest rank."""
+def step_lines(latest_steps: dict[int, StepSample], watched: Sequence[str] = ()) -> list[Values]:
+    """One line per rank; past ``MAX_RANK_LINES`` ranks, one line for all of them and one for the slowest rank.
+    Before the first step, one line that says where the monitor looks for the step files (``watched``)."""
+    if not latest_steps:
+        if not watched:
+            return []
+        return [Values(["steps: none yet", *(f"watching {pattern}" for pattern in watched)], style="dim")]
     if len(latest_steps) > MAX_RANK_LINES:
         steps = list(latest_steps.values())
         times = sorted(s.time_s for s in steps)
@@ -222,9 +231,11 @@ def step_lines(latest_steps: dict[int, StepSample]) -> list[Text]:
         slowest = max(steps, key=lambda s: s.data_s + s.compute_s + s.optimizer_s)
         median = times[len(times) // 2]
         return [
-            Text(
-                f"{len(steps)} ranks: step {min(s.step for s in steps)}-{max(s.step for s in steps)} | "
-                f"median {fmt_duration(median)}/step ({fmt_duration(times[0])} to {fmt_duration(times[-1])})"
+            Values(
+                [
+                    f"{len(steps)} ranks: step {min(s.step for s in steps)}-{max(s.step for s in steps)}",
+                    f"median {fmt_duration(median)}/step ({fmt_duration(times[0])} to {fmt_duration(times[-1])})",
+                ]
             ),
             *step_lines({slowest.rank: slowest}),
         ]
@@ -238,34 +249,40 @@ def step_lines(latest_steps: dict[int, StepSample]) -> list[Text]:
             parts.append(f"MFU {100 * step.mfu_catalog:.1f}%")
         if step.loss is not None:
             parts.append(f"loss {step.loss:.4g}")
-        lines.append(Text(" | ".join(parts)))
+        lines.append(Values(parts))
     return lines
 
 
-def finding_lines(findings: Sequence[Finding]) -> list[Text]:
+def finding_lines(findings: Sequence[Finding]) -> list[RenderableType]:
+    """Each finding: its severity and title, then what to do on the lines below; a number stays with its unit."""
     if not findings:
         return [Text("no findings over the recent window", style="green")]
-    return [
-        Text.assemble((f" {f.severity.value.upper()} ", SEVERITY_STYLE[f.severity]), " ", f.title, "  ", (f.fix, "dim"))
-        for f in findings
-    ]
+    lines: list[RenderableType] = []
+    for f in findings:
+        badge = Text(f" {f.severity.value.upper()} ", style=SEVERITY_STYLE[f.severity])
+        lines.append(Values([badge, *prose(f.title)], separator=" ", indent=FINDING_INDENT))
+        fix = Values([Text(word, style="dim") for word in prose(f.fix)], separator=" ", indent=0)
+        lines.append(Padding(fix, (0, 0, 0, FINDING_INDENT), expand=False))
+    return lines
 
 
 def render(
     samples: Sequence[Sample],
     findings: Sequence[Finding],
     latest_steps: dict[int, StepSample],
-    header: str,
+    header: Sequence[str],
     notes: Sequence[str] = (),
+    watched: Sequence[str] = (),
 ) -> Group:
-    """The whole screen from the recent samples (oldest first), the active findings and each rank's newest step."""
-    parts: list[RenderableType] = [Text(header, style="bold cyan")]
+    """The whole screen from the recent samples (oldest first), the active findings and each rank's newest step.
+    ``header``: the items of the top line; ``watched``: the step files looked for, said until a step comes."""
+    parts: list[RenderableType] = [Values(header, style="bold cyan")]
     if samples and samples[-1].gpus:
         parts.append(GpuTable(samples))
     else:
         parts.append(Text("no GPUs visible to NVML", style="dim"))
     parts.append(host_line(samples[-1].host if samples else None))
-    parts.extend(step_lines(latest_steps))
+    parts.extend(step_lines(latest_steps, watched))
     parts.extend(finding_lines(findings))
-    parts.extend(Text(f"note: {note}", style="yellow") for note in notes)
+    parts.extend(Values(["note:", *prose(note)], separator=" ", style="yellow") for note in notes)
     return Group(*parts)

@@ -61,10 +61,11 @@ class StepTail:
     """Follows the runtime's JSON-lines step files (redline.runtime.metrics: one per rank) as they grow.
 
     ``paths`` are files or patterns: ``{rank}`` (as in the runtime's ``metrics_path``) and glob wildcards
-    match every rank's file; a pattern is expanded again on every poll, so files that appear later are
-    picked up, and read from their start. Files already there on the first poll are followed from their
-    end (``from_start=False``, as ``tail -f`` does): the monitor reports steps finished while it watches,
-    not a backlog of a run's history.
+    match every rank's file; a pattern is expanded again on every poll (as ``tail -F`` follows a name), so
+    files that appear later (a run started after the monitor, a restarted run's new files) are picked up,
+    and read from their start; a pattern that matches nothing yet is no note, only a run still to come.
+    Files already there on the first poll are followed from their end (``from_start=False``, as ``tail -f``
+    does): the monitor reports steps finished while it watches, not a backlog of a run's history.
 
     Each poll reads only complete lines (a line the runtime is still writing waits for the next poll), at
     most ``max_bytes`` per file (a backlog comes over several polls), and starts a file again from the top
@@ -85,7 +86,7 @@ class StepTail:
 
     def poll(self, notes: list[str]) -> list[StepSample]:
         """The steps written since the previous poll, file by file in path order."""
-        paths = self._expand(notes)
+        paths = self._expand()
         first = not self._polled
         self._polled = True
         steps: list[StepSample] = []
@@ -95,13 +96,12 @@ class StepTail:
             del self._files[gone]
         return steps
 
-    def _expand(self, notes: list[str]) -> list[str]:
+    def _expand(self) -> list[str]:
         found: set[str] = set()
         for pattern in self.patterns:
-            matched = glob.glob(pattern) if glob.has_magic(pattern) else [pattern] * os.path.exists(pattern)
-            if not matched:  # a typo, or a run that has not started writing: either way worth a word (once)
-                notes.append(f"steps: no file matches {pattern} yet")
-            found.update(matched)
+            # nothing there is no problem of the moment: a run not started yet, which the monitor waits for
+            # (it says where it watches when it starts, and on screen until the first step comes)
+            found.update(glob.glob(pattern) if glob.has_magic(pattern) else [pattern] * os.path.exists(pattern))
         return sorted(found)
 
     def _read(self, path: str, first_poll: bool, notes: list[str]) -> list[StepSample]:

@@ -13,6 +13,7 @@ from redline.doctor.engine import DoctorReport
 from redline.doctor.model import Finding, Severity
 from redline.hw.snapshot import Snapshot
 from redline.report.summary import server_summary
+from redline.report.wrap import Values, prose
 
 EVIDENCE_CHARS = 240  # the full evidence is in --json and --html
 STYLE = {Severity.FAIL: "bold white on red", Severity.WARN: "bold black on yellow", Severity.INFO: "bold white on blue"}
@@ -27,24 +28,41 @@ def _summary_panel(snapshot: Snapshot) -> Panel:
     return Panel(table, title="redline doctor", title_align="left", border_style="cyan")
 
 
-def _compact(evidence: dict) -> str:
+def _compact(evidence: dict) -> list[str]:
+    """The evidence as compact JSON cut into its items (``"key": value,``), so that lines break between
+    items; past ``EVIDENCE_CHARS`` the items left out are one "..." (--json and --html have them all)."""
     text = json.dumps(evidence, default=str, separators=(", ", ": "))
-    return text if len(text) <= EVIDENCE_CHARS else text[: EVIDENCE_CHARS - 3] + "..."
+    items = [item + "," for item in text.split(", ")]
+    items[-1] = items[-1].removesuffix(",")
+    kept: list[str] = []
+    for item in items:
+        if sum(len(k) + 1 for k in kept) + len(item) > EVIDENCE_CHARS:
+            return [*kept, "..."]
+        kept.append(item)
+    return kept
+
+
+def _sentence(text: str, style: str = "") -> Values:
+    return Values([Text(word, style=style) for word in prose(text)], separator=" ", indent=0)
 
 
 def render_finding(f: Finding) -> Group:
-    head = Text.assemble((f" {f.severity.value.upper()} ", STYLE[f.severity]), " ", (f.title, "bold"))
+    """A finding's title, then what it costs, how to fix it, what was seen: each line wrapped between words, a
+    number kept with its unit, a piece of evidence kept whole."""
+    title = [Text(f" {f.severity.value.upper()} ", style=STYLE[f.severity])]
+    title += [Text(word, style="bold") for word in prose(f.title)]
     if f.subject:
-        head.append(f"  [{f.subject}]", style="dim")
+        title.append(Text(f" [{f.subject}]", style="dim"))
+    head = Values(title, separator=" ", indent=7)
     body = Table.grid(padding=(0, 1))
     body.add_column(style="dim", width=7, justify="right")
-    body.add_column(overflow="fold")
-    body.add_row("cost", Text(f.cost))
-    body.add_row("fix", Text(f.fix))
+    body.add_column()
+    body.add_row("cost", _sentence(f.cost))
+    body.add_row("fix", _sentence(f.fix))
     if f.evidence:
-        body.add_row("seen", Text(_compact(f.evidence)))
+        body.add_row("seen", Values(_compact(f.evidence), separator=" ", indent=0))
     if f.command:
-        body.add_row("see", Text(f"$ {f.command}", style="cyan"))
+        body.add_row("see", Text(f"$ {f.command}", style="cyan"))  # whole on its line where it fits
     body.add_row("rule", Text(f.rule, style="dim"))
     return Group(head, body)
 
