@@ -96,7 +96,11 @@ VirtualStages = Annotated[
 ]
 Analytic = Annotated[
     bool,
-    typer.Option("--analytic", help="Profile a config.json by formula instead of tracing it (transformers only)."),
+    typer.Option(
+        "--analytic",
+        help="Read a config.json by the transformer formulas instead of tracing it through transformers "
+        "(gpt2, llama, mistral, qwen2, qwen3, bert, t5).",
+    ),
 ]
 MemoryMargin = Annotated[
     float,

@@ -1,8 +1,9 @@
 """Hugging Face ``config.json`` files: the model's shape without its weights.
 
-Known architectures map onto a ``TransformerShape`` directly (no extra packages). With ``transformers``
-installed the real module is also built from the config on fake tensors and traced, which covers any
-architecture the library knows and gives exact counts.
+Known architectures map onto a ``TransformerShape`` directly (no extra packages): the transformer formulas
+read it where asked (``--analytic``), and it checks a known config before it is traced. A config is otherwise
+read by building its real module through ``transformers`` (the ``hf`` extra) on fake tensors and tracing it,
+which covers any architecture the library knows; ``workload.load.config_profile`` picks the reading.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def shape_from_config(config: dict[str, Any], seq_len: int | None = None, origin
     if layout is None:
         raise BadInput(
             f"{origin}: no built-in layout for model_type '{model_type}' (known: gpt2, {', '.join(LLAMA_LIKE)}, "
-            "bert, t5); install transformers to trace it"
+            "bert, t5); transformers traces it: pip install 'redline[hf]'"
         )
     try:
         return layout(_Fields(config, origin, model_type, seq_len))

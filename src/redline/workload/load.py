@@ -89,7 +89,7 @@ def model_builder(model: str, input_shape: tuple[int, ...] | None) -> ModelBuild
     if spec.kind is ModelKind.CONFIG:
         path = spec.path
         assert path is not None
-        if input_shape is None:  # profiled by the formulas: transformers missing, or a layout it cannot trace
+        if input_shape is None:  # profiled by the formulas: --analytic, or a layout that is not traced
             raise BadInput(f"{path} was profiled by formula, not traced: there is no module to run")
         from redline.workload.hf import KNOWN_MODEL_TYPES, read_config, shape_from_config
 
@@ -151,32 +151,57 @@ def bare_params_profile(params: float, seq_len: int | None) -> WorkloadProfile:
 def config_profile(
     path: Path, seq_len: int | None, *, analytic: bool = False, tensor_split: TensorSplit | None = None
 ) -> WorkloadProfile:
-    """A Hugging Face config: the analytic shape, traced through transformers when it is installed (and not
-    ``analytic``)."""
+    """A Hugging Face config.json, read one way whatever is installed: traced through transformers (the module
+    ``redline run`` trains), or by the transformer formulas where ``analytic`` asks for them or the layout cannot
+    be traced (T5 needs decoder inputs). Without transformers a config to trace is refused, never read by the
+    formulas instead: the two readings differ (Hugging Face's eager code saves more for backward than the
+    formulas count, and the step times differ), so the same file would plan differently on another machine.
+    The model is named from the config (``config_model_name``)."""
     from redline.workload.hf import KNOWN_MODEL_TYPES, read_config, shape_from_config
     from redline.workload.transformer import transformer_profile
 
     config = read_config(path)
-    name = str(config.get("_name_or_path") or (path.resolve().parent.name if path.is_file() else path.name))
-    shape: TransformerShape | None = None
-    if analytic and config["model_type"] not in KNOWN_MODEL_TYPES:
-        known = ", ".join(sorted(KNOWN_MODEL_TYPES))
-        raise BadInput(f"--analytic: no formula for model_type '{config['model_type']}' (known: {known})")
-    if config["model_type"] in KNOWN_MODEL_TYPES or not is_available("transformers"):
-        # a known layout is checked here even when transformers could trace it: a malformed config is an error
-        shape = shape_from_config(config, seq_len, origin=str(path))
-    if analytic or not is_available("transformers") or not is_available("torch") or config["model_type"] == "t5":
-        # T5 needs decoder inputs to trace; its layout is known
-        if shape is None:
-            raise BadInput(f"{path}: cannot profile model_type '{config['model_type']}'")
-        return transformer_profile(shape, name=name, source=f"config {path} (analytic)")
-    return _trace_hf(config, path, name, shape, seq_len, tensor_split)
+    model_type = config["model_type"]
+    known = model_type in KNOWN_MODEL_TYPES
+    if analytic and not known:
+        known_types = ", ".join(sorted(KNOWN_MODEL_TYPES))
+        raise BadInput(f"--analytic: no formula for model_type '{model_type}' (known: {known_types})")
+    # a known layout is checked even when it is traced: a malformed config is an error, not a surprising model
+    shape = shape_from_config(config, seq_len, origin=str(path)) if known else None
+    if analytic or model_type == "t5":
+        assert shape is not None
+        profile = transformer_profile(shape, name=model_type, source=f"config {path}")
+    else:
+        _require_tracer(path, known)
+        profile = _trace_hf(config, path, shape, seq_len, tensor_split)
+    return dataclasses.replace(profile, name=config_model_name(config, profile.params_total))
+
+
+def _require_tracer(path: Path, known: bool) -> None:
+    """BadInput in one line where what tracing a config takes is missing: transformers (the ``hf`` extra), then
+    PyTorch (which that extra leaves to the user, as the build depends on the machine)."""
+    if not is_available("transformers"):
+        formula = ", or --analytic for the transformer formulas" if known else ""
+        file = path / "config.json" if path.is_dir() else path
+        raise BadInput(
+            f"{file} is a Hugging Face model config; reading it needs transformers (pip install 'redline[hf]'){formula}"
+        )
+    require_torch(f"tracing {path}")
+
+
+def config_model_name(config: dict[str, Any], params: int) -> str:
+    """What a config.json's model is called: the name it was saved under (``_name_or_path``: a hub id or the
+    folder ``save_pretrained`` wrote), else its model type and size ("llama 1.1B"). Never the folder the file sits
+    in, which says nothing about the model (``read_config`` has made sure there is a model type)."""
+    saved = config.get("_name_or_path")
+    if isinstance(saved, str) and saved.strip():
+        return saved.strip()
+    return f"{config['model_type']} {fmt_count(params)}"
 
 
 def _trace_hf(
     config: dict,
     path: Path,
-    name: str,
     shape: TransformerShape | None,
     seq_len: int | None,
     tensor_split: TensorSplit | None = None,
@@ -194,8 +219,8 @@ def _trace_hf(
     profile = trace_module(
         build,
         (length,),
-        name=name,
-        source=f"config {path} (traced with transformers {transformers.__version__})",
+        name=str(path),  # what the tracer's errors call it; the caller names the model once its size is known
+        source=f"config {path}, transformers {transformers.__version__}",
         input_dtype=torch.long,
         tokens_per_sample=length,
         sample_unit="sequence",
