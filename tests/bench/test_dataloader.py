@@ -223,7 +223,7 @@ def test_the_single_process_loader_runs_with_the_workers_thread_budget(tiny):
         torch.set_num_threads(before)
     grid = m.extra["grid"]
     assert {g["threads"] for g in grid} == {1} and m.extra["threads_per_process"] == 1
-    assert [g["num_workers"] for g in grid][0] == 0
+    assert grid[0]["num_workers"] == 0
     assert "1 intra-op thread per loading process" in m.method
     assert m.size["runs"] == dataloader.REPEATS[True]
     for g in grid:  # each setting's spread over its runs' windows, the median inside it
