@@ -40,13 +40,20 @@ def run_suite(name: str, ctx: BenchContext) -> list[Measurement]:
     cores): a figure measured on a busy host is marked in the table, in saved results and for the planner."""
     from redline.hw.cpu_busy import CpuWatch
 
-    watch = CpuWatch()
+    try:
+        watch: CpuWatch | None = CpuWatch()
+    except Exception:  # /proc unreadable here (a locked-down sandbox): the figures go unmarked, not unmeasured
+        watch = None
     measurements = runner(name)(ctx)
-    busy = watch.stop(ctx.snapshot.host if ctx.snapshot else None)
-    record = {**dataclasses.asdict(busy), "taken_ratio": busy.taken_ratio, "busy": busy.busy}
-    record["summary"] = busy.describe()
-    for m in measurements:
-        m.extra["host_cpu"] = record
+    try:
+        busy = watch.stop(ctx.snapshot.host if ctx.snapshot else None) if watch else None
+    except Exception:  # a process table that changed under psutil in a way it did not expect: as above
+        busy = None
+    if busy is not None:
+        record = {**dataclasses.asdict(busy), "taken_ratio": busy.taken_ratio, "busy": busy.busy}
+        record["summary"] = busy.describe()
+        for m in measurements:
+            m.extra["host_cpu"] = record
     return measurements
 
 

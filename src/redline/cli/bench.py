@@ -179,10 +179,18 @@ def _report(run: BenchRun, *, json_out: bool, save: bool) -> None:
         ui.warn(f"saved to {saved}; `redline doctor --bench` reads it")
         busy = [m for m in run.measurements if m.busy_host]
         if busy:  # kept, marked: the doctor and the planner see the mark; an idle rerun replaces them
+            total = len(run.measurements)
+            which = (
+                f"{len(busy)} of the {total} figures were"
+                if len(busy) < total
+                else "the figure was"
+                if total == 1
+                else f"all {total} figures were"
+            )
             ui.warn(
-                f"{len(busy)} of the {len(run.measurements)} figures were measured while "
-                f"{busy[0].extra['host_cpu']['summary']}: saved marked as taken on a busy host, so the doctor and "
-                "the planner know they understate this machine; rerun `redline bench --save` when it is idle"
+                f"{which} measured while {busy[0].extra['host_cpu']['summary']}: saved marked as taken on a busy "
+                "host, so the doctor and the planner know they understate this machine; rerun `redline bench "
+                "--save` when it is idle"
             )
 
 

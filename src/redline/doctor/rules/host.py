@@ -209,12 +209,14 @@ def bench_on_busy_host(audit: Audit) -> Iterator[Finding]:
     marked = [m for m in audit.bench.measurements if m.busy_host] if audit.bench else []
     if marked:
         names = sorted({f"{m.suite} {m.name}" for m in marked})
+        suites = " ".join(dict.fromkeys(m.suite for m in marked))
+        figures = "1 saved bench figure was" if len(marked) == 1 else f"{len(marked)} saved bench figures were"
         yield Finding(
             Severity.INFO,
-            f"{len(marked)} saved bench figure(s) were measured while other processes kept the CPUs busy",
+            f"{figures} measured while other processes kept the CPUs busy",
             cost="They understate this machine: the doctor's verdicts on them and the planner's ceilings from them "
             "are too pessimistic.",
-            fix="Rerun `redline bench --save` with the suites listed on an idle host; newer figures replace them.",
+            fix="Measure them again on an idle host (`redline doctor` says when it is); newer figures replace them.",
             evidence={"figures": names, "while": sorted({str(m.extra["host_cpu"].get("summary")) for m in marked})},
-            command="redline bench --json | jq '.measurements[].extra.host_cpu'",
+            command=f"redline bench {suites} --save",
         )
