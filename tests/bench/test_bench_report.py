@@ -89,7 +89,7 @@ def test_the_bench_table_and_grid_are_whole_tables_at_any_width(width, monkeypat
     assert ["suite", "measurement", "value", "of", "peak", "p10-p90", "how"] in headers
     assert ["workers", "prefetch", "pin", "threads", "samples/s", "p10-p90", "start-up", "s"] in headers
     (chosen,) = [line for line in text.splitlines() if "<- use" in line]
-    assert chosen.split()[:4] == ["2", "2", "no", "1"] and "903.1-1104" in chosen
+    assert chosen.split()[:4] == ["2", "2", "no", "1"] and "1,003  903.1-1,104" in chosen
 
 
 @pytest.mark.parametrize("width", WIDTHS)

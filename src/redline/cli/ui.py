@@ -162,9 +162,10 @@ def print_measurements(measurements: list[Measurement]) -> None:
         method = m.method + (f" Peak: {m.peak_source}." if m.peak_source else "")
         if method not in methods:
             methods.append(method)
-        suites = busy.setdefault(str(m.extra["host_cpu"].get("summary")), []) if m.busy_host else [m.suite]
-        if m.suite not in suites:
-            suites.append(m.suite)
+        if m.busy_host:
+            suites = busy.setdefault(str(m.extra["host_cpu"].get("summary")), [])
+            if m.suite not in suites:
+                suites.append(m.suite)
         table.add_row(
             Text(m.suite),
             Text(m.name + (f" {m.device}" if m.device != "cpu" else "")),
@@ -205,7 +206,9 @@ def _grid_table(m: Measurement) -> Table:
     table.add_column("", no_wrap=True)
 
     def cell(value: Any) -> str:
-        return ("yes" if value else "no") if isinstance(value, bool) else _cell(value)
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return _figure(value, 4) if isinstance(value, float) else _cell(value)
 
     for row in rows:
         picked = bool(chosen) and all(row.get(k) == v for k, v in chosen.items())

@@ -245,7 +245,7 @@ class CpuBusy:
         return self.taken_ratio >= BUSY_RATIO
 
     def describe(self) -> str:
-        """'other processes kept 1.6 of 2 cores busy (load 6.1; python3 (alice) 1.0, ...)', for a note."""
+        """'other processes kept 1.6 of 2 CPUs busy (load 6.1; python3 (alice) 1.0, ...)', for a note."""
         top = ", ".join(f"{p.name or p.pid}{f' ({p.user})' if p.user else ''} {p.cpu_cores:.1f}" for p in self.top[:3])
         load = f"load {self.load_1m:.1f}" if self.load_1m is not None else ""
         details = "; ".join(part for part in (load, top) if part)

@@ -1,4 +1,4 @@
-"""Can the host keep the GPUs fed? CPU governor and quota, memory, swap, /dev/shm, NUMA, IOMMU."""
+"""Can the host keep the GPUs fed? CPU governor, quota and other processes' load, memory, swap, /dev/shm, NUMA."""
 
 from __future__ import annotations
 
@@ -198,7 +198,9 @@ def cpu_busy(audit: Audit) -> Iterator[Finding]:
             "usable_cores": busy.usable_cores,
             "load_1m": busy.load_1m,
             "sample_s": busy.sample_s,
-            "busiest": [f"{p.pid} {p.name or '?'} ({p.user or '?'}) {p.cpu_cores:g} cores" for p in busy.top],
+            # none listed: the busy processes live outside this PID namespace (other containers on the host)
+            "busiest": [f"{p.pid} {p.name or '?'} ({p.user or '?'}) {p.cpu_cores:g} cores" for p in busy.top]
+            or ["none visible from here: processes of other containers or of the host"],
         },
         command="ps -eo pid,user,comm,%cpu --sort=-%cpu | head",
     )
