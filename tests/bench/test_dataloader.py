@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 import uuid
+from typing import Any
 
 import psutil
 import pytest
@@ -185,3 +186,81 @@ def test_the_terminal_shows_the_grid_the_winner_and_the_advice(user_module, tmp_
     assert sum("<-" in row for row in rows) == 1  # one recommended
     advice = " ".join(out.split())
     assert "use DataLoader(num_workers=" in advice and "the single-process loader" in advice
+
+
+# ------------------------------------------------------------------------------------ fair comparisons
+
+
+class OneThreadOnly:
+    """Samples that refuse to load in a process with more than one intra-op thread: the proof that the
+    single-process loader ran under the workers' budget (PyTorch gives each worker one thread)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import torch
+
+        if torch.get_num_threads() != 1:
+            raise RuntimeError(f"loading with {torch.get_num_threads()} threads")
+        return torch.zeros(4), i
+
+
+def test_the_single_process_loader_runs_with_the_workers_thread_budget(tiny):
+    """The finding: num_workers=0 ran with torch's default threads (2 on 2 cores), the workers with one each, and
+    the difference was reported as the workers' speed-up. Every loading process now has one thread, the grid
+    says so, and the process's own thread count is given back afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a 2-core machine's default
+    try:
+        ctx = BenchContext(quick=True, snapshot=healthy_server(0))
+        ctx.extra["dataset"], ctx.dataset = OneThreadOnly(), "tests:one_thread_only"
+        (m,) = dataloader.run(ctx)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    grid = m.extra["grid"]
+    assert {g["threads"] for g in grid} == {1} and m.extra["threads_per_process"] == 1
+    assert grid[0]["num_workers"] == 0
+    assert "1 intra-op thread per loading process" in m.method
+    assert m.size["runs"] == dataloader.REPEATS[True]
+    for g in grid:  # each setting's spread over its runs' windows, the median inside it
+        assert g["samples_per_s_p10"] <= g["samples_per_s"] <= g["samples_per_s_p90"]
+
+
+def _result(workers: int, rates: list[float], prefetch: int | None = None, pin: bool = False) -> dataloader.Result:
+    setting = dataloader.Setting(workers, prefetch if workers else None, pin)
+    return dataloader.Result(setting, [0.1], rates, 1000)
+
+
+def test_no_advice_from_noise():
+    """prefetch_factor=4 and 2 workers that beat the default only inside the spread of their runs are not
+    advised: the default stays, and the advice says why."""
+    base = _result(0, [100, 104, 96, 101, 99, 103])
+    advice = dataloader.advise(
+        [base, _result(2, [103, 98, 105, 100, 102, 97], 2), _result(2, [106, 101, 108, 103, 104, 99], 4)]
+    )
+    assert advice.chosen is base and advice.best is not base
+    assert "no other setting was worth its processes beyond the spread" in advice.text
+
+
+def test_advice_takes_the_cheapest_setting_that_is_as_good_as_the_best_beyond_the_spread():
+    base = _result(0, [100, 101, 99, 100])
+    two, deeper = _result(2, [190, 200, 195, 205], 2), _result(2, [198, 204, 200, 207], 4)
+    pinned = _result(2, [201, 206, 199, 208], 2, pin=True)
+    advice = dataloader.advise([base, two, deeper, pinned])
+    assert advice.best is pinned and advice.chosen is two  # prefetch 4 and pinning won by noise only
+    assert advice.text.startswith("num_workers=2, prefetch_factor=2, pin_memory=False: 2.0x the single-process")
+    assert "1 thread per process in both" in advice.text
+    # a setting clearly faster than the best's spread allows is not traded for fewer processes
+    four = _result(4, [390, 400, 395, 405], 2)
+    assert dataloader.advise([base, two, four]).chosen is four
+
+
+def test_a_gain_beyond_the_spread_but_too_small_to_pay_for_workers_is_not_advised():
+    base = _result(0, [100.0, 100.1, 100.2, 99.9])
+    slightly = _result(1, [102.0, 102.1, 102.2, 101.9], 2)
+    assert dataloader.faster_beyond_spread(slightly, base)
+    assert dataloader.advise([base, slightly]).chosen is base

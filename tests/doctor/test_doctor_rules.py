@@ -8,7 +8,7 @@ from builders import H100_MEMORY_BYTES, healthy_server, mutate
 from redline.bench.model import BenchRun, Measurement
 from redline.doctor.engine import all_rules, run_rules
 from redline.doctor.model import Area, Severity
-from redline.hw.snapshot import BlockDevice, DataPath, GpuProcess, IbPort, Mount, NetInterface
+from redline.hw.snapshot import BlockDevice, BusyProcess, CpuBusy, DataPath, GpuProcess, IbPort, Mount, NetInterface
 from redline.units import GiB, MiB
 
 F, W, I = Severity.FAIL, Severity.WARN, Severity.INFO  # noqa: E741 (the table reads better)
@@ -141,6 +141,7 @@ CASES = [
     ("host.gpu-nic-numa", I, {"network.ib_ports[*].numa_node": 0}, "GPUs 4-7"),
     ("host.iommu", W, {"host.iommu_mode": "translated"}, None),
     ("host.iommu", W, {"host.iommu_mode": None, "host.kernel_cmdline": "BOOT_IMAGE=/vmlinuz intel_iommu=on"}, None),
+    ("host.cpu-busy", W, {"host.cpu_busy": CpuBusy(0.5, 224, 224.0, 180.0, 260.0)}, None),
 ]
 # fmt: on
 
@@ -221,6 +222,8 @@ QUIET = [
     ("multi_gpu.p2p-unavailable", {"gpu.p2p[0][7]": "topology_not_supported"}),  # 0 and 7 sit on two sockets
     ("multi_gpu.fabric-not-ready", {"gpu.gpus[*].fabric_status": "success"}),
     ("software.tf32-off", {"software.torch.float32_matmul_precision": "high"}),
+    ("host.cpu-busy", {"host.cpu_busy": CpuBusy(0.5, 224, 224.0, 30.0, 31.0)}),  # monitoring agents, a shell
+    ("host.cpu-busy", {"host.cpu_busy": CpuBusy(0.5, 224, 8.0, 200.0, 210.0)}),  # a quota of 8: 16 CPUs left
 ]
 
 
@@ -323,6 +326,20 @@ MEASURED = [
         ),
     ),
     (
+        "host.bench-on-busy-host",
+        I,
+        _bench(
+            Measurement(
+                "compute",
+                "matmul_fp32",
+                0.2,
+                "TFLOP/s",
+                "torch.matmul",
+                extra={"host_cpu": {"busy": True, "summary": "other processes kept 1.9 of 2 CPUs busy"}},
+            )
+        ),
+    ),
+    (
         "network.streams-needed",
         W,
         _bench(
@@ -351,3 +368,15 @@ def test_measured_rules_are_quiet_on_good_figures_and_without_bench():
     measured = {m[0] for m in MEASURED}
     for bench in (good, None):
         assert not measured & {f.rule for f in run_rules(healthy_server(), bench=bench).findings}
+
+
+def test_a_busy_host_says_what_is_busy_and_what_to_do():
+    """The finding: at load 6 on 2 cores a run took 7.6x longer with the default threads, and nothing said so."""
+    busy = CpuBusy(0.5, 2, 2.0, 1.9, 6.1, [BusyProcess(4242, "python3", "alice", 1.0), BusyProcess(77, "cc1plus")])
+    (finding,) = [
+        f for f in run_rules(mutate(healthy_server(), {"host.cpu_busy": busy})).findings if f.rule == "host.cpu-busy"
+    ]
+    assert finding.title.startswith("Other processes used 1.9 of 2 CPUs over 0.5 s: 95% of the 2 cores")
+    assert "--cpu-threads 1" in finding.fix and "another machine" in finding.fix and "wait" in finding.fix
+    assert finding.evidence["busiest"] == ["4242 python3 (alice) 1 cores", "77 cc1plus (?) 0 cores"]
+    assert finding.evidence["load_1m"] == 6.1

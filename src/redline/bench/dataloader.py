@@ -3,13 +3,21 @@
 A GPU waits on its input pipeline more often than on anything else, and the fix is usually a setting:
 more worker processes, a deeper prefetch queue, pinned batches. This suite runs the same Dataset through
 a grid of settings (num_workers 0, 1, 2, 4, ... up to the usable cores; prefetch_factor 2 and 4 with
-workers; pin_memory on and off where there is a GPU; persistent_workers on) and reports the best.
+workers; pin_memory on and off where there is a GPU; persistent_workers on) and says which to use.
 
-Per setting: the first batch is timed apart (``startup_s``: forking workers, their first fetches), the
-batches the workers queued meanwhile are drained untimed, then a fixed number of batches is timed in equal
-windows; samples/s is the median over the windows. On a GPU
-each batch is also copied to it (``non_blocking``, as a training loop does), since that copy is what
-pin_memory speeds up. Every loader's workers are shut down before the next setting starts, also on error.
+Fair comparisons: every loading process runs its tensor ops on one intra-op thread. PyTorch sets one
+thread in each worker; the single-process loader (num_workers=0) is measured under the same budget, since
+with torch's default threads its small ops fight over the cores and a "speed-up" of the workers would be
+that fight, not their parallelism. Each setting is run ``REPEATS`` times with a fresh loader, the runs of
+all settings interleaved so a change in the host's load falls on every setting alike.
+
+Per run: the first batch is timed apart (``startup_s``: forking workers, their first fetches), the batches
+the workers queued meanwhile are drained untimed, then a fixed number of batches is timed in equal windows.
+A setting's samples/s is the median over the windows of all its runs, with their p10-p90 as its spread;
+one setting is called faster than another only when its p10 is above the other's p90, and a setting is
+recommended over the default (num_workers=0) only when it is faster beyond that spread. On a GPU each
+batch is also copied to it (``non_blocking``, as a training loop does), since that copy is what pin_memory
+speeds up. Every loader's workers are shut down before the next run starts, also on error.
 
 The default Dataset (``SyntheticImages``) does the CPU work of a typical image pipeline per sample: draw
 a 3x256x256 uint8 "decoded" image, random-crop to 224, random flip, brightness/contrast jitter in float,
@@ -34,10 +42,16 @@ from redline.errors import BadInput, one_line
 
 SUITE = "dataloader"
 BATCH_SIZE = 32
-# timed batches per setting, after the first: {quick: batches}; split into WINDOWS for the spread
-BATCHES = {False: 100, True: 20}
-WINDOWS = 5
-# a setting within this share of the best counts as just as good (then fewer workers win)
+# runs of each setting, each with a fresh loader: {quick: runs}
+REPEATS = {False: 3, True: 2}
+# timed batches per run, after the first: {quick: batches}; split into WINDOWS for the spread
+BATCHES = {False: 40, True: 12}
+WINDOWS = 4
+# intra-op threads of every loading process: what PyTorch gives each worker, so the single-process loader
+# gets it too
+THREADS_PER_PROCESS = 1
+# a setting within this share of the best counts as just as good (then fewer workers win); a setting must
+# also be at least 1/GOOD_ENOUGH times the default to be worth its processes
 GOOD_ENOUGH = 0.95
 
 
@@ -196,20 +210,101 @@ def grid(cores: int, quick: bool, cuda: bool) -> list[Setting]:
 
 @dataclass
 class Result:
+    """One setting's runs: each run's start-up, and samples/s in every timed window of every run."""
+
     setting: Setting
-    startup_s: float
+    startups_s: list[float]
     windows_samples_per_s: list[float]
     batch_bytes: int
 
     @property
+    def spread(self) -> Spread:
+        return Spread.of(self.windows_samples_per_s)
+
+    @property
     def samples_per_s(self) -> float:
-        return Spread.of(self.windows_samples_per_s).median
+        return self.spread.median
+
+    @property
+    def startup_s(self) -> float:
+        return Spread.of(self.startups_s).median
+
+    @classmethod
+    def combined(cls, runs: list[Result]) -> Result:
+        """Several runs of one setting as one result: their start-ups and windows side by side."""
+        return cls(
+            runs[0].setting,
+            [s for r in runs for s in r.startups_s],
+            [w for r in runs for w in r.windows_samples_per_s],
+            runs[0].batch_bytes,
+        )
+
+
+def faster_beyond_spread(a: Result, b: Result) -> bool:
+    """Whether ``a`` loads faster than ``b`` by more than their windows scatter: a's p10 above b's p90. Two
+    settings whose p10-p90 ranges overlap are not told apart, whatever their medians say."""
+    return a.spread.p10 > b.spread.p90
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The setting to use and why: ``chosen`` is ``baseline`` (DataLoader's default, num_workers=0) unless
+    another setting beat it beyond the spread and by at least 1/GOOD_ENOUGH."""
+
+    best: Result
+    chosen: Result
+    baseline: Result
+    text: str
+
+
+def advise(results: list[Result]) -> Advice:
+    """The cheapest setting (fewest workers, then shallowest prefetch, then no pinning) as good as the best,
+    if it is worth its processes over the default; else the default.
+
+    "As good as the best": within GOOD_ENOUGH of its median, or not slower than it beyond the spread. "Worth
+    it": faster than the default beyond the spread and by at least 1/GOOD_ENOUGH. So a prefetch_factor=4 or
+    a pin_memory=True that won by noise is never advised.
+    """
+    best = max(results, key=lambda r: r.samples_per_s)
+    baseline = next((r for r in results if r.setting.num_workers == 0 and not r.setting.pin_memory), results[0])
+    as_good = [
+        r for r in results if r.samples_per_s >= GOOD_ENOUGH * best.samples_per_s or not faster_beyond_spread(best, r)
+    ]
+    worth_it = [
+        r
+        for r in as_good
+        if r is baseline
+        or (faster_beyond_spread(r, baseline) and r.samples_per_s * GOOD_ENOUGH >= baseline.samples_per_s)
+    ]
+    chosen = min(
+        worth_it or [baseline],
+        key=lambda r: (r.setting.num_workers, r.setting.prefetch_factor or 0, r.setting.pin_memory),
+    )
+    threads = f"{THREADS_PER_PROCESS} thread{'s' * (THREADS_PER_PROCESS > 1)} per process"
+    if chosen is baseline:
+        text = f"{chosen.setting.describe()}: the single-process loader"
+        if best is not baseline:
+            text += (
+                f"; no other setting was worth its processes beyond the spread of the runs (the fastest, "
+                f"{best.setting.describe()}, {best.samples_per_s / baseline.samples_per_s:.2f}x, p10-p90 "
+                f"{best.spread.p10:.4g}-{best.spread.p90:.4g} against {baseline.spread.p10:.4g}-"
+                f"{baseline.spread.p90:.4g} samples/s)"
+            )
+        return Advice(best, chosen, baseline, text)
+    speedup = chosen.samples_per_s / baseline.samples_per_s
+    text = f"{chosen.setting.describe()}: {speedup:.1f}x the single-process loader ({threads} in both)"
+    if chosen is not best:
+        text += (
+            f" ({chosen.samples_per_s / best.samples_per_s:.0%} of the best, {best.setting.describe()}, "
+            "with fewer processes or the same within the spread)"
+        )
+    return Advice(best, chosen, baseline, text)
 
 
 def measure_setting(
     dataset: Any, setting: Setting, *, batches: int, batch_size: int | None = None, device: str = "cpu"
 ) -> Result:
-    """Time ``batches`` batches of ``dataset`` after the first, in WINDOWS equal windows.
+    """One run: time ``batches`` batches of ``dataset`` after the first, in WINDOWS equal windows.
 
     An epoch that ends early starts the next (persistent workers carry on). The iterator's workers are shut
     down when this returns or raises.
@@ -250,7 +345,7 @@ def measure_setting(
             if cuda:
                 torch.cuda.synchronize(device)
             rates.append(samples / (time.perf_counter() - t0))
-        return Result(setting, startup_s, rates, batch_bytes)
+        return Result(setting, [startup_s], rates, batch_bytes)
     finally:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:  # persistent workers outlive the iterator object unless told to stop
@@ -331,45 +426,50 @@ def run(ctx: BenchContext) -> list[Measurement]:
         device = f"cuda:{cuda_indices(ctx.device)[0]}"
     cores = usable_cores(ctx)
     settings = grid(cores, ctx.quick, cuda)
-    batches = BATCHES[ctx.quick]
-    results = []
-    with ctx.task("dataloader: settings", len(settings)) as step:
-        for setting in settings:
-            try:
-                results.append(measure_setting(dataset, setting, batches=batches, device=device))
-            except BadInput:
-                raise
-            except Exception as exc:  # the user's Dataset or collate failing: say so in one line
-                raise BadInput(
-                    f"dataloader ({setting.describe()}): loading {source} failed: {_one_line(exc)}"
-                ) from None
-            step()
+    batches, repeats = BATCHES[ctx.quick], REPEATS[ctx.quick]
+    runs: dict[Setting, list[Result]] = {setting: [] for setting in settings}
+    with _torch_threads(THREADS_PER_PROCESS), ctx.task("dataloader: settings", len(settings) * repeats) as step:
+        for _ in range(repeats):  # round by round: a burst of load elsewhere slows one run of each, not one setting
+            for setting in settings:
+                try:
+                    runs[setting].append(measure_setting(dataset, setting, batches=batches, device=device))
+                except BadInput:
+                    raise
+                except Exception as exc:  # the user's Dataset or collate failing: say so in one line
+                    raise BadInput(
+                        f"dataloader ({setting.describe()}): loading {source} failed: {_one_line(exc)}"
+                    ) from None
+                step()
+    results = [Result.combined(runs[setting]) for setting in settings]
     return [summarize(ctx, results, source=source, batches=batches, cores=cores, device=device)]
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """This process's intra-op threads set to ``threads`` for the block (workers set their own to 1)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def summarize(
     ctx: BenchContext, results: list[Result], *, source: str, batches: int, cores: int, device: str
 ) -> Measurement:
-    best = max(results, key=lambda r: r.samples_per_s)
-    single = next((r for r in results if r.setting.num_workers == 0 and not r.setting.pin_memory), results[0])
-    # the cheapest setting (fewest workers, then shallowest prefetch) that is as good as the best
-    enough = min(
-        (r for r in results if r.samples_per_s >= GOOD_ENOUGH * best.samples_per_s),
-        key=lambda r: (r.setting.num_workers, r.setting.prefetch_factor or 0, r.setting.pin_memory),
-    )
-    speedup = enough.samples_per_s / single.samples_per_s
-    recommendation = f"{enough.setting.describe()}: {speedup:.1f}x the single-process loader"
-    if enough is not best:
-        recommendation += (
-            f" ({enough.samples_per_s / best.samples_per_s:.0%} of the best, {best.setting.describe()}, "
-            "with fewer processes)"
-        )
+    advice = advise(results)
+    best = advice.best
+    runs = len(best.startups_s)
     extra: dict[str, Any] = {
         "dataset": source,
         "best": best.setting.loader_kwargs(),
-        "recommended": enough.setting.loader_kwargs(),
-        "recommendation": recommendation,
-        "single_process_samples_per_s": single.samples_per_s,
+        "recommended": advice.chosen.setting.loader_kwargs(),
+        "recommendation": advice.text,
+        "single_process_samples_per_s": advice.baseline.samples_per_s,
+        "threads_per_process": THREADS_PER_PROCESS,
         "usable_cores": cores,
         "batch_size": BATCH_SIZE,
         "batch_bytes": best.batch_bytes,
@@ -377,7 +477,10 @@ def summarize(
         "grid": [
             {
                 **r.setting.loader_kwargs(),
+                "threads": THREADS_PER_PROCESS,
                 "samples_per_s": r.samples_per_s,
+                "samples_per_s_p10": r.spread.p10,
+                "samples_per_s_p90": r.spread.p90,
                 "startup_s": r.startup_s,
             }
             for r in results
@@ -386,22 +489,22 @@ def summarize(
     if device == "cpu":
         extra["pin_memory"] = "skipped: no GPU (pinning only speeds host-to-GPU copies)"
     extra.update(_shm_check(ctx, results))
-    extra["notes"] = [f"use DataLoader({recommendation.replace(':', '):', 1)}"]
+    extra["notes"] = [f"use DataLoader({advice.text.replace(':', '):', 1)}"]
     if "shm_warning" in extra:
         extra["notes"].append(extra["shm_warning"])
-    spread = Spread.of(best.windows_samples_per_s)
     return Measurement(
         suite=SUITE,
         name="samples_per_s",
-        value=spread.median,
+        value=best.samples_per_s,
         unit="samples/s",
-        method=f"DataLoader over {source}, batch {BATCH_SIZE}, shuffle; best of {len(results)} settings; "
-        f"{batches} batches timed after the first (start-up apart), median of {WINDOWS} windows"
-        + ("; each batch copied to the GPU" if device != "cpu" else ""),
+        method=f"DataLoader over {source}, batch {BATCH_SIZE}, shuffle; best of {len(results)} settings, "
+        f"{THREADS_PER_PROCESS} intra-op thread per loading process; {runs} runs of each, interleaved, "
+        f"{batches} batches timed per run after the first (start-up apart) in {WINDOWS} windows; median and "
+        "p10-p90 over the windows" + ("; each batch copied to the GPU" if device != "cpu" else ""),
         device=device,
-        size={"batch_size": BATCH_SIZE, "batches": batches},
+        size={"batch_size": BATCH_SIZE, "batches": batches, "runs": runs},
         repeats=len(best.windows_samples_per_s),
-        spread=spread,
+        spread=best.spread,
         extra=extra,
     )
 

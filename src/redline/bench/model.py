@@ -71,6 +71,13 @@ class Measurement:
         """value / peak: the share of the reference this machine delivers."""
         return self.value / self.peak if self.peak else None
 
+    @property
+    def busy_host(self) -> bool:
+        """Whether other processes kept the CPUs busy while this was measured (``extra["host_cpu"]``, recorded
+        by ``suites.run_suite``): the figure then understates the machine."""
+        host_cpu = self.extra.get("host_cpu")
+        return isinstance(host_cpu, dict) and bool(host_cpu.get("busy"))
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["ratio"] = self.ratio

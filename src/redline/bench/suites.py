@@ -3,6 +3,7 @@ imported only when asked for (torch and friends load with it, not with `redline 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 
@@ -31,6 +32,29 @@ def resolve(names: list[str]) -> list[str]:
 
 def runner(name: str) -> Callable[[BenchContext], list[Measurement]]:
     return importlib.import_module(f"redline.bench.{name}").run
+
+
+def run_suite(name: str, ctx: BenchContext) -> list[Measurement]:
+    """Suite ``name``'s measurements, each with how busy other processes kept the CPUs meanwhile
+    (``extra["host_cpu"]``: the figures, a one-line summary, and ``busy`` when they took BUSY_RATIO of our
+    cores): a figure measured on a busy host is marked in the table, in saved results and for the planner."""
+    from redline.hw.cpu_busy import CpuWatch
+
+    try:
+        watch: CpuWatch | None = CpuWatch()
+    except Exception:  # /proc unreadable here (a locked-down sandbox): the figures go unmarked, not unmeasured
+        watch = None
+    measurements = runner(name)(ctx)
+    try:
+        busy = watch.stop(ctx.snapshot.host if ctx.snapshot else None) if watch else None
+    except Exception:  # a process table that changed under psutil in a way it did not expect: as above
+        busy = None
+    if busy is not None:
+        record = {**dataclasses.asdict(busy), "taken_ratio": busy.taken_ratio, "busy": busy.busy}
+        record["summary"] = busy.describe()
+        for m in measurements:
+            m.extra["host_cpu"] = record
+    return measurements
 
 
 def check(names: list[str], ctx: BenchContext) -> None:

@@ -141,14 +141,14 @@ def _stream_counts(streams: str) -> list[int]:
 def _run_suites(names: list[str], ctx: BenchContext, run: BenchRun, *, show_progress: bool) -> list[int]:
     """Run each suite into ``run``; the exit codes of those that failed. With several suites one suite's failure
     is reported and the others still run; a single suite's is raised."""
-    from redline.bench.suites import runner
+    from redline.bench.suites import run_suite
 
     failures: list[int] = []
     with ui.progress_bar(enabled=show_progress) as progress:
         ctx.progress = progress
         for name in names:
             try:
-                run.measurements.extend(runner(name)(ctx))
+                run.measurements.extend(run_suite(name, ctx))
             except RedlineError as exc:
                 if len(names) == 1:
                     raise
@@ -177,6 +177,21 @@ def _report(run: BenchRun, *, json_out: bool, save: bool) -> None:
         except OSError as exc:
             raise BadInput(f"could not save the results under {store.home()}: {exc.strerror or exc}") from None
         ui.warn(f"saved to {saved}; `redline doctor --bench` reads it")
+        busy = [m for m in run.measurements if m.busy_host]
+        if busy:  # kept, marked: the doctor and the planner see the mark; an idle rerun replaces them
+            total = len(run.measurements)
+            which = (
+                f"{len(busy)} of the {total} figures were"
+                if len(busy) < total
+                else "the figure was"
+                if total == 1
+                else f"all {total} figures were"
+            )
+            ui.warn(
+                f"{which} measured while {busy[0].extra['host_cpu']['summary']}: saved marked as taken on a busy "
+                "host, so the doctor and the planner know they understate this machine; rerun `redline bench "
+                "--save` when it is idle"
+            )
 
 
 def _refuse_options_of_other_suites(names: list[str], given: dict[str, dict[str, bool]]) -> None:

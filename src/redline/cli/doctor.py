@@ -43,9 +43,9 @@ def doctor(
 
         snapshot = load_snapshot(from_file)
     else:
-        from redline.hw.probe import take_snapshot
+        from redline.hw.probe import CPU_SAMPLE_S, take_snapshot
 
-        snapshot = take_snapshot(data_paths=check_data_paths(data))
+        snapshot = take_snapshot(data_paths=check_data_paths(data), cpu_sample_s=CPU_SAMPLE_S)
 
     report = run_rules(snapshot, bench=_bench_run(snapshot, bench, bench_file))
     if html is not None:
@@ -98,15 +98,21 @@ def _bench_run(snapshot: Snapshot, latest: bool, path: Path | None) -> BenchRun 
 
 
 def _print_rules(rules: list, json_out: bool) -> None:
+    """Every rule by area (the report's section headings), its id and what it checks: an id names its area
+    already, so the table spends its width on what the rule checks, and fits an 80-column terminal."""
     if json_out:
         ui.print_json([r.to_dict() for r in rules])
         return
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"{len(rules)} doctor rules", title_justify="left")
+    table = Table(title=f"{len(rules)} doctor rules", title_justify="left", box=None, pad_edge=False)
     table.add_column("rule", style="cyan", no_wrap=True)
-    table.add_column("area")
     table.add_column("checks")
-    for r in rules:
-        table.add_row(r.id, r.area.heading, r.summary)
-    ui.console.print(table)
+    area = None
+    for r in rules:  # in area order
+        if r.area != area:
+            area = r.area
+            table.add_row(Text(r.area.heading, style="bold"), "")
+        table.add_row(r.id, r.summary)
+    ui.print_table(table)

@@ -36,18 +36,17 @@ def probe(
     Save one on a remote server with `redline probe --json > snap.json`, audit it anywhere with
     `redline doctor --from snap.json`.
     """
-    from redline.hw.probe import take_snapshot
+    from redline.hw.probe import CPU_SAMPLE_S, take_snapshot
     from redline.hw.snapshot import SNAPSHOT_MARKER
     from redline.report.summary import server_summary
 
-    snapshot = take_snapshot(data_paths=check_data_paths(data))
+    snapshot = take_snapshot(data_paths=check_data_paths(data), cpu_sample_s=CPU_SAMPLE_S)
     if output is not None:
         write_output(output, snapshot.to_json(), marker=SNAPSHOT_MARKER)
     if json_out:
         ui.print_json(snapshot.to_dict())
         return
-    table = ui.key_value_table("redline probe", server_summary(snapshot))
-    ui.console.print(table)
+    ui.print_table(ui.key_value_table("redline probe", server_summary(snapshot)))
     for gpu in snapshot.gpus:
         ui.console.print(ui.gpu_line(gpu))
     for note in snapshot.probe_errors:

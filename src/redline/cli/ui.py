@@ -149,32 +149,45 @@ def progress_bar(enabled: bool = True) -> Iterator[Callable[[str, int, int], Non
 
 def print_measurements(measurements: list[Measurement]) -> None:
     """Bench results: value, the peak it is compared with, how far repeats scattered; how each was
-    measured follows the table as numbered notes, so the table stays readable on an 80-column terminal."""
-    table = Table(title="redline bench", title_justify="left")
+    measured follows the table as numbered notes, so the table stays readable on an 80-column terminal. A
+    figure measured while other processes kept the CPUs busy is marked ``*`` and footnoted."""
+    table = Table(title="redline bench", title_justify="left", box=None, pad_edge=False)
     for column in ("suite", "measurement"):
-        table.add_column(column, justify="left")
-    for column in ("value", "peak", "of peak", "p10-p90", "how"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="left", no_wrap=True)
+    for column in ("value", "of peak", "p10-p90", "how"):
+        table.add_column(column, justify="right", no_wrap=True)
     methods: list[str] = []
+    busy: dict[str, list[str]] = {}  # what kept the host busy -> the suites measured meanwhile
     for m in measurements:
         method = m.method + (f" Peak: {m.peak_source}." if m.peak_source else "")
         if method not in methods:
             methods.append(method)
+        if m.busy_host:
+            suites = busy.setdefault(str(m.extra["host_cpu"].get("summary")), [])
+            if m.suite not in suites:
+                suites.append(m.suite)
         table.add_row(
             Text(m.suite),
             Text(m.name + (f" {m.device}" if m.device != "cpu" else "")),
-            Text(f"{m.value:.4g} {m.unit}"),
-            Text(f"{m.peak:.4g}" if m.peak else "n/a"),
-            Text(f"{m.ratio:.0%}" if m.ratio is not None else ""),
-            Text(f"{m.spread.p10:.3g}-{m.spread.p90:.3g}" if m.spread else ""),
+            Text(f"{_figure(m.value, 4)} {m.unit}" + ("*" if m.busy_host else "")),
+            Text(f"{m.ratio:.0%} of {_figure(m.peak, 4)}" if m.ratio is not None and m.peak else "n/a"),
+            Text(f"{_figure(m.spread.p10, 3)}-{_figure(m.spread.p90, 3)}" if m.spread else ""),
             Text(f"[{methods.index(method) + 1}]", style="dim"),
         )
-    console.print(table)
+    print_table(table)
     for i, method in enumerate(methods, 1):
         console.print(Text(f"[{i}] {method}", style="dim"))
+    for summary, suites in busy.items():
+        console.print(
+            Text(
+                f"* {', '.join(suites)}: measured while {summary}; such figures understate this machine "
+                "(`redline doctor` names what is busy)",
+                style="yellow",
+            )
+        )
     for m in measurements:
         if m.extra.get("grid"):
-            console.print(_grid_table(m))
+            print_table(_grid_table(m))
     for m in measurements:  # what a reader must know about a figure: an emulated precision, advice
         for note in m.extra.get("notes", []):
             console.print(Text(f"{m.suite} {m.name}: {note}", style="yellow"))
@@ -182,27 +195,47 @@ def print_measurements(measurements: list[Measurement]) -> None:
 
 def _grid_table(m: Measurement) -> Table:
     """Every setting a suite tried (``extra["grid"]``: flat rows), the recommended one (``extra["recommended"]``,
-    the settings that pick it out) marked."""
+    the settings that pick it out) marked. A pair of keys ``X_p10`` and ``X_p90`` is one column, "p10-p90"."""
     rows: list[dict[str, Any]] = m.extra["grid"]
     chosen = m.extra.get("recommended") or {}
-    table = Table(title=f"{m.suite}: every setting tried", title_justify="left", box=None, padding=(0, 1))
-    columns = list(rows[0])
+    table = Table(title=f"{m.suite}: every setting tried", title_justify="left", box=None, pad_edge=False)
+    columns = [c for c in rows[0] if not c.endswith("_p90") and GRID_LABELS.get(c, c) is not None]
     for column in columns:
-        table.add_column(GRID_LABELS.get(column, column), justify="right", no_wrap=True)
+        label = "p10-p90" if column.endswith("_p10") else GRID_LABELS.get(column, column)
+        table.add_column(label or column, justify="right", no_wrap=True)
     table.add_column("", no_wrap=True)
+
+    def cell(value: Any) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return _figure(value, 4) if isinstance(value, float) else _cell(value)
+
     for row in rows:
         picked = bool(chosen) and all(row.get(k) == v for k, v in chosen.items())
-        cells = [_cell(row.get(c)) for c in columns]
+        cells = [
+            f"{cell(row.get(c))}-{cell(row.get(c[:-4] + '_p90'))}" if c.endswith("_p10") else cell(row.get(c))
+            for c in columns
+        ]
         table.add_row(*cells, Text("<- use" if picked else "", style="bold green"))
     return table
 
 
-# short headers for the keys of a suite's grid rows (the JSON keeps the full names, e.g. DataLoader's kwargs)
-GRID_LABELS = {
+def _figure(value: float, digits: int) -> str:
+    """``value`` to ``digits`` significant digits, in plain figures up to ten million ("123,500" and "1,100",
+    not "1.235e+05" and "1.1e+03"), with an exponent only beyond."""
+    if 1e3 <= abs(value) < 1e7:
+        return f"{float(f'{value:.{digits}g}'):,.0f}"
+    return f"{value:.{digits}g}"
+
+
+# short headers for the keys of a suite's grid rows (the JSON keeps the full names, e.g. DataLoader's kwargs);
+# None: a key the table leaves out (persistent_workers is on exactly when there are workers)
+GRID_LABELS: dict[str, str | None] = {
     "num_workers": "workers",
     "prefetch_factor": "prefetch",
-    "persistent_workers": "persistent",
+    "persistent_workers": None,
     "pin_memory": "pin",
+    "threads": "threads",
     "samples_per_s": "samples/s",
     "startup_s": "start-up s",
 }

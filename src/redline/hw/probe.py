@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from redline.errors import one_line
 from redline.hw.host import probe_host
@@ -21,7 +21,14 @@ from redline.hw.software import probe_software
 from redline.hw.storage import probe_storage
 from redline.hw.sysfs import SysFs
 
+if TYPE_CHECKING:
+    from redline.hw.cpu_busy import CpuWatch
+
 T = TypeVar("T")
+
+# the least a CPU-use sample lasts (`top` refreshes every 3 s, `mpstat 1` every second): long enough for a
+# 100 Hz CPU clock to count in 2% steps, short enough that `redline doctor` answers at once
+CPU_SAMPLE_S = 0.5
 
 
 def take_snapshot(
@@ -32,9 +39,12 @@ def take_snapshot(
     environ: Mapping[str, str] | None = None,
     kernel_log: Callable[[], str | None] = read_kernel_log,
     statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+    cpu_sample_s: float = 0.0,
 ) -> Snapshot:
-    """Probe everything. Arguments other than ``data_paths`` exist for tests (a fake /sys root, a fake
-    NVML, a fixed environment, a canned kernel log); the product path uses the real ones."""
+    """Probe everything. ``cpu_sample_s`` > 0 also samples how busy other processes keep the CPUs, over the
+    probe and at least that long (``host.cpu_busy``: the doctor and `redline probe` ask for it, the rest
+    need not wait). Other arguments exist for tests (a fake /sys root, a fake NVML, a fixed environment, a
+    canned kernel log); the product path uses the real ones."""
     fs = fs or SysFs("/")
     errors: list[str] = []
 
@@ -45,6 +55,7 @@ def take_snapshot(
             errors.append(f"{name} probe failed: {one_line(exc)}")
             return empty()
 
+    watch = section("cpu use", _cpu_watch, lambda: None) if cpu_sample_s > 0 else None
     gpu = section("gpu", lambda: probe_gpus(nvml, errors, fs), GpuSection)
     snapshot = Snapshot(
         taken_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -60,8 +71,18 @@ def take_snapshot(
         if log is not None:
             gpu.xid_counts = count_xids(log)
             gpu.xid_by_device = count_xids_by_device(log)
+    if watch is not None:
+        snapshot.host.cpu_busy = section(
+            "cpu use", lambda: watch.stop(snapshot.host, at_least_s=cpu_sample_s), lambda: None
+        )
     snapshot.probe_errors = errors + fs.errors
     return snapshot
+
+
+def _cpu_watch() -> CpuWatch:
+    from redline.hw.cpu_busy import CpuWatch
+
+    return CpuWatch()
 
 
 def _numa_from_sysfs(gpu: GpuSection, fs: SysFs) -> None:

@@ -201,6 +201,59 @@ class NumaNode:
     memory_total_bytes: int | None = None
 
 
+# other processes taking this share of the cores this process may use make it a busy host: a job's threads
+# queue behind theirs (OpenMP's spinning barriers worst of all) and measurements taken then understate the machine
+BUSY_RATIO = 0.25
+
+
+@dataclass
+class BusyProcess:
+    """A process of another user or program that kept CPUs busy while we sampled; ``name`` is its short name
+    (the kernel's comm, as `ps -o comm` shows it), never its command line."""
+
+    pid: int
+    name: str | None = None
+    user: str | None = None
+    cpu_cores: float = 0.0  # CPU-seconds it used per second of the sample
+
+
+@dataclass
+class CpuBusy:
+    """How busy other processes kept the CPUs this process may run on, over a short sample.
+
+    ``others_cores``: CPU-seconds per second spent on those CPUs by every process outside our own process tree
+    (user, nice and system time; a whole machine's CPUs are several cores' worth). ``usable_cores``: what this
+    process may use of them (its cgroup quota may be less than its CPUs). ``top``: the busiest other processes.
+    """
+
+    sample_s: float
+    cpus: int
+    usable_cores: float
+    others_cores: float
+    load_1m: float | None = None
+    top: list[BusyProcess] = field(default_factory=list)
+
+    @property
+    def taken_ratio(self) -> float:
+        """The share of our usable cores other processes took: their use beyond the CPUs we would not use
+        anyway (a quota of 2 on 64 CPUs leaves 62 for others before they cost us anything)."""
+        spare = max(0.0, self.cpus - self.usable_cores)
+        return min(1.0, max(0.0, (self.others_cores - spare) / self.usable_cores)) if self.usable_cores else 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.taken_ratio >= BUSY_RATIO
+
+    def describe(self) -> str:
+        """'other processes kept 1.6 of 2 CPUs busy (load 6.1; python3 (alice) 1.0, ...)', for a note."""
+        top = ", ".join(f"{p.name or p.pid}{f' ({p.user})' if p.user else ''} {p.cpu_cores:.1f}" for p in self.top[:3])
+        load = f"load {self.load_1m:.1f}" if self.load_1m is not None else ""
+        details = "; ".join(part for part in (load, top) if part)
+        return f"other processes kept {min(self.others_cores, self.cpus):.1f} of {self.cpus} CPUs busy" + (
+            f" ({details})" if details else ""
+        )
+
+
 @dataclass
 class HostInfo:
     hostname: str | None = None
@@ -238,6 +291,8 @@ class HostInfo:
     # RLIMIT_MEMLOCK soft limit in bytes; -1 for unlimited (RDMA needs unlimited)
     memlock_limit_bytes: int | None = None
     loaded_modules: list[str] | None = None
+    # other processes' CPU use over a short sample (doctor and probe take one); None where none was taken
+    cpu_busy: CpuBusy | None = None
 
 
 # ------------------------------------------------------------------------------------------ storage

@@ -40,7 +40,7 @@ def server_summary(snapshot: Snapshot) -> dict[str, Any]:
     if torch:
         torch_text = torch.version + (f" (CUDA {torch.cuda})" if torch.cuda else " (CPU build)")
     cores = host.cpu_logical_cores
-    return {
+    summary = {
         "host": host.hostname or "n/a",
         "taken": snapshot.taken_at or "n/a",
         "gpus": gpus,
@@ -52,3 +52,10 @@ def server_summary(snapshot: Snapshot) -> dict[str, Any]:
         "python": sw.python or "n/a",
         "torch": torch_text,
     }
+    if host.cpu_busy is not None:  # a live probe's sample: what other processes took of our CPUs meanwhile
+        busy = host.cpu_busy
+        load = f", load {busy.load_1m:.1f}" if busy.load_1m is not None else ""
+        summary["cpu use"] = f"others {busy.others_cores:.1f} of {busy.cpus} CPUs over {busy.sample_s:.1f} s{load}" + (
+            " (busy)" if busy.busy else ""
+        )
+    return summary

@@ -1,4 +1,4 @@
-"""Can the host keep the GPUs fed? CPU governor and quota, memory, swap, /dev/shm, NUMA, IOMMU."""
+"""Can the host keep the GPUs fed? CPU governor, quota and other processes' load, memory, swap, /dev/shm, NUMA."""
 
 from __future__ import annotations
 
@@ -174,4 +174,51 @@ def iommu(audit: Audit) -> Iterator[Finding]:
             fix="Add iommu=pt to the kernel command line (or disable the IOMMU) and reboot.",
             evidence={"iommu_mode": host.iommu_mode, "kernel_cmdline": host.kernel_cmdline},
             command="cat /sys/kernel/iommu_groups/*/type | sort | uniq -c; cat /proc/cmdline",
+        )
+
+
+@rule("host.cpu-busy", Area.HOST, "Other processes keep the CPUs busy")
+def cpu_busy(audit: Audit) -> Iterator[Finding]:
+    busy = audit.snapshot.host.cpu_busy
+    if busy is None or not busy.busy:
+        return
+    threads = max(1, int(busy.usable_cores - min(busy.others_cores, busy.usable_cores)))
+    yield Finding(
+        Severity.WARN,
+        f"Other processes used {busy.others_cores:.1f} of {busy.cpus} CPUs over {busy.sample_s:.1f} s: "
+        f"{busy.taken_ratio:.0%} of the {busy.usable_cores:g} cores a job here may use",
+        cost="A job gets the CPU time they leave: its threads queue behind theirs, and torch's default of a "
+        "thread per core makes it worse (on 2 busy cores a training step took 7.6x longer with the default "
+        "threads than with one). `redline bench` figures taken now understate this machine.",
+        fix=f"Run with fewer threads (`redline run --cpu-threads {threads}`, OMP_NUM_THREADS={threads}), wait for "
+        "the busiest processes listed to finish, or use another machine; save bench results once it is idle.",
+        evidence={
+            "others_cores": busy.others_cores,
+            "cpus": busy.cpus,
+            "usable_cores": busy.usable_cores,
+            "load_1m": busy.load_1m,
+            "sample_s": busy.sample_s,
+            # none listed: the busy processes live outside this PID namespace (other containers on the host)
+            "busiest": [f"{p.pid} {p.name or '?'} ({p.user or '?'}) {p.cpu_cores:g} cores" for p in busy.top]
+            or ["none visible from here: processes of other containers or of the host"],
+        },
+        command="ps -eo pid,user,comm,%cpu --sort=-%cpu | head",
+    )
+
+
+@rule("host.bench-on-busy-host", Area.HOST, "Saved bench figures were measured while the host was busy")
+def bench_on_busy_host(audit: Audit) -> Iterator[Finding]:
+    marked = [m for m in audit.bench.measurements if m.busy_host] if audit.bench else []
+    if marked:
+        names = sorted({f"{m.suite} {m.name}" for m in marked})
+        suites = " ".join(dict.fromkeys(m.suite for m in marked))
+        figures = "1 saved bench figure was" if len(marked) == 1 else f"{len(marked)} saved bench figures were"
+        yield Finding(
+            Severity.INFO,
+            f"{figures} measured while other processes kept the CPUs busy",
+            cost="They understate this machine: the doctor's verdicts on them and the planner's ceilings from them "
+            "are too pessimistic.",
+            fix="Measure them again on an idle host (`redline doctor` says when it is); newer figures replace them.",
+            evidence={"figures": names, "while": sorted({str(m.extra["host_cpu"].get("summary")) for m in marked})},
+            command=f"redline bench {suites} --save",
         )
