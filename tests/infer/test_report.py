@@ -71,7 +71,7 @@ def test_the_verdict_says_faster_or_slower_in_words() -> None:
     assert report.verdict([alone], alone, Settings((8,))).endswith("samples/s, p99 10.00 ms")  # no ratio to itself
 
 
-def _rows() -> tuple[list[Row], Row, list[GenerationRow]]:
+def _rows() -> tuple[list[Row], Row]:
     """A run as a GPU server's defaults give it: the longest backend name, an SLO missed, one failed, one absent."""
     rows = []
     for batch in (1, 32):
@@ -82,37 +82,51 @@ def _rows() -> tuple[list[Row], Row, list[GenerationRow]]:
         ]
     rows.append(Row("tensorrt", 1, "fp32", "absent", "needs Torch-TensorRT: pip install torch-tensorrt"))
     rows.append(Row("export-aoti", 1, "fp32", "failed", "RuntimeError: no export"))
-    generated = [
-        GenerationRow("eager", 1, 96, 32, compiled="nothing", cold_s=0.2, prefill_ms=98.0, decode_tokens_per_s=53.0),
-        GenerationRow("compile", 1, 96, 32, compiled="decode step", cold_s=14.0, prefill_ms=98.0),
-    ]
-    generated[0].agreement = generated[1].agreement = 1.0
-    generated[1].decode_tokens_per_s = 61.3
-    return rows, rows[1], generated
+    return rows, rows[1]
+
+
+def _generated() -> list[GenerationRow]:
+    eager = GenerationRow("eager", 1, 96, 32, compiled="nothing", cold_s=0.2, prefill_ms=98.0)
+    compiled = GenerationRow("compile", 1, 96, 32, compiled="decode step", cold_s=14.0, prefill_ms=98.0)
+    eager.decode_tokens_per_s, compiled.decode_tokens_per_s = 53.0, 61.3
+    eager.agreement = compiled.agreement = 1.0
+    return [eager, compiled]
+
+
+def _printed(width: int, monkeypatch: pytest.MonkeyPatch, generated: list[GenerationRow]) -> str:
+    """What `redline infer` prints for ``_rows()`` and ``generated`` on a console ``width`` columns wide."""
+    buffer = io.StringIO()
+    monkeypatch.setattr(ui, "console", Console(file=buffer, width=width, markup=False, color_system=None))
+    rows, best = _rows()
+    infer_cli._print("gpt2", Settings((1, 32), latency_slo_ms=20.0), rows, best, generated, None)
+    return buffer.getvalue()
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_every_table_infer_prints_is_whole_at_each_width(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two tables of the measurements and the generation table print as tables at 80 columns (a header line
-    names every column), every name and figure whole."""
-    buffer = io.StringIO()
-    monkeypatch.setattr(ui, "console", Console(file=buffer, width=width, markup=False, color_system=None))
-    rows, best, generated = _rows()
-    infer_cli._print("gpt2", Settings((1, 32), latency_slo_ms=20.0), rows, best, generated, None)
-    text = buffer.getvalue()
+def test_the_measurement_tables_are_whole_at_each_width(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eleven columns in one table cut every cell at 80 columns ("bac…", "4,0…"); as two tables of six and seven,
+    each prints as a table (a header line names every column), every name and figure whole."""
+    text = _printed(width, monkeypatch, [])
     assert_whole(text, "compile-max-autotune", "onnxruntime-trt", "6.00x", "5.00x", "4,000", "over SLO", "failed")
-    assert_whole(text, "11.8 MiB", "2.0e-07", "100%", "decode step", "61.3", "1.16x", "98.00")
-    assert_whole(text, width=width)
-    for columns in (report.SPEED_COLUMNS, report.BUILD_COLUMNS, report.GENERATION_COLUMNS):
+    assert_whole(text, "11.8 MiB", "2.0e-07", "100%", "48.00", width=width)
+    for columns in (report.SPEED_COLUMNS, report.BUILD_COLUMNS):
         assert _header(text, columns), f"no header line of {columns}:\n{text}"
     assert "tensorrt: absent: needs Torch-TensorRT" in text and "x eager" not in text
-    assert all(f"  {note}" in text for note in report.SPEED_NOTES + report.BUILD_NOTES + report.GENERATION_NOTES)
+    assert all(f"  {note}" in text for note in report.SPEED_NOTES + report.BUILD_NOTES)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_generation_table_is_whole_at_each_width(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _printed(width, monkeypatch, _generated())
+    assert_whole(text, "generation: batch 1, 96-token prompt, 32 new tokens", "decode step", "61.3", "1.16x", "98.00")
+    assert_whole(text, width=width)
+    assert _header(text, report.GENERATION_COLUMNS), text
+    assert all(f"  {note}" in text for note in report.GENERATION_NOTES)
 
 
 def test_the_html_report_says_what_the_terminal_says() -> None:
-    rows, best, generated = _rows()
-    settings = Settings((1, 32), latency_slo_ms=20.0)
-    page = report.html_report("gpt2", rows, best, generated, settings)
+    rows, best = _rows()
+    page = report.html_report("gpt2", rows, best, _generated(), Settings((1, 32), latency_slo_ms=20.0))
     for header in report.SPEED_COLUMNS + report.BUILD_COLUMNS + report.GENERATION_COLUMNS:
         assert f"<th>{header}</th>" in page
     assert "6.00x faster than eager (p50 at batch 1)" in page and "x eager&#x27;s latency" not in page
