@@ -54,7 +54,8 @@ def _times(speedup: float | None) -> str:
 
 
 def _versus(speedup: float) -> str:
-    """A speed-up over eager in words, faster or slower, never a ratio below 1 to be read the right way up."""
+    """A speed-up over eager in words: N.NNx faster or N.NNx slower, the ratio 1 or more either way, so that no
+    reader has to know which way up a ratio below 1 is."""
     if f"{speedup:.2f}" == "1.00":
         return "as fast as eager"
     return f"{speedup:.2f}x faster than eager" if speedup > 1 else f"{1 / speedup:.2f}x slower than eager"
