@@ -49,7 +49,7 @@ def run_model(
     with tempfile.TemporaryDirectory(prefix="redline-infer-bench-") as workdir:
         chosen = selected(backends, device)
         rows = measure(subject, chosen, settings, Path(workdir), lambda what: say(name, what))
-    ratios = speedups(rows)
+    speedup = speedups(rows)
     result = {
         "model": name,
         "seconds": time.perf_counter() - started,
@@ -61,7 +61,7 @@ def run_model(
                 "note": r.note,
                 "p50_ms": r.p50_ms,
                 "p99_ms": r.p99_ms,
-                "speedup_vs_eager": 1 / ratios[(r.backend, r.batch)] if (r.backend, r.batch) in ratios else None,
+                "speedup_vs_eager": speedup.get((r.backend, r.batch)),
                 "cold_s": r.cold_s,
                 "calls": r.calls,
                 "max_rel": r.parity.max_rel if r.parity else None,

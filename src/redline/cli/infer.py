@@ -215,16 +215,14 @@ def _list(device: str, precision: str, json_output: bool) -> None:
     if json_output:
         ui.print_json({"device": device, "precision": precision, "backends": listed})
         return
-    from rich.table import Table
+    from redline.infer.report import plain_table
 
-    table = Table(title=f"backends on {device} at {precision}")
-    for column in ("backend", "what", "here"):
-        table.add_column(column)
+    table = plain_table(f"backends on {device} at {precision}", ("backend", "what", "here"))
     for entry in listed:
         here = "yes" if entry["absent"] is None else f"no: {entry['absent']}"
         here += "" if entry["default"] else " (not by default)"
         table.add_row(str(entry["name"]), str(entry["summary"]), here)
-    ui.console.print(table)
+    ui.print_table(table)
 
 
 def _to_json(name: str, settings: Any, rows: list[Row], best: Row | None, generated: list, saved: Path | None) -> dict:
@@ -233,12 +231,15 @@ def _to_json(name: str, settings: Any, rows: list[Row], best: Row | None, genera
     from redline.infer.artifact import read_manifest
     from redline.infer.measure import speedups
 
-    ratios = speedups(rows)
+    speedup = speedups(rows)
 
     def row_json(row: Row) -> dict:
         data = dataclasses.asdict(row)
         del data["files"]  # in the run's scratch folder, gone when it ends (-o keeps the pick's)
-        data["latency_vs_eager"] = ratios.get((row.backend, row.batch))
+        # both of p50 latency at the row's batch: eager's over the row's (2.0: twice as fast), and its inverse
+        ratio = speedup.get((row.backend, row.batch))
+        data["speedup_vs_eager"] = ratio
+        data["latency_vs_eager"] = None if ratio is None else 1 / ratio
         return data
 
     return {
@@ -257,17 +258,21 @@ def _to_json(name: str, settings: Any, rows: list[Row], best: Row | None, genera
 
 
 def _print(name: str, settings: Any, rows: list[Row], best: Row | None, generated: list, saved: Path | None) -> None:
-    from redline.infer.report import generation_table, notes, rows_table, verdict
+    from redline.infer import report
 
-    ui.console.print(rows_table(name, settings, rows, best))
-    for line in notes(rows):
+    ui.print_table(report.speed_table(name, settings, rows, best))
+    _footnotes(report.SPEED_NOTES)
+    ui.print_table(report.build_table(rows, best))
+    _footnotes(report.BUILD_NOTES)
+    for line in report.notes(rows):
         ui.console.print(ui.dim(f"  {line}"))
     if generated:
-        ui.console.print(generation_table(generated))
+        ui.print_table(report.generation_table(generated))
+        _footnotes(report.GENERATION_NOTES)
         for g in generated:
             if g.status != "ok":
                 ui.console.print(ui.dim(f"  generation, {g.mode}: {g.note}"))
-    ui.console.print(verdict(rows, best, settings))
+    ui.console.print(report.verdict(rows, best, settings))
     if saved is not None:
         from redline.infer.artifact import read_manifest
 
@@ -276,3 +281,10 @@ def _print(name: str, settings: Any, rows: list[Row], best: Row | None, generate
         ui.console.print(f"saved to {saved}: redline.infer.load('{saved}') serves it, {batches}")
         if manifest["fixed_batch"] is not None:
             ui.console.print(ui.dim(f"  {manifest['fixed_batch']}"))
+
+
+def _footnotes(lines: tuple[str, ...]) -> None:
+    """A table's notes, dim, under it; then a blank line before the next table."""
+    for line in lines:
+        ui.console.print(ui.dim(f"  {line}"))
+    ui.console.print()

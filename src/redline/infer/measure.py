@@ -4,7 +4,10 @@ For one backend at one batch size: the cold start (build: export, compile, sessi
 memory while it was built and made its first calls (CUDA's allocator peak on a GPU; on the CPU the process's
 resident memory above where it started, sampled), then at least ``iters`` timed calls (and ``min_s`` of them),
 interleaved with the other backends' in rounds, each call ended by a device sync: latency p50/p99 of those
-calls, throughput = batch / mean latency.
+calls, throughput = batch / p50 latency, and the speed-up over eager = eager's p50 / the backend's at the same
+batch. Throughput and speed-up come from the one statistic, so that one backend's samples/s over eager's is its
+speed-up: on a shared machine a few calls descheduled for tens of milliseconds move the mean far more than the
+median, most of all for a backend whose calls are short (the p99 shows them).
 
 Parity is against the fp32 eager output on the same batch: the largest absolute error, that error over the
 reference's largest magnitude (``max_rel``: one figure whatever the output's scale), and for classifiers and
@@ -121,10 +124,12 @@ def _top1(y: torch.Tensor, ref: torch.Tensor, margin: float) -> float | None:
 
 
 def latency_stats(seconds: list[float], batch: int) -> tuple[float, float, float]:
-    """p50 and p99 in ms and samples per second, of the timed calls."""
+    """p50 and p99 in ms, and samples per second at the p50 (the statistic every ratio takes), of the timed
+    calls."""
     ordered = sorted(seconds)
+    p50 = statistics.median(ordered)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return statistics.median(ordered) * 1e3, p99 * 1e3, batch / statistics.fmean(ordered)
+    return p50 * 1e3, p99 * 1e3, batch / p50
 
 
 class PeakMemory:
@@ -322,9 +327,10 @@ def pick(rows: list[Row]) -> Row | None:
 
 
 def speedups(rows: list[Row]) -> dict[tuple[str, int], float]:
-    """Each usable row's p50 latency over eager's at the same batch (below 1: faster than eager)."""
+    """Each timed row's speed-up over eager: eager's p50 latency at the same batch over the row's (2.0: twice
+    as fast; below 1: slower). At one batch it is also the row's samples/s over eager's (``latency_stats``)."""
     eager = {r.batch: r.p50_ms for r in rows if r.backend == REFERENCE and r.p50_ms}
-    return {(r.backend, r.batch): r.p50_ms / eager[r.batch] for r in rows if r.p50_ms and eager.get(r.batch)}
+    return {(r.backend, r.batch): eager[r.batch] / r.p50_ms for r in rows if r.p50_ms and eager.get(r.batch)}
 
 
 def selected(names: list[str] | None, device: str) -> list[Backend]:

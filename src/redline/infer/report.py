@@ -10,58 +10,91 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from rich import box
 from rich.table import Table
 
 from redline import __version__
+from redline.infer.backends import REFERENCE
 from redline.infer.generate import GenerationRow
 from redline.infer.measure import Row, Settings, speedups
 from redline.report.html import CSS
 from redline.units import fmt_bytes
 
 GENERATOR = "redline infer report"
-COLUMNS = (
-    "backend",
-    "batch",
-    "status",
-    "cold s",
-    "p50 ms",
-    "p99 ms",
-    "samples/s",
-    "x eager",
-    "memory",
-    "rel err",
-    "top-1",
+# two tables, each readable at 80 columns: what a backend serves at, and what it costs and how close it comes
+SPEED_COLUMNS = ("backend", "batch", "p50 ms", "p99 ms", "samples/s", "speed-up", "status")
+BUILD_COLUMNS = ("backend", "batch", "cold s", "memory", "rel err", "top-1")
+# under each table, one line each at 80 columns
+SPEED_NOTES = (
+    "speed-up: eager's p50 over this p50, same batch (2.00x: twice as fast)",
+    "samples/s: batch / p50, so at one batch its ratio to eager's is the speed-up",
+)
+BUILD_NOTES = (
+    "cold s: build (export, compile) and first call; memory: peak meanwhile",
+    "rel err: largest error / eager fp32's largest value; top-1: arg-max agrees",
+)
+GENERATION_COLUMNS = ("mode", "compiled", "cold s", "prefill ms", "decode tok/s", "speed-up", "same tokens")
+GENERATION_NOTES = (
+    "prefill runs eager in both modes: one figure, the median of both modes' runs",
+    "speed-up: decode tokens/s over eager's; same tokens: greedy tokens as eager's",
 )
 
 
-def _ms(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f} ms" if value < 100 else f"{value:,.0f} ms"
-
-
 def _number(value: float | None) -> str:
+    """A latency or a rate: two decimals below 100, whole numbers with thousands separators above."""
     return "" if value is None else f"{value:.2f}" if value < 100 else f"{value:,.0f}"
 
 
-def cells(row: Row, ratio: float | None) -> list[str]:
-    """A row's columns as text; ``ratio`` is its p50 over eager's (below 1: faster). Why a row did not run is
-    in ``notes``, not here."""
-    status = row.status + (" (over SLO)" if row.meets_slo is False else "")
-    if row.status in ("absent", "failed"):
-        return [row.backend, str(row.batch), status, *[""] * (len(COLUMNS) - 3)]
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{_number(value)} ms"
+
+
+def _times(speedup: float | None) -> str:
+    return "" if speedup is None else f"{speedup:.2f}x"
+
+
+def _versus(speedup: float) -> str:
+    """A speed-up over eager in words: N.NNx faster or N.NNx slower, the ratio 1 or more either way, so that no
+    reader has to know which way up a ratio below 1 is."""
+    if f"{speedup:.2f}" == "1.00":
+        return "as fast as eager"
+    return f"{speedup:.2f}x faster than eager" if speedup > 1 else f"{1 / speedup:.2f}x slower than eager"
+
+
+def status(row: Row) -> str:
+    """ok, over SLO (ran and matched, p99 past --latency-slo), parity (outputs differ), failed, absent."""
+    return "over SLO" if row.status == "ok" and row.meets_slo is False else row.status
+
+
+def speed_cells(row: Row, speedup: float | None) -> list[str]:
+    """A row's latency, throughput and speed-up (eager's p50 over its own) as text."""
+    return [
+        row.backend,
+        str(row.batch),
+        _number(row.p50_ms),
+        _number(row.p99_ms),
+        _number(row.samples_per_s),
+        _times(speedup),
+        status(row),
+    ]
+
+
+def build_cells(row: Row) -> list[str]:
+    """A row's cold start, peak memory and parity as text."""
     parity = row.parity
     return [
         row.backend,
         str(row.batch),
-        status,
         "" if row.cold_s is None else f"{row.cold_s:.1f}",
-        _number(row.p50_ms),
-        _number(row.p99_ms),
-        "" if row.samples_per_s is None else f"{row.samples_per_s:,.1f}",
-        "" if ratio is None else f"{1 / ratio:.2f}x",
         "" if row.peak_memory_bytes is None else fmt_bytes(row.peak_memory_bytes),
         "" if parity is None else f"{parity.max_rel:.1e}",
         "" if parity is None or parity.top1 is None else f"{parity.top1:.0%}",
     ]
+
+
+def shown(rows: list[Row]) -> list[Row]:
+    """The rows the tables show: a backend that cannot run here is a note (``notes``), not a row per batch."""
+    return [r for r in rows if r.status != "absent"]
 
 
 def notes(rows: list[Row]) -> list[str]:
@@ -70,35 +103,64 @@ def notes(rows: list[Row]) -> list[str]:
     return list(said)
 
 
-def rows_table(name: str, settings: Settings, rows: list[Row], best: Row | None) -> Table:
-    ratios = speedups(rows)
-    table = Table(title=f"{name} on {settings.device} at {settings.precision}", title_justify="left")
-    for column in COLUMNS:
-        table.add_column(column, justify="right" if column not in ("backend", "status", "parity") else "left")
-    for row in rows:
-        style = "bold green" if row is best else ("dim" if row.status == "absent" else None)
-        table.add_row(*cells(row, ratios.get((row.backend, row.batch))), style=style)
+def plain_table(title: str, columns: tuple[str, ...]) -> Table:
+    """A table of infer's, without side borders or doubled padding (the column gaps are two spaces): the widest
+    fits 80 columns with compile-max-autotune in it. Names and words left, figures right."""
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
+    )
+    for column in columns:
+        left = column in ("backend", "status", "mode", "compiled", "what", "here")
+        table.add_column(column, justify="left" if left else "right", no_wrap=column in ("backend", "mode"))
     return table
 
 
+def speed_table(name: str, settings: Settings, rows: list[Row], best: Row | None) -> Table:
+    speedup = speedups(rows)
+    table = plain_table(f"{name} on {settings.device} at {settings.precision}: latency per call", SPEED_COLUMNS)
+    for row in shown(rows):
+        style = "bold green" if row is best else None
+        table.add_row(*speed_cells(row, speedup.get((row.backend, row.batch))), style=style)
+    return table
+
+
+def build_table(rows: list[Row], best: Row | None) -> Table:
+    table = plain_table("cold start, memory and parity against eager fp32", BUILD_COLUMNS)
+    for row in shown(rows):
+        table.add_row(*build_cells(row), style="bold green" if row is best else None)
+    return table
+
+
+def generation_title(rows: list[GenerationRow]) -> str:
+    first = rows[0]
+    return (
+        f"generation: batch {first.batch}, {first.prompt_tokens}-token prompt, {first.new_tokens} new tokens "
+        "(greedy, static KV cache)"
+    )
+
+
+def generation_cells(row: GenerationRow, eager: GenerationRow | None) -> list[str]:
+    """A generation row as text; the speed-up is of its decode over eager's."""
+    if row.status != "ok":
+        return [row.mode, row.compiled, "failed", "", "", "", ""]
+    base = eager.decode_tokens_per_s if eager is not None and eager.status == "ok" else None
+    rate = row.decode_tokens_per_s
+    return [
+        row.mode,
+        row.compiled,
+        "" if row.cold_s is None else f"{row.cold_s:.1f}",
+        _number(row.prefill_ms),
+        "" if rate is None else f"{rate:,.1f}",
+        _times(rate / base if rate and base else None),
+        "" if row.agreement is None else f"{row.agreement:.0%}",
+    ]
+
+
 def generation_table(rows: list[GenerationRow]) -> Table:
-    table = Table(title="generation, static KV cache (greedy)", title_justify="left")
-    for column in ("mode", "batch", "prompt", "new", "cold", "prefill", "decode tok/s", "same tokens"):
-        table.add_column(column, justify="left" if column == "mode" else "right")
+    table = plain_table(generation_title(rows), GENERATION_COLUMNS)
+    eager = next((g for g in rows if g.mode == "eager"), None)
     for g in rows:
-        if g.status != "ok":
-            table.add_row(g.mode, str(g.batch), str(g.prompt_tokens), str(g.new_tokens), "failed", "", "", "")
-            continue
-        table.add_row(
-            g.mode,
-            str(g.batch),
-            str(g.prompt_tokens),
-            str(g.new_tokens),
-            f"{g.cold_s:.1f} s" if g.cold_s is not None else "",
-            _ms(g.prefill_ms),
-            f"{g.decode_tokens_per_s:,.1f}" if g.decode_tokens_per_s else "",
-            f"{g.agreement:.0%}" if g.agreement is not None else "",
-        )
+        table.add_row(*generation_cells(g, eager))
     return table
 
 
@@ -108,10 +170,10 @@ def verdict(rows: list[Row], best: Row | None, settings: Settings) -> str:
     if best is None:
         slo = f" within {settings.latency_slo_ms:g} ms p99" if settings.latency_slo_ms is not None else ""
         return f"no backend runs this model{slo} with outputs that match eager{tail}"
-    ratio = speedups(rows).get((best.backend, best.batch))
-    versus = f", {1 / ratio:.2f}x eager's latency at that batch" if ratio else ""
+    speedup = speedups(rows).get((best.backend, best.batch))
+    versus = f", {_versus(speedup)} (p50 at batch {best.batch})" if speedup and best.backend != REFERENCE else ""
     return (
-        f"pick: {best.backend} at batch {best.batch} ({best.precision}): {best.samples_per_s:,.1f} samples/s, "
+        f"pick: {best.backend} at batch {best.batch} ({best.precision}): {_number(best.samples_per_s)} samples/s, "
         f"p99 {_ms(best.p99_ms)}{versus}{tail}"
     )
 
@@ -150,22 +212,27 @@ def latency_plot(rows: list[Row], batches: tuple[int, ...]) -> bytes:
     return buf.getvalue()
 
 
+def _html_table(columns: tuple[str, ...], cells: list[list[str]], footnotes: tuple[str, ...]) -> str:
+    """A table as the terminal shows it, its notes below."""
+    header = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in cells)
+    below = "".join(f'<p class="rule">{escape(n)}</p>' for n in footnotes)
+    return f"<table><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>{below}"
+
+
 def html_report(name: str, rows: list[Row], best: Row | None, generated: list[GenerationRow], settings: Any) -> str:
-    ratios = speedups(rows)
+    """The page: the verdict, the latency plot, and the terminal's tables with the same headers and notes."""
+    speedup = speedups(rows)
     png = base64.b64encode(latency_plot(rows, settings.batches)).decode()
-    header = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells(r, ratios.get((r.backend, r.batch)))) + "</tr>"
-        for r in rows
+    speed = _html_table(
+        SPEED_COLUMNS, [speed_cells(r, speedup.get((r.backend, r.batch))) for r in shown(rows)], SPEED_NOTES
     )
+    build = _html_table(BUILD_COLUMNS, [build_cells(r) for r in shown(rows)], BUILD_NOTES)
     generation = ""
     if generated:
-        lines = "".join(
-            f"<li>{escape(g.mode)}: prefill {_ms(g.prefill_ms)}, decode {g.decode_tokens_per_s or 0:,.1f} tokens/s, "
-            f"cold start {g.cold_s or 0:.1f} s, same tokens as eager {g.agreement or 0:.0%} {escape(g.note)}</li>"
-            for g in generated
-        )
-        generation = f"<h2>Generation (static KV cache)</h2><ul>{lines}</ul>"
+        eager = next((g for g in generated if g.mode == "eager"), None)
+        table = _html_table(GENERATION_COLUMNS, [generation_cells(g, eager) for g in generated], GENERATION_NOTES)
+        generation = f"<h2>{escape(generation_title(generated))}</h2>{table}"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{GENERATOR}">
 <title>redline infer: {escape(name)}</title><style>{CSS}</style></head>
@@ -173,7 +240,8 @@ def html_report(name: str, rows: list[Row], best: Row | None, generated: list[Ge
 <h1>redline infer: {escape(name)}</h1>
 <p>{escape(verdict(rows, best, settings))}</p>
 <figure><img alt="p50 latency per backend and batch" src="data:image/png;base64,{png}"></figure>
-<table><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>
+<h2>Latency per call, on {escape(settings.device)} at {escape(settings.precision)}</h2>{speed}
+<h2>Cold start, memory and parity against eager fp32</h2>{build}
 <ul class="notes">{"".join(f"<li>{escape(n)}</li>" for n in notes(rows))}</ul>
 {generation}
 <footer>redline {escape(__version__)}</footer>
