@@ -95,6 +95,8 @@ def submit(
         raise BadInput(
             "the local queue runs jobs on this machine: --nodes and --queue go with --engine slurm|kubernetes"
         )
+    if not json_output:
+        _say_queue()
     if dry_run:
         ui.print_json(spec.to_dict() | {"env": sorted(spec.env)})
         return
@@ -136,7 +138,10 @@ def jobs(
 
     if engine not in ("local", "all", *ENGINES):
         raise BadInput(f"--engine is local, {', '.join(ENGINES)} or all; not {engine!r}")
-    listed = request({"op": "jobs", "all": everything})["jobs"] if engine in ("local", "all") else []
+    local = engine in ("local", "all")
+    if local and not json_output:
+        _say_queue()
+    listed = request({"op": "jobs", "all": everything})["jobs"] if local else []
     remote = _engine_jobs(
         list(ENGINES) if engine == "all" else (engine,) if engine != "local" else (), namespace, address
     )
@@ -166,6 +171,15 @@ def jobs(
     ui.console.print(table)
     if remote:
         _print_engine_jobs(remote)
+
+
+def _say_queue() -> None:
+    """Which queue this command talks to, on stderr (stdout stays the command's output): the machine's, shared
+    by every user, or this user's own ($REDLINE_HOME's, or the one under the data home)."""
+    from redline.queue.client import queue_dir, whose
+
+    directory = queue_dir()
+    ui.err_console.print(ui.dim(f"queue: {directory} ({whose(directory)})"), highlight=False, soft_wrap=True)
 
 
 def _shown(text: object) -> str:

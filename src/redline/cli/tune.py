@@ -44,7 +44,7 @@ def tune(
     ),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the winner's plan file here."),
     html: Path | None = typer.Option(None, "--html", help="Write an HTML report (a plot of every trial) here."),
-    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="The journals (default ~/.cache/redline/tune)."),
+    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="The journals (default $REDLINE_HOME/tune)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the knobs and trials, run nothing."),
     json_output: bool = typer.Option(False, "--json", help="The trials and the winner as JSON."),
 ) -> None:

@@ -115,9 +115,10 @@ def normalized(url: str) -> str:
 
 
 def default_root() -> Path:
-    from redline.bench.store import home
+    """The stage cache's folder where none is given: the data home's (``redline.env.state_dir``)."""
+    from redline.env import State, state_dir
 
-    return home() / "cache"
+    return state_dir(State.STAGE)
 
 
 class Cache:
