@@ -95,15 +95,16 @@ def submit(
         raise BadInput(
             "the local queue runs jobs on this machine: --nodes and --queue go with --engine slurm|kubernetes"
         )
-    if not json_output:
-        _say_queue()
     if dry_run:
+        if not json_output:
+            _say_queue()
         ui.print_json(spec.to_dict() | {"env": sorted(spec.env)})
         return
     job = request({"op": "submit", "spec": spec.to_dict(), "hold": hold, "share": share_logs})["job"]
     if json_output:
         ui.print_json(job)
         return
+    _say_queue()
     ui.console.print(f"job {job['id']} ({job['name']}) {job['state']}")
 
 
@@ -139,8 +140,6 @@ def jobs(
     if engine not in ("local", "all", *ENGINES):
         raise BadInput(f"--engine is local, {', '.join(ENGINES)} or all; not {engine!r}")
     local = engine in ("local", "all")
-    if local and not json_output:
-        _say_queue()
     listed = request({"op": "jobs", "all": everything})["jobs"] if local else []
     remote = _engine_jobs(
         list(ENGINES) if engine == "all" else (engine,) if engine != "local" else (), namespace, address
@@ -148,6 +147,8 @@ def jobs(
     if json_output:
         ui.print_json({"jobs": listed, "engines": [j.to_dict() for j in remote]})
         return
+    if local:
+        _say_queue()
     from rich.table import Table
 
     from redline.units import fmt_bytes, fmt_duration
@@ -174,8 +175,9 @@ def jobs(
 
 
 def _say_queue() -> None:
-    """Which queue this command talks to, on stderr (stdout stays the command's output): the machine's, shared
-    by every user, or this user's own ($REDLINE_HOME's, or the one under the data home)."""
+    """Which queue this command talked to, on stderr (stdout stays the command's output): the machine's, shared
+    by every user, or this user's own ($REDLINE_HOME's, or the one under the data home). Said once the queue
+    answered, so that a refusal stays one line."""
     from redline.queue.client import queue_dir, whose
 
     directory = queue_dir()
