@@ -16,6 +16,8 @@ from redline.cli.params import parsed
 from redline.errors import BadInput
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from redline.queue.spec import EngineJob
 
 app = typer.Typer(help="The machine's job queue: its GPUs and jobs, and its daemon.", no_args_is_help=True)
@@ -149,14 +151,26 @@ def jobs(
         return
     if local:
         _say_queue()
+        ui.print_table(jobs_table(listed, time.time()))
+    if remote:
+        _print_engine_jobs(remote)
+
+
+def jobs_table(listed: list[dict[str, Any]], now: float) -> Table:
+    """The queue's jobs (the daemon's answer) as `redline jobs` shows them: a job's GPUs with the devices and
+    what it reserves on each, how long it waited (or ran, once started)."""
     from rich.table import Table
 
     from redline.units import fmt_bytes, fmt_duration
 
-    table = Table(title="redline jobs")
-    for column in ("id", "user", "name", "state", "GPUs", "waited / ran", "why, or how it ended"):
+    table = Table(title="redline jobs", title_justify="left")
+    table.add_column("id", no_wrap=True)
+    for column in ("user", "name"):
         table.add_column(column)
-    now = time.time()
+    table.add_column("state", no_wrap=True)
+    table.add_column("GPUs")
+    table.add_column("waited/ran", no_wrap=True)
+    table.add_column("why, or how it ended")
     for job in listed:
         placement = job["placement"] or {}
         reserved = placement.get("reserved_bytes") or []
@@ -169,9 +183,7 @@ def jobs(
             fmt_duration((job["ended_at"] or now) - since),
             _shown(job["reason"]),
         )
-    ui.console.print(table)
-    if remote:
-        _print_engine_jobs(remote)
+    return table
 
 
 def _say_queue() -> None:
@@ -210,12 +222,12 @@ def _engine_jobs(names: Sequence[str], namespace: str, address: str | None) -> l
 def _print_engine_jobs(remote: list[EngineJob]) -> None:
     from rich.table import Table
 
-    table = Table(title="redline jobs on other engines")
+    table = Table(title="redline jobs on other engines", title_justify="left")
     for column in ("engine", "id", "name", "state", "why, or how it ended"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column in ("engine", "state"))
     for job in remote:
         table.add_row(*map(_shown, (job.engine, job.id, job.name, job.state, job.reason)))
-    ui.console.print(table)
+    ui.print_table(table)
 
 
 def _change(op: str, ids: list[str], json_output: bool) -> None:
@@ -321,12 +333,26 @@ def status(json_output: bool = typer.Option(False, "--json", help="The GPUs and 
     if json_output:
         ui.print_json(answer)
         return
+    _say_queue()
+    if answer["gpus"]:
+        ui.print_table(status_table(answer))
+    else:
+        ui.console.print("no GPU here: jobs without --gpus only")
+    ui.console.print("jobs: " + (", ".join(f"{n} {state}" for state, n in sorted(answer["counts"].items())) or "none"))
+
+
+def status_table(answer: dict[str, Any]) -> Table:
+    """The daemon's status answer as `redline queue status` shows it: each GPU's memory, the jobs on it with
+    what each reserves, the processes the queue did not start, and why it is drained."""
     from rich.table import Table
 
     from redline.units import fmt_bytes
 
-    table = Table(title=f"redline queue ({answer['policy']}; daemon pid {answer['pid']})")
-    for column in ("GPU", "used", "room", "jobs (reserved)", "not the queue's", "drained"):
+    table = Table(title=f"redline queue ({answer['policy']}; daemon pid {answer['pid']})", title_justify="left")
+    table.add_column("GPU")
+    table.add_column("used", no_wrap=True)
+    table.add_column("room", justify="right", no_wrap=True)
+    for column in ("jobs (reserved)", "not the queue's", "drained"):
         table.add_column(column)
     for gpu in answer["gpus"]:
         table.add_row(
@@ -337,8 +363,7 @@ def status(json_output: bool = typer.Option(False, "--json", help="The GPUs and 
             ", ".join(f"pid {p['pid']} ({fmt_bytes(p['bytes'])})" for p in gpu["foreign"]),
             gpu["drained"],
         )
-    ui.console.print(table if answer["gpus"] else "no GPU here: jobs without --gpus only")
-    ui.console.print("jobs: " + (", ".join(f"{n} {state}" for state, n in sorted(answer["counts"].items())) or "none"))
+    return table
 
 
 @app.command("daemon")
