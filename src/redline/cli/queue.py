@@ -18,7 +18,7 @@ from redline.errors import BadInput
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from redline.queue.spec import EngineJob
+    from redline.queue.spec import EngineJob, JobSpec
 
 app = typer.Typer(help="The machine's job queue: its GPUs and jobs, and its daemon.", no_args_is_help=True)
 
@@ -61,7 +61,6 @@ def submit(
 ) -> None:
     """Queue a job: it starts when GPUs with room for it are free, as the user who submitted it; or hand it to
     Slurm, Ray or Kubernetes."""
-    from redline.queue.client import request
     from redline.queue.spec import JobSpec
     from redline.units import parse_bytes, parse_duration
 
@@ -97,6 +96,13 @@ def submit(
         raise BadInput(
             "the local queue runs jobs on this machine: --nodes and --queue go with --engine slurm|kubernetes"
         )
+    _submit_here(spec, dry_run, json_output, hold=hold, share_logs=share_logs)
+
+
+def _submit_here(spec: JobSpec, dry_run: bool, json_output: bool, *, hold: bool, share_logs: bool) -> None:
+    """Queue ``spec`` on this machine's queue (or print what would be queued), and say which queue that is."""
+    from redline.queue.client import request
+
     if dry_run:
         if not json_output:
             _say_queue()
