@@ -72,7 +72,7 @@ FLAGS: dict[str, set[str]] = {
         *("--endpoint-url", "--known-hosts", "--ssh-key", "--json"),
         *("--copy-links", "-L"),  # issue 40
     },
-    "stage add": {"--cache", "--max-size", "--json"},
+    "stage add": {"--cache", "--max-size", "--json", "--allow-evict"},  # issue 43: over the cap only when told
     "stage ls": {"--cache", "--json"},
     "stage evict": {"--cache", "--json"},
     "stage clear": {"--cache", "--json"},

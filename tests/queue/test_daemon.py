@@ -123,7 +123,7 @@ def test_recovery_reads_each_attempt_as_the_kernel_left_it(tmp_path: Path, queue
 def test_bad_input_is_one_line(queue: dict[str, str]) -> None:
     for args, message in (
         (["submit"], "Missing argument"),
-        (["submit", "--gpus", "2", "--", "true"], "the job asks 2 GPUs; this machine has 0"),
+        (["submit", "--gpus", "2", "--", "true"], "the job asks 2 GPUs; this machine has 0: `--gpus 0` runs it on"),
         (["submit", "--gpu-memory", "lots", "--", "true"], "--gpu-memory: 'lots' is not a size"),
         (["submit", "--time-limit", "soon", "--", "true"], "--time-limit: 'soon' is not a duration"),
         (["submit", "--after", "999", "--", "true"], "--after 999: no such job"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fakes.fake_nvml import FakeNvml, FakeProcess, eight_gpu_server, h100_sxm, rtx_4090
 from redline.hw.nvml.probe import probe_gpus
-from redline.queue.placement import Devices, Request, Reservation, slots_from
+from redline.queue.placement import Devices, Request, Reservation, more_gpus_than_here, slots_from
 from redline.queue.policy import AGING_S, Limits, Running, Waiting, decide, ordered
 
 GIB = 2**30
@@ -83,7 +83,9 @@ def test_a_lost_or_failing_gpu_is_drained() -> None:
     gpus = devices(FakeNvml([h100_sxm(0, lost=True), h100_sxm(1)]))
     assert gpus.slots[0].drained == "lost"
     assert gpus.place(Request(1, GIB)).uuids == (gpus.slots[1].uuid,)
-    assert "asks 3 GPUs; this machine has 2" in gpus.place(Request(3, GIB))
+    assert (
+        gpus.place(Request(3, GIB)) == "asks 3 GPUs; this machine has 2: ask --gpus 2 or fewer (`--gpus 0`: on the CPU)"
+    )
     assert "drained (lost)" in gpus.place(Request(2, GIB))
 
 
@@ -92,6 +94,13 @@ def test_a_lost_or_failing_gpu_is_drained() -> None:
 
 def one_gpu() -> Devices:
     return devices(FakeNvml([h100_sxm(0)]))
+
+
+def test_a_job_that_asks_more_gpus_than_the_machine_has_is_told_how_to_ask_fewer() -> None:
+    """What `redline submit` says on a machine without a GPU (the daemon's refusal) names the way out."""
+    assert more_gpus_than_here(1, 0) == "asks 1 GPU; this machine has 0: `--gpus 0` runs it on the CPU"
+    told = more_gpus_than_here(2, 0, " (its plan's; --gpus overrides it)")
+    assert told == "asks 2 GPUs (its plan's; --gpus overrides it); this machine has 0: `--gpus 0` runs it on the CPU"
 
 
 def test_priority_then_first_come_and_aging() -> None:

@@ -193,6 +193,27 @@ def test_a_candidates_plan_file_is_what_redline_run_reads(tmp_path: Path) -> Non
         restrict({}, ["cpu_threads=0"])
 
 
+@pytest.mark.parametrize(("cuda", "gpus"), [(False, 0), (True, 1)])
+def test_a_tuned_plan_asks_the_queue_for_the_gpus_it_ran_on(tmp_path: Path, cuda: bool, gpus: int) -> None:
+    """The quick start's `redline tune -o tuned.yaml` then `redline submit --plan tuned.yaml`: on a machine
+    without a GPU the plan is a CPU plan and its job asks none (on main it asked 1, which the queue refused)."""
+    import yaml
+
+    from conftest import run_cli
+    from redline.tune.space import Candidate, trial_plan
+
+    machine = Machine(cuda=cuda, bf16=True, cpus_per_rank=2, ranks=1)
+    path = tmp_path / "tuned.yaml"
+    path.write_text(
+        yaml.safe_dump(trial_plan(Candidate(16), base=default_plan(machine, 64), per_rank_batch=64, ranks=1))
+    )
+    queued = run_cli(
+        "submit", "--plan", str(path), "--dry-run", "--json", "--", "true", env={"REDLINE_QUEUE_DIR": "/nonexistent"}
+    )
+    assert queued.returncode == 0, queued.stderr
+    assert json.loads(queued.stdout)["gpus"] == gpus
+
+
 def test_the_base_plans_memory_slope_prunes_before_a_second_micro_batch_is_measured(tmp_path: Path) -> None:
     """A plan at micro-batch 8 whose activations are 0.5 GiB per sample, measured at 5 GiB there (the default's
     repeat), on a device of 14 GiB: 32 (17 GiB on the plan's slope) is pruned unrun (so 64 is never asked),

@@ -1,7 +1,7 @@
 """Where measurements live between runs, so the doctor and the planner can read what bench measured.
 
-Runs are saved per machine: ``$REDLINE_HOME/bench/<fingerprint>/<time>.json`` (default
-``~/.local/share/redline``). The fingerprint names the machine by what makes its figures comparable:
+Runs are saved per machine: ``$REDLINE_HOME/bench/<fingerprint>/<time>.json`` (``redline.env.state_dir``;
+default ``~/.local/share/redline``). The fingerprint names the machine by what makes its figures comparable:
 hostname, CPU model, and the GPUs (model and UUID).
 """
 
@@ -14,16 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from redline.bench.model import BENCH_SCHEMA_VERSION, BenchRun, Measurement, Spread
-from redline.env import REDLINE_HOME
+from redline.env import State, state_dir
 from redline.errors import BadInput, one_line
 from redline.hw.snapshot import Snapshot
 
 
-def home() -> Path:
-    base = os.environ.get(REDLINE_HOME) or os.path.join(
-        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "redline"
-    )
-    return Path(base)
+def runs_dir() -> Path:
+    """Where saved runs live: a folder per machine in it."""
+    return state_dir(State.BENCH)
 
 
 def fingerprint(snapshot: Snapshot) -> tuple[str, dict[str, Any]]:
@@ -41,7 +39,7 @@ def fingerprint(snapshot: Snapshot) -> tuple[str, dict[str, Any]]:
 
 
 def save(run: BenchRun) -> Path:
-    folder = home() / "bench" / run.fingerprint
+    folder = runs_dir() / run.fingerprint
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{run.taken_at.replace(':', '').replace('+0000', 'Z')}.json"
     tmp = path.with_suffix(".tmp")
@@ -52,7 +50,7 @@ def save(run: BenchRun) -> Path:
 
 def saved_runs(machine_fingerprint: str) -> list[Path]:
     """This machine's saved runs, oldest first (file names are UTC timestamps)."""
-    folder = home() / "bench" / machine_fingerprint
+    folder = runs_dir() / machine_fingerprint
     return sorted(folder.glob("*.json")) if folder.is_dir() else []
 
 

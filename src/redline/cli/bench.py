@@ -175,7 +175,7 @@ def _report(run: BenchRun, *, json_out: bool, save: bool) -> None:
         try:  # after printing: a full or read-only REDLINE_HOME must not cost the user the figures
             saved = store.save(run)
         except OSError as exc:
-            raise BadInput(f"could not save the results under {store.home()}: {exc.strerror or exc}") from None
+            raise BadInput(f"could not save the results under {store.runs_dir()}: {exc.strerror or exc}") from None
         ui.warn(f"saved to {saved}; `redline doctor --bench` reads it")
         busy = [m for m in run.measurements if m.busy_host]
         if busy:  # kept, marked: the doctor and the planner see the mark; an idle rerun replaces them

@@ -16,7 +16,9 @@ from redline.cli.params import parsed
 from redline.errors import BadInput
 
 if TYPE_CHECKING:
-    from redline.queue.spec import EngineJob
+    from rich.table import Table
+
+    from redline.queue.spec import EngineJob, JobSpec
 
 app = typer.Typer(help="The machine's job queue: its GPUs and jobs, and its daemon.", no_args_is_help=True)
 
@@ -59,7 +61,6 @@ def submit(
 ) -> None:
     """Queue a job: it starts when GPUs with room for it are free, as the user who submitted it; or hand it to
     Slurm, Ray or Kubernetes."""
-    from redline.queue.client import request
     from redline.queue.spec import JobSpec
     from redline.units import parse_bytes, parse_duration
 
@@ -95,13 +96,23 @@ def submit(
         raise BadInput(
             "the local queue runs jobs on this machine: --nodes and --queue go with --engine slurm|kubernetes"
         )
+    _submit_here(spec, dry_run, json_output, hold=hold, share_logs=share_logs)
+
+
+def _submit_here(spec: JobSpec, dry_run: bool, json_output: bool, *, hold: bool, share_logs: bool) -> None:
+    """Queue ``spec`` on this machine's queue (or print what would be queued), and say which queue that is."""
+    from redline.queue.client import request
+
     if dry_run:
+        if not json_output:
+            _say_queue()
         ui.print_json(spec.to_dict() | {"env": sorted(spec.env)})
         return
     job = request({"op": "submit", "spec": spec.to_dict(), "hold": hold, "share": share_logs})["job"]
     if json_output:
         ui.print_json(job)
         return
+    _say_queue()
     ui.console.print(f"job {job['id']} ({job['name']}) {job['state']}")
 
 
@@ -136,21 +147,36 @@ def jobs(
 
     if engine not in ("local", "all", *ENGINES):
         raise BadInput(f"--engine is local, {', '.join(ENGINES)} or all; not {engine!r}")
-    listed = request({"op": "jobs", "all": everything})["jobs"] if engine in ("local", "all") else []
+    local = engine in ("local", "all")
+    listed = request({"op": "jobs", "all": everything})["jobs"] if local else []
     remote = _engine_jobs(
         list(ENGINES) if engine == "all" else (engine,) if engine != "local" else (), namespace, address
     )
     if json_output:
         ui.print_json({"jobs": listed, "engines": [j.to_dict() for j in remote]})
         return
+    if local:
+        _say_queue()
+        ui.print_table(jobs_table(listed, time.time()))
+    if remote:
+        _print_engine_jobs(remote)
+
+
+def jobs_table(listed: list[dict[str, Any]], now: float) -> Table:
+    """The queue's jobs (the daemon's answer) as `redline jobs` shows them: a job's GPUs with the devices and
+    what it reserves on each, how long it waited (or ran, once started)."""
     from rich.table import Table
 
     from redline.units import fmt_bytes, fmt_duration
 
-    table = Table(title="redline jobs")
-    for column in ("id", "user", "name", "state", "GPUs", "waited / ran", "why, or how it ended"):
+    table = Table(title="redline jobs", title_justify="left")
+    table.add_column("id", no_wrap=True)
+    for column in ("user", "name"):
         table.add_column(column)
-    now = time.time()
+    table.add_column("state", no_wrap=True)
+    table.add_column("GPUs")
+    table.add_column("waited/ran", no_wrap=True)
+    table.add_column("why, or how it ended")
     for job in listed:
         placement = job["placement"] or {}
         reserved = placement.get("reserved_bytes") or []
@@ -163,9 +189,17 @@ def jobs(
             fmt_duration((job["ended_at"] or now) - since),
             _shown(job["reason"]),
         )
-    ui.console.print(table)
-    if remote:
-        _print_engine_jobs(remote)
+    return table
+
+
+def _say_queue() -> None:
+    """Which queue this command talked to, on stderr (stdout stays the command's output): the machine's, shared
+    by every user, or this user's own ($REDLINE_HOME's, or the one under the data home). Said once the queue
+    answered, so that a refusal stays one line."""
+    from redline.queue.client import queue_dir, whose
+
+    directory = queue_dir()
+    ui.err_console.print(ui.dim(f"queue: {directory} ({whose(directory)})"), highlight=False, soft_wrap=True)
 
 
 def _shown(text: object) -> str:
@@ -194,12 +228,12 @@ def _engine_jobs(names: Sequence[str], namespace: str, address: str | None) -> l
 def _print_engine_jobs(remote: list[EngineJob]) -> None:
     from rich.table import Table
 
-    table = Table(title="redline jobs on other engines")
+    table = Table(title="redline jobs on other engines", title_justify="left")
     for column in ("engine", "id", "name", "state", "why, or how it ended"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column in ("engine", "state"))
     for job in remote:
         table.add_row(*map(_shown, (job.engine, job.id, job.name, job.state, job.reason)))
-    ui.console.print(table)
+    ui.print_table(table)
 
 
 def _change(op: str, ids: list[str], json_output: bool) -> None:
@@ -305,12 +339,26 @@ def status(json_output: bool = typer.Option(False, "--json", help="The GPUs and 
     if json_output:
         ui.print_json(answer)
         return
+    _say_queue()
+    if answer["gpus"]:
+        ui.print_table(status_table(answer))
+    else:
+        ui.console.print("no GPU here: jobs without --gpus only")
+    ui.console.print("jobs: " + (", ".join(f"{n} {state}" for state, n in sorted(answer["counts"].items())) or "none"))
+
+
+def status_table(answer: dict[str, Any]) -> Table:
+    """The daemon's status answer as `redline queue status` shows it: each GPU's memory, the jobs on it with
+    what each reserves, the processes the queue did not start, and why it is drained."""
     from rich.table import Table
 
     from redline.units import fmt_bytes
 
-    table = Table(title=f"redline queue ({answer['policy']}; daemon pid {answer['pid']})")
-    for column in ("GPU", "used", "room", "jobs (reserved)", "not the queue's", "drained"):
+    table = Table(title=f"redline queue ({answer['policy']}; daemon pid {answer['pid']})", title_justify="left")
+    table.add_column("GPU")
+    table.add_column("used", no_wrap=True)
+    table.add_column("room", justify="right", no_wrap=True)
+    for column in ("jobs (reserved)", "not the queue's", "drained"):
         table.add_column(column)
     for gpu in answer["gpus"]:
         table.add_row(
@@ -321,8 +369,7 @@ def status(json_output: bool = typer.Option(False, "--json", help="The GPUs and 
             ", ".join(f"pid {p['pid']} ({fmt_bytes(p['bytes'])})" for p in gpu["foreign"]),
             gpu["drained"],
         )
-    ui.console.print(table if answer["gpus"] else "no GPU here: jobs without --gpus only")
-    ui.console.print("jobs: " + (", ".join(f"{n} {state}" for state, n in sorted(answer["counts"].items())) or "none"))
+    return table
 
 
 @app.command("daemon")

@@ -18,7 +18,7 @@ from redline.errors import BadInput
 from redline.units import fmt_bytes, parse_bytes
 
 if TYPE_CHECKING:
-    from redline.transfer.cache import Cache
+    from redline.transfer.cache import Added, Cache
 
 app = typer.Typer(
     help="The local cache (NVMe) that training reads remote shards through: add, ls, evict, clear.",
@@ -35,23 +35,41 @@ def add(
     max_size: str | None = typer.Option(
         None, "--max-size", help="Cap the cache at this size, kept for later runs: 200G (default: 80% of its disk)."
     ),
+    allow_evict: bool = typer.Option(
+        False, "--allow-evict", help="Files over the cap together: fetch each in turn, the later evicting the earlier."
+    ),
     json_out: bool = typer.Option(False, "--json", help="What was staged, as JSON."),
 ) -> None:
-    """Fetch files into the cache now; those already there only count as used."""
+    """Fetch files into the cache now; those already there only count as used. Files that together are more
+    than the cap are refused before any fetch, unless --allow-evict."""
     store = _open(cache, parsed(parse_bytes, "--max-size", max_size))
-    staged = []
     try:
         with ui.transfer_progress(not json_out) as progress:
-            for url in urls:
-                with store.get(url, progress) as pinned:
-                    staged.append(pinned.entry.to_dict() | {"fetched": pinned.fetched})
-                    if not json_out:
-                        verb = "fetched" if pinned.fetched else "already staged"
-                        ui.console.print(f"{verb}: {pinned.url} ({fmt_bytes(pinned.size_bytes)})", highlight=False)
+            added = store.add(urls, progress, allow_evict=allow_evict)
     finally:
         store.close()
     if json_out:
-        ui.print_json({"cache": str(store.root), "staged": staged, **_usage(store)})
+        ui.print_json({"cache": str(store.root), "staged": [a.to_dict() for a in added], **_usage(store)})
+    else:
+        _say_added(added, store)
+    if not allow_evict and not all(a.kept for a in added):  # evicted under readers' pins, after all
+        raise typer.Exit(1)
+
+
+def _say_added(added: list[Added], store: Cache) -> None:
+    """Each file as the cache holds it now: fetched or already there, or (said on stderr) not kept."""
+    for a in added:
+        size = fmt_bytes(a.entry.size_bytes)
+        if a.kept:
+            verb = "fetched" if a.fetched else "already staged"
+            ui.console.print(f"{verb}: {a.entry.url} ({size})", highlight=False)
+        else:
+            ui.warn(f"not kept: {a.entry.url} ({size}): evicted to make room under the cap")
+    if dropped := sum(not a.kept for a in added):
+        ui.warn(
+            f"{len(added) - dropped} of {len(added)} kept: the cache holds {fmt_bytes(store.max_bytes())}; "
+            "raise it with --max-size"
+        )
 
 
 @app.command("ls")
@@ -65,14 +83,23 @@ def ls(
     if json_out:
         ui.print_json({"cache": str(store.root), "entries": [e.to_dict() for e in entries], **_usage(store)})
         return
+    from rich.table import Table
+
     now = time.time()
+    table = Table(title="the stage cache, least recently used (evicted) first", title_justify="left")
+    table.add_column("URL", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("used", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
     for e in entries:
-        state = "in use" if e.in_use else ("" if e.state == "ready" else "partial")
-        ago = _ago(now - e.last_used)
-        ui.console.print(f"{fmt_bytes(e.size_bytes):>10}  {ago:>9}  {state:<7} {e.url}", highlight=False)
+        state = "in use" if e.in_use else ("ready" if e.state == "ready" else "partial")
+        table.add_row(e.url, fmt_bytes(e.size_bytes), _ago(now - e.last_used), state)
+    if entries:
+        ui.print_table(table)
     usage = _usage(store)
     cap = fmt_bytes(usage["max_bytes"]) + ("" if usage["max_bytes_set"] else " (80% of its disk; --max-size sets it)")
-    ui.console.print(ui.dim(f"{store.root}: {len(entries)} entries, {fmt_bytes(usage['used_bytes'])} of {cap}"))
+    ui.console.print(ui.dim(f"{len(entries)} entries, {fmt_bytes(usage['used_bytes'])} of {cap}"))
+    ui.console.print(ui.dim(f"cache: {store.root}"))
 
 
 @app.command("evict")

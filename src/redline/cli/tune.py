@@ -11,6 +11,8 @@ import typer
 from redline.cli import ui
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from redline.tune.predict import Predictor
     from redline.tune.search import Outcome, Trial
 
@@ -44,7 +46,7 @@ def tune(
     ),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the winner's plan file here."),
     html: Path | None = typer.Option(None, "--html", help="Write an HTML report (a plot of every trial) here."),
-    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="The journals (default ~/.cache/redline/tune)."),
+    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="The journals (default $REDLINE_HOME/tune)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the knobs and trials, run nothing."),
     json_output: bool = typer.Option(False, "--json", help="The trials and the winner as JSON."),
 ) -> None:
@@ -241,7 +243,7 @@ def _expected(knobs: dict[str, list[Any]]) -> int:
 def _dry_run(
     knobs: dict[str, list[Any]], base: dict[str, Any] | None, setup: Any, planner: Predictor | None, json_output: bool
 ) -> None:
-    from redline.units import fmt_bytes, fmt_duration
+    from redline.units import fmt_duration
 
     rows = []
     if planner is not None and base is not None:
@@ -260,25 +262,10 @@ def _dry_run(
             {"knobs": values, "trials_about": _expected(knobs), "predicted_trial_s": trial_s, "predicted": predicted}
         )
         return
-    from rich.table import Table
-
-    table = Table(title="redline tune: what the trials would change")
-    table.add_column("knob")
-    table.add_column("values (default: as the script and the runtime have it)")
-    table.add_row("micro_batch", "the largest that fits (binary search over the per-rank batch's divisors), and half")
-    for knob, vs in values.items():
-        table.add_row(knob, ", ".join(str(v) for v in vs))
-    ui.console.print(table)
+    ui.print_table(knobs_table(values))
+    ui.console.print("default: as the script and the runtime have it")
     if rows and planner is not None:  # rows come from the planner
-        prediction = Table(title=f"the planner's prediction for {planner.model} (before any trial corrects it)")
-        for column in ("config", "step ms", "samples/s", "x the base plan's", "peak"):
-            prediction.add_column(column, justify="left" if column == "config" else "right")
-        for key, p in rows:
-            speedup = p.samples_per_s / rows[0][1].samples_per_s
-            prediction.add_row(
-                key, f"{p.step_s * 1e3:,.1f}", f"{p.samples_per_s:,.1f}", f"{speedup:.2f}", fmt_bytes(p.allocated_bytes)
-            )
-        ui.console.print(prediction)
+        ui.print_table(prediction_table(planner.model, rows))
         ui.console.print("compile, workers, threads and DDP's knobs are not in the planner: predicted as the base")
     elif planner is None:
         ui.console.print("give --model (or --plan with a plan `redline plan -m` wrote) for the planner's predictions")
@@ -288,6 +275,56 @@ def _dry_run(
     ui.console.print(
         f"about {_expected(knobs)} trials of {setup.warmup_steps} + {setup.steps} steps{each}; nothing was run"
     )
+
+
+def knobs_table(values: dict[str, list[Any]]) -> Table:
+    """What the trials would change: each knob and the values tried (the micro-batch's by search)."""
+    from rich.table import Table
+
+    table = Table(title="redline tune: what the trials would change", title_justify="left")
+    table.add_column("knob", no_wrap=True)
+    table.add_column("values")
+    table.add_row("micro_batch", "the largest that fits (binary search over the per-rank batch's divisors), and half")
+    for knob, vs in values.items():
+        table.add_row(knob, ", ".join(str(v) for v in vs))
+    return table
+
+
+def prediction_table(model: str, rows: list[tuple[str, Any]]) -> Table:
+    """The planner's figure for each candidate ``rows`` holds (config, prediction), the first the base plan's."""
+    from rich.table import Table
+
+    from redline.units import fmt_bytes
+
+    table = Table(title=f"the planner's prediction for {model} (before any trial)", title_justify="left")
+    table.add_column("config")
+    for column in ("step ms", "samples/s", "x base", "peak"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for key, p in rows:
+        speedup = p.samples_per_s / rows[0][1].samples_per_s
+        table.add_row(
+            key, f"{p.step_s * 1e3:,.1f}", f"{p.samples_per_s:,.1f}", f"{speedup:.2f}", fmt_bytes(p.allocated_bytes)
+        )
+    return table
+
+
+def trials_table(outcome: Outcome) -> Table:
+    """Every trial the tune ran (or took from its journal), in order, as the HTML report lists them, less the
+    columns no trial fills (planned/s without the planner): a column of nothing costs a narrow terminal the room
+    its config names need. A figure is never wrapped."""
+    from rich.table import Table
+
+    from redline.tune.report import COLUMNS, NUMERIC, trial_cells
+
+    rows = [trial_cells(trial, outcome) for trial in outcome.trials]
+    shown = [i for i in range(len(COLUMNS)) if any(row[i] for row in rows)]
+    table = Table(title="redline tune: trials", title_justify="left")
+    for i in shown:
+        figure = COLUMNS[i] in NUMERIC and COLUMNS[i] != "median of runs"  # that one is a sentence
+        table.add_column(COLUMNS[i], justify="right" if COLUMNS[i] in NUMERIC else "left", no_wrap=figure)
+    for row in rows:
+        table.add_row(*(row[i] for i in shown))
+    return table
 
 
 def _write_plan(path: Path, plan: dict[str, Any]) -> None:
@@ -301,16 +338,9 @@ def _write_plan(path: Path, plan: dict[str, Any]) -> None:
 
 
 def _print(outcome: Outcome, journal: Path, output: Path | None) -> None:
-    from rich.table import Table
+    from redline.tune.report import noise_line, planner_line
 
-    from redline.tune.report import COLUMNS, NUMERIC, noise_line, planner_line, trial_cells
-
-    table = Table(title="redline tune: trials")
-    for column in COLUMNS:
-        table.add_column(column, justify="right" if column in NUMERIC else "left")
-    for trial in outcome.trials:
-        table.add_row(*trial_cells(trial, outcome))
-    ui.console.print(table)
+    ui.print_table(trials_table(outcome))
     if outcome.winner is None:
         ui.console.print("no candidate trained as the baseline does: keep running as you do")
         return

@@ -1,8 +1,9 @@
 """Talking to the queue's daemon: find its directory, start it on first use, send one request.
 
-The directory: ``$REDLINE_QUEUE_DIR``; else the machine's queue (``/var/lib/redline/queue``, run by root, by
-the shipped systemd unit or by root's first use) where it answers; else the user's own under the data
-directory, which the first request starts. A daemon that does not answer within ``CLIENT_WAIT_S`` is said to
+The directory: ``redline.env.state_dir(State.QUEUE)``: ``$REDLINE_QUEUE_DIR``; else ``$REDLINE_HOME/queue``;
+else the machine's queue (``/var/lib/redline/queue``, run by root, by the shipped systemd unit or by root's
+first use) for root and where it runs; else the user's own under the data home, which the first request
+starts. A daemon that does not answer within ``CLIENT_WAIT_S`` is said to
 be stuck, in one line, rather than waited on for good.
 """
 
@@ -18,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from redline.env import REDLINE_QUEUE_DIR
+from redline.env import MACHINE_QUEUE, State, state_dir
 from redline.errors import RedlineError
 from redline.queue.protocol import CLIENT_WAIT_S, MAX_ANSWER_BYTES, Op, check_answer, request_line
 
-MACHINE_DIR = Path("/var/lib/redline/queue")
+MACHINE_DIR = MACHINE_QUEUE
 START_WAIT_S = 60.0  # a daemon that has not opened its socket by then did not start: its log says why
 
 
@@ -31,12 +32,13 @@ class QueueUnavailable(RedlineError):
 
 
 def queue_dir() -> Path:
-    if os.environ.get(REDLINE_QUEUE_DIR):
-        return Path(os.environ[REDLINE_QUEUE_DIR])
-    if os.geteuid() == 0 or (MACHINE_DIR / "queue.sock").exists():
-        return MACHINE_DIR
-    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
-    return Path(base) / "redline" / "queue"
+    """The queue this process talks to (``redline.env.state_dir``'s rule)."""
+    return state_dir(State.QUEUE)
+
+
+def whose(directory: Path) -> str:
+    """Whose queue ``directory`` is, as a user is told: the machine's, shared by every user, or their own."""
+    return "the machine's" if directory == MACHINE_DIR else "yours"
 
 
 def request(payload: dict[str, Any], directory: Path | None = None, *, start: bool = True) -> dict[str, Any]:

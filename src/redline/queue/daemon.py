@@ -45,7 +45,7 @@ from redline.files import read_user_bytes
 from redline.lockfile import HeldElsewhere, WriterLock
 from redline.queue import layout
 from redline.queue.health import GpuHealth, new_xids, sampled_health
-from redline.queue.placement import Devices, Placement, Request, Reservation, Slot
+from redline.queue.placement import Devices, Placement, Request, Reservation, Slot, more_gpus_than_here
 from redline.queue.policy import Limits, Running, Waiting, decide
 from redline.queue.protocol import Op
 from redline.queue.server import Answer, Server, say
@@ -498,7 +498,8 @@ class Daemon:
         if spec.gpus:
             slots = self.gpus(set())
             if len(slots) < spec.gpus:
-                raise BadInput(f"the job asks {spec.gpus} GPUs; this machine has {len(slots)}")
+                source = " (its plan's; --gpus overrides it)" if spec.plan else ""
+                raise BadInput(f"the job {more_gpus_than_here(spec.gpus, len(slots), source)}")
             largest = max(s.total_bytes for s in slots)
             if spec.gpu_memory_bytes and spec.gpu_memory_bytes > largest:
                 raise BadInput(f"the job asks {spec.gpu_memory_bytes} bytes per GPU; the largest has {largest}")

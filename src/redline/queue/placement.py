@@ -127,7 +127,7 @@ class Devices:
         if len(fits) < request.gpus:
             reasons = [self.why_not(s, request) for s in self.slots if self.why_not(s, request)]
             if len(self.slots) < request.gpus:
-                return f"asks {request.gpus} GPUs; this machine has {len(self.slots)}"
+                return more_gpus_than_here(request.gpus, len(self.slots))
             return "; ".join(reasons[:3]) or "no GPU"
         chosen, note = _choose(fits, request.gpus, key=lambda s: self.room(s), pack=policy == "pack")
         reserved = tuple(s.total_bytes if request.whole else request.memory_bytes or 0 for s in chosen)
@@ -146,6 +146,14 @@ class Devices:
         used = {r.uuid: r.using_bytes for r in self.reservations if r.job == job}
         slots = [replace(s, used_bytes=max(0, s.used_bytes - used.get(s.uuid, 0))) for s in self.slots]
         return Devices(slots, [r for r in self.reservations if r.job != job])
+
+
+def more_gpus_than_here(asked: int, here: int, source: str = "") -> str:
+    """Why a job that asks ``asked`` GPUs (``source``: where the number came from, said after it) cannot run on
+    a machine of ``here``, and how to ask for fewer: a machine without a GPU runs jobs that ask none, on its
+    CPUs."""
+    fewer = "`--gpus 0` runs it on the CPU" if here == 0 else f"ask --gpus {here} or fewer (`--gpus 0`: on the CPU)"
+    return f"asks {asked} GPU{'s' if asked > 1 else ''}{source}; this machine has {here}: {fewer}"
 
 
 def _choose(fits: Sequence[Slot], count: int, *, key: Callable[[Slot], int], pack: bool) -> tuple[list[Slot], str]:

@@ -74,6 +74,19 @@ class Entry:
         return asdict(self)
 
 
+@dataclass
+class Added:
+    """What ``Cache.add`` did with one URL: its entry, whether this call fetched it (else it was there), and
+    whether the cache still holds it once every URL was staged (a later one may have evicted it)."""
+
+    entry: Entry
+    fetched: bool
+    kept: bool
+
+    def to_dict(self) -> dict:
+        return self.entry.to_dict() | {"fetched": self.fetched, "kept": self.kept}
+
+
 class Pinned:
     """A ready entry held for reading: no eviction removes it until ``close()``."""
 
@@ -115,9 +128,10 @@ def normalized(url: str) -> str:
 
 
 def default_root() -> Path:
-    from redline.bench.store import home
+    """The stage cache's folder where none is given: the data home's (``redline.env.state_dir``)."""
+    from redline.env import State, state_dir
 
-    return home() / "cache"
+    return state_dir(State.STAGE)
 
 
 class Cache:
@@ -191,6 +205,44 @@ class Cache:
                 return Pinned(entry, pin, fetched)
             os.close(pin)  # evicted between two looks: start again
 
+    def add(self, urls: list[str], progress: Progress | None = None, *, allow_evict: bool = False) -> list[Added]:
+        """Stage each of ``urls`` now (a URL named twice, once), as ``redline stage add`` does. What is asked
+        must fit under the cap together, or nothing is fetched (NotStageable names the sizes and the cap):
+        staging a file only to evict it for the next is a waste nobody asked for. With ``allow_evict`` each is
+        fetched in turn, the later ones evicting the earlier where the cap needs it, and each says whether it
+        was kept."""
+        asked = list(dict.fromkeys(normalized(url) for url in urls))
+        if not allow_evict:
+            self._check_room(asked)
+        done = []
+        for url in asked:
+            with self.get(url, progress) as pinned:
+                done.append((pinned.entry, pinned.fetched))
+        return [Added(entry, fetched, self._ready(entry.key) is not None) for entry, fetched in done]
+
+    def _check_room(self, urls: list[str]) -> None:
+        """Refuse, before any fetch, files that together are more than the cache holds (those already in it
+        count at their size: they must stay too)."""
+        cap = self.max_bytes()
+        sizes = []
+        for url in urls:
+            entry = self._ready(key_of(url))
+            size = entry.size_bytes if entry is not None else self._stat(url)[1]
+            if size > cap:
+                raise NotStageable(self._larger_than_the_cache(url, size, cap))
+            sizes.append(size)
+        if sum(sizes) > cap:
+            raise NotStageable(
+                f"the {len(urls)} files asked are {fmt_bytes(sum(sizes))} in all and the cache holds "
+                f"{fmt_bytes(cap)} ({self.root}): nothing was fetched; raise --max-size to "
+                f"{fmt_bytes(sum(sizes))} or more, stage fewer, or give --allow-evict (each later file may then "
+                "evict an earlier one)"
+            )
+
+    def _larger_than_the_cache(self, url: str, size: int, cap: int) -> str:
+        whole = f"({fmt_bytes(cap)} at {self.root})"
+        return f"{url}: {fmt_bytes(size)} is more than the whole cache holds {whole}; raise --max-size"
+
     def _ready(self, key: str) -> Entry | None:
         entry = self._entry(key)
         if entry is None or entry.state != "ready":
@@ -257,10 +309,7 @@ class Cache:
         with self._admission():
             cap = self.max_bytes()
             if entry.size_bytes > cap:
-                raise NotStageable(
-                    f"{entry.url}: {fmt_bytes(entry.size_bytes)} is more than the whole cache holds "
-                    f"({fmt_bytes(cap)} at {self.root}); raise --max-size"
-                )
+                raise NotStageable(self._larger_than_the_cache(entry.url, entry.size_bytes, cap))
             used = self._make_room([e for e in self.entries() if e.key != entry.key], cap - entry.size_bytes)
             if used + entry.size_bytes > cap:
                 raise StageError(

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from redline.bench.store import home
+from redline.env import State, state_dir
 from redline.transfer.engine import FileResult, Options, Progress, Summary, retrying
 from redline.transfer.journal import chunks, hash_range
 from redline.transfer.link import Link
@@ -67,7 +67,7 @@ class Upload:
 
     def journal(self) -> Path:
         key = hashlib.sha256(f"{self.path.resolve()}\0{self.url}".encode()).hexdigest()[:24]
-        return home() / "transfer" / "push" / f"{key}.jsonl"
+        return state_dir(State.PUSH) / f"{key}.jsonl"
 
     def spans(self) -> list[tuple[int, int]]:
         return chunks(self.size, self.part_bytes)

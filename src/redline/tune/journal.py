@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from redline.env import REDLINE_TUNE_CACHE
+from redline.env import State, state_dir
 from redline.tune.space import Candidate
 from redline.tune.trial import Setup, TrialResult
 
@@ -22,10 +22,8 @@ JOURNAL_FORMAT = 1
 
 
 def cache_dir() -> Path:
-    """``$REDLINE_TUNE_CACHE``, else ``$XDG_CACHE_HOME/redline/tune`` (``~/.cache/redline/tune``)."""
-    if os.environ.get(REDLINE_TUNE_CACHE):
-        return Path(os.environ[REDLINE_TUNE_CACHE])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "redline" / "tune"
+    """``$REDLINE_TUNE_CACHE``, else the data home's (``$REDLINE_HOME/tune``: ``redline.env.state_dir``)."""
+    return state_dir(State.TUNE)
 
 
 def machine_signature() -> dict[str, Any]:

@@ -194,7 +194,8 @@ def default_plan(machine: Machine, per_rank_batch: int) -> dict[str, Any]:
     return {
         PLAN_MARKER: PLAN_SCHEMA_VERSION,
         "model": {},
-        "hardware": {},
+        # what the plan runs on: a CPU plan is one `redline submit --plan` queues asking no GPU
+        "hardware": {"accelerator": "cuda" if machine.cuda else "cpu"},
         "goal": {"global_batch": per_rank_batch * machine.ranks},
         "strategy": config.strategy.to_dict(),
         "runtime": {},
