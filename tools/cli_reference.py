@@ -95,10 +95,11 @@ def _inline(text: str) -> str:
 
 def _table(title: str, params: tuple[Param, ...]) -> str:
     rows = "".join(
-        f"<tr><td><code>{html.escape(p.names, quote=False)}</code></td><td>{_inline(p.help)}</td></tr>\n"
+        f'<tr><td style="white-space: nowrap"><code>{html.escape(p.names, quote=False)}</code></td>'
+        f"<td>{_inline(p.help)}</td></tr>\n"
         for p in params
     )
-    return f'<table>\n<thead><tr><th>{title}</th><th>what it does</th></tr></thead>\n<tbody>\n{rows}</tbody>\n</table>'
+    return f"<table>\n<thead><tr><th>{title}</th><th>what it does</th></tr></thead>\n<tbody>\n{rows}</tbody>\n</table>"
 
 
 def render(command: Command, level: int = 3) -> str:
