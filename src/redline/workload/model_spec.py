@@ -1,6 +1,6 @@
 """The model a user names (``--model SPEC``), read one way for plan, tune and infer.
 
-SPEC is, in this order (the README's "Plan" and ``redline plan --help``):
+SPEC is, in this order (docs/plan.md and ``redline plan --help``):
 
 1. a preset name (``redline plan --list-models``), in any case;
 2. a Hugging Face ``config.json``: a path that ends in ``.json``, or any file or folder that exists (a folder
