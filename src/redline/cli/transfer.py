@@ -79,7 +79,7 @@ def fetch(
     with ui.transfer_progress(not json_out) as progress:
         summary = transfer.fetch(
             sources,
-            Path(dest),
+            dest,  # a str: its trailing slash says "a folder"
             options,
             sha256=_sha256(checksum),
             sockets=sockets,

@@ -1,7 +1,7 @@
 """Moving datasets and checkpoints across long, lossy links, resumably: ``redline fetch`` and ``redline push``.
 
     from redline import transfer
-    summary = transfer.fetch(["https://host/shard-000.tar", "s3://bucket/prefix/"], Path("data/"))
+    summary = transfer.fetch(["https://host/shard-000.tar", "s3://bucket/prefix/"], "data/")
 
 Parts: ``link`` (chunk size and streams from the link), ``source`` and one module per kind of endpoint
 (``http``, ``s3``, ``sftp``, ``fs``), each registered with its traits in ``schemes``, ``journal`` (the resumable
@@ -33,7 +33,7 @@ def sockets_for(congestion: str | None, read_timeout_s: float = 60.0) -> Sockets
 
 def fetch(
     sources: list[str],
-    dest: Path,
+    dest: Path | str,
     options: Options | None = None,
     *,
     sha256: str | None = None,
@@ -45,7 +45,8 @@ def fetch(
     link: Link | None = None,
     remote: Remote | None = None,
 ) -> Summary:
-    """Fetch ``sources`` (files, or folders ending in /) to ``dest``; see the package's parts. ``remote``: what
+    """Fetch ``sources`` (files, or folders ending in /) to ``dest`` (a folder when it ends in /, as in rsync, or
+    already is one; else the one file's name); see the package's parts. ``remote``: what
     a stat of the one source said moments ago (``redline stage`` stats before it admits), not asked again."""
     options = options or Options()
     sockets = sockets or Sockets()  # the system's congestion control: the sender's decides a download's rate

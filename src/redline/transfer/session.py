@@ -123,9 +123,12 @@ def safe_relative(name: str, url: str) -> PurePosixPath:
     return relative
 
 
-def plan_items(session: Session, sources: list[str], dest: Path, sha256: str | None = None) -> list[Item]:
-    """The files to fetch, each with its destination path."""
-    into_folder = len(sources) > 1 or any(map(is_folder, sources)) or dest.is_dir() or str(dest).endswith(os.sep)
+def plan_items(session: Session, sources: list[str], dest: Path | str, sha256: str | None = None) -> list[Item]:
+    """The files to fetch, each with its destination path. ``dest`` ending in a slash is a folder, made if it
+    is missing (a ``Path`` would drop the slash: `fetch FILE data/` must not write a file called ``data``)."""
+    named_folder = str(dest).endswith(("/", os.sep))
+    dest = Path(dest)
+    into_folder = len(sources) > 1 or any(map(is_folder, sources)) or dest.is_dir() or named_folder
     if sha256 and (into_folder or len(sources) != 1):
         raise BadInput("--checksum names the hash of one file: give one source file and a file destination")
     if into_folder and dest.exists() and not dest.is_dir():
