@@ -30,7 +30,7 @@ def test_the_ranked_plans_and_the_summary_are_whole(width: int) -> None:
     words = {word for e in ranked for word in e["label"].split()}  # a strategy may wrap, never inside a word
     costs = [f"${e['cost_usd']:,.0f}" for e in ranked]  # the finding: "$17,4…"
     memory = [fmt_bytes(e["memory_bytes"]["device_total"]) for e in ranked]
-    assert_whole(text, *words, *costs, *memory, "mem/GPU", "tokens/s", "to train", "cost", width=width)
+    assert_whole(text, *words, *costs, *memory, "mem/GPU", "tokens/s", "time to train", "cost", width=width)
     assert_whole(text, "llama-2-7b", "NVIDIA H100 SXM5 80GB", "989.4 TFLOP/s", width=width)
     assert "best of" in text and "excluded" in text and "nearest miss" in text
 
@@ -38,7 +38,7 @@ def test_the_ranked_plans_and_the_summary_are_whole(width: int) -> None:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_a_plan_without_a_price_or_a_length_leaves_those_columns_out(width: int) -> None:
     text = _text("plan", "-m", "gpt2", "--hardware", "8xa100-sxm4-80gb", width=width)
-    assert "mem/GPU" in text and "cost" not in text and "to train" not in text
+    assert "mem/GPU" in text and "cost" not in text and "time to train" not in text
     assert_whole(text, "tokens/s", width=width)
 
 

@@ -154,7 +154,7 @@ def _ranked_table(plans: Plans) -> Table:
         ("MFU", lambda e: _pct(e.mfu)),
     ]
     if any(e.time_to_train_s for e in leaders):
-        columns.append(("to train", lambda e: fmt_duration(e.time_to_train_s) if e.time_to_train_s else "—"))
+        columns.append(("time to train", lambda e: fmt_duration(e.time_to_train_s) if e.time_to_train_s else "—"))
     if any(e.cost_usd is not None for e in leaders):
         columns.append(("cost", lambda e: _money(e.cost_usd)))
     for header, _ in columns:
