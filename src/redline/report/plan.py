@@ -1,7 +1,8 @@
 """The planner's answers for a terminal (``redline plan``): the model, hardware and goal, the ranked plans, where
 the best one's memory and step time go, what was excluded; the cloud ranking; the model presets.
 
-Each function returns a renderable for the CLI to print; the words that name the user's inputs (notes) come in
+Each function returns what the CLI prints, a table or a list of parts (tables, which it prints through
+``ui.print_table``, and lines), laid out to fit 80 columns; the words that name the user's inputs (notes) come in
 already said as the command's flags.
 """
 
