@@ -42,7 +42,7 @@ def gpus(
     if json_output:
         ui.print_json([spec.to_dict() for spec in specs])
         return
-    ui.console.print(_table(specs))
+    ui.print_table(_table(specs, wide=ui.console.width >= WIDE))
 
 
 def _selected(spec: GpuSpec, wanted: str) -> bool:
@@ -55,37 +55,44 @@ def _selected(spec: GpuSpec, wanted: str) -> bool:
 
 
 _PRECISIONS_SHOWN = ("fp32", "tf32", "bf16", "fp8")
+# a terminal at least this wide gets the tables' extra columns (a GPU's name; an instance's link, CPUs, RAM and
+# network); a narrower one, a pipe or a job log (80), the columns that fit 80
+WIDE = 120
 
 
 def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:g}"
 
 
-def _table(specs: list[GpuSpec]) -> Table:
-    # one line per GPU from 120 columns; narrower, cells fold rather than hide digits behind an ellipsis
+def _table(specs: list[GpuSpec], *, wide: bool) -> Table:
+    """One line per GPU, at 80 columns: the key (what --hardware takes: 8xh100-sxm) and the numbers, each unit
+    said once in its header; ``wide`` adds the vendor's name. The memory type and the sources are in --json."""
     table = Table(
         box=box.SIMPLE_HEAD,
         show_edge=False,
         pad_edge=False,
         collapse_padding=True,
-        caption="dense peaks; sources: redline catalog gpus --json",
+        # at 80 columns only the box's one space between columns: the headers, wider than most values, space them
+        padding=(0, 1 if wide else 0),
+        caption="dense peaks (not sparse); sources: redline catalog gpus --json",
         caption_justify="left",
     )
-    table.add_column("key", overflow="fold")
-    table.add_column("name", overflow="fold")
-    table.add_column("memory\nGB", overflow="fold")
-    table.add_column("memory\nGB/s", justify="right", overflow="fold")
+    table.add_column("GPU", no_wrap=True)
+    if wide:
+        table.add_column("name", no_wrap=True)
+    table.add_column("mem\nGB", justify="right", no_wrap=True)
+    table.add_column("mem\nGB/s", justify="right", no_wrap=True)
     for precision in _PRECISIONS_SHOWN:
-        table.add_column(f"{precision}\nTFLOP/s", justify="right", overflow="fold")
-    table.add_column("NVLink\nGB/s", justify="right", overflow="fold")
-    table.add_column("PCIe\ngen", justify="right", overflow="fold")
-    table.add_column("TDP\nW", justify="right", overflow="fold")
-    table.add_column("cc", overflow="fold")
+        table.add_column(f"{precision}\nTFLOP/s", justify="right", no_wrap=True)
+    table.add_column("NVLink\nGB/s", justify="right", no_wrap=True)
+    table.add_column("PCIe\ngen", justify="right", no_wrap=True)
+    table.add_column("TDP\nW", justify="right", no_wrap=True)
+    table.add_column("arch", no_wrap=True)  # CUDA compute capability, or AMD's gfx target
     for spec in specs:
         table.add_row(
             spec.key,
-            spec.name,
-            f"{spec.memory_gb} {spec.memory_type}",
+            *([spec.name] if wide else []),
+            _num(spec.memory_gb),
             _num(spec.memory_bandwidth_gbs),
             *(_num(spec.peak_tflops.get(p)) for p in _PRECISIONS_SHOWN),
             _num(spec.nvlink_gbs),
@@ -146,7 +153,7 @@ def instances(
     if json_output:
         ui.print_json([spec.to_dict() for spec in specs])
         return
-    ui.console.print(_instance_table(specs))
+    ui.print_table(_instance_table(specs, wide=ui.console.width >= WIDE))
 
 
 def _pattern(wanted: str) -> re.Pattern[str]:
@@ -213,36 +220,37 @@ def _price_dates(specs: list[InstanceSpec]) -> str:
     return ", ".join(f"{provider} {'/'.join(sorted(days))}" for provider, days in sorted(dates.items()))
 
 
-def _instance_table(specs: list[InstanceSpec]) -> Table:
-    # one line per instance from 120 columns; narrower, cells fold rather than hide digits behind an ellipsis
+def _instance_table(specs: list[InstanceSpec], *, wide: bool) -> Table:
+    """One line per instance. ``wide`` (a terminal of ``WIDE`` columns) adds the GPU link, vCPUs, RAM and network;
+    without it the table fits 80 columns and its caption says where the rest is."""
+    rest = "" if wide else "; GPU links, vCPUs, RAM and network: a wider terminal or --json"
     table = Table(
         box=box.SIMPLE_HEAD,
         show_edge=False,
         pad_edge=False,
         collapse_padding=True,
-        caption=f"on-demand prices as of {_price_dates(specs)} (earliest snapshot dates); sources: --json",
+        caption=f"on-demand prices as of {_price_dates(specs)} (earliest snapshot dates){rest}; sources: --json",
         caption_justify="left",
     )
-    table.add_column("provider", overflow="fold")
-    table.add_column("name", overflow="fold")
-    table.add_column("GPUs", overflow="fold")
-    table.add_column("GPU\nmemory", justify="right", overflow="fold")
-    table.add_column("GPU link\nGB/s", overflow="fold")
-    table.add_column("vCPUs", justify="right", overflow="fold")
-    table.add_column("RAM\nGiB", justify="right", overflow="fold")
-    table.add_column("network\nGbit/s", overflow="fold")
-    table.add_column("$/h", justify="right", overflow="fold")
-    table.add_column("$/GPU-h", justify="right", overflow="fold")
+    table.add_column("provider", no_wrap=True)
+    table.add_column("instance", no_wrap=True)
+    table.add_column("GPUs")  # a long one wraps at its words ("1/8 of Radeon Instinct MI25")
+    table.add_column("GPU\nGB", justify="right", no_wrap=True)
+    if wide:
+        table.add_column("GPU link\nGB/s", no_wrap=True)
+        table.add_column("vCPUs", justify="right", no_wrap=True)
+        table.add_column("RAM\nGiB", justify="right", no_wrap=True)
+        table.add_column("network\nGbit/s", no_wrap=True)
+    table.add_column("$/h", justify="right", no_wrap=True)
+    table.add_column("$/GPU-h", justify="right", no_wrap=True)
     for spec in specs:
+        host = [_interconnect_cell(spec), str(spec.vcpus), _num(spec.ram_gib), _network_cell(spec)] if wide else []
         table.add_row(
             spec.provider,
             spec.name,
             _gpus_cell(spec),
-            f"{_num(spec.gpu_memory_gb)} GB",
-            _interconnect_cell(spec),
-            str(spec.vcpus),
-            _num(spec.ram_gib),
-            _network_cell(spec),
+            _num(spec.gpu_memory_gb),
+            *host,
             f"{spec.price_usd_per_hour:.2f}",
             f"{spec.price_per_gpu_hour:.2f}",
         )

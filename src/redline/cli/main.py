@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import typer
 
 from redline import __version__
-from redline.cli import bench, catalog, doctor, infer, monitor, plan, probe, queue, stage, transfer, tune, ui
+from redline.cli import bench, catalog, doctor, infer, monitor, plan, probe, queue, quiet, stage, transfer, tune, ui
 from redline.cli import run as run_command  # `run` below is the function every command goes through
 from redline.env import REDLINE_DEBUG
 from redline.errors import RedlineError, one_line
@@ -59,10 +59,12 @@ def _root(
 def run(args: Sequence[str] | None = None) -> int:
     """Run the command ARGS (``sys.argv[1:]`` when None) and return its exit code: every error becomes one line
     on stderr (a usage error 2, a bad value the command's code, an interrupt 130, anything else 1); with
-    REDLINE_DEBUG=1 an unexpected error is raised with its traceback instead. ``main`` and the tests share it."""
+    REDLINE_DEBUG=1 an unexpected error is raised with its traceback instead, and the known third-party noise that
+    ``quiet`` keeps off stderr is let through. ``main`` and the tests share it."""
     try:
         # standalone_mode=False: usage errors reach us as exceptions, so they too are one line
-        code = app(args=None if args is None else list(args), prog_name="redline", standalone_mode=False)
+        with quiet.third_party_noise_silenced():  # torchao's, torch's and the ONNX exporter's notes to themselves
+            code = app(args=None if args is None else list(args), prog_name="redline", standalone_mode=False)
     except typer.Abort:
         ui.error("interrupted")
         return 130

@@ -26,8 +26,11 @@ from redline.errors import BadInput
 from redline.report.output import write_output
 
 if TYPE_CHECKING:
+    from rich.console import RenderableType
+
     from redline.plan.cloud import CloudScope
-    from redline.plan.inputs import Ranking, Target
+    from redline.plan.hardware import Cluster
+    from redline.plan.inputs import CalibrationRequest, Ranking, Target
     from redline.plan.planner import Note, Plans
     from redline.plan.search import Constraints
     from redline.workload.profile import WorkloadProfile
@@ -203,7 +206,7 @@ def plan(
     runtime: dict[str, Any] | None = None,  # the runtime options given (params.with_runtime_options)
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
-    from redline.plan import inputs, planner, search
+    from redline.plan import inputs, search
     from redline.plan.hardware import ClusterChoice
 
     if list_models:
@@ -240,10 +243,27 @@ def plan(
         _rank_cloud(profile, target, constraints, ranking, scope, deadline, json_output)
         return
     cluster = ClusterChoice(hardware, nodes, network_gbps).cluster()
-    plans = planner.plan_training(
-        profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
-    )
+    plans = _plans(profile, cluster, target, constraints, ranking, calibration)
     _write(plans, _runtime_section(runtime), load, output, json_output)
+
+
+def _plans(
+    profile: WorkloadProfile,
+    cluster: Cluster,
+    target: Target,
+    constraints: Constraints,
+    ranking: Ranking,
+    calibration: CalibrationRequest | None,
+) -> Plans:
+    """The planner's answer for one cluster, said on stderr while it searches (and times real steps first, with
+    --calibrate), its notes as it goes told as warnings."""
+    from redline.plan import planner
+
+    searching = f"planning {profile.name} on {cluster.gpus} x {cluster.device}"
+    with ui.phase(searching + (" (timing real steps here first)" if calibration else "")):
+        return planner.plan_training(
+            profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
+        )
 
 
 def _warn(note: Note) -> None:
@@ -271,14 +291,15 @@ def _profile(
     splits (``_tensor_split``). A sequence length is a language model's."""
     from redline.workload.load import load_workload
 
-    profile = load_workload(
-        model,
-        params=_count("--params", params),
-        seq_len=seq_len,
-        input_shape=parse_input_shape(input_shape),
-        analytic=analytic,
-        tensor_split=_tensor_split,
-    )
+    with ui.phase(f"profiling {model or 'the model'}"):  # tracing a config.json or a factory takes 10-20 s
+        profile = load_workload(
+            model,
+            params=_count("--params", params),
+            seq_len=seq_len,
+            input_shape=parse_input_shape(input_shape),
+            analytic=analytic,
+            tensor_split=_tensor_split,
+        )
     if seq_len is not None and profile.sample_unit != "sequence":
         raise BadInput(f"--seq-len applies to language models; {profile.name} takes {profile.sample_unit}s")
     return profile
@@ -357,7 +378,7 @@ def _write(plans: Plans, runtime: dict[str, Any], load: dict[str, Any], output: 
         return
     from redline.report.plan import plans_view
 
-    ui.console.print(plans_view(plans, notes))
+    _print(plans_view(plans, notes))
     if output is not None:
         ui.console.print(ui.dim(f"plan written to {output}"))
 
@@ -369,7 +390,7 @@ def _list_models(json_output: bool) -> None:
     if json_output:
         ui.print_json(rows)
         return
-    ui.console.print(presets_table(rows))
+    ui.print_table(presets_table(rows))
 
 
 def _rank_cloud(
@@ -385,8 +406,21 @@ def _rank_cloud(
     from redline.plan.cloud import plan_cloud
     from redline.report.plan import cloud_view
 
-    found = plan_cloud(profile, target, constraints, ranking=ranking, scope=scope)
+    # every instance and node count searched: a minute for a large model, said as it goes
+    with ui.phase(f"ranking cloud instances for {profile.name}") as progress:
+        found = plan_cloud(profile, target, constraints, ranking=ranking, scope=scope, progress=progress)
     if json_output:
         ui.print_json(found.to_dict())
         return
-    ui.console.print(cloud_view(found, profile.name, deadline))
+    _print(cloud_view(found, profile.name, deadline))
+
+
+def _print(parts: list[RenderableType]) -> None:
+    """A report's parts in turn, each table through ``ui.print_table`` (whole at any width)."""
+    from rich.table import Table
+
+    for part in parts:
+        if isinstance(part, Table):
+            ui.print_table(part)
+        else:
+            ui.console.print(part)

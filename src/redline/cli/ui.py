@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,44 @@ def progress_bar(enabled: bool = True) -> Iterator[Callable[[str, int, int], Non
             if description not in tasks:
                 tasks[description] = progress.add_task(description, total=total)
             progress.update(tasks[description], completed=completed, total=total)
+
+        yield update
+
+
+@contextmanager
+def phase(description: str, *, after_s: float = 2.0) -> Iterator[Callable[[int, int], None]]:
+    """Say on stderr that work which may take a while is under way, so that a terminal is never left blank: on a
+    terminal, a spinner with the description and the time spent (and ``done/total`` once the work reports a
+    count through the yielded ``update(done, total)``), erased when the work ends; off a terminal (a pipe, a job
+    log), one plain line, ``redline: DESCRIPTION ...``, once the work has run ``after_s``, and nothing for work
+    that ends sooner (a log gets one line per long phase, never a stream of redraws). stdout is never written,
+    so ``--json`` output stays clean."""
+    if not err_console.is_terminal:
+        line = Text.assemble(("redline: ", "dim"), description, " ...")
+        timer = threading.Timer(
+            after_s, err_console.print, args=(line,), kwargs={"highlight": False, "soft_wrap": True}
+        )
+        timer.daemon = True  # a phase that ends the process (an error, Ctrl-C) is not kept waiting on its line
+        timer.start()
+        try:
+            yield lambda done, total: None
+        finally:
+            timer.cancel()
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.fields[count]}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(description, total=None, count="")
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, count=f"{done}/{total}")
 
         yield update
 

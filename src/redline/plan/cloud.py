@@ -8,6 +8,7 @@ the whole sequence (``redline plan --cloud``), from plain inputs to a ``CloudRan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,17 +98,24 @@ def cloud_options(
     *,
     max_nodes: int = 8,
     providers: tuple[str, ...] = (),
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[CloudOption]:
-    """The best strategy on each instance type and node count where the model fits, unsorted."""
+    """The best strategy on each instance type and node count where the model fits, unsorted. ``progress`` is
+    told (instances searched, instances in all) as the search goes: a large model takes a minute over them all."""
     from redline.specs.instances import instance_catalog
 
     if goal.tokens is None and goal.samples is None:
         raise refuse("{plan_cloud} compares the cost of a whole run: the goal needs {tokens} or {samples}")
     options: list[CloudOption] = []
     footprints = Footprints(profile)
-    for instance in instance_catalog():
-        if instance.whole_gpus < 1 or (providers and instance.provider not in providers):
-            continue
+    instances = [
+        instance
+        for instance in instance_catalog()
+        if instance.whole_gpus >= 1 and (not providers or instance.provider in providers)
+    ]
+    for done, instance in enumerate(instances):
+        if progress is not None:
+            progress(done, len(instances))
         base = instance_cluster(instance)
         for nodes in node_counts(max_nodes):
             try:
@@ -170,16 +178,19 @@ def plan_cloud(
     *,
     ranking: Ranking | None = None,
     scope: CloudScope | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> CloudRanking:
     """The catalog's instances and node counts for ``profile``, cheapest or fastest first. The target must give the
     run's length (a cost is for a whole run); BadInput where the model fits on no instance within the scope, or
-    where no option meets the deadline (naming the fastest)."""
+    where no option meets the deadline (naming the fastest). ``progress``: as ``cloud_options`` tells it."""
     constraints, ranking, scope = constraints or Constraints(), ranking or Ranking(), scope or CloudScope()
     target.check_model(profile)
     if not target.has_length:
         raise refuse("{plan_cloud} compares the cost of a whole run: give {tokens}, or {epochs} with {dataset_size}")
     goal = target.goal(profile)
-    options = cloud_options(profile, goal, constraints, max_nodes=scope.max_nodes, providers=scope.providers)
+    options = cloud_options(
+        profile, goal, constraints, max_nodes=scope.max_nodes, providers=scope.providers, progress=progress
+    )
     if not options:
         raise refuse(
             "{model} fits on no catalog instance with up to {count} nodes; raise {max_nodes}",
