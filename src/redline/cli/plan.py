@@ -61,7 +61,12 @@ Tokens = Annotated[str | None, typer.Option("--tokens", help="Train on this many
 Epochs = Annotated[float | None, typer.Option("--epochs", help="... or this many epochs of --dataset-size samples.")]
 DatasetSize = Annotated[str | None, typer.Option("--dataset-size", help="Samples in the dataset (1.28M).")]
 Precision = Annotated[
-    str | None, typer.Option("--precision", help="fp32 | bf16 | fp16 | fp8 (default: bf16 if the GPU has it).")
+    str | None,
+    typer.Option(
+        "--precision",
+        help="fp32 | bf16 | fp16 | fp8 (default: bf16, else fp16, where the device runs it faster than fp32; "
+        "else fp32).",
+    ),
 ]
 Optimizer = Annotated[str, typer.Option("--optimizer", help="adamw | adam | sgd | adafactor | adam8bit.")]
 Sharding = Annotated[

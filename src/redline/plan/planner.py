@@ -22,7 +22,16 @@ from redline.plan.estimate import Estimate, Goal
 from redline.plan.hardware import Cluster
 from redline.plan.inputs import CalibrationRequest, Ranking, Target
 from redline.plan.messages import Message, refuse
-from redline.plan.search import Constraints, SearchResult, explain_no_fit, search, smallest_fitting
+from redline.plan.search import (
+    REDUCED_PRECISIONS,
+    Constraints,
+    SearchResult,
+    default_precision,
+    explain_no_fit,
+    search,
+    slower_than_fp32,
+    smallest_fitting,
+)
 from redline.units import fmt_bytes, fmt_duration
 from redline.workload.profile import Calibration, WorkloadProfile
 
@@ -32,6 +41,7 @@ class NoteKind(Enum):
 
     MODEL = "model"  # what the model's profile assumed or could not see (a GPT shape assumed, ...)
     HARDWARE = "hardware"  # what the cluster assumed (the inter-node network, one node only, ...)
+    PRECISION = "precision"  # a 16-bit precision runs slower than fp32 here: passed over, or fixed by the user
     CALIBRATING = "calibrating"  # progress: real steps of the model about to be timed
     CALIBRATED = "calibrated"  # the corrections a calibration fitted
     CALIBRATION_UNCERTAIN = "calibration uncertain"  # the smaller micro-batch ran at the launch floor
@@ -107,6 +117,7 @@ def plan_training(
     search runs again. BadInput where nothing fits, saying why and the smallest catalog hardware that would."""
     target, constraints, ranking = target or Target(), constraints or Constraints(), ranking or Ranking()
     _check_request(profile, cluster, target, ranking, calibration)
+    precision_notes = _precision_notes(cluster, constraints.precision)
     goal = target.goal(profile, cluster.gpus)
     result = search(profile, cluster, goal, constraints)
     calibrated: tuple[Note, ...] = ()
@@ -122,6 +133,7 @@ def plan_training(
     notes = (
         *(Note(NoteKind.MODEL, Message.plain(note)) for note in profile.notes),
         *calibrated,
+        *precision_notes,
         *(Note(NoteKind.HARDWARE, Message.plain(note)) for note in cluster.notes),
     )
     if target.global_batch is None:
@@ -153,6 +165,37 @@ def _check_request(
                 "machine (pip install torch)"
             )
         check_this_machine(cluster)
+
+
+def _precision_notes(cluster: Cluster, fixed: str | None) -> tuple[Note, ...]:
+    """Why the plans do not train in a 16-bit precision that ``cluster`` has: it runs slower than fp32 here (a CPU
+    that emulates bf16), by how much; or, where the user ``fixed`` such a precision, that fp32 would be faster."""
+    from redline.bench.compute import EMULATED_BELOW  # bench's word for a 16-bit rate this far below fp32's
+
+    chosen = fixed or default_precision(cluster)
+    preference = (*REDUCED_PRECISIONS, "fp32")
+    fp32 = cluster.matmul["fp32"].value if "fp32" in cluster.matmul else 0.0
+    notes = []
+    for precision in slower_than_fp32(cluster):
+        passed_over = fixed is None and preference.index(precision) < preference.index(chosen)
+        if not passed_over and precision != fixed:  # a slow fp16 where bf16 runs fast: nothing to say
+            continue
+        rate = cluster.matmul[precision].value
+        values = {
+            "p": precision,
+            "how": "runs emulated" if rate < EMULATED_BELOW * fp32 else "runs slower than fp32",
+            "rate": f"{rate / 1e12:.3g}",
+            "reference": f"{fp32 / 1e12:.3g}",
+            "chosen": chosen,
+        }
+        said = "{p} {how} here: {rate} TFLOP/s against fp32's {reference}"
+        template = (
+            said + ", so the plans train in {chosen} ({precision} {p} plans it anyway)"
+            if passed_over
+            else said + ": the plans would run faster in fp32 (leave out {precision})"
+        )
+        notes.append(Note(NoteKind.PRECISION, Message(template, values)))
+    return tuple(notes)
 
 
 def _calibrated(

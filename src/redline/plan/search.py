@@ -43,6 +43,9 @@ TIGHT_HEADROOM = 0.10
 # activation checkpointing of every k-th block (torchtitan's selective AC "k"): half or a quarter of the
 # recomputation where checkpointing every block would leave memory unused
 CHECKPOINT_EVERY = (1, 2, 4)
+# the 16-bit precisions a plan trains in by default where the device runs them faster than fp32, preferred first:
+# bf16 needs no loss scaling, fp16 (Volta, Turing) does
+REDUCED_PRECISIONS = ("bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Constraints:
     candidates. Each field is checked as the constraints are made: ``PlanInputError`` names the field and what it
     may be (``redline plan`` says the field's flag in the same words)."""
 
-    precision: str | None = None  # one of model_states.PRECISIONS; None: bf16, else fp16, else fp32 (the device's)
+    precision: str | None = None  # one of model_states.PRECISIONS; None: default_precision (bf16, fp16 or fp32)
     optimizer: str = "adamw"  # one of model_states.OPTIMIZERS
     sharding: str | None = None  # one of model_states.SHARDINGS
     tensor: int | None = None  # tensor-parallel degree, at least 1
@@ -102,10 +105,23 @@ class SearchResult:
         return [{"reason": reason, "count": count} for reason, count in self.excluded.most_common()]
 
 
+def slower_than_fp32(cluster: Cluster) -> tuple[str, ...]:
+    """The 16-bit precisions whose matmul ceiling on ``cluster`` is below fp32's: a CPU without bf16 units (no
+    AVX512-BF16, no AMX), where oneDNN converts every product to fp32 and ``redline bench compute`` measures bf16
+    20 to 250 times slower. No catalog GPU is among them (each runs 16 bits at least at its TF32 rate)."""
+    fp32 = cluster.matmul.get("fp32")
+    if fp32 is None:
+        return ()
+    return tuple(p for p in REDUCED_PRECISIONS if p in cluster.matmul and cluster.matmul[p].value < fp32.value)
+
+
 def default_precision(cluster: Cluster) -> str:
-    """bf16 where the device has it, fp16 on Volta/Turing, fp32 otherwise (a CPU measured only in fp32)."""
-    for precision in ("bf16", "fp16", "fp32"):
-        if precision in cluster.matmul:
+    """bf16 where the device has it, fp16 on Volta/Turing, fp32 otherwise (a CPU measured only in fp32). A 16-bit
+    precision is there to be faster: where it runs slower than fp32 (``slower_than_fp32``) it is passed over,
+    since every step of a plan in it would crawl."""
+    slow = slower_than_fp32(cluster)
+    for precision in (*REDUCED_PRECISIONS, "fp32"):
+        if precision in cluster.matmul and precision not in slow:
             return precision
     raise BadInput(f"{cluster.name}: no measured or catalog matmul rate for any training precision")
 

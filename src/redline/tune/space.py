@@ -28,7 +28,7 @@ class Machine:
     """What the space depends on: the device kind, the CPUs each rank has, and the ranks."""
 
     cuda: bool
-    bf16: bool  # the GPU has bf16 (a CPU's autocast has it too)
+    bf16: bool  # the GPU has bf16; a CPU does unless its saved bench figures measured bf16 slower than fp32
     cpus_per_rank: int
     ranks: int
     fp8: bool = False  # every GPU has fp8 units (compute capability 8.9 or later) and torchao is installed
@@ -44,11 +44,22 @@ class Machine:
         capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
         return cls(
             cuda=cuda,
-            bf16=torch.cuda.is_bf16_supported() if cuda else True,
+            bf16=torch.cuda.is_bf16_supported() if cuda else not _bf16_slower_on_this_cpu(),
             cpus_per_rank=max(1, usable_cpus() // ranks),
             ranks=ranks,
             fp8=bool(capabilities) and min(capabilities) >= (8, 9) and is_available("torchao"),
         )
+
+
+def _bf16_slower_on_this_cpu() -> bool:
+    """Whether this machine's saved ``redline bench compute`` figures measured bf16 matmuls slower than fp32's: a
+    CPU without bf16 units (no AVX512-BF16, no AMX) emulates them 20 to 250 times slower, so a bf16 trial would
+    only run out its time limit. Nothing saved: not known, and the trial decides."""
+    from redline.bench import store
+
+    saved = store.latest_here()
+    rates = {m.name: m.value for m in saved.measurements if m.suite == "compute" and m.device == "cpu"} if saved else {}
+    return "matmul_bf16" in rates and "matmul_fp32" in rates and rates["matmul_bf16"] < rates["matmul_fp32"]
 
 
 @dataclass(frozen=True)
@@ -93,9 +104,9 @@ def _text(value: Any) -> str:
 def default_space(machine: Machine) -> dict[str, list[Any]]:
     """The values each knob takes on ``machine``, the runtime's own choice (``None``) first.
 
-    On a CPU the precision is fp32 or bf16 autocast and the operators' threads matter; on a GPU bf16 or
-    fp16 (bf16 where the GPU has it), fp8 where every GPU has it and torchao is installed, and activation
-    checkpointing, which buys a larger micro-batch. DataLoader
+    On a CPU the precision is fp32 or bf16 autocast (fp32 alone where bench measured bf16 slower: emulated) and
+    the operators' threads matter; on a GPU bf16 or fp16 (bf16 where the GPU has it), fp8 where every GPU has it
+    and torchao is installed, and activation checkpointing, which buys a larger micro-batch. DataLoader
     workers go up to the rank's CPUs less the one its loop runs on. DDP's buckets and compression only where
     there are ranks to all-reduce over."""
     space: dict[str, list[Any]] = {"compile": [None, True]}
@@ -103,7 +114,7 @@ def default_space(machine: Machine) -> dict[str, list[Any]]:
         space["precision"] = ([None, "fp16"] if machine.bf16 else [None]) + (["fp8"] if machine.fp8 else [])
         space["checkpointing"] = [None, "selective", "full"]
     else:
-        space["precision"] = [None, "bf16"]
+        space["precision"] = [None, "bf16"] if machine.bf16 else [None]
         threads = sorted({machine.cpus_per_rank, max(1, machine.cpus_per_rank // 2), 1}, reverse=True)
         space["cpu_threads"] = [None, *threads]
     spare = machine.cpus_per_rank - 1
