@@ -89,11 +89,13 @@ def test_the_replan_command_plans_the_same_model_and_batch_here() -> None:
     assert bare == "redline plan --params 20000000 --seq-len 2048 --global-batch 256 --hardware local -o plan.yaml"
 
 
-def test_a_model_the_plan_was_not_made_for_is_refused_through_redline_run(tmp_path: Path) -> None:
-    """Where the user sees it: one line and exit 2 before any step, with the way out; --plan-anyway trains."""
-    plan = tmp_path / "plan.yaml"
-    made = run_cli("plan", "--params", "20M", "--hardware", "1xh100-sxm", "--precision", "fp32", "-o", str(plan))
-    assert made.returncode == 0, made.stderr[-2000:]
+def test_a_plan_for_a_gpu_is_refused_through_redline_run_before_any_rank_starts(tmp_path: Path) -> None:
+    """Where the user sees it: a plan of eight H100s launched on this CPU is one line and exit 2, said before
+    torchrun starts eight ranks to refuse it eight times, with the way out; --plan-anyway trains."""
+    eight, one = tmp_path / "eight.yaml", tmp_path / "one.yaml"
+    for hardware, plan in (("8xh100-sxm", eight), ("1xh100-sxm", one)):
+        made = run_cli("plan", "--params", "20M", "--hardware", hardware, "--precision", "fp32", "-o", str(plan))
+        assert made.returncode == 0, made.stderr[-2000:]
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent(
@@ -112,15 +114,14 @@ def test_a_model_the_plan_was_not_made_for_is_refused_through_redline_run(tmp_pa
             """
         )
     )
-    refused = run_cli("run", "--plan", str(plan), str(script))
+    refused = run_cli("run", "--plan", str(eight), str(script))
     assert refused.returncode == 2, refused.stderr[-3000:]
-    lines = refused.stderr.splitlines()
-    assert lines[0].startswith("redline: running") and len(lines) == 2, refused.stderr
-    assert lines[1].startswith("redline: the plan does not fit this run: it was made for NVIDIA H100")
-    assert "a model of 20,000,000 parameters and this model has 5" in lines[1] and "--plan-anyway" in lines[1]
-    assert "Traceback" not in refused.stderr and "step 1" not in refused.stderr
+    assert refused.stderr.count("\n") == 1, refused.stderr  # one line: no rank started
+    assert refused.stderr.startswith("redline: the plan does not fit this run: it was made for NVIDIA H100")
+    assert "this machine has no CUDA GPU" in refused.stderr and "--plan-anyway" in refused.stderr
+    assert "redline plan --params 20000000" in refused.stderr and "--hardware local" in refused.stderr
 
-    forced = run_cli("run", "--plan", str(plan), "--plan-anyway", "--max-steps", "2", str(script))
+    forced = run_cli("run", "--plan", str(one), "--plan-anyway", "--max-steps", "2", str(script))
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert "the plan does not fit this run" in forced.stderr and "step 1 of 2 (50%)" in forced.stderr
 

@@ -11,6 +11,7 @@ torchrun, which restarts the worker group when a worker dies (elastic).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ from redline.cli import params, ui
 from redline.env import REDLINE_PLAN
 
 if TYPE_CHECKING:
-    from redline.plan.strategy import Strategy
+    from redline.runtime.config import RunConfig
     from redline.runtime.launch import Launch
 
 
@@ -58,6 +59,7 @@ def run(
     from redline.capability import require_torch
     from redline.errors import BadInput
     from redline.runtime import launch as launcher
+    from redline.runtime.plan_fit import check_launch_device
 
     if json_out and not dry_run:
         raise BadInput("--json describes the launch and goes with --dry-run; a run's output is the script's")
@@ -67,9 +69,11 @@ def run(
         if plan is None:
             raise BadInput("--plan-anyway goes with --plan: without a plan there is nothing to force")
         runtime = runtime | {"plan_anyway": True}
-    strategy = _checked_plan(plan, runtime)
+    config = _checked_plan(plan, runtime)
+    strategy = config.strategy if config is not None else None
     plan_path = str(plan.resolve()) if plan is not None else None
-    nproc, why = launcher.resolve_nproc_per_node(nproc_per_node, nodes, strategy, launcher.visible_cuda_gpus)
+    cuda_gpus = functools.cache(launcher.visible_cuda_gpus)  # a child that imports torch: counted once at most
+    nproc, why = launcher.resolve_nproc_per_node(nproc_per_node, nodes, strategy, cuda_gpus)
     if strategy is not None:
         launcher.check_world_size(strategy, nproc, nodes, str(plan))
     spec = launcher.build_launch(
@@ -91,6 +95,8 @@ def run(
         else:
             ui.console.print(spec.shell_line(), highlight=False, soft_wrap=True)
         return
+    if config is not None and config.plan.device and not config.plan.anyway:
+        check_launch_device(config, cuda_gpus())
     ui.warn(_describe(spec, why, strategy.label() if strategy else None))
     if nodes.elastic and strategy is not None:
         ui.warn(
@@ -104,8 +110,8 @@ def run(
         raise typer.Exit(outcome.exit_code)
 
 
-def _checked_plan(plan: Path | None, runtime: dict) -> Strategy | None:
-    """The plan's strategy, with the runtime options over its ``runtime:`` section, checked before any rank
+def _checked_plan(plan: Path | None, runtime: dict) -> RunConfig | None:
+    """The plan's settings, with the runtime options over its ``runtime:`` section, checked before any rank
     starts (each would fail the same way): None without a plan. A checkpoint directory to resume from is
     checked as the resume will check it (``files.check_trusted``), so a refusal is one line here, not a
     traceback of the script's."""
@@ -122,7 +128,7 @@ def _checked_plan(plan: Path | None, runtime: dict) -> Strategy | None:
     checkpoints = config.checkpoint.dir if config is not None else runtime.get("checkpoint_dir")
     if checkpoints:  # a refusal only: the resume checks the folder again, and loads from what it checked
         check_trusted(checkpoints, "checkpoint directory")
-    return config.strategy if config is not None else None
+    return config
 
 
 def _describe(spec: Launch, why: str, plan_label: str | None) -> str:

@@ -72,6 +72,21 @@ def check_plan_fits(config: RunConfig, model: nn.Module, device: torch.device, *
     raise PlanMismatch(f"the plan does not fit this run: {'; '.join(misfits)}. Re-plan for it: {how}; or {FORCE}")
 
 
+def check_launch_device(config: RunConfig, cuda_gpus: int) -> None:
+    """Before any process starts: a plan made for a GPU, launched where the script would see no CUDA GPU, is
+    refused here (``PlanMismatch``), once; left to ``prepare()``, each of its ranks (eight, for a plan of eight
+    GPUs) would start, build the model and refuse alike. Other mismatches need the model: ``check_plan_fits``."""
+    facts = config.plan
+    if facts.anyway or not facts.device or cuda_gpus > 0 or device_kind(facts.device) == "cpu":
+        return
+    load = facts.load or ({"params": facts.params} if facts.params else {})
+    how = replan_command(load, facts.tokens_per_sample, config.strategy.global_batch)
+    raise PlanMismatch(
+        f"the plan does not fit this run: it was made for {facts.device} and this machine has no CUDA GPU. "
+        f"Re-plan for it: {how}; or {FORCE}"
+    )
+
+
 def replan_command(load: dict[str, Any], tokens_per_sample: int | None, global_batch: int) -> str:
     """The ``redline plan`` command that plans the same model and batch for this machine: the model as the plan
     loaded it (``model.load``: a preset, a config.json, a factory, or a bare parameter count), its sequence
