@@ -35,4 +35,4 @@ def require_torch(what: str) -> None:
 def require_transformers(what: str) -> None:
     """Raise a one-line BadInput naming ``what`` needs transformers, and the extra that installs it."""
     if not is_available("transformers"):
-        raise BadInput(f"{what} needs Hugging Face transformers: pip install 'redline[hf]'")
+        raise BadInput(f"{what} needs Hugging Face transformers: the hf extra: pip install transformers")

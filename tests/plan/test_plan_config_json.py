@@ -51,7 +51,7 @@ def test_without_transformers_a_config_is_refused_in_one_line_never_planned_by_f
     assert result.stdout == ""
     assert result.stderr == (
         "redline: config.json is a Hugging Face model config; reading it needs transformers "
-        "(pip install 'redline[hf]'), or --analytic for the transformer formulas\n"
+        "(the hf extra: pip install transformers), or --analytic for the transformer formulas\n"
     )
     # the formulas, asked for, need nothing more and say which reading they are
     analytic = run_executable(*args, "--analytic", "--json", env={"PYTHONPATH": path}, cwd=folder, timeout=120)

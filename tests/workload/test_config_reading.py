@@ -52,12 +52,12 @@ def test_a_config_to_trace_is_refused_without_transformers(tmp_path: Path, monke
     with pytest.raises(BadInput) as known:
         load_workload(str(path))
     assert str(known.value) == (
-        f"{path} is a Hugging Face model config; reading it needs transformers (pip install 'redline[hf]'), "
-        "or --analytic for the transformer formulas"
+        f"{path} is a Hugging Face model config; reading it needs transformers "
+        "(the hf extra: pip install transformers), or --analytic for the transformer formulas"
     )
     # a layout with no formula offers none; a model folder is named by its config file
     unknown = write_config(tmp_path / "other", {"model_type": "mixtral", "hidden_size": 64})
-    with pytest.raises(BadInput, match=r"other/config\.json is a Hugging Face model config; .*'redline\[hf\]'\)$"):
+    with pytest.raises(BadInput, match=r"other/config\.json is a Hugging Face model config; .*transformers\)$"):
         load_workload(str(unknown.parent))
 
 

@@ -48,7 +48,7 @@ def shape_from_config(config: dict[str, Any], seq_len: int | None = None, origin
     if layout is None:
         raise BadInput(
             f"{origin}: no built-in layout for model_type '{model_type}' (known: gpt2, {', '.join(LLAMA_LIKE)}, "
-            "bert, t5); transformers traces it: pip install 'redline[hf]'"
+            "bert, t5); transformers traces it: the hf extra: pip install transformers"
         )
     try:
         return layout(_Fields(config, origin, model_type, seq_len))

@@ -184,7 +184,8 @@ def _require_tracer(path: Path, known: bool) -> None:
         formula = ", or --analytic for the transformer formulas" if known else ""
         file = path / "config.json" if path.is_dir() else path
         raise BadInput(
-            f"{file} is a Hugging Face model config; reading it needs transformers (pip install 'redline[hf]'){formula}"
+            f"{file} is a Hugging Face model config; reading it needs transformers "
+            f"(the hf extra: pip install transformers){formula}"
         )
     require_torch(f"tracing {path}")
 
