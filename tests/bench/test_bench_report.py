@@ -60,9 +60,10 @@ def _measurements(busy: bool) -> list[Measurement]:
             extra={
                 "host_cpu": host_cpu,
                 "grid": grid,
+                "setting": "num_workers=2",
                 "recommended": {
                     "num_workers": 2,
-                    "prefetch_factor": 2,
+                    "prefetch_factor": 4,
                     "persistent_workers": True,
                     "pin_memory": False,
                 },
@@ -89,7 +90,19 @@ def test_the_bench_table_and_grid_are_whole_tables_at_any_width(width, monkeypat
     assert ["suite", "measurement", "value", "of", "peak", "p10-p90", "how"] in headers
     assert ["workers", "prefetch", "pin", "threads", "samples/s", "p10-p90", "start-up", "s"] in headers
     (chosen,) = [line for line in text.splitlines() if "<- use" in line]
-    assert chosen.split()[:4] == ["2", "2", "no", "1"] and "1,003  903.1-1,104" in chosen
+    assert chosen.split()[:4] == ["2", "4", "no", "1"] and "1,011  909.8-1,112" in chosen
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_dataloader_row_names_the_setting_its_figure_is(width, monkeypatch):
+    """The finding: the row read "samples_per_s 1,011 samples/s" next to advice for another setting. It names
+    the setting the figure was measured at, the one the grid marks to use, and still fits 80 columns."""
+    text = _printed(_measurements(busy=False), width, monkeypatch)
+    (row,) = [line for line in text.splitlines() if line.startswith("dataloader ")]
+    assert row.split()[:4] == ["dataloader", "num_workers=2", "1,011", "samples/s"]
+    assert ["suite", "measurement", "value", "of", "peak", "p10-p90", "how"] in [
+        line.split() for line in text.splitlines()
+    ]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -128,3 +141,40 @@ def test_save_warns_and_keeps_the_mark_for_the_doctor_and_the_planner(tmp_path, 
     saved = store.latest("f" * 12)
     assert saved is not None
     assert [m.name for m in saved.measurements if m.busy_host] == ["samples_per_s"]
+
+
+def _busy(suite: str, name: str, **extra: object) -> Measurement:
+    host_cpu = {"busy": True, "summary": BUSY.describe()}
+    return Measurement(suite, name, 1.0, "MB/s", "m", extra={"host_cpu": host_cpu, **extra})
+
+
+def test_save_names_the_command_that_measures_the_busy_figures_again(tmp_path, monkeypatch, capsys):
+    """The finding: the warning said "rerun `redline bench --save`", every suite again, while the doctor named
+    the affected ones. It names the suites measured busy, with the --path and --dataset that chose what they
+    measured (a storage rerun without its --path would measure the current folder's disk instead)."""
+    monkeypatch.setenv("REDLINE_HOME", str(tmp_path))
+    monkeypatch.setattr(ui, "console", Console(file=io.StringIO(), width=120))
+    measurements = [
+        _measurements(busy=False)[0],
+        _busy("storage", "seq_read", path="/mnt/my data"),
+        _busy("storage", "rand_read_4k", path="/mnt/my data"),
+        _busy("dataloader", "samples_per_s", dataset_spec="mydata:build"),
+    ]
+    bench_cli._report(BenchRun("f" * 12, {}, "2026-12-07T20:00:00+00:00", measurements), json_out=False, save=True)
+    warning = " ".join(capsys.readouterr().err.split())
+    assert "3 of the 4 figures were measured while" in warning
+    assert (
+        "rerun `redline bench storage dataloader --path '/mnt/my data' --dataset mydata:build --save` when it is idle"
+        in warning
+    )
+
+
+def test_the_rerun_command_keeps_to_the_suites_and_their_options():
+    assert suites.rerun_command([_busy("compute", "matmul_fp32"), _busy("memory", "device_copy")]) == (
+        "redline bench compute memory --save"
+    )
+    # the synthetic dataset is the default: no --dataset; figures of two paths: one to fill in
+    two_paths = [_busy("storage", "seq_read", path="/a"), _busy("storage", "small_files", path="/b")]
+    assert suites.rerun_command([*two_paths, _busy("dataloader", "samples_per_s", dataset_spec=None)]) == (
+        "redline bench storage dataloader --path DATASET_DIR --save"
+    )

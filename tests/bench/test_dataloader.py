@@ -109,7 +109,9 @@ def test_tiny_grid_on_synthetic_data_reaps_its_workers(tiny):
     grid = m.extra["grid"]
     assert [g["num_workers"] for g in grid] == [0, min(2, dataloader.usable_cores(ctx))]
     assert all(g["samples_per_s"] > 0 and g["startup_s"] > 0 for g in grid)
-    assert m.value == max(g["samples_per_s"] for g in grid)
+    (recommended,) = [g for g in grid if all(g[k] == v for k, v in m.extra["recommended"].items())]
+    assert m.value == recommended["samples_per_s"] and m.extra["setting"] == f"num_workers={recommended['num_workers']}"
+    assert m.extra["best_samples_per_s"] == max(g["samples_per_s"] for g in grid)
     assert m.extra["best"]["num_workers"] in (0, 1, 2)
     assert "single-process loader" in m.extra["recommendation"]
     assert "skipped" in m.extra["pin_memory"]
@@ -264,3 +266,23 @@ def test_a_gain_beyond_the_spread_but_too_small_to_pay_for_workers_is_not_advise
     slightly = _result(1, [102.0, 102.1, 102.2, 101.9], 2)
     assert dataloader.faster_beyond_spread(slightly, base)
     assert dataloader.advise([base, slightly]).chosen is base
+
+
+def test_the_figure_is_the_recommended_settings_not_the_fastest():
+    """The finding: the row showed the fastest setting's samples/s (2 workers, inside the spread) while the
+    advice kept num_workers=0, so it read as if workers gave that figure. The figure, its spread and start-up
+    are now the advised setting's, the row names it, and the fastest stays in the JSON under its own keys."""
+    base = _result(0, [100, 104, 96, 101, 99, 103])
+    two = _result(2, [103, 98, 105, 100, 102, 97], 2)
+    two.startups_s = [0.5]
+    m = dataloader.summarize(BenchContext(), [base, two], source="synthetic", batches=4, cores=2, device="cpu")
+    assert m.extra["best"]["num_workers"] == 2 and m.extra["recommended"]["num_workers"] == 0
+    assert m.value == base.samples_per_s == 100.5 and m.spread == base.spread
+    assert m.repeats == len(base.windows_samples_per_s) and m.extra["startup_s"] == 0.1
+    assert m.extra["best_samples_per_s"] == two.samples_per_s == 101.0
+    assert m.extra["setting"] == "num_workers=0"
+    assert m.method.startswith("DataLoader(num_workers=0, pin_memory=False), the setting advised below")
+    # with a setting worth its workers, the figure is that setting's
+    fast = _result(2, [200, 204, 196, 201], 2)
+    m = dataloader.summarize(BenchContext(), [base, fast], source="synthetic", batches=4, cores=2, device="cpu")
+    assert m.value == fast.samples_per_s and m.extra["setting"] == "num_workers=2"

@@ -358,6 +358,20 @@ def test_measured_rule_fires(rule_id, severity, bench):
     assert hits and hits[0].severity is severity and hits[0].evidence
 
 
+def test_the_busy_bench_rule_gives_the_command_that_measures_those_figures_again():
+    """Only the suites measured busy, with the --path their storage figures were taken at: without it the rerun
+    would measure the current folder's disk and replace the dataset disk's figures with it."""
+    busy = {"host_cpu": {"busy": True, "summary": "other processes kept 1.9 of 2 CPUs busy"}}
+    bench = _bench(
+        Measurement("compute", "matmul_fp32", 0.2, "TFLOP/s", "torch.matmul", extra=busy),
+        Measurement("storage", "seq_read", 90.0, "MB/s", "preadv", extra={**busy, "path": "/mnt/datasets"}),
+        Measurement("network", "tcp_1_stream", 90.0, "Mbit/s", "tcp"),
+    )
+    (finding,) = [f for f in run_rules(healthy_server(), bench=bench).findings if f.rule == "host.bench-on-busy-host"]
+    assert finding.command == "redline bench compute storage --path /mnt/datasets --save"
+    assert finding.title.startswith("2 saved bench figures were measured while")
+
+
 def test_measured_rules_are_quiet_on_good_figures_and_without_bench():
     good = _bench(
         _gemm(800.0, ["sw_power_cap"]),

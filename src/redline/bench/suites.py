@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import shlex
 from collections.abc import Callable
 
 from redline.bench.context import BenchContext
@@ -63,3 +64,22 @@ def check(names: list[str], ctx: BenchContext) -> None:
     for name in names:
         module = importlib.import_module(f"redline.bench.{name}")
         getattr(module, "check", lambda ctx: None)(ctx)
+
+
+def rerun_command(measurements: list[Measurement]) -> str:
+    """The command that measures ``measurements`` again and saves them: their suites, with the options that
+    chose what they measured (storage's ``--path``, the dataloader's ``--dataset``). Saved figures are kept per
+    suite, name and device, so the new ones replace these; a bare `redline bench --save` would rerun every
+    suite, and a storage rerun without its ``--path`` would measure the current folder's disk in its place.
+    Figures from several paths or datasets get a placeholder the user fills in."""
+    suites = list(dict.fromkeys(m.suite for m in measurements))
+    words = ["redline", "bench", *suites]
+    for suite, option, key, placeholder in (
+        ("storage", "--path", "path", "DATASET_DIR"),
+        ("dataloader", "--dataset", "dataset_spec", "MODULE:FACTORY"),
+    ):
+        values = {m.extra.get(key) for m in measurements if m.suite == suite}
+        given = {v for v in values if isinstance(v, str) and v}
+        if given:  # a value absent from a figure is the suite's default (the synthetic dataset)
+            words += [option, given.pop() if len(values) == 1 else placeholder]
+    return shlex.join([*words, "--save"])

@@ -166,6 +166,7 @@ def _run_suites(names: list[str], ctx: BenchContext, run: BenchRun, *, show_prog
 def _report(run: BenchRun, *, json_out: bool, save: bool) -> None:
     """Print the measurements, then keep them for the doctor when asked."""
     from redline.bench import store
+    from redline.bench.suites import rerun_command
 
     if json_out:
         ui.print_json(run.to_dict())
@@ -189,8 +190,8 @@ def _report(run: BenchRun, *, json_out: bool, save: bool) -> None:
             )
             ui.warn(
                 f"{which} measured while {busy[0].extra['host_cpu']['summary']}: saved marked as taken on a busy "
-                "host, so the doctor and the planner know they understate this machine; rerun `redline bench "
-                "--save` when it is idle"
+                f"host, so the doctor and the planner know they understate this machine; rerun `{rerun_command(busy)}` "
+                "when it is idle"
             )
 
 

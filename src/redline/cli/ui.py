@@ -189,7 +189,9 @@ def phase(description: str, *, after_s: float = 2.0) -> Iterator[Callable[[int, 
 def print_measurements(measurements: list[Measurement]) -> None:
     """Bench results: value, the peak it is compared with, how far repeats scattered; how each was
     measured follows the table as numbered notes, so the table stays readable on an 80-column terminal. A
-    figure measured while other processes kept the CPUs busy is marked ``*`` and footnoted."""
+    figure measured while other processes kept the CPUs busy is marked ``*`` and footnoted. A figure that is
+    one setting of a grid the suite tried (``extra["setting"]``, e.g. the dataloader's "num_workers=0") is
+    named by that setting, so the row says what gave the figure; the grid follows the table."""
     table = Table(title="redline bench", title_justify="left", box=None, pad_edge=False)
     for column in ("suite", "measurement"):
         table.add_column(column, justify="left", no_wrap=True)
@@ -207,7 +209,7 @@ def print_measurements(measurements: list[Measurement]) -> None:
                 suites.append(m.suite)
         table.add_row(
             Text(m.suite),
-            Text(m.name + (f" {m.device}" if m.device != "cpu" else "")),
+            Text(str(m.extra.get("setting") or m.name) + (f" {m.device}" if m.device != "cpu" else "")),
             Text(f"{_figure(m.value, 4)} {m.unit}" + ("*" if m.busy_host else "")),
             Text(f"{m.ratio:.0%} of {_figure(m.peak, 4)}" if m.ratio is not None and m.peak else "n/a"),
             Text(f"{_figure(m.spread.p10, 3)}-{_figure(m.spread.p90, 3)}" if m.spread else ""),

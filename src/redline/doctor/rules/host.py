@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from redline.bench.suites import rerun_command
 from redline.doctor.context import Audit, gpu_subject
 from redline.doctor.engine import rule
 from redline.doctor.model import Area, Finding, Severity
@@ -211,14 +212,15 @@ def bench_on_busy_host(audit: Audit) -> Iterator[Finding]:
     marked = [m for m in audit.bench.measurements if m.busy_host] if audit.bench else []
     if marked:
         names = sorted({f"{m.suite} {m.name}" for m in marked})
-        suites = " ".join(dict.fromkeys(m.suite for m in marked))
+        command = rerun_command(marked)  # these suites only, with the --path/--dataset they were measured at
         figures = "1 saved bench figure was" if len(marked) == 1 else f"{len(marked)} saved bench figures were"
         yield Finding(
             Severity.INFO,
             f"{figures} measured while other processes kept the CPUs busy",
             cost="They understate this machine: the doctor's verdicts on them and the planner's ceilings from them "
             "are too pessimistic.",
-            fix="Measure them again on an idle host (`redline doctor` says when it is); newer figures replace them.",
+            fix=f"Measure them again once the host is idle (`redline doctor` stops reporting host.cpu-busy): "
+            f"`{command}`; the new figures replace these.",
             evidence={"figures": names, "while": sorted({str(m.extra["host_cpu"].get("summary")) for m in marked})},
-            command=f"redline bench {suites} --save",
+            command=command,
         )
