@@ -168,7 +168,10 @@ def _aoti_load(path: Path, picked_on: str, device: str) -> Runner:
 
 def _onnx_absent(device: str, precision: str, provider: str = "CPUExecutionProvider") -> str | None:
     if not (is_available("onnxruntime") and is_available("onnx") and is_available("onnxscript")):
-        return "needs onnxruntime, onnx and onnxscript: pip install 'redline[infer]' (onnxruntime-gpu on a GPU)"
+        return (
+            "needs onnxruntime, onnx and onnxscript: pip install onnxruntime onnx onnxscript, the infer extra "
+            "(onnxruntime-gpu on a GPU)"
+        )
     import onnxruntime
 
     wanted = "CUDAExecutionProvider" if device == "cuda" and provider == "CPUExecutionProvider" else provider

@@ -383,7 +383,7 @@ def check_runnable(strategy: Strategy, where: str = "the plan", device: torch.de
     if strategy.precision != "fp8":
         return
     if not is_available("torch"):
-        raise BadInput(f"{where}: fp8 training needs PyTorch and torchao: pip install torch 'redline[fp8]'")
+        raise BadInput(f"{where}: fp8 training needs PyTorch and torchao: pip install torch torchao (the fp8 extra)")
     from redline.runtime.fp8 import unavailable
 
     reason = unavailable(strategy, device)

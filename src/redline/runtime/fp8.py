@@ -3,7 +3,7 @@
 bf16 FSDP2 parameters), as torchtitan trains Llama 3 in fp8.
 
 Where it runs: an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell: the ones with fp8 tensor
-cores), with torchao installed (``pip install 'redline[fp8]'``). ``unavailable`` says why not otherwise, for
+cores), with torchao installed (torchao: the ``fp8`` extra). ``unavailable`` says why not otherwise, for
 ``config.check_runnable``, the one check that ``redline run`` applies before any rank starts and ``prepare()``
 on the rank's own device. Not beside tensor parallelism: torchao's float8 tensor-parallel styles
 (``Float8ColwiseParallel``...) are not in ``tensor_parallel.py``'s plans, and the plain styles would shard a
@@ -63,8 +63,8 @@ def unavailable(strategy: Strategy, device: torch.device | None = None) -> str |
             )
     if not is_available("torchao"):
         return (
-            "fp8 training runs through torchao, which is not installed: pip install 'redline[fp8]' "
-            f"(or pip install torchao), or {WHY_BF16}"
+            "fp8 training runs through torchao, which is not installed: pip install torchao (the fp8 extra), "
+            f"or {WHY_BF16}"
         )
     return None
 

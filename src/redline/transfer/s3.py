@@ -40,7 +40,7 @@ def parse(url: str) -> tuple[str, str]:
 def client(endpoint_url: str | None, per_endpoint: int) -> Any:
     """A boto3 S3 client (of a class botocore makes at run time) for the store at ``endpoint_url``."""
     if not is_available("boto3"):
-        raise TransferError("s3:// URLs need boto3 (pip install 'redline[s3]')")
+        raise TransferError("s3:// URLs need boto3 (pip install boto3, the s3 extra)")
     import boto3
     from botocore.config import Config
 

@@ -54,7 +54,7 @@ class SshPool:
 
     def __init__(self, sockets: Sockets, known_hosts: Path | None = None, key_file: Path | None = None) -> None:
         if not is_available("paramiko"):
-            raise TransferError("sftp:// URLs need paramiko (pip install 'redline[sftp]')")
+            raise TransferError("sftp:// URLs need paramiko (pip install paramiko, the sftp extra)")
         self.sockets, self.known_hosts, self.key_file = sockets, known_hosts, key_file
         self._local = threading.local()
         self._all: list[SSHClient] = []
