@@ -12,6 +12,7 @@ torchrun, which restarts the worker group when a worker dies (elastic).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,7 +60,6 @@ def run(
     from redline.capability import require_torch
     from redline.errors import BadInput
     from redline.runtime import launch as launcher
-    from redline.runtime.plan_fit import check_launch_device
 
     if json_out and not dry_run:
         raise BadInput("--json describes the launch and goes with --dry-run; a run's output is the script's")
@@ -95,13 +95,24 @@ def run(
         else:
             ui.console.print(spec.shell_line(), highlight=False, soft_wrap=True)
         return
+    _execute(spec, why, config, nodes.elastic, cuda_gpus)
+
+
+def _execute(spec: Launch, why: str, config: RunConfig | None, elastic: bool, cuda_gpus: Callable[[], int]) -> None:
+    """Launch ``spec`` after the checks that need this machine (a plan made for a GPU where none is visible is
+    refused before any rank starts), saying what runs; the script's exit code is the command's."""
+    from redline.runtime import launch as launcher
+    from redline.runtime.plan_fit import check_launch_device
+
+    strategy = config.strategy if config is not None else None
     if config is not None and config.plan.device and not config.plan.anyway:
         check_launch_device(config, cuda_gpus())
     ui.warn(_describe(spec, why, strategy.label() if strategy else None))
-    if nodes.elastic and strategy is not None:
+    if elastic and strategy is not None:
         ui.warn(
-            f"--nnodes {nodes} is elastic: the plan is laid out for all {nodes.max} nodes ({spec.world_size} "
-            "processes); with fewer, the world is smaller than planned and only data parallelism can shrink"
+            f"--nnodes {spec.nodes} is elastic: the plan is laid out for all {spec.nodes.max} nodes "
+            f"({spec.world_size} processes); with fewer, the world is smaller than planned and only data "
+            "parallelism can shrink"
         )
     outcome = launcher.execute(spec)
     if outcome.signal is not None:

@@ -62,7 +62,8 @@ def render_finding(f: Finding) -> Group:
     if f.evidence:
         body.add_row("seen", Values(_compact(f.evidence), separator=" ", indent=0))
     if f.command:
-        body.add_row("see", Text(f"$ {f.command}", style="cyan"))  # whole on its line where it fits
+        # whole on its line where it fits, else folded: a command cut with an ellipsis cannot be copied
+        body.add_row("see", Text(f"$ {f.command}", style="cyan", overflow="fold"))
     body.add_row("rule", Text(f.rule, style="dim"))
     return Group(head, body)
 
