@@ -178,3 +178,28 @@ def test_the_rerun_command_keeps_to_the_suites_and_their_options():
     assert suites.rerun_command([*two_paths, _busy("dataloader", "samples_per_s", dataset_spec=None)]) == (
         "redline bench storage dataloader --path DATASET_DIR --save"
     )
+
+
+def _a_cpu_machines_quick_bench() -> list[Measurement]:
+    """What `redline bench --quick` measures on a 2-core CPU box: no figure has a catalog peak."""
+    spread = Spread(1, 27_600, 30_000, 1, 1)
+    return [
+        Measurement(
+            "compute", "matmul_bf16", 0.001346, "TFLOP/s", "torch.matmul", spread=Spread(1, 0.00134, 0.00135, 1, 1)
+        ),
+        Measurement("collective", "reduce_scatter", 0.3236, "GB/s", "gloo"),
+        Measurement("storage", "rand_read_128k /dev/vda", 952.0, "MB/s", "preadv", spread=spread),
+        Measurement("storage", "small_files /dev/vda", 7686.0, "files/s", "readv", spread=spread),
+    ]
+
+
+def test_a_cpu_machines_bench_is_a_table_at_80_columns_without_a_column_of_na(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk of the quick start on a 2-core CPU: with an "of peak" column of n/a the table was 83 wide and
+    printed stacked, one block per figure; without it, one line per figure."""
+    buffer = io.StringIO()
+    monkeypatch.setattr(ui, "console", Console(file=buffer, width=80, markup=False, color_system=None))
+    ui.print_measurements(_a_cpu_machines_quick_bench())
+    text = buffer.getvalue()
+    assert "of peak" not in text and "n/a" not in text
+    assert_whole(text, "0.001346 TFLOP/s", "0.00134-0.00135", "27,600-30,000", width=80)
+    assert any(line.startswith("storage") and "952 MB/s" in line for line in text.splitlines()), text
