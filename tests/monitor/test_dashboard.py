@@ -138,3 +138,23 @@ def test_values_fill_each_line_and_break_only_a_value_wider_than_it() -> None:
         "at",
         "90 °C",
     ]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_sample_line_in_a_pipe_carries_each_ranks_newest_step(tmp_path: Path, width: int) -> None:
+    """`redline monitor | tee log` beside a run: the quick start's walk saw only "cpu 100%" lines in the log while
+    the run trained; each line names each rank's newest step since the last sample, whole."""
+    from redline.monitor.sample import StepSample
+
+    sample = scenario("throttling", root=tmp_path, ticks=3).run()[-1]
+    sample.steps = [
+        StepSample(rank=0, step=25, time_s=1.2, data_s=0.0, compute_s=1.0, optimizer_s=0.2, loss=2.5),
+        StepSample(rank=0, step=26, time_s=1.6, data_s=0.0, compute_s=1.2, optimizer_s=0.4, loss=2.179),
+        StepSample(rank=1, step=26, time_s=1.5, data_s=0.1, compute_s=1.2, optimizer_s=0.2, loss=2.18),
+    ]
+    console = Console(width=width, force_terminal=False, color_system=None)
+    with console.capture() as captured:
+        console.print(_sample_line(sample, []))
+    text = captured.get()
+    assert_whole(text, "rank0 step 26 1.6 s/step loss 2.179", "rank1 step 26 1.5 s/step loss 2.18", width=width)
+    assert "step 25" not in text

@@ -19,7 +19,7 @@ import typer
 
 from redline.cli import params, ui
 from redline.errors import BadInput, RedlineError
-from redline.units import parse_duration
+from redline.units import fmt_duration, parse_duration
 
 MAX_WINDOW_SAMPLES = 100_000  # the diagnosis keeps its window in memory: a day at 1 s is enough
 DIAGNOSE_EVERY_S = 5.0  # the rules judge a window: re-judging it every sample would only repeat them
@@ -279,9 +279,9 @@ def _stop_on_sigterm(stop: threading.Event) -> Iterator[None]:
 
 
 def _sample_line(sample: Any, findings: list[Any]) -> Any:
-    """For a log file or a pipe: time, each GPU's utilisation/memory/power, the host CPU, the findings; one line
-    where they fit the console's width, else wrapped between GPUs onto indented lines (a reader, and grep, finds
-    each GPU's figures whole)."""
+    """For a log file or a pipe: time, each GPU's utilisation/memory/power, the host CPU, each rank's newest step
+    since the last sample, the findings; one line where they fit the console's width, else wrapped between GPUs
+    and ranks onto indented lines (a reader, and grep, finds each GPU's and each rank's figures whole)."""
     from redline.report.wrap import Values
 
     stamp = time.strftime("%H:%M:%S", time.localtime(sample.time))
@@ -296,6 +296,10 @@ def _sample_line(sample: Any, findings: list[Any]) -> Any:
         parts.append(f"gpu{gpu.index} {util} {memory} {power}")
     cpu = None if sample.host is None else sample.host.cpu_ratio
     parts.append("cpu n/a" if cpu is None else f"cpu {100 * cpu:.0f}%")
+    newest = {step.rank: step for step in sample.steps}  # the steps finished since the last sample, in order
+    for rank, step in sorted(newest.items()):
+        loss = "" if step.loss is None else f" loss {step.loss:.4g}"
+        parts.append(f"rank{rank} step {step.step} {fmt_duration(step.time_s)}/step{loss}")
     named = [f"{f.severity.value} {f.rule}" for f in findings]
     if named:
         parts += [f"findings: {named[0]}", *named[1:]]
