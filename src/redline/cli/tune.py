@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from redline.tune.predict import Predictor
     from redline.tune.search import Outcome, Trial
+    from redline.tune.space import Candidate
 
 
 def tune(
@@ -187,10 +188,19 @@ def _search(
         ui.warn(f"going on from {journal.path}: {len(journal.results)} trial(s) there are not run again")
     with ui.progress_bar(enabled=not quiet) as progress:
         done: list[Trial] = []
+        running = ["trials"]  # the trial being run, named as it starts: the count goes on it
+
+        def about() -> int:
+            return max(len(done) + 1, _expected(knobs) + 4)
+
+        def starting(label: str, candidate: Candidate | None) -> None:
+            what = "baseline" if candidate is None else f"{label}, {candidate.key()}"
+            running[0] = f"trial {len(done) + 1}: {what}"
+            progress(running[0], len(done), about())
 
         def advance(trial: Trial) -> None:
             done.append(trial)
-            progress(f"trial {len(done)}: {trial.label}", len(done), max(len(done) + 1, _expected(knobs) + 4))
+            progress(running[0], len(done), about())
 
         tuner = Tuner(
             setup,
@@ -202,6 +212,7 @@ def _search(
             budget=Budget(seconds=seconds, trials=max_trials),
             device_memory=_device_memory(),
             progress=advance,
+            starting=starting,
             planner=planner,
         )
         return tuner.tune(), journal.path

@@ -120,13 +120,23 @@ def gpu_line(gpu: Gpu) -> Text:
 
 
 @contextmanager
-def progress_bar(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
-    """A rich progress display for long work, driven as progress(description, completed, total).
-
-    Disabled (for --json, or when stderr is not a terminal) it is a no-op, so suites call it blindly.
-    """
-    if not enabled or not err_console.is_terminal:
-        yield lambda description, completed, total: None
+def progress_bar(enabled: bool = True, *, after_s: float = 2.0) -> Iterator[Callable[[str, int, int], None]]:
+    """Say how long work is getting on, driven as ``progress(description, done, total)``, one description per
+    unit of work (a suite, a trial, a backend). On a terminal, a rich progress bar per description, erased when the
+    work ends. Off a terminal (a pipe, ``| tee``, a job log), phase's rule: one plain line per description that is
+    still the current one after ``after_s``, ``redline: DESCRIPTION (done/total done) ...``, and nothing for one
+    that a newer description replaces sooner; updates of the same description print nothing more, so a log gets
+    one line per long unit of work, never a stream of redraws. Disabled (``--json``, ``--quiet``) it says nothing,
+    so suites call it blindly; stdout is never written."""
+    if not enabled:
+        yield lambda description, done, total: None
+        return
+    if not err_console.is_terminal:
+        lines = _ProgressLines(after_s)
+        try:
+            yield lines.update
+        finally:
+            lines.close()
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -148,6 +158,57 @@ def progress_bar(enabled: bool = True) -> Iterator[Callable[[str, int, int], Non
         yield update
 
 
+class _ProgressLines:
+    """progress_bar off a terminal: a line for the current description once it has been current ``after_s``,
+    with the count as it stands then (a count of 0 or 1 in all says nothing and is left out)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.lock = threading.Lock()  # the timer's thread reads what update writes
+        self.current: tuple[str, int, int] | None = None  # description, done, total
+        self.timer: threading.Timer | None = None
+
+    def update(self, description: str, done: int, total: int) -> None:
+        with self.lock:
+            new = self.current is None or self.current[0] != description
+            self.current = (description, done, total)
+        if new:
+            self.close()
+            self.timer = _say_later(self.after_s, lambda: self._line(description))
+
+    def _line(self, description: str) -> Text | None:
+        """The line for ``description``, None where a newer one replaced it as the timer fired."""
+        with self.lock:
+            if self.current is None or self.current[0] != description:
+                return None
+            _, done, total = self.current
+        return _phase_line(f"{description} ({done}/{total} done)" if total > 1 else description)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+def _phase_line(description: str) -> Text:
+    """How a long phase is said off a terminal: ``redline: DESCRIPTION ...``."""
+    return Text.assemble(("redline: ", "dim"), description, " ...")
+
+
+def _say_later(after_s: float, line: Callable[[], Text | None]) -> threading.Timer:
+    """Print ``line()`` on stderr once ``after_s`` has passed (nothing where it returns None), unless the returned
+    timer is cancelled first: what phase and progress_bar say off a terminal, only for work that lasts."""
+
+    def say() -> None:
+        text = line()
+        if text is not None:
+            err_console.print(text, highlight=False, soft_wrap=True)
+
+    timer = threading.Timer(after_s, say)
+    timer.daemon = True  # work that ends the process (an error, Ctrl-C) is not kept waiting on its line
+    timer.start()
+    return timer
+
+
 @contextmanager
 def phase(description: str, *, after_s: float = 2.0) -> Iterator[Callable[[int, int], None]]:
     """Say on stderr that work which may take a while is under way, so that a terminal is never left blank: on a
@@ -157,12 +218,7 @@ def phase(description: str, *, after_s: float = 2.0) -> Iterator[Callable[[int, 
     that ends sooner (a log gets one line per long phase, never a stream of redraws). stdout is never written,
     so ``--json`` output stays clean."""
     if not err_console.is_terminal:
-        line = Text.assemble(("redline: ", "dim"), description, " ...")
-        timer = threading.Timer(
-            after_s, err_console.print, args=(line,), kwargs={"highlight": False, "soft_wrap": True}
-        )
-        timer.daemon = True  # a phase that ends the process (an error, Ctrl-C) is not kept waiting on its line
-        timer.start()
+        timer = _say_later(after_s, lambda: _phase_line(description))
         try:
             yield lambda done, total: None
         finally:

@@ -216,7 +216,7 @@ def measure(
         reference = eager_reference(subject, x)
         built: list[tuple[Row, Runner, torch.Tensor]] = []
         for backend, precision in runnable:
-            progress(f"{backend.name} at batch {batch}")
+            progress(f"building {backend.name} at batch {batch}")
             folder = workdir / f"{backend.name}-b{batch}"
             folder.mkdir(parents=True, exist_ok=True)
             row, runner, output = _build(subject, backend, precision, x, folder)

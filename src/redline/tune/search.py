@@ -150,6 +150,7 @@ class Tuner:
         device_memory: int | None = None,
         runner: Runner = run_trial,
         progress: Callable[[Trial], None] | None = None,
+        starting: Callable[[str, Candidate | None], None] | None = None,
         planner: Planner | None = None,
     ) -> None:
         self.setup = setup
@@ -161,7 +162,8 @@ class Tuner:
         self.budget = budget or Budget()
         self.device_memory = device_memory
         self.runner = runner
-        self.progress = progress
+        self.progress = progress  # each trial, run or from the journal, once it has its result
+        self.starting = starting  # (label, candidate) as a trial starts to run: its wait can be said
         self.planner = planner
         self.trials: list[Trial] = []
         self.asked: set[str] = set()  # the journal keys this search has asked for
@@ -191,6 +193,8 @@ class Tuner:
             started = time.monotonic()
             # a directory of this process's own: a trial left running by a killed tune cannot write into it
             workdir = self.workdir / f"trial-{len(self.journal.results)}-{os.getpid()}"
+            if pruned is None and self.starting is not None:
+                self.starting(label, candidate)
             result = pruned or self.runner(self.setup, plan, workdir)
             self.budget.spent_s += time.monotonic() - started
             self.budget.run += pruned is None
