@@ -45,7 +45,15 @@ def preset_rows() -> list[dict[str, Any]]:
 
 
 def presets_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    """The presets ``--model`` takes, in the style of the plan's other tables (flush left, titled)."""
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        title=f"{len(rows)} model presets (redline plan --model NAME)",
+        title_justify="left",
+    )
     table.add_column("preset", no_wrap=True)
     table.add_column("params", no_wrap=True)
     table.add_column("sequence", no_wrap=True)
