@@ -4,6 +4,7 @@ cut with an ellipsis, no line wider than the terminal (a pipe or an SSH window i
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -64,3 +65,13 @@ def test_the_cloud_ranking_is_whole(width: int) -> None:
 def test_the_presets_are_whole(width: int) -> None:
     text = _text("plan", "--list-models", width=width)
     assert_whole(text, "llama-2-70b", "6.74B", "traced from redline.workload.zoo", width=width)
+    # in the style of the plan's other tables: titled, and flush left (the finding: each line began with a space)
+    lines = text.splitlines()
+    assert re.fullmatch(r"\d+ model presets \(redline plan --model NAME\)", lines[0].rstrip()) and lines[1].split() == [
+        "preset",
+        "params",
+        "sequence",
+        "profile",
+    ]
+    assert any(line.startswith("llama-2-70b ") for line in lines)
+    assert not [line for line in lines if line.startswith(" ")], text

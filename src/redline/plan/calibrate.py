@@ -80,7 +80,7 @@ def fit(profile: WorkloadProfile, cluster: Cluster, precision: str, measured: Se
     predicted = [
         (
             step_time(bare, one_device(m.micro_batch, precision), cluster),
-            memory_per_gpu(bare, one_device(m.micro_batch, precision), 1),
+            memory_per_gpu(bare, one_device(m.micro_batch, precision), 1, cpu=cluster.on_cpu),
         )
         for m in measured
     ]

@@ -97,9 +97,9 @@ def estimate(
     """The strategy's predictions; it fits when its device total leaves ``memory_margin`` of the GPU's memory
     free. ``footprints`` (of this profile) remembers the memory of strategies estimated before."""
     if footprints is not None:
-        memory = footprints.of(strategy, cluster.gpus_per_node)
+        memory = footprints.of(strategy, cluster.gpus_per_node, cpu=cluster.on_cpu)
     else:
-        memory = memory_per_gpu(profile, strategy, cluster.gpus_per_node)
+        memory = memory_per_gpu(profile, strategy, cluster.gpus_per_node, cpu=cluster.on_cpu)
     time = step_time(profile, strategy, cluster)
     step_s = time.total
     samples_per_s = strategy.global_batch / step_s

@@ -62,7 +62,7 @@ class Cluster:
     device: str  # "NVIDIA H100 SXM5 80GB", or the CPU model
     gpus_per_node: int
     nodes: int
-    memory_bytes: int  # per device, what the job may allocate at most (before the CUDA context)
+    memory_bytes: int  # per device, what the job may allocate at most (before the CUDA context); a CPU's: its RAM
     peak_flops: dict[str, float]  # dense datasheet peak per precision (empty for a CPU): MFU's denominator
     matmul: dict[str, Ceiling]  # achievable dense matmul FLOP/s per precision
     memory_bandwidth: Ceiling  # bytes/s for memory-bound work
@@ -77,6 +77,12 @@ class Cluster:
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def on_cpu(self) -> bool:
+        """The job runs on this machine's CPU (``local`` without a GPU, the only cluster without a GPU spec): one
+        process in RAM, with no CUDA context, NCCL or cuBLAS."""
+        return self.gpu is None
 
     def with_nodes(self, nodes: int) -> Cluster:
         _check_nodes(nodes)

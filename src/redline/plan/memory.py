@@ -2,7 +2,8 @@
 
 ``allocated`` is what ``torch.cuda.max_memory_allocated`` reports at the peak of a training step (the
 figure the GPU check compares with); ``device_total`` adds what the PyTorch allocator does not count or
-keeps in reserve (fragmentation, the CUDA context, NCCL's buffers) and must fit in the GPU's memory.
+keeps in reserve (fragmentation, the CUDA context, NCCL's buffers) and must fit in the GPU's memory. On a CPU
+(``cpu=True``) the same tensors live in the process's RAM, with no CUDA context, NCCL or cuBLAS workspace.
 
 The peak is the larger of two walks. Through the forward, each layer's rise (what it saves, its temporaries,
 autocast's copies of its weights) comes on top of what the layers before it saved. Through the backward, from
@@ -58,7 +59,7 @@ TOKEN_ID_BYTES = 8  # an LM's targets: int64 token ids
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per GPU on the busiest pipeline stage."""
+    """Bytes per GPU (or, on a CPU, per process) on the busiest pipeline stage."""
 
     weights: float  # parameters as stored (fp32), after sharding
     grads: float  # fp32 gradients, after sharding
@@ -68,17 +69,17 @@ class MemoryBreakdown:
     temporary: float  # the largest working set of one block's backward (with its recomputation), or the LM loss's
     table_grads: float  # an embedding's backward: the dense gradient of its tables (a tied one's three times)
     comm_buffers: float  # DDP buckets or FSDP's unsharded gradient of a unit
-    workspaces: float  # cuBLAS's, from PyTorch's allocator (on a GPU, not a CPU)
+    workspaces: float  # cuBLAS's, from PyTorch's allocator (on a GPU; 0 on a CPU)
     fragmentation: float
-    cuda_context: float
-    nccl: float
+    cuda_context: float  # 0 on a CPU
+    nccl: float  # 0 on a CPU and on one GPU
     # the peak of the parts above as they come and go: compare with torch.cuda.max_memory_allocated()
     allocated: float
     grads_with_activations: bool  # DDP buckets or accumulation keep gradients through the forward pass
 
     @property
     def device_total(self) -> float:
-        """What must fit in the GPU's memory."""
+        """What must fit in the GPU's memory (a CPU's: its RAM)."""
         return self.allocated + self.fragmentation + self.cuda_context + self.nccl
 
     def to_dict(self) -> dict[str, Any]:
@@ -279,8 +280,11 @@ def block_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage
     return out
 
 
-def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, gpus_per_node: int) -> MemoryBreakdown:
-    """Memory of one GPU of ``stage`` at the peak of a step, by component (see the module docstring)."""
+def stage_memory(
+    profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, gpus_per_node: int, cpu: bool = False
+) -> MemoryBreakdown:
+    """Memory of one GPU of ``stage`` at the peak of a step, by component (see the module docstring); ``cpu``: of
+    the one process that runs it on a CPU instead."""
     head = stage.fixed[-1] if stage.index == strategy.pipeline - 1 and stage.fixed else None
     states = _model_states(profile, strategy, stage, gpus_per_node)
     cast = _cast_params(profile, strategy, stage, head)
@@ -326,8 +330,8 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         head=head,
         tied_grad=_tied_head_gradient(profile, strategy, states, head),
     )
-    allocated = states.weights + states.optimizer + comm_buffers + CUBLAS_WORKSPACE_BYTES
-    allocated += max(forward_peak, backward_peak)
+    workspaces = 0.0 if cpu else CUBLAS_WORKSPACE_BYTES
+    allocated = states.weights + states.optimizer + comm_buffers + workspaces + max(forward_peak, backward_peak)
     return MemoryBreakdown(
         weights=states.weights,
         grads=states.grads,
@@ -337,10 +341,10 @@ def stage_memory(profile: WorkloadProfile, strategy: Strategy, stage: Stage, *, 
         temporary=temporary,
         table_grads=table_grads,
         comm_buffers=comm_buffers,
-        workspaces=CUBLAS_WORKSPACE_BYTES,
+        workspaces=workspaces,
         fragmentation=FRAGMENTATION * allocated,
-        cuda_context=CUDA_CONTEXT_BYTES,
-        nccl=NCCL_BUFFER_BYTES if strategy.gpus > 1 else 0.0,
+        cuda_context=0.0 if cpu else CUDA_CONTEXT_BYTES,
+        nccl=NCCL_BUFFER_BYTES if strategy.gpus > 1 and not cpu else 0.0,
         allocated=allocated,
         grads_with_activations=coexist,
     )
@@ -742,41 +746,32 @@ def shard_degree(strategy: Strategy, gpus_per_node: int) -> int:
     return strategy.data
 
 
-def memory_per_gpu(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int) -> MemoryBreakdown:
+def memory_per_gpu(
+    profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int, *, cpu: bool = False
+) -> MemoryBreakdown:
     """The busiest pipeline stage's memory: the first stage holds the most micro-batches in flight, the last
-    the head (a large untied one, and the logits); a middle stage holds no more than the first."""
+    the head (a large untied one, and the logits); a middle stage holds no more than the first. ``cpu``: the
+    strategy runs on a CPU (``Cluster.on_cpu``), without a GPU's runtime (CUDA context, NCCL, cuBLAS)."""
     split = stages(profile, strategy.pipeline)
     busiest = split[:1] + split[1:][-1:]
-    candidates = [stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node) for stage in busiest]
+    candidates = [stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node, cpu=cpu) for stage in busiest]
     return _calibrated(profile, max(candidates, key=lambda m: m.device_total))
 
 
 class Footprints:
-    """``memory_per_gpu`` of one workload, each (strategy, GPUs per node) worked out once: a cloud ranking
-    estimates the same strategies on every instance with as many GPUs, and memory does not depend on which GPU
-    they are (whether it fits does)."""
+    """``memory_per_gpu`` of one workload, each (strategy, GPUs per node, CPU or not) worked out once: a cloud
+    ranking estimates the same strategies on every instance with as many GPUs, and memory does not depend on
+    which GPU they are (whether it fits does)."""
 
     def __init__(self, profile: WorkloadProfile) -> None:
         self.profile = profile
-        self._known: dict[tuple[Strategy, int], MemoryBreakdown] = {}
+        self._known: dict[tuple[Strategy, int, bool], MemoryBreakdown] = {}
 
-    def of(self, strategy: Strategy, gpus_per_node: int) -> MemoryBreakdown:
-        key = (strategy, gpus_per_node)
+    def of(self, strategy: Strategy, gpus_per_node: int, *, cpu: bool = False) -> MemoryBreakdown:
+        key = (strategy, gpus_per_node, cpu)
         if key not in self._known:
-            self._known[key] = memory_per_gpu(self.profile, strategy, gpus_per_node)
+            self._known[key] = memory_per_gpu(self.profile, strategy, gpus_per_node, cpu=cpu)
         return self._known[key]
-
-
-def pipeline_stages(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int) -> list[dict[str, float]]:
-    """Each pipeline rank's share, first to last: its repeated blocks (the runtime cuts the model there) and
-    the bytes of the weights it holds."""
-    return [
-        {
-            "blocks": len(stage.blocks),
-            "weights": stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node).weights,
-        }
-        for stage in stages(profile, strategy.pipeline)
-    ]
 
 
 def _calibrated(profile: WorkloadProfile, memory: MemoryBreakdown) -> MemoryBreakdown:

@@ -19,7 +19,7 @@ from redline.errors import BadInput, one_line
 from redline.files import read_user_file
 from redline.plan.estimate import Estimate, Goal
 from redline.plan.hardware import Cluster
-from redline.plan.memory import pipeline_stages
+from redline.plan.memory import stage_memory, stages
 from redline.plan.strategy import Strategy
 from redline.workload.profile import WorkloadProfile
 
@@ -89,6 +89,18 @@ def make_plan(
         notes=tuple(notes),
         runtime=dict(runtime or {}),
     )
+
+
+def pipeline_stages(profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int) -> list[dict[str, float]]:
+    """Each pipeline rank's share, first to last: its repeated blocks (the runtime cuts the model there) and
+    the bytes of the weights it holds."""
+    return [
+        {
+            "blocks": len(stage.blocks),
+            "weights": stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node).weights,
+        }
+        for stage in stages(profile, strategy.pipeline)
+    ]
 
 
 def describe_cluster(cluster: Cluster) -> dict[str, Any]:

@@ -45,7 +45,15 @@ def preset_rows() -> list[dict[str, Any]]:
 
 
 def presets_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    """The presets ``--model`` takes, in the style of the plan's other tables (flush left, titled)."""
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        title=f"{len(rows)} model presets (redline plan --model NAME)",
+        title_justify="left",
+    )
     table.add_column("preset", no_wrap=True)
     table.add_column("params", no_wrap=True)
     table.add_column("sequence", no_wrap=True)
@@ -90,12 +98,17 @@ def plans_view(plans: Plans, notes: list[str]) -> list[RenderableType]:
         if result.closest_misfit is not None:
             miss = result.closest_misfit
             needs = f"{miss.strategy.label()} needs {fmt_bytes(miss.memory.device_total)}"
-            needs += f" of {fmt_bytes(cluster.memory_bytes)}"
+            needs += f" of {_capacity(cluster)}"
             after.append(("nearest miss", Text(needs, style="dim")))
     after += [("note", Text(note, style="dim")) for note in notes]
     if after:
         parts.append(_labelled(after))
     return parts
+
+
+def _capacity(cluster: Cluster) -> str:
+    """The memory a plan must fit in: a GPU's, or on a CPU the machine's RAM (said so)."""
+    return fmt_bytes(cluster.memory_bytes) + (" RAM" if cluster.on_cpu else "")
 
 
 def _summary(plans: Plans) -> list[tuple[str, RenderableType]]:
@@ -111,22 +124,26 @@ def _summary(plans: Plans) -> list[tuple[str, RenderableType]]:
         goal_text += f"; {fmt_count(goal.tokens)} tokens in all"
     elif goal.samples:
         goal_text += f"; {fmt_count(goal.samples)} samples in all"
+    if cluster.on_cpu:  # one process: no second device to talk to
+        hardware = f"{cluster.device}, this machine's CPU ({_capacity(cluster)})"
+        link = ""
+    else:
+        hardware = (
+            f"{cluster.gpus} x {cluster.device} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''}, "
+            f"{fmt_bytes(cluster.memory_bytes)} each)"
+        )
+        link = f"; GPU-GPU {cluster.intra.busbw_bytes_per_s / 1e9:.4g} GB/s ({cluster.intra.source})"
     return [
         (
             "model",
             f"{profile.name} ({profile.method}, {profile.source}): {fmt_count(profile.params_total)} params, "
             f"{fmt_count(profile.training_flops_per_sample)} training FLOPs per {profile.sample_unit}",
         ),
-        (
-            "hardware",
-            f"{cluster.gpus} x {cluster.device} ({cluster.nodes} node{'s' if cluster.nodes > 1 else ''}, "
-            f"{fmt_bytes(cluster.memory_bytes)} each)",
-        ),
+        ("hardware", hardware),
         (
             "ceilings",
             f"{precision} matmul {ceiling.value / 1e12:.4g} TFLOP/s ({ceiling.source}); "
-            f"memory {cluster.memory_bandwidth.value / 1e9:.4g} GB/s ({cluster.memory_bandwidth.source}); "
-            f"GPU-GPU {cluster.intra.busbw_bytes_per_s / 1e9:.4g} GB/s ({cluster.intra.source})",
+            f"memory {cluster.memory_bandwidth.value / 1e9:.4g} GB/s ({cluster.memory_bandwidth.source}){link}",
         ),
         ("goal", goal_text),
     ]
@@ -146,7 +163,7 @@ def _ranked_table(plans: Plans) -> Table:
     longest_word = max(len(word) for e in leaders for word in e.strategy.label().split())
     table.add_column("strategy", min_width=longest_word)
     columns: list[tuple[str, Callable[[Estimate], str]]] = [
-        ("mem/GPU", lambda e: fmt_bytes(e.memory.device_total)),
+        ("mem/process" if plans.cluster.on_cpu else "mem/GPU", lambda e: fmt_bytes(e.memory.device_total)),
         ("step", lambda e: fmt_duration(e.time.total)),
         (
             "tokens/s" if sequences else "samples/s",
@@ -166,7 +183,8 @@ def _ranked_table(plans: Plans) -> Table:
 
 
 def _breakdown(best: Estimate, cluster: Cluster) -> list[str]:
-    """Where the best plan's memory and step time go, a bar per part (parts of none left out)."""
+    """Where the best plan's memory and step time go, a bar per part (parts of none left out: on a CPU the CUDA
+    context, NCCL and cuBLAS's workspaces)."""
     memory, time = best.memory, best.time
     parts = [
         ("weights", memory.weights),
@@ -181,9 +199,11 @@ def _breakdown(best: Estimate, cluster: Cluster) -> list[str]:
         ("allocator margin", memory.fragmentation),
         ("CUDA context + NCCL", memory.cuda_context + memory.nccl),
     ]
+    # what PyTorch would report of the tensors' peak; on a CPU it keeps no such count
+    measure = "tensors at the peak" if cluster.on_cpu else "torch max_memory_allocated"
     lines = [
-        f"memory of #1: {fmt_bytes(memory.device_total)} of {fmt_bytes(cluster.memory_bytes)} "
-        f"(torch max_memory_allocated ~ {fmt_bytes(memory.allocated)})"
+        f"memory of #1: {fmt_bytes(memory.device_total)} of {_capacity(cluster)} "
+        f"({measure} ~ {fmt_bytes(memory.allocated)})"
     ]
     lines += [_bar(name, fmt_bytes(value), value / memory.device_total) for name, value in parts if value > 0]
     steps = [

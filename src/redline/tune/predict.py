@@ -55,7 +55,7 @@ class Predictor:
         if key not in self._known:
             strategy = Strategy.from_dict(plan["strategy"])
             step_s = step_time(self.profile, strategy, self.cluster).total
-            memory = memory_per_gpu(self.profile, strategy, self.cluster.gpus_per_node)
+            memory = memory_per_gpu(self.profile, strategy, self.cluster.gpus_per_node, cpu=self.cluster.on_cpu)
             self._known[key] = Prediction(step_s, strategy.global_batch / step_s, memory.allocated)
         return self._known[key]
 
