@@ -15,12 +15,22 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import forked
+
+# what a command says on stderr of work still running after 2 s (ui.phase, ui.progress_bar off a terminal), before
+# its answer or its error: "redline: profiling resnet50 ...", "redline: trial 2: repeat, mb=32 (1/16 done) ..."
+PROGRESS = re.compile(r"redline: .+ \.\.\.")
+
+
+def said(stderr: str) -> list[str]:
+    """The lines of ``stderr`` other than progress lines: what the command said."""
+    return [line for line in stderr.strip().splitlines() if not PROGRESS.fullmatch(line)]
 
 
 def cli(

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from cli_fork import said
 from conftest import FIXTURES, run_cli
 
 
 def one_line(result: subprocess.CompletedProcess[str], *needles: str, code: int = 2) -> str:
     assert result.returncode == code, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    lines = said(result.stderr)  # a request that ran past 2 s first says what it was doing
+    assert len(lines) == 1 and result.stderr.endswith(lines[0] + "\n"), result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
@@ -313,7 +314,7 @@ def test_no_bad_value_of_any_option_gets_a_traceback(tmp_path: Path) -> None:
             return f"redline {' '.join(argv)}: {result.stderr.strip()[-600:]}"
         if result.returncode not in (0, 2):
             return f"redline {' '.join(argv)}: exit {result.returncode}: {result.stderr.strip()[-300:]}"
-        if result.returncode == 2 and len(result.stderr.strip().splitlines()) != 1:
+        if result.returncode == 2 and len(said(result.stderr)) != 1:
             return f"redline {' '.join(argv)}: exit 2 with {result.stderr.strip()!r}"
         return None
 

@@ -176,7 +176,10 @@ def test_one_process_gets_the_plan_its_arguments_and_gives_its_exit_code(tmp_pat
         """,
     )
     # options after the script are the script's, even those redline also has
-    result = run_cli("run", "--plan", str(plan1), "--nproc-per-node", "1", str(script), "--foo", "1", "--plan", "x")
+    # an H100's plan on this CPU, on purpose (the launch is under test, not the plan's fit): --plan-anyway
+    result = run_cli(
+        "run", "--plan", str(plan1), "--plan-anyway", "--nproc-per-node", "1", str(script), "--foo", "1", "--plan", "x"
+    )
     assert result.returncode == 3, result.stderr
     seen = json.loads(result.stdout)
     assert seen == {"plan": str(plan1.resolve()), "args": ["--foo", "1", "--plan", "x"], "rank": None}
@@ -204,7 +207,9 @@ def test_two_ranks_through_torchrun_all_reduce(tmp_path: Path, plan2: Path) -> N
         dist.destroy_process_group()
         """,
     )
-    result = run_cli("run", "--plan", str(plan2), "--nproc-per-node", "2", str(script), str(out), timeout=600)
+    result = run_cli(
+        "run", "--plan", str(plan2), "--plan-anyway", "--nproc-per-node", "2", str(script), str(out), timeout=600
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(out.read_text()) == {"sum": 3.0, "world": 2, "plan": str(plan2.resolve())}
     assert "as 2 processes (torchrun, 2 per node (as given) x 1 node(s))" in result.stderr

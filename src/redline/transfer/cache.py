@@ -212,7 +212,7 @@ class Cache:
         fetched in turn, the later ones evicting the earlier where the cap needs it, and each says whether it
         was kept."""
         asked = list(dict.fromkeys(normalized(url) for url in urls))
-        if not allow_evict:
+        if not allow_evict and len(asked) > 1:  # one file is admitted (or refused) against the cap as it fills
             self._check_room(asked)
         done = []
         for url in asked:
@@ -222,11 +222,12 @@ class Cache:
 
     def _check_room(self, urls: list[str]) -> None:
         """Refuse, before any fetch, files that together are more than the cache holds (those already in it
-        count at their size: they must stay too)."""
+        count at their size: they must stay too). A file another process is filling counts at the size it was
+        admitted with: asking its server again would wait on the same stalled link the filler waits on."""
         cap = self.max_bytes()
         sizes = []
         for url in urls:
-            entry = self._ready(key_of(url))
+            entry = self._ready(key_of(url)) or self._filling(key_of(url))
             size = entry.size_bytes if entry is not None else self._stat(url)[1]
             if size > cap:
                 raise NotStageable(self._larger_than_the_cache(url, size, cap))
@@ -242,6 +243,10 @@ class Cache:
     def _larger_than_the_cache(self, url: str, size: int, cap: int) -> str:
         whole = f"({fmt_bytes(cap)} at {self.root})"
         return f"{url}: {fmt_bytes(size)} is more than the whole cache holds {whole}; raise --max-size"
+
+    def _filling(self, key: str) -> Entry | None:
+        entry = self._entry(key)
+        return entry if entry is not None and entry.state == "filling" else None
 
     def _ready(self, key: str) -> Entry | None:
         entry = self._entry(key)
