@@ -1,7 +1,8 @@
 """Snapshots of realistic servers built in code, for doctor tests.
 
 ``healthy_server()`` is an 8 x H100 SXM box with nothing wrong: every doctor rule but the informational
-capacity summary stays quiet on it. Tests break one thing at a time with ``mutate``.
+capacity summary stays quiet on it. Tests break one thing at a time with ``mutate``. ``TINY_LLAMA`` is a model
+config of the same kind: a Hugging Face config.json the plan and workload tests trace.
 """
 
 from __future__ import annotations
@@ -225,3 +226,17 @@ def _children(obj: Any, token: str) -> list[Any]:
     if token.startswith("["):
         return [obj[int(token[1:-1])]]
     return [obj[token] if isinstance(obj, dict) else getattr(obj, token)]
+
+
+# a TinyLlama-shaped Hugging Face config.json, small enough to trace in a moment (tests of reading model configs)
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "vocab_size": 1000,
+}

@@ -13,21 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from builders import TINY_LLAMA
 from conftest import run_cli, run_executable
 from redline.plan.planfile import load_plan
 from redline.units import fmt_count
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 176,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "vocab_size": 1000,
-}
 
 
 def project(tmp_path: Path) -> Path:

@@ -15,22 +15,10 @@ from typing import Any
 
 import pytest
 
+from builders import TINY_LLAMA
 from redline.errors import BadInput
 from redline.units import fmt_count
 from redline.workload.load import config_model_name, load_workload
-
-# a TinyLlama-shaped model, small enough to trace in a moment
-TINY_LLAMA: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 176,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "vocab_size": 1000,
-}
 
 
 def write_config(folder: Path, config: dict[str, Any]) -> Path:

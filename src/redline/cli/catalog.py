@@ -10,11 +10,11 @@ import re
 from fractions import Fraction
 
 import typer
-from rich import box
 from rich.table import Table
 
 from redline.cli import ui
 from redline.errors import BadInput
+from redline.report.tables import listing
 from redline.specs.catalog import GpuSpec, gpu_catalog
 from redline.specs.instances import PROVIDERS, InstanceSpec, instance_catalog
 
@@ -67,11 +67,7 @@ def _num(value: float | None) -> str:
 def _table(specs: list[GpuSpec], *, wide: bool) -> Table:
     """One line per GPU, at 80 columns: the key (what --hardware takes: 8xh100-sxm) and the numbers, each unit
     said once in its header; ``wide`` adds the vendor's name. The memory type and the sources are in --json."""
-    table = Table(
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        pad_edge=False,
-        collapse_padding=True,
+    table = listing(
         # at 80 columns only the box's one space between columns: the headers, wider than most values, space them
         padding=(0, 1 if wide else 0),
         caption="dense peaks (not sparse); sources: redline catalog gpus --json",
@@ -224,11 +220,7 @@ def _instance_table(specs: list[InstanceSpec], *, wide: bool) -> Table:
     """One line per instance. ``wide`` (a terminal of ``WIDE`` columns) adds the GPU link, vCPUs, RAM and network;
     without it the table fits 80 columns and its caption says where the rest is."""
     rest = "" if wide else "; GPU links, vCPUs, RAM and network: a wider terminal or --json"
-    table = Table(
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        pad_edge=False,
-        collapse_padding=True,
+    table = listing(
         caption=f"on-demand prices as of {_price_dates(specs)} (earliest snapshot dates){rest}; sources: --json",
         caption_justify="left",
     )

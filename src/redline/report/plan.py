@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rich import box
 from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -20,6 +19,7 @@ from redline.plan.cloud import CloudRanking
 from redline.plan.estimate import Estimate, mfu_peak
 from redline.plan.hardware import Cluster
 from redline.plan.planner import Plans
+from redline.report.tables import listing
 from redline.units import fmt_bytes, fmt_count, fmt_duration
 
 BAR_WIDTH = 30  # characters of the bar of a part that takes the whole memory or step
@@ -46,11 +46,7 @@ def preset_rows() -> list[dict[str, Any]]:
 
 def presets_table(rows: list[dict[str, Any]]) -> Table:
     """The presets ``--model`` takes, in the style of the plan's other tables (flush left, titled)."""
-    table = Table(
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        pad_edge=False,
-        collapse_padding=True,
+    table = listing(
         title=f"{len(rows)} model presets (redline plan --model NAME)",
         title_justify="left",
     )
@@ -156,9 +152,7 @@ def _ranked_table(plans: Plans) -> Table:
     sequences = plans.profile.sample_unit == "sequence"
     leaders = plans.leaders
     title = f"best of {len(plans.ranked)} that fit"
-    table = Table(
-        box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, title=title, title_justify="left"
-    )
+    table = listing(title=title, title_justify="left")
     table.add_column("#", justify="right", no_wrap=True)
     longest_word = max(len(word) for e in leaders for word in e.strategy.label().split())
     table.add_column("strategy", min_width=longest_word)
@@ -230,9 +224,7 @@ def cloud_view(found: CloudRanking, model: str, deadline: str | None) -> list[Re
     title = f"{len(found.options)} instance/node options where {model} fits, by {found.ranking.rank_by}"
     if deadline:
         title += f", finishing within {deadline}"
-    table = Table(
-        box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, title=title, title_justify="left"
-    )
+    table = listing(title=title, title_justify="left")
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("provider", no_wrap=True)
     table.add_column("instance", no_wrap=True)
