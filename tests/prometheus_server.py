@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from ports import free_port
 
 
 def get(url: str, timeout: float = 10.0) -> str:
@@ -46,12 +47,6 @@ class Prometheus:
                 return result
             time.sleep(0.2)
         raise AssertionError(f"{what}: {expr} gave {result} after {PROMETHEUS_DEADLINE_S} s")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_prometheus(binary: str, tmp: Path, target: str) -> Prometheus:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_server import free_port
+from ports import free_port
 
 DEADLINE_S = 30.0
 # nginx's access log: one line per request with the range asked and the body bytes sent (aborted ones too)

@@ -21,6 +21,7 @@ from conftest import run_cli
 from netem import EmulatedLink, LinkSpec, unavailable_reason
 from netem.compare import compare, start_servers
 from netem.forward import Shaper
+from ports import free_port
 from redline.bench import network
 from redline.bench.context import BenchContext
 from redline.bench.net import streams, tcpinfo, wire
@@ -148,16 +149,10 @@ def test_tcp_info_of_a_sender():
 # -------------------------------------------------------------------------------------- bad hosts
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_refused_is_bad_input_at_once():
     t0 = time.monotonic()
     with pytest.raises(BadInput, match="refused"):
-        Client("127.0.0.1", _free_port())
+        Client("127.0.0.1", free_port())
     assert time.monotonic() - t0 < 2
 
 
@@ -248,7 +243,7 @@ def test_receiver_counts_only_after_the_warm_up():
 
 
 def test_cli_serve_and_connect_over_loopback():
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "redline", "bench", "network", "--serve", "--listen", "127.0.0.1", "--port", str(port)],
         stderr=subprocess.PIPE,
@@ -282,7 +277,7 @@ def test_serve_takes_only_addresses_to_listen_on():
 
 
 def test_cli_bad_host_is_one_line_and_exit_2():
-    result = run_cli("bench", "network", "--connect", "127.0.0.1", "--port", str(_free_port()), "--quick")
+    result = run_cli("bench", "network", "--connect", "127.0.0.1", "--port", str(free_port()), "--quick")
     assert result.returncode == 2
     assert "refused" in result.stderr and "Traceback" not in result.stderr
 

@@ -16,6 +16,7 @@ import pytest
 
 from cli_fork import said
 from conftest import FIXTURES, run_cli
+from ports import free_port
 
 
 def one_line(result: subprocess.CompletedProcess[str], *needles: str, code: int = 2) -> str:
@@ -264,17 +265,9 @@ def _cases() -> list[tuple[tuple[str, ...], str, list[str]]]:
             for value in BAD_VALUES:
                 given = [value] if param.param_type_name == "argument" else [option, value]
                 if option == "--listen" and path == ("monitor",):
-                    given = [str(_free_port()), *given]  # after the base's --port
+                    given = [str(free_port()), *given]  # after the base's --port
                 cases.append((path, option, [*path, *base, *given]))
     return cases
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_every_command_has_a_base_for_the_fuzz() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import re
-import socket
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from ports import free_port
 from redline.cli import monitor as monitor_cli
 from redline.cli import ui
 from redline.monitor import sampler as sampler_module
@@ -27,12 +27,6 @@ from tables import WIDTHS
 ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # the cursor moves and erasures of a live screen
 STEPS = 3
 MAX_SAMPLES_AFTER_THE_RUN = 5  # a sample reads every whole line written before it: one should do
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> str:

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ports import free_port
 from redline.errors import BadInput
 from redline.queue.ray_engine import NOT_CARRIED, RayEngine, engine_job, resolve_address
 from redline.queue.spec import JobSpec
@@ -39,12 +39,6 @@ def _no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ray_cli() -> str:
     beside = Path(sys.executable).with_name("ray")
     return str(beside) if beside.exists() else (shutil.which("ray") or "ray")
@@ -58,17 +52,17 @@ def ray_head() -> Iterator[str]:
     pytest.importorskip("ray.job_submission")
     temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # short: Ray's socket paths live under it
     try:
-        dashboard = _free_port()
+        dashboard = free_port()
         ports = {
-            "--port": _free_port(),
+            "--port": free_port(),
             "--dashboard-port": dashboard,
-            "--ray-client-server-port": _free_port(),
-            "--dashboard-agent-listen-port": _free_port(),
-            "--dashboard-agent-grpc-port": _free_port(),
-            "--runtime-env-agent-port": _free_port(),
-            "--metrics-export-port": _free_port(),
-            "--node-manager-port": _free_port(),
-            "--object-manager-port": _free_port(),
+            "--ray-client-server-port": free_port(),
+            "--dashboard-agent-listen-port": free_port(),
+            "--dashboard-agent-grpc-port": free_port(),
+            "--runtime-env-agent-port": free_port(),
+            "--metrics-export-port": free_port(),
+            "--node-manager-port": free_port(),
+            "--object-manager-port": free_port(),
         }
         command = [_ray_cli(), "start", "--head", "--block", "--num-gpus", "2", "--num-cpus", "2"]
         command += ["--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"]
@@ -231,7 +225,7 @@ def test_missing_ray_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_cluster_that_does_not_answer_is_one_line() -> None:
     pytest.importorskip("ray.job_submission")
-    address = f"http://127.0.0.1:{_free_port()}"
+    address = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(BadInput, match=f"cannot reach a Ray cluster at {address}") as caught:
         RayEngine(address).jobs()
     assert "\n" not in str(caught.value)

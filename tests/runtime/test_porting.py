@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from ports import free_port
 from ranks import script_pythonpath
 from redline.plan.planfile import Plan, dump_plan
 from redline.plan.strategy import Strategy
@@ -66,7 +67,9 @@ def original(port: str, processes: int, cwd: Path) -> float:
     """The original script as its users launch it: plain python, torchrun (DDP, Accelerate), ``fabric run``."""
     script = str(PORTS / f"{port}_before.py")
     if port == "fabric" and processes > 1:
-        argv = ["fabric", "run", "--accelerator", "cpu", "--devices", str(processes), script]
+        # `fabric run` hands torchrun --master-port 29400 unless told: a test on the other worker may hold it
+        argv = ["fabric", "run", "--accelerator", "cpu", "--devices", str(processes)]
+        argv += ["--main-port", str(free_port()), script]
     elif port in ("ddp", "accelerate"):
         argv = [
             sys.executable,
@@ -83,7 +86,7 @@ def original(port: str, processes: int, cwd: Path) -> float:
     # Accelerate goes multi-process on CPUs only when told to, as `accelerate launch --cpu` tells it
     env = os.environ | {"ACCELERATE_USE_CPU": "1"}
     done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-8000:]
     return val_loss(done.stdout)
 
 
