@@ -11,8 +11,11 @@ candidate's need is printed. Hardware is the catalog's GPU with the source's net
   everything pinned, the paper's plan) and marked so.
 - Memory, where published (Korthikanti et al. 2022, Figures 1 and 7): the busiest (first) pipeline stage's memory
   of the fixed strategy the paper profiled, worked out directly (``stage_memory``: the "none" rows do not fit an
-  80 GB GPU, so a search would refuse them), as two parts: parameters + optimizer (``weights + grads +
-  optimizer``) and activations (``activations``); the ratio is of their sum.
+  80 GB GPU, so a search would refuse them), as two parts: parameters + optimizer (``weights + grads + optimizer
+  + weight_copies``: Megatron's bf16 parameters are autocast's copies here) and activations (``activations``); the
+  ratio is of their sum. Figure 1 counts the transformer layers only (its 45.5625 GiB is 18 bytes x 12Lh^2/(tp)
+  exactly, its activations Table 2's per-layer formula x layers in flight): the first stage's embedding is the
+  planner's own.
 - The mean absolute error of each, over the held-out cases (``role``): one constant of the step-time model was
   fitted on the three GPT 175B runs of Narayanan et al. Table 2.
 
@@ -439,7 +442,9 @@ def memory_row(profile: WorkloadProfile, case: Case) -> dict[str, Any]:
     """Predicted against published memory: parameters + optimizer, activations and their sum, in GiB."""
     assert case.memory is not None
     memory = first_stage_memory(profile, case)
-    params_optimizer = (memory.weights + memory.grads + memory.optimizer) / GiB
+    # Megatron's 18 bytes a parameter (bf16 weight, fp32 gradient, fp32 master weight and Adam's two moments) are
+    # the planner's fp32 weight, gradient and moments plus autocast's bf16 copy (``weight_copies``)
+    params_optimizer = (memory.weights + memory.grads + memory.optimizer + memory.weight_copies) / GiB
     activations = memory.activations / GiB
     published = case.memory
     return {
