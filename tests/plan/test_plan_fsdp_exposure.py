@@ -69,9 +69,7 @@ def test_a_big_micro_batch_hides_all_but_the_collectives_that_start_and_end_it()
     exposed = exposed_s(fsdp(16))
     assert exposed >= ENDS_S
     # and no more than the compute slowed beside the hidden ones (Calculon's 15% over NVLink, 2% over the network)
-    every_collective_s = BLOCKS * (
-        2 * GATHER_S + over_the_group("reduce_scatter", GRAD_REDUCE_BYTES * BLOCK_PARAMS)
-    )
+    every_collective_s = BLOCKS * (2 * GATHER_S + over_the_group("reduce_scatter", GRAD_REDUCE_BYTES * BLOCK_PARAMS))
     assert exposed <= ENDS_S + 0.15 * every_collective_s
 
 

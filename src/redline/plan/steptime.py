@@ -5,7 +5,7 @@ per operator): matmul FLOPs over the achievable matmul rate, plus the memory-bou
 activations, elementwise ops), modelled as the activation bytes read and written ``ACTIVATION_TRAFFIC``
 times over the memory bandwidth. Communication uses the alpha-beta model of ``plan.comm`` with each
 strategy's volumes (ZeRO paper section 7, Megatron-LM, Narayanan et al. 2021); what can hide behind
-compute is subtracted, what cannot stays on the critical path.
+compute is subtracted, what cannot stays on the critical path (FSDP's unit by unit, as FSDP2 overlaps it).
 """
 
 from __future__ import annotations
@@ -248,17 +248,15 @@ def _data_parallel_exposed_s(
             exposed += _dp_collective(cluster, where, "all_gather", params * 4).seconds
         return exposed
     if strategy.pipeline > 1:  # gathered once, reduce-scattered once after the last backward
-        gather = _dp_collective(cluster, where, "all_gather", params * activation_value_bytes(strategy)).seconds
-        scatter = _dp_collective(cluster, where, "reduce_scatter", grads).seconds
+        group = _shard_group(strategy, cluster, where)
+        gather = _dp_collective(cluster, group, "all_gather", params * activation_value_bytes(strategy)).seconds
+        scatter = _dp_collective(cluster, group, "reduce_scatter", grads).seconds
         across = 0.0
         if strategy.sharding == "hsdp":
-            shard = shard_degree(strategy, cluster.gpus_per_node)
-            within = Groups(shard, 1, where.pp_crosses_nodes)
-            gather = _dp_collective(cluster, within, "all_gather", params * activation_value_bytes(strategy)).seconds
-            scatter = _dp_collective(cluster, within, "reduce_scatter", grads).seconds
-            across = _dp_collective(cluster, Groups(1, n // shard, False), "all_reduce", grads / shard).seconds
+            replicas = Groups(1, n // group.dp_per_node, False)
+            across = _dp_collective(cluster, replicas, "all_reduce", grads / group.dp_per_node).seconds
         return max(gather - forward, 0.0) + gather / max(1, len(stage.blocks)) + scatter + across
-    return _sharded_exposed_s(profile, strategy, cluster, stage, where, forward, backward)
+    return _sharded_exposed_s(strategy, cluster, stage, where, forward, backward)
 
 
 # NCCL moves a collective's data with GPU kernels. Over NVLink or PCIe those kernels copy and reduce on the SMs and
@@ -289,6 +287,14 @@ class _Comm:
         return max(self.seconds - compute_s, 0.0) + self.drag_s * together
 
 
+def _shard_group(strategy: Strategy, cluster: Cluster, where: Groups) -> Groups:
+    """The ranks a sharded strategy gathers from and reduce-scatters over: the data-parallel group, or under HSDP
+    the ranks of one node (its replicas sit on the other nodes)."""
+    if strategy.sharding != "hsdp":
+        return where
+    return Groups(shard_degree(strategy, cluster.gpus_per_node), 1, where.pp_crosses_nodes)
+
+
 def _dp_collective(cluster: Cluster, where: Groups, kind: Collective, size_bytes: float) -> _Comm:
     within, across = collective_parts_s(
         kind,
@@ -303,7 +309,6 @@ def _dp_collective(cluster: Cluster, where: Groups, kind: Collective, size_bytes
 
 
 def _sharded_exposed_s(
-    profile: WorkloadProfile,
     strategy: Strategy,
     cluster: Cluster,
     stage: Stage,
@@ -334,9 +339,7 @@ def _sharded_exposed_s(
     value = activation_value_bytes(strategy)  # parameters are gathered in the compute precision
     unit_params = sum(block.params for block in stage.blocks) / strategy.tensor / units
     root_params = sum(layer.params for layer in stage.fixed) / strategy.tensor
-    group = where
-    if strategy.sharding == "hsdp":
-        group = Groups(shard_degree(strategy, cluster.gpus_per_node), 1, where.pp_crosses_nodes)
+    group = _shard_group(strategy, cluster, where)
     gather, root_gather = (_dp_collective(cluster, group, "all_gather", p * value) for p in (unit_params, root_params))
     scatter, root_scatter = (
         _dp_collective(cluster, group, "reduce_scatter", p * GRAD_REDUCE_BYTES) for p in (unit_params, root_params)
@@ -351,10 +354,10 @@ def _sharded_exposed_s(
     m = strategy.accumulation
     if strategy.sharding != "hsdp":
         return m * micro_batch_s(scatter, root_scatter)
-    shard = group.dp_per_node
-    across = Groups(1, strategy.data // shard, False)
+    replicas = Groups(1, strategy.data // group.dp_per_node, False)
     all_reduce, root_all_reduce = (
-        _dp_collective(cluster, across, "all_reduce", p * GRAD_REDUCE_BYTES / shard) for p in (unit_params, root_params)
+        _dp_collective(cluster, replicas, "all_reduce", p * GRAD_REDUCE_BYTES / group.dp_per_node)
+        for p in (unit_params, root_params)
     )
     return (m - 1) * micro_batch_s(scatter, root_scatter) + micro_batch_s(
         scatter + all_reduce, root_scatter + root_all_reduce
