@@ -350,7 +350,9 @@ def test_hsdp_all_reduce_across_nodes_shares_each_nodes_network() -> None:
     grads = LLAMA7.params_total * 4
     # eight shard groups per node all-reduce their 1/8 across the 4 nodes at once, each on 1/8 of the NIC
     across = ring_s("all_reduce", grads / 8, 4, network_share(cluster.inter, 8))
-    assert hsdp.data_parallel_comm >= across
+    # each block's share is all-reduced as its reduce-scatter ends, beside the backward: at most the micro-batch's
+    # compute hides (a whole NIC per GPU would make the all-reduce 8x shorter, all of it hidden)
+    assert hsdp.data_parallel_comm >= across - hsdp.compute
 
 
 def test_data_parallel_groups_never_straddle_nodes_unevenly() -> None:
