@@ -41,7 +41,7 @@ class Case:
     checkpointing: str | None  # None: the planner chooses
     metric: str  # "hfu_tflops": TFLOP/s per GPU incl. recompute (Narayanan's count); "mfu"; "step_s"
     published: float
-    role: str = "held out"  # "fit": SUSTAINED_MATMUL_FRACTION was fitted on this case
+    role: str = "held out"  # "fit": hardware.MATMUL_EFFICIENCY was fitted on this case
     schedule: str | None = None  # the pipeline schedule; None: the planner's (1F1B)
     virtual_stages: int | None = None
     flash_attention: bool = True  # False: the paper's attention kept the s x s softmax (Megatron before 2023)
