@@ -42,6 +42,19 @@ def test_cpu_run_measures_fp32_and_bf16_without_a_peak(monkeypatch):
     assert seen[-1] == (2, 2)
 
 
+def test_cpu_run_saves_a_sweep_of_smaller_squares(monkeypatch):
+    """The planner reads a CPU's rate by size from it (plan.gemm): every side of CPU_SWEEP_SIDES below the main one,
+    each with a positive rate."""
+    monkeypatch.setattr(compute, "CPU_SIZE", {True: 256, False: 256})
+    monkeypatch.setattr(compute, "CPU_TIMING", {True: (0.01, 2), False: (0.01, 2)})
+    monkeypatch.setattr(compute, "CPU_SWEEP_SAMPLE_S", 0.001)
+    (fp32,) = compute.run(BenchContext(quick=True, extra={"precisions": ["fp32"]}))
+    sweep = fp32.extra["sweep"]
+    assert [side for side, _ in sweep] == [s for s in compute.CPU_SWEEP_SIDES if s < fp32.size["m"]] == [64, 128]
+    assert all(tflops > 0 for _, tflops in sweep)
+    assert "extra.sweep" in fp32.method
+
+
 def test_requested_precisions_and_unsupported_ones(monkeypatch):
     monkeypatch.setattr(compute, "CPU_SIZE", {True: 128, False: 128})
     monkeypatch.setattr(compute, "CPU_TIMING", {True: (0.01, 2), False: (0.01, 2)})

@@ -36,12 +36,15 @@ TILE_COLS = 128
 
 @dataclass(frozen=True)
 class Gemm:
-    """``batch`` independent products of an M x K matrix by a K x N one (a batched matmul over heads: batch > 1)."""
+    """``batch`` independent products of an M x K matrix by a K x N one (a batched matmul over heads: batch > 1).
+    ``fused``: the product runs inside a kernel that keeps its result on chip (flash attention's scores), so
+    neither its output write nor its operands' memory traffic bounds it: its waves alone do."""
 
     m: int
     n: int
     k: int
     batch: int = 1
+    fused: bool = False
 
     @property
     def flops(self) -> float:
@@ -74,7 +77,7 @@ class GemmDevice:
 
     def seconds(self, gemm: Gemm) -> float:
         """Seconds of ``gemm`` on this device (cached by shape: a search asks for the same few shapes often)."""
-        return _gemm_s(self, gemm.m, gemm.n, gemm.k, gemm.batch)
+        return _gemm_s(self, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.fused)
 
     def efficiency(self, gemm: Gemm) -> float:
         """The share of ``sustained_flops`` this product reaches (1.0 for a large, well-shaped one)."""
@@ -103,7 +106,7 @@ def swept_flops(sweep: tuple[tuple[int, float], ...], side: float) -> float:
 
 
 @functools.lru_cache(maxsize=65536)
-def _gemm_s(device: GemmDevice, m: int, n: int, k: int, batch: int) -> float:
+def _gemm_s(device: GemmDevice, m: int, n: int, k: int, batch: int, fused: bool) -> float:
     flops = 2.0 * m * n * k * batch
     if flops <= 0:
         return 0.0
@@ -113,7 +116,11 @@ def _gemm_s(device: GemmDevice, m: int, n: int, k: int, batch: int) -> float:
     if device.sm_count is not None:
         filled = wave_efficiency(m, n, batch, device.sm_count)
         compute_s /= filled
+        if fused:
+            return compute_s
         # each tile writes its result after its K loop, while its SM waits: the output's bytes of every tile slot
         compute_s += device.element_bytes * batch * m * n / filled / device.memory_bytes_per_s
+    elif fused:
+        return compute_s
     memory_s = device.element_bytes * (m * k + k * n + m * n) * batch / device.memory_bytes_per_s
     return max(compute_s, memory_s)

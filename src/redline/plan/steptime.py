@@ -4,9 +4,9 @@ Compute is a roofline per micro-batch (``runtime_estimator.py`` in torch.distrib
 per operator): each matmul timed by its shape at the micro-batch and tensor-parallel split planned
 (``plan.gemm``: wave quantisation, memory traffic, a sustained rate; on a CPU, its measured rate by size),
 plus the memory-bound work (norms, activations, elementwise ops), modelled as the activation bytes read and
-written ``ACTIVATION_TRAFFIC`` times over the memory bandwidth. Communication uses the alpha-beta model of ``plan.comm`` with each
-strategy's volumes (ZeRO paper section 7, Megatron-LM, Narayanan et al. 2021); what can hide behind
-compute is subtracted, what cannot stays on the critical path.
+written ``ACTIVATION_TRAFFIC`` times over the memory bandwidth. Communication uses the alpha-beta model of
+``plan.comm`` with each strategy's volumes (ZeRO paper section 7, Megatron-LM, Narayanan et al. 2021); what
+can hide behind compute is subtracted, what cannot stays on the critical path.
 """
 
 from __future__ import annotations
@@ -107,8 +107,13 @@ def _micro_batch_compute_s(
     core_flops = recomputed_core_flops_per_sample(profile, strategy)
     rerun = covered_blocks(strategy, stage)
     forward = backward = 0.0
+    # a model's blocks share their list of products (one tuple): time each list once per micro-batch
+    matmul_s: dict[tuple[int, float], tuple[float, float, float]] = {}
     for layer in (*stage.blocks, *stage.fixed):
-        matmul_forward_s, matmul_backward_s, core_s = layer_matmul_s(device, layer, b, t)
+        key = (id(layer.gemms), layer.forward_flops_per_sample)
+        if key not in matmul_s:
+            matmul_s[key] = layer_matmul_s(device, layer, b, t, fused_attention=strategy.flash_attention)
+        matmul_forward_s, matmul_backward_s, core_s = matmul_s[key]
         if not core_flops:  # a fused attention kernel's output is kept: selective reruns none of it
             core_s = 0.0
         elif not core_s:  # the core's products are not listed: at the large-GEMM rate
@@ -138,12 +143,15 @@ def _micro_batch_compute_s(
     return forward, backward
 
 
-def layer_matmul_s(device: GemmDevice, layer: LayerProfile, micro_batch: int, tensor: int) -> tuple[float, float, float]:
+def layer_matmul_s(
+    device: GemmDevice, layer: LayerProfile, micro_batch: int, tensor: int, *, fused_attention: bool = True
+) -> tuple[float, float, float]:
     """(forward, backward, attention core forward) seconds of a layer's matmuls for one micro-batch on one of
     ``tensor`` ranks. Each listed product is timed by its shape; its backward is the two products of the same FLOPs
-    (the input's gradient, M x K over N, and the weights', K x N over M). FLOPs the layer does beyond its listed
+    (the input's gradient, M x K over N, and the weights', K x N over M). Under ``fused_attention`` (flash
+    attention) the attention core's products keep their scores on chip. FLOPs the layer does beyond its listed
     products (all of them where none are listed) run at the device's large-GEMM rate, their backward twice that."""
-    forward_s, backward_s, core_s = _gemm_times(device, layer.gemms, micro_batch, tensor)
+    forward_s, backward_s, core_s = _gemm_times(device, layer.gemms, micro_batch, tensor, fused_attention)
     listed = sum(g.flops_per_sample for g in layer.gemms) / tensor
     rest_s = max(0.0, layer.forward_flops_per_sample / tensor - listed) * micro_batch / device.sustained_flops
     return forward_s + rest_s, backward_s + 2 * rest_s, core_s
@@ -151,21 +159,21 @@ def layer_matmul_s(device: GemmDevice, layer: LayerProfile, micro_batch: int, te
 
 @functools.lru_cache(maxsize=4096)
 def _gemm_times(
-    device: GemmDevice, gemms: tuple[LayerGemm, ...], micro_batch: int, tensor: int
+    device: GemmDevice, gemms: tuple[LayerGemm, ...], micro_batch: int, tensor: int, fused_attention: bool
 ) -> tuple[float, float, float]:
     """Cached: every block of a model lists the same products, and a search asks for the same few splits."""
     forward_s = backward_s = core_s = 0.0
     for gemm in gemms:
-        shape = gemm_at(gemm, micro_batch, tensor)
-        m, n, k, batch = shape.m, shape.n, shape.k, shape.batch
+        shape = gemm_at(gemm, micro_batch, tensor, fused=fused_attention and gemm.attention_core)
+        m, n, k, batch, fused = shape.m, shape.n, shape.k, shape.batch, shape.fused
         seconds = device.seconds(shape)
         forward_s += seconds
-        backward_s += device.seconds(Gemm(m, k, n, batch)) + device.seconds(Gemm(k, n, m, batch))
+        backward_s += device.seconds(Gemm(m, k, n, batch, fused)) + device.seconds(Gemm(k, n, m, batch, fused))
         core_s += seconds if gemm.attention_core else 0.0
     return forward_s, backward_s, core_s
 
 
-def gemm_at(gemm: LayerGemm, micro_batch: int, tensor: int) -> Gemm:
+def gemm_at(gemm: LayerGemm, micro_batch: int, tensor: int, *, fused: bool = False) -> Gemm:
     """The product one of ``tensor`` ranks runs for a micro-batch: the micro-batch multiplies the rows of a linear
     layer or the count of a batched matmul; tensor parallelism divides the dimension the layer's split names."""
     rows = gemm.rows * (1 if gemm.batched else micro_batch)
@@ -177,7 +185,7 @@ def gemm_at(gemm: LayerGemm, micro_batch: int, tensor: int) -> Gemm:
         inner = math.ceil(inner / tensor)
     else:
         count = math.ceil(count / tensor)
-    return Gemm(rows, cols, inner, count)
+    return Gemm(rows, cols, inner, count, fused)
 
 
 def attention_core_flops_per_sample(profile: WorkloadProfile) -> float:

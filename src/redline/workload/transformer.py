@@ -239,6 +239,8 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
     s = shape.seq_len
     encoder = shape.layers - shape.decoder_layers
     mask_bytes = float(s * shape.hidden) if shape.dropout else 0.0  # embedding dropout keeps a 1-byte mask
+    # one tuple per kind of block, shared by every block of that kind (the planner times each tuple once)
+    gemms = {decoder: block_gemms(shape, s, decoder=decoder) for decoder in (False, True)}
     layers: list[LayerProfile] = [
         LayerProfile(
             name="embedding",
@@ -258,7 +260,7 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
                 kind="decoder block" if decoder and shape.decoder_layers else "block",
                 params=block_params(shape, decoder=decoder),
                 forward_flops_per_sample=block_forward_flops(shape, s, decoder=decoder),
-                gemms=block_gemms(shape, s, decoder=decoder),
+                gemms=gemms[decoder],
                 activation_bytes_per_sample={
                     # PyTorch's autocast keeps an fp32 residual stream, so 4-byte norm inputs; Megatron a bf16 one
                     "16bit": block_activation_bytes(shape, s, norm_input_bytes=shape.residual_bytes, decoder=decoder),
