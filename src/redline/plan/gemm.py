@@ -17,7 +17,8 @@ One rate for every matrix cannot be right: a GEMM's rate depends on M, N and K. 
   or what ``redline bench compute`` measured): the rate of a full wave's arithmetic.
 
 A CPU has no waves to count and no datasheet: its rate by size comes from ``redline bench compute``'s measured
-sweep of square products, interpolated at the product's equivalent side (the cube root of M N K).
+sweep of square products, interpolated at the call's equivalent side (the cube root of its batch x M N K: one
+call of a batched product pays its threads' start-up once).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def _gemm_s(device: GemmDevice, m: int, n: int, k: int, batch: int, fused: bool)
     if flops <= 0:
         return 0.0
     if device.sweep:  # a CPU: the measured rate at the product's size holds its memory traffic already
-        return flops / swept_flops(device.sweep, (m * n * k) ** (1 / 3))
+        # one call runs the whole batch, its threads splitting the products: the call's work sets the rate
+        return flops / swept_flops(device.sweep, (batch * m * n * k) ** (1 / 3))
     compute_s = flops / device.sustained_flops
     if device.sm_count is not None:
         filled = wave_efficiency(m, n, batch, device.sm_count)
