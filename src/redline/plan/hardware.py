@@ -100,7 +100,8 @@ class Cluster:
         if self.on_cpu and not sweep:
             sweep = ((1, ceiling),)
         sm_count = self.gpu.sm_count if self.gpu is not None else None
-        return _gemm_device(ceiling, self.memory_bandwidth.value, precision, sm_count, sweep)
+        element_bytes = ELEMENT_BYTES.get(precision, 2)
+        return GemmDevice(ceiling, self.memory_bandwidth.value, element_bytes, sm_count, sweep)
 
     def with_nodes(self, nodes: int) -> Cluster:
         _check_nodes(nodes)
@@ -118,12 +119,6 @@ class Cluster:
 
 # bytes per element of a GEMM's operands in each precision (fp32 matmuls on TF32 tensor cores read fp32)
 ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-
-
-def _gemm_device(
-    flops: float, bandwidth: float, precision: str, sm_count: int | None, sweep: tuple[tuple[int, float], ...]
-) -> GemmDevice:
-    return GemmDevice(flops, bandwidth, ELEMENT_BYTES.get(precision, 2), sm_count, sweep)
 
 
 def _check_nodes(nodes: int) -> None:
