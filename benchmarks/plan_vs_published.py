@@ -90,7 +90,7 @@ class Case:
     # None: no step-time figure (a memory-only case)
     metric: str | None
     published: float | None
-    # "fit": SUSTAINED_MATMUL_FRACTION was fitted on this case; "unpinned": part of the configuration is not
+    # "fit": hardware.MATMUL_EFFICIENCY was fitted on this case; "unpinned": part of the configuration is not
     # published (left to the planner), so the case is shown but kept out of the mean errors
     role: str = "held out"
     schedule: str | None = None  # the pipeline schedule; None: the planner's (1F1B)

@@ -1,19 +1,24 @@
 """Time of one optimizer step of one strategy: compute, communication, pipeline bubble, optimizer.
 
 Compute is a roofline per micro-batch (``runtime_estimator.py`` in torch.distributed._tools does the same
-per operator): matmul FLOPs over the achievable matmul rate, plus the memory-bound work (norms,
-activations, elementwise ops), modelled as the activation bytes read and written ``ACTIVATION_TRAFFIC``
-times over the memory bandwidth. Communication uses the alpha-beta model of ``plan.comm`` with each
-strategy's volumes (ZeRO paper section 7, Megatron-LM, Narayanan et al. 2021); what can hide behind
-compute is subtracted, what cannot stays on the critical path (FSDP's unit by unit, as FSDP2 overlaps it).
+per operator): each matmul timed by its shape at the micro-batch and tensor-parallel split planned
+(``plan.gemm``: wave quantisation, memory traffic, a sustained rate; on a CPU, its measured rate by size),
+plus the memory-bound work (norms, activations, elementwise ops), modelled as the activation bytes read and
+written ``ACTIVATION_TRAFFIC`` times over the memory bandwidth. Communication uses the alpha-beta model of
+``plan.comm`` with each strategy's volumes (ZeRO paper section 7, Megatron-LM, Narayanan et al. 2021); what
+can hide behind compute is subtracted, what cannot stays on the critical path (FSDP's unit by unit, as FSDP2
+overlaps it).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from redline.plan.comm import Collective, collective_parts_s, network_share, p2p_s, ring_s
+from redline.plan.gemm import Gemm, GemmDevice
 from redline.plan.hardware import Cluster
 from redline.plan.memory import (
     DDP_BUCKET_BYTES,
@@ -28,14 +33,9 @@ from redline.plan.memory import (
 )
 from redline.plan.model_states import ZERO_STAGE
 from redline.plan.strategy import Strategy
-from redline.workload.profile import LayerProfile, WorkloadProfile
+from redline.workload.profile import LayerGemm, LayerProfile, WorkloadProfile
 from redline.workload.transformer import attention_core_flops
 
-# A training step's GEMMs (split by tensor parallelism, of many shapes) sustain less than one large GEMM.
-# 0.79 of the matmul ceiling is fitted on Narayanan et al.'s three 175B runs (Table 2, 384-1536 A100) and
-# checked on the held-out cases of benchmarks/plan_vs_published.py (at 1.0 the planner over-predicted
-# the published runs by a median 23%).
-SUSTAINED_MATMUL_FRACTION = 0.79
 # Each activation byte is written in the forward pass, read in the backward pass, and its gradient is
 # written and read once: four passes over memory for the memory-bound (non-matmul) operators.
 ACTIVATION_TRAFFIC = 4.0
@@ -101,15 +101,24 @@ def _micro_batch_compute_s(
     memory-bound half of the forward, and without flash attention the attention core's FLOPs (Korthikanti et al.
     2022, section 5; a fused attention kernel's output is kept, so nothing of the attention is rerun)."""
     b, t = strategy.micro_batch, strategy.tensor
-    rate = cluster.matmul[strategy.precision].value * SUSTAINED_MATMUL_FRACTION
+    device = cluster.gemm_device(strategy.precision)
     bandwidth = cluster.memory_bandwidth.value
     # what the forward writes and the backward reads, kept or recomputed
     blocks = block_activations(profile, replace(strategy, checkpointing="none", checkpoint_every=1), stage)
     core_flops = recomputed_core_flops_per_sample(profile, strategy)
     rerun = covered_blocks(strategy, stage)
     forward = backward = 0.0
+    # a model's blocks share their list of products (one tuple): time each list once per micro-batch
+    matmul_s: dict[tuple[int, float], tuple[float, float, float]] = {}
     for layer in (*stage.blocks, *stage.fixed):
-        flops = layer.forward_flops_per_sample * b / t
+        key = (id(layer.gemms), layer.forward_flops_per_sample)
+        if key not in matmul_s:
+            matmul_s[key] = layer_matmul_s(device, layer, b, t, fused_attention=strategy.flash_attention)
+        matmul_forward_s, matmul_backward_s, core_s = matmul_s[key]
+        if not core_flops:  # a fused attention kernel's output is kept: selective reruns none of it
+            core_s = 0.0
+        elif not core_s:  # the core's products are not listed: at the large-GEMM rate
+            core_s = core_flops * b / t / device.sustained_flops
         if layer.is_block:
             acts = blocks[layer.name]
         else:
@@ -117,13 +126,13 @@ def _micro_batch_compute_s(
         memory_s = ACTIVATION_TRAFFIC * acts / bandwidth
         launches = KERNELS_PER_BLOCK * LAUNCH_OVERHEAD_S if layer.is_block else 0.0
         # a kernel runs while the next is launched: the launch cost shows only where it exceeds the work
-        layer_forward = max(flops / rate + memory_s / 2, launches)
+        layer_forward = max(matmul_forward_s + memory_s / 2, launches)
         forward += layer_forward
-        backward += max(2 * flops / rate + memory_s / 2, 2 * launches)
+        backward += max(matmul_backward_s + memory_s / 2, 2 * launches)
         if layer.name in rerun and strategy.checkpointing == "full":
             backward += layer_forward
         elif layer.name in rerun:  # selective
-            backward += core_flops * b / t / rate + memory_s / 2
+            backward += core_s + memory_s / 2
     if profile.calibration is not None and forward + backward > 0:  # measured here: correct the total, keep the split
         # the floor was measured on the whole model: this stage launches its layers' share, and a recomputed
         # forward adds about a third
@@ -133,6 +142,51 @@ def _micro_batch_compute_s(
         factor = profile.calibration.corrected_compute_s(forward + backward, floor_share) / (forward + backward)
         forward, backward = forward * factor, backward * factor
     return forward, backward
+
+
+def layer_matmul_s(
+    device: GemmDevice, layer: LayerProfile, micro_batch: int, tensor: int, *, fused_attention: bool = True
+) -> tuple[float, float, float]:
+    """(forward, backward, attention core forward) seconds of a layer's matmuls for one micro-batch on one of
+    ``tensor`` ranks. Each listed product is timed by its shape; its backward is the two products of the same FLOPs
+    (the input's gradient, M x K over N, and the weights', K x N over M). Under ``fused_attention`` (flash
+    attention) the attention core's products keep their scores on chip. FLOPs the layer does beyond its listed
+    products (all of them where none are listed) run at the device's large-GEMM rate, their backward twice that."""
+    forward_s, backward_s, core_s = _gemm_times(device, layer.gemms, micro_batch, tensor, fused_attention)
+    listed = sum(g.flops_per_sample for g in layer.gemms) / tensor
+    rest_s = max(0.0, layer.forward_flops_per_sample / tensor - listed) * micro_batch / device.sustained_flops
+    return forward_s + rest_s, backward_s + 2 * rest_s, core_s
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_times(
+    device: GemmDevice, gemms: tuple[LayerGemm, ...], micro_batch: int, tensor: int, fused_attention: bool
+) -> tuple[float, float, float]:
+    """Cached: every block of a model lists the same products, and a search asks for the same few splits."""
+    forward_s = backward_s = core_s = 0.0
+    for gemm in gemms:
+        shape = gemm_at(gemm, micro_batch, tensor, fused=fused_attention and gemm.attention_core)
+        m, n, k, batch, fused = shape.m, shape.n, shape.k, shape.batch, shape.fused
+        seconds = device.seconds(shape)
+        forward_s += seconds
+        backward_s += device.seconds(Gemm(m, k, n, batch, fused)) + device.seconds(Gemm(k, n, m, batch, fused))
+        core_s += seconds if gemm.attention_core else 0.0
+    return forward_s, backward_s, core_s
+
+
+def gemm_at(gemm: LayerGemm, micro_batch: int, tensor: int, *, fused: bool = False) -> Gemm:
+    """The product one of ``tensor`` ranks runs for a micro-batch: the micro-batch multiplies the rows of a linear
+    layer or the count of a batched matmul; tensor parallelism divides the dimension the layer's split names."""
+    rows = gemm.rows * (1 if gemm.batched else micro_batch)
+    count = gemm.count * (micro_batch if gemm.batched else 1)
+    cols, inner = gemm.cols, gemm.inner
+    if gemm.tensor_split == "cols":
+        cols = math.ceil(cols / tensor)
+    elif gemm.tensor_split == "inner":
+        inner = math.ceil(inner / tensor)
+    else:
+        count = math.ceil(count / tensor)
+    return Gemm(rows, cols, inner, count, fused)
 
 
 def attention_core_flops_per_sample(profile: WorkloadProfile) -> float:

@@ -80,6 +80,26 @@ class TransformerShape:
 
 
 @dataclass(frozen=True)
+class LayerGemm:
+    """One matrix product of a layer's forward pass for one sample: ``count`` products of a ``rows`` x ``inner``
+    matrix by an ``inner`` x ``cols`` one (a linear layer: rows are the sample's tokens; an attention core: one
+    product per head). The planner times each by its shape at the micro-batch and tensor-parallel split it plans,
+    and its backward as the two products of the same FLOPs that give the input's and the weights' gradients."""
+
+    rows: int  # M for one sample
+    cols: int  # N
+    inner: int  # K
+    count: int = 1  # products of this shape per sample
+    batched: bool = False  # the micro-batch multiplies ``count`` (a batched matmul), not ``rows`` (a linear layer)
+    tensor_split: Literal["cols", "inner", "count"] = "cols"  # the dimension tensor parallelism divides
+    attention_core: bool = False  # QK^T or the attention over V: what selective checkpointing reruns unfused
+
+    @property
+    def flops_per_sample(self) -> float:
+        return 2.0 * self.rows * self.cols * self.inner * self.count
+
+
+@dataclass(frozen=True)
 class LayerProfile:
     """One repeated block (or a non-repeated part such as the embedding) of the model."""
 
@@ -135,6 +155,9 @@ class LayerProfile:
     # over the data ranks (a packed projection's 1-D bias: GPT-2's c_attn), as the runtime names them
     replicated_beside_fsdp_params: int = 0
     is_block: bool = True  # a repeated block (checkpointed, split over pipeline stages) or a fixed part
+    # the matrix products of the forward pass by shape, which the planner times one by one; empty where not known
+    # (the planner then runs the layer's FLOPs at the device's large-GEMM rate)
+    gemms: tuple[LayerGemm, ...] = ()
 
 
 @dataclass(frozen=True)
