@@ -16,6 +16,9 @@ with a bf16 stream as with an fp32 one; a tiny Llama block 19% less.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from redline.plan.messages import check_integral, refuse
 from redline.plan.model_states import ZERO_STAGE
 from redline.plan.strategy import Strategy
 from redline.workload.profile import LayerProfile, TransformerShape, WorkloadProfile
@@ -73,3 +76,24 @@ def block_input_bytes(profile: WorkloadProfile, block: LayerProfile, strategy: S
     if shape is None or not block.is_block:
         return block.input_bytes_per_sample.get(activation_key(strategy), 0.0)
     return float(residual_bytes(strategy, shape) * profile.tokens_per_sample * shape.hidden)
+
+
+def check_residual_bytes(width: int | None) -> None:
+    """A residual stream's width a user fixes: None (the runtime's), 2 or 4 bytes a value."""
+    if width is None:
+        return
+    check_integral("residual_bytes", width)
+    if width not in (2, 4):
+        raise refuse("{residual_bytes} is 2 (a bf16 or fp16 stream) or 4 (fp32), not {value}", value=width)
+
+
+def with_residual_bytes(profile: WorkloadProfile, width: int | None) -> WorkloadProfile:
+    """``profile`` planned for a framework that keeps its residual stream ``width`` bytes wide under every
+    strategy (Megatron-LM's bf16: 2), instead of as redline's runtime keeps it; None leaves it to the runtime.
+    Only a transformer has a residual stream the planner knows the shape of."""
+    check_residual_bytes(width)
+    if width is None:
+        return profile
+    if profile.transformer is None:
+        raise refuse("{residual_bytes}: {model} is not a transformer (no residual stream to set)", model=profile.name)
+    return replace(profile, transformer=profile.transformer.replace(residual_bytes=width))
