@@ -259,7 +259,7 @@ def plan(
         _rank_cloud(profile, target, constraints, ranking, scope, deadline, json_output)
         return
     cluster = ClusterChoice(hardware, nodes, network_gbps).cluster()
-    plans = _plans(profile, cluster, target, constraints, ranking, calibration)
+    plans = _plans(profile, cluster, target, constraints, ranking, calibration, json_output)
     _write(plans, _runtime_section(runtime), load, output, json_output)
 
 
@@ -270,16 +270,23 @@ def _plans(
     constraints: Constraints,
     ranking: Ranking,
     calibration: CalibrationRequest | None,
+    json_output: bool,
 ) -> Plans:
     """The planner's answer for one cluster, said on stderr while it searches (and times real steps first, with
-    --calibrate), its notes as it goes told as warnings."""
+    --calibrate), its notes as it goes told as warnings. Where nothing fits, the one-line reason (exit 2), and with
+    --json the refusal as data on stdout first: the closest candidates, what each needs and why it was refused."""
     from redline.plan import planner
 
     searching = f"planning {profile.name} on {cluster.gpus} x {cluster.device}"
-    with ui.phase(searching + (" (timing real steps here first)" if calibration else "")):
-        return planner.plan_training(
-            profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
-        )
+    try:
+        with ui.phase(searching + (" (timing real steps here first)" if calibration else "")):
+            return planner.plan_training(
+                profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
+            )
+    except planner.NothingFits as refused:
+        if json_output:
+            ui.print_json(refused.to_dict())
+        raise
 
 
 def _warn(note: Note) -> None:
