@@ -48,6 +48,12 @@ def test_the_streams_width_follows_the_runtimes_sharding(fields: dict, width: in
     assert residual_bytes(Strategy(**fields), LLAMA7.transformer) == width
 
 
+def test_a_post_norm_stream_is_a_layernorms_fp32_output() -> None:
+    fsdp = Strategy(data=8, sharding="fsdp")
+    assert residual_bytes(fsdp, preset_profile("bert-base").transformer) == 4
+    assert residual_bytes(fsdp, GPT2.transformer) == 2  # pre-norm: the stream is a residual add's
+
+
 def test_fsdp_plans_a_16_bit_stream_and_fits_the_7b_run() -> None:
     fsdp = memory_per_gpu(LLAMA7, FSDP_7B, 8)
     as_before = memory_per_gpu(with_residual_bytes(LLAMA7, 4), FSDP_7B, 8)

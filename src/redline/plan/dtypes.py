@@ -10,8 +10,9 @@ sharding; ``TransformerShape.residual_bytes`` fixes the width for a plan made fo
 What a norm saves of the stream follows the norm as PyTorch runs it under CUDA's autocast: ``layer_norm`` is on
 its fp32 list, so a LayerNorm saves an fp32 copy of a 16-bit stream (4 bytes a value either way); an RMSNorm
 written as Hugging Face's (an fp32 upcast, then a product cast back to the stream's type) saves the narrower
-product. Measured on the CPU under ``workload.cuda_autocast``'s policy, a tiny GPT-2 block saved the same bytes
-with a bf16 stream as with an fp32 one; a tiny Llama block 19% less.
+product; and a post-norm block's output, the stream itself, is a LayerNorm's: fp32 under FSDP2 too. Measured on
+the CPU under ``workload.cuda_autocast``'s policy, a tiny GPT-2 block saved the same bytes with a bf16 stream as
+with an fp32 one; a tiny Llama block 19% less.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def residual_bytes(strategy: Strategy, shape: TransformerShape | None = None) ->
         return 4
     if shape is not None and shape.residual_bytes is not None:
         return shape.residual_bytes
+    if shape is not None and shape.norm == "layernorm" and not shape.final_norm:
+        return 4  # a post-norm block (BERT's) ends in a LayerNorm, whose output CUDA's autocast makes fp32
     return 2 if fsdp2_shards(strategy) else AUTOCAST_STREAM_BYTES
 
 
@@ -71,7 +74,8 @@ def norm_input_bytes(strategy: Strategy, shape: TransformerShape) -> int:
 def block_input_bytes(profile: WorkloadProfile, block: LayerProfile, strategy: Strategy) -> float:
     """Bytes per sample of a block's input (and so of its output), whole: what full checkpointing keeps of it and
     what a pipeline stage sends and receives. A transformer's is its residual stream, s x h values of
-    ``residual_bytes``; another model's what the tracer measured under autocast alone."""
+    ``residual_bytes``; another model's what the tracer measured under autocast alone (under FSDP2 it may be
+    narrower: the plan errs high)."""
     shape = profile.transformer
     if shape is None or not block.is_block:
         return block.input_bytes_per_sample.get(activation_key(strategy), 0.0)
