@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from redline.plan import dtypes
-from redline.plan.dtypes import activation_key, activation_value_bytes
+from redline.plan.dtypes import activation_key, activation_value_bytes, block_input_bytes
 from redline.plan.model_states import ZERO_STAGE, optimizer_state_bytes, pytorch_state_bytes
 from redline.plan.strategy import Strategy
 from redline.units import MiB
@@ -494,7 +494,7 @@ def _kept_activations(
                 per_sample += layer.input_bytes_per_sample.get(key, 0.0)
             kept[layer.name] = per_sample * strategy.micro_batch
         elif layer.name in checkpointed:
-            per_sample = dtypes.block_input_bytes(profile, layer, strategy) / sp_divisor
+            per_sample = block_input_bytes(profile, layer, strategy) / sp_divisor
             if strategy.checkpointing == "selective":
                 per_sample += layer.selective_bytes_per_sample[key] / t
             kept[layer.name] = per_sample * strategy.micro_batch
@@ -551,7 +551,7 @@ def _pipeline_step_tensors(profile: WorkloadProfile, strategy: Strategy, stage: 
         held += profile.layers[0].input_bytes_per_sample.get(key, 0.0) * b * waiting
     if stage.blocks:  # a stage's input and output have its blocks' shape
         sp = strategy.tensor if strategy.sequence_parallel else 1
-        block_io = dtypes.block_input_bytes(profile, stage.blocks[0], strategy) * b / sp
+        block_io = block_input_bytes(profile, stage.blocks[0], strategy) * b / sp
         receiving = strategy.virtual_stages - (1 if stage.index == 0 else 0)
         if strategy.schedule == "interleaved":
             sending = strategy.virtual_stages - (1 if last else 0)
@@ -579,7 +579,7 @@ def _held_stage_output(profile: WorkloadProfile, strategy: Strategy, stage: Stag
     chunks = strategy.virtual_stages - (1 if stage.index == strategy.pipeline - 1 else 0)
     if strategy.pipeline == 1 or not stage.blocks or chunks == 0:
         return 0.0
-    per_sample = dtypes.block_input_bytes(profile, stage.blocks[-1], strategy)
+    per_sample = block_input_bytes(profile, stage.blocks[-1], strategy)
     return chunks * per_sample * strategy.micro_batch / (strategy.tensor if strategy.sequence_parallel else 1)
 
 

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from redline.plan.comm import Collective, collective_s, network_share, p2p_s, ring_s
-from redline.plan.dtypes import block_input_bytes
 from redline.plan.hardware import Cluster
 from redline.plan.memory import (
     DDP_BUCKET_BYTES,
@@ -22,6 +21,7 @@ from redline.plan.memory import (
     activation_key,
     activation_value_bytes,
     block_activations,
+    block_input_bytes,
     covered_blocks,
     optimizer_bytes,
     shard_degree,
