@@ -26,6 +26,7 @@ from redline.plan.memory import (
     activation_key,
     activation_value_bytes,
     block_activations,
+    block_input_bytes,
     covered_blocks,
     optimizer_bytes,
     shard_degree,
@@ -243,13 +244,11 @@ def step_time(profile: WorkloadProfile, strategy: Strategy, cluster: Cluster) ->
         tp_micro_s = all_reduces * ring_s("all_reduce", size, t, cluster.intra)
 
     # pipeline: each micro-batch crosses each boundary forward (activations) and backward (their gradients): a
-    # block's input (a transformer's b*s*h residual stream, fp32 under autocast too), split t ways (Megatron's
-    # scatter/gather optimisation); interleaved, each rank sends every micro-batch on v times, once per chunk
+    # block's input (a transformer's b*s*h residual stream, as wide as the runtime keeps it: plan.dtypes), split t
+    # ways (Megatron's scatter/gather optimisation); interleaved, each rank sends every micro-batch on v times
     pp_s = 0.0
     if p > 1:
-        sent_bytes = (
-            stage.blocks[0].input_bytes_per_sample.get(activation_key(strategy), 0.0) * strategy.micro_batch / t
-        )
+        sent_bytes = block_input_bytes(profile, stage.blocks[0], strategy) * strategy.micro_batch / t
         inter = cluster.inter if where.pp_crosses_nodes and cluster.nodes > 1 else None
         link = network_share(inter, cluster.gpus_per_node) if inter is not None else cluster.intra
         pp_s = 2 * (strategy.virtual_stages * m + p - 1) * p2p_s(sent_bytes, link)

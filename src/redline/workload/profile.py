@@ -45,7 +45,10 @@ class TransformerShape:
     decoder_layers: int = 0  # of ``layers``, how many are decoder blocks with cross-attention (T5)
     extra_params: int = 0  # parameters outside the blocks and embeddings (BERT's pooler, type embeddings)
     # how the implementation stores activations, for the activation formulas (not the architecture):
-    residual_bytes: int = 4  # a 16-bit step's residual stream: fp32 under PyTorch autocast, 2 in Megatron's bf16
+    # a 16-bit step's residual stream where the framework fixes it (2: Megatron-LM's bf16 under every sharding; 4);
+    # None: as redline's runtime keeps it for each strategy (``plan.dtypes.residual_bytes``). The profile's own
+    # 16-bit figures hold it at ``residual_bytes or 4``, as autocast alone keeps it (and the tracer measures it)
+    residual_bytes: int | None = None
     fused_gated_activation: bool = False  # one kernel for act(gate) * up (Megatron's SwiGLU) keeps only its input
 
     def __post_init__(self) -> None:
@@ -56,8 +59,8 @@ class TransformerShape:
             raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}; give head_dim")
-        if self.residual_bytes not in (2, 4):
-            raise ValueError(f"residual_bytes must be 2 or 4, not {self.residual_bytes}")
+        if self.residual_bytes not in (None, 2, 4):
+            raise ValueError(f"residual_bytes must be 2 or 4 (or None: the runtime's), not {self.residual_bytes}")
         if not 0 <= self.decoder_layers <= self.layers:
             raise ValueError(f"decoder_layers {self.decoder_layers} must be within 0..layers {self.layers}")
 

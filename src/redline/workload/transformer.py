@@ -238,6 +238,7 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
     ``scaled_dot_product_attention``, which Hugging Face models use by default, does not save s x s)."""
     s = shape.seq_len
     encoder = shape.layers - shape.decoder_layers
+    stream = shape.residual_bytes or 4  # the 16-bit figures' residual stream: fp32 as autocast alone keeps it
     mask_bytes = float(s * shape.hidden) if shape.dropout else 0.0  # embedding dropout keeps a 1-byte mask
     # one tuple per kind of block, shared by every block of that kind (the planner times each tuple once)
     gemms = {decoder: block_gemms(shape, s, decoder=decoder) for decoder in (False, True)}
@@ -262,13 +263,14 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
                 forward_flops_per_sample=block_forward_flops(shape, s, decoder=decoder),
                 gemms=gemms[decoder],
                 activation_bytes_per_sample={
-                    # PyTorch's autocast keeps an fp32 residual stream, so 4-byte norm inputs; Megatron a bf16 one
-                    "16bit": block_activation_bytes(shape, s, norm_input_bytes=shape.residual_bytes, decoder=decoder),
+                    # autocast alone keeps an fp32 residual stream, so 4-byte norm inputs; Megatron a bf16 one (the
+                    # planner corrects for the stream its strategy keeps: plan.dtypes)
+                    "16bit": block_activation_bytes(shape, s, norm_input_bytes=stream, decoder=decoder),
                     "fp32": block_activation_bytes(shape, s, bytes_per_value=4, decoder=decoder),
                 },
                 # the residual stream: fp32 under autocast too, bf16 in Megatron's 16-bit steps
                 input_bytes_per_sample={
-                    "16bit": block_input_bytes(shape, s, bytes_per_value=shape.residual_bytes),
+                    "16bit": block_input_bytes(shape, s, bytes_per_value=stream),
                     "fp32": block_input_bytes(shape, s, bytes_per_value=4),
                 },
             )
