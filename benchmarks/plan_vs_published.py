@@ -133,6 +133,7 @@ CASES = [
         "full",
         "hfu_tflops",
         148.0,
+        sequence_parallel=False,  # before sequence parallelism (Korthikanti et al. 2022)
     ),
     Case(
         "GPT 1T, 3072 A100",
@@ -147,6 +148,7 @@ CASES = [
         "full",
         "hfu_tflops",
         163.0,
+        sequence_parallel=False,  # before sequence parallelism (Korthikanti et al. 2022)
     ),
     Case(
         "GPT 175B, 384 A100",
@@ -162,6 +164,7 @@ CASES = [
         "hfu_tflops",
         153.0,
         "fit",
+        sequence_parallel=False,  # before sequence parallelism (Korthikanti et al. 2022)
     ),
     Case(
         "GPT 175B, 768 A100",
@@ -177,6 +180,7 @@ CASES = [
         "hfu_tflops",
         149.0,
         "fit",
+        sequence_parallel=False,  # before sequence parallelism (Korthikanti et al. 2022)
     ),
     Case(
         "GPT 175B, 1536 A100",
@@ -192,6 +196,7 @@ CASES = [
         "hfu_tflops",
         141.0,
         "fit",
+        sequence_parallel=False,  # before sequence parallelism (Korthikanti et al. 2022)
     ),
     Case(
         "MT-NLG 530B, 2240 A100",
@@ -206,6 +211,7 @@ CASES = [
         "full",
         "hfu_tflops",
         126.0,
+        sequence_parallel=False,  # before sequence parallelism (Korthikanti et al. 2022)
     ),
     Case(
         "MT-NLG 530B, 3360 A100",
@@ -220,6 +226,7 @@ CASES = [
         "full",
         "hfu_tflops",
         113.0,
+        sequence_parallel=False,  # before sequence parallelism (Korthikanti et al. 2022)
     ),
     Case(
         "Llama 3 405B, 8192 H100",
