@@ -369,8 +369,7 @@ class Pipeline:
         if not self._pipeline_stages:
             # PyTorch's stage, releasing a sent output's data and lending receive buffers as Megatron does
             self._pipeline_stages = [
-                ReleasingStage(stage, stage.stage_index, count, self._device, group=self.group)
-                for stage in self.stages
+                ReleasingStage(stage, stage.stage_index, count, self._device, group=self.group) for stage in self.stages
             ]
         cls = getattr(pipelining, SCHEDULES[self.schedule])
         held = self._pipeline_stages if self.schedule == "interleaved" else self._pipeline_stages[0]
