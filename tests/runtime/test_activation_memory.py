@@ -102,8 +102,7 @@ RANKS = [
     ("gpt2", {"tensor": 2, "micro_batch": 8, "sequence_parallel": True}),  # 0.991
     ("gpt", {"tensor": 2, "micro_batch": 8}),  # 1.000
     # the schedule's tensors of the whole step (inputs, targets, the losses; receive buffers and sent outputs as the
-    # runtime lends and frees them) and the
-    # stage code's per-micro-batch ones (positions, rotary tables)
+    # runtime lends and frees them) and the stage code's per-micro-batch ones (positions, rotary tables)
     ("llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4}),  # 0.944, 0.954
     ("llama", {"pipeline": 2, "micro_batch": 2, "accumulation": 4, "schedule": "gpipe"}),  # 0.944, 0.954
     # 1.000, 1.000
