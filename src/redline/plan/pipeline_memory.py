@@ -84,20 +84,23 @@ def held_stage_outputs(strategy: Strategy, stage: Stage, in_flight: float, key: 
     - interleaved 1F1B: ``PipelineScheduleRuntime`` keeps every send's handle to the step's end: each chunk's
       output of each micro-batch in flight (v x ``in_flight`` of them) but the one whose backward begins.
 
-    And the one element the dropped outputs of a chunk share. Megatron-LM holds none (a send there is done
-    before the next compute). PyTorch's own stage keeps every output
-    whole to its backward, and the interleaved schedule's to the step's end. Measured on the CPU (tiny GPT-2,
-    PP=2, 1F1B, micro-batch 2): its first stage then held two micro-batches' 4,096-byte outputs, redline's one."""
+    And the one element the dropped outputs of a chunk share. Under sequence parallelism the output is a DTensor,
+    which the runtime does not drop: each micro-batch's in flight, to its backward. Megatron-LM holds none (a send
+    there is done before the next compute); PyTorch's own stage keeps every output whole to its backward, and the
+    interleaved schedule's to the step's end. Measured on the CPU (tiny GPT-2, PP=2, 1F1B, micro-batch 2): its
+    first stage then held two micro-batches' 4,096-byte outputs, redline's one."""
     sending = strategy.virtual_stages - (1 if stage.index == strategy.pipeline - 1 else 0)
     if strategy.pipeline == 1 or not stage.blocks or sending == 0:
         return 0.0
     output = _block_io_bytes(strategy, stage, key)
+    # under sequence parallelism a stage's output is a DTensor, whose data the runtime keeps to its backward
+    whole = strategy.sequence_parallel and strategy.tensor > 1
     if strategy.schedule == "gpipe":
-        held = strategy.accumulation - 1.0
+        held = strategy.accumulation - (0.0 if whole else 1.0)
     elif strategy.schedule == "interleaved":
-        held = max(0.0, strategy.virtual_stages * in_flight - 1)
+        held = max(0.0, strategy.virtual_stages * in_flight - (0 if whole else 1))
     else:
-        held = max(0.0, min(2.0, in_flight - 1))
+        held = in_flight if whole else max(0.0, min(2.0, in_flight - 1))
     return output * held + DROPPED_SCALAR_BYTES * sending
 
 
