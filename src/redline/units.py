@@ -47,13 +47,13 @@ def version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
 
 
 def parse_count(text: str) -> float:
     """'7e9', '7B', '300b', '1.5T', '2M', '1_000' -> a number; ValueError with the reason otherwise."""
     cleaned = text.strip().replace("_", "").replace(",", "")
-    match = re.fullmatch(r"([0-9.]+(?:e[+-]?\d+)?)\s*([kmbgt]?)", cleaned, re.IGNORECASE)
+    match = re.fullmatch(r"([0-9.]+(?:e[+-]?\d+)?)\s*([kmbgtp]?)", cleaned, re.IGNORECASE)
     if not match:
         raise ValueError(f"'{text}' is not a count (examples: 7e9, 7B, 300B, 1.5T)")
     try:
@@ -66,8 +66,8 @@ def parse_count(text: str) -> float:
 
 
 def fmt_count(n: float) -> str:
-    """6738415616 -> '6.74B', 524288 -> '524k'."""
-    for suffix, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    """6738415616 -> '6.74B', 524288 -> '524k', 2.2e15 -> '2.2P' (a big model's FLOPs per sequence)."""
+    for suffix, size in (("P", 1e15), ("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.3g}{suffix}"
     return f"{n:.3g}"

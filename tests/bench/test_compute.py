@@ -42,6 +42,24 @@ def test_cpu_run_measures_fp32_and_bf16_without_a_peak(monkeypatch):
     assert seen[-1] == (2, 2)
 
 
+def test_cpu_run_saves_a_sweep_of_other_squares(monkeypatch):
+    """The planner reads a CPU's rate by size from it (plan.gemm): the sides of CPU_SWEEP_SIDES but the main one, by
+    increasing side, each with a positive rate, up to the first whose call exceeds the main side's budget."""
+    monkeypatch.setattr(compute, "CPU_SIZE", {True: 256, False: 256})
+    monkeypatch.setattr(compute, "CPU_TIMING", {True: (0.01, 2), False: (0.01, 2)})
+    monkeypatch.setattr(compute, "CPU_SWEEP_SAMPLE_S", 0.001)
+    monkeypatch.setattr(compute, "CPU_SWEEP_SIDES", (64, 128, 256, 512))
+    (fp32,) = compute.run(BenchContext(quick=True, extra={"precisions": ["fp32"]}))
+    sides = [side for side, _ in fp32.extra["sweep"]]
+    assert sides[:2] == [64, 128] and fp32.size["m"] == 256 not in sides
+    assert all(tflops > 0 for _, tflops in fp32.extra["sweep"])
+    # nothing past a side too slow for the budget
+    monkeypatch.setattr(compute, "CPU_CALL_S", {True: 0.0, False: 0.0})
+    (slow,) = compute.run(BenchContext(quick=True, extra={"precisions": ["fp32"]}))
+    assert slow.extra["sweep"] == []
+    assert "extra.sweep" in fp32.method
+
+
 def test_requested_precisions_and_unsupported_ones(monkeypatch):
     monkeypatch.setattr(compute, "CPU_SIZE", {True: 128, False: 128})
     monkeypatch.setattr(compute, "CPU_TIMING", {True: (0.01, 2), False: (0.01, 2)})

@@ -18,6 +18,7 @@ FLAGS: dict[str, set[str]] = {
         # the layout switches, the pipeline schedule, tracing or not, and the memory kept free (issue 16)
         *("--sequence-parallel", "--no-sequence-parallel", "--flash-attention", "--no-flash-attention"),
         *("--schedule", "--virtual-stages", "--analytic", "--memory-margin"),
+        "--residual-bytes",  # another framework's residual stream (issue 44)
         # the runtime's settings (runtime.config.SETTINGS), the same as `redline run`'s
         *("--ac-every", "--accumulation", "--checkpoint-dir", "--checkpoint-every", "--comm-hook", "--compile"),
         *("--metrics", "--no-compile", "--num-workers", "--cpu-threads", "--max-steps", "--loader-batch"),

@@ -400,7 +400,8 @@ def test_every_input_field_has_a_flag_of_redline_plan() -> None:
         for cls in (Constraints, Goal, Target, Ranking, ClusterChoice, CloudScope)
         for f in dataclasses.fields(cls)
     }
-    named = {"calibration", "calibration.model", "calibration.micro_batch", "plan_cloud"}  # the other names said
+    # the other names said: and plan.dtypes.with_residual_bytes's input
+    named = {"calibration", "calibration.model", "calibration.micro_batch", "plan_cloud", "residual_bytes"}
     assert fields - unflagged | named == set(FLAGS)
     command = typer.main.get_command(app).commands["plan"]  # type: ignore[attr-defined]
     options = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}

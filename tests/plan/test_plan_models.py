@@ -146,12 +146,15 @@ def test_activations_grow_with_micro_batch_and_pipeline_in_flight() -> None:
     assert four.activations == pytest.approx(4 * one.activations)
     # 1F1B: the first of 4 stages holds 8/4 of the blocks for min(4, 16) micro-batches in flight
     piped = memory_per_gpu(LLAMA7, strategy(data=2, pipeline=4, accumulation=16), gpus_per_node=8)
-    blocks = sum(layer.activation_bytes_per_sample["16bit"] for layer in LLAMA7.blocks[:8])
+    # data parallelism beside a pipeline runs under FSDP2, whose bf16 parameters keep a bf16 residual stream: each
+    # block's two RMSNorms save 2 bytes a value less than the profile's figures (autocast alone's fp32 stream)
+    stream = LLAMA7.tokens_per_sample * LLAMA7.transformer.hidden
+    blocks = sum(layer.activation_bytes_per_sample["16bit"] - 2 * 2 * stream for layer in LLAMA7.blocks[:8])
     embedding = LLAMA7.layers[0].activation_bytes_per_sample["16bit"]
-    # and two outputs of its last block, whose sends' handles the schedule still holds (the runtime frees a sent
-    # output's data once the handles go; the element the dropped outputs share, 4 bytes), the gradient of one
+    # and two outputs of its last block (bf16), whose sends' handles the schedule still holds (the runtime frees a
+    # sent output's data once the handles go; the element the dropped outputs share, 4 bytes), the gradient of one
     # received for the backward that runs; the step's inputs, all 16 micro-batches
-    output = LLAMA7.blocks[7].input_bytes_per_sample["16bit"]
+    output = 2 * stream
     inputs = 16 * LLAMA7.layers[0].input_bytes_per_sample.get("16bit", 0.0)
     held = 2 * output + 4 + output
     assert piped.activations == pytest.approx(4 * (blocks + embedding) + held + inputs - 4 * inputs / 16)
@@ -352,7 +355,9 @@ def test_hsdp_all_reduce_across_nodes_shares_each_nodes_network() -> None:
     grads = LLAMA7.params_total * 4
     # eight shard groups per node all-reduce their 1/8 across the 4 nodes at once, each on 1/8 of the NIC
     across = ring_s("all_reduce", grads / 8, 4, network_share(cluster.inter, 8))
-    assert hsdp.data_parallel_comm >= across
+    # each block's share is all-reduced as its reduce-scatter ends, beside the backward: at most the micro-batch's
+    # compute hides (a whole NIC per GPU would make the all-reduce 8x shorter, all of it hidden)
+    assert hsdp.data_parallel_comm >= across - hsdp.compute
 
 
 def test_data_parallel_groups_never_straddle_nodes_unevenly() -> None:

@@ -43,6 +43,22 @@ def test_flops_agree(traced) -> None:
     assert traced.forward_flops_per_sample == pytest.approx(analytic.forward_flops_per_sample, rel=0.01)
 
 
+def test_matrix_products_agree(traced) -> None:
+    """The tracer records each product's shape as it runs (the planner times each by its shape): the same products
+    as the formulas' layout, per sample, and the same FLOPs; the head's is the output projection."""
+    analytic = transformer_profile(SHAPE, name="gpt", source="formula")
+
+    def shapes(gemms) -> list[tuple[int, int, int, int, bool]]:
+        return sorted((g.rows, g.cols, g.inner, g.count, g.batched) for g in gemms)
+
+    for block in traced.blocks:
+        assert shapes(block.gemms) == shapes(analytic.blocks[0].gemms)
+        assert sum(g.flops_per_sample for g in block.gemms) == pytest.approx(block.forward_flops_per_sample)
+    assert shapes(traced.layers[-1].gemms) == shapes(analytic.layers[-1].gemms)
+    # the blocks share one tuple, which the step-time model times once
+    assert len({id(block.gemms) for block in traced.blocks}) == 1
+
+
 def test_block_activations_agree(traced) -> None:
     for key, value_bytes in (("fp32", 4), ("16bit", 2)):
         formula = block_activation_bytes(

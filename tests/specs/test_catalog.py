@@ -243,9 +243,9 @@ def test_find_gpu_unknown_is_bad_input():
 _HEADER = (
     "key,name,vendor,form_factor,memory_gb,memory_type,memory_bandwidth_gbs,fp64_tflops,fp64_tensor_tflops,"
     "fp32_tflops,tf32_tflops,bf16_tflops,fp16_tflops,fp8_tflops,int8_tops,nvlink_gbs,nvlink_links,pcie_gen,"
-    "tdp_w,compute_capability,ecc,nvml_names,source,notes\n"
+    "tdp_w,compute_capability,sm_count,ecc,nvml_names,source,notes\n"
 )
-_GOOD_ROW = "x1,X One,NVIDIA,PCIe,24,GDDR6,600,,,31.2,62.5,125,125,,250,,,4,150,8.6,true,nvidia x1,a datasheet,\n"
+_GOOD_ROW = "x1,X One,NVIDIA,PCIe,24,GDDR6,600,,,31.2,62.5,125,125,,250,,,4,150,8.6,80,true,nvidia x1,a datasheet,\n"
 
 
 def test_parse_good_csv():

@@ -299,6 +299,30 @@ def test_hf_config_file_path_and_seq_len_override(tmp_path: Path) -> None:
     assert count_params(shape) == 8_030_261_248
 
 
+# each architecture's dropout probabilities as its config.json names them
+DROPOUTS = {
+    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "bert-base": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "t5-3b": ("dropout_rate",),
+    "llama-2-7b": ("attention_dropout",),
+}
+
+
+@pytest.mark.parametrize("preset", list(DROPOUTS), ids=list(DROPOUTS))
+def test_a_config_without_dropout_saves_no_dropout_masks(preset: str) -> None:
+    """A config that sets its dropout probabilities to 0 (as one written for a run without dropout does) keeps no
+    mask; one that leaves them out has the architecture's default (0.1, but Llama's 0); one on is dropout."""
+    keys = DROPOUTS[preset]
+    config = {k: v for k, v in HF_CONFIGS[preset].items() if k not in keys}
+    default = preset != "llama-2-7b"
+    assert shape_from_config(config).dropout is default
+    assert shape_from_config(config | dict.fromkeys(keys, 0.0)).dropout is False
+    assert shape_from_config(config | dict.fromkeys(keys, 0.0) | {keys[-1]: 0.1}).dropout is True
+    off = transformer_profile(shape_from_config(config | dict.fromkeys(keys, 0.0)), name=preset, source="test")
+    on = transformer_profile(shape_from_config(config | dict.fromkeys(keys, 0.1)), name=preset, source="test")
+    assert off.layers[1].activation_bytes_per_sample["16bit"] < on.layers[1].activation_bytes_per_sample["16bit"]
+
+
 def _drop(config: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != key}
 

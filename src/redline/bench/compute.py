@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,13 @@ GPU_SIZE = {False: 8192, True: 4096}
 CPU_SIZE = {False: 2560, True: 1536}
 CPU_MIN_SIZE = 256
 CPU_CALL_S = {False: 0.25, True: 0.05}
+# Other squares timed besides that side, for the rate by size the planner reads for a CPU: a training step's
+# products are often small (a micro-batch's tokens by a layer's width), and a CPU runs them well below its best.
+# The sweep stops at the first side whose call takes longer than the main side's budget (CPU_CALL_S), so an emulated
+# bf16 sweeps its small sides only. Each timed sample repeats the call for at least CPU_SWEEP_SAMPLE_S, above
+# perf_counter's and Python's noise.
+CPU_SWEEP_SIDES = (64, 128, 256, 512, 1024)
+CPU_SWEEP_SAMPLE_S = 0.005
 # bf16 below half of fp32's rate: the CPU has no bf16 units and converts to fp32 (oneDNN's reference path)
 EMULATED_BELOW = 0.5
 # (minimum warm-up seconds, timed repeats)
@@ -241,6 +249,27 @@ def cpu_size(precision: str, target_s: float, largest: int) -> int:
     return min(largest, max(CPU_MIN_SIZE, round(side) // 128 * 128))
 
 
+def cpu_sweep(precision: str, main_side: int, repeats: int, call_budget_s: float) -> list[list[float]]:
+    """[side, TFLOP/s] of each of CPU_SWEEP_SIDES but ``main_side`` (measured apart), by increasing side, up to the
+    first whose call takes longer than ``call_budget_s``: the median of ``repeats`` samples, each as many calls as
+    fill CPU_SWEEP_SAMPLE_S."""
+    points = []
+    for side in (s for s in CPU_SWEEP_SIDES if s != main_side):
+        call = matmul_call(precision, side, "cpu")
+        once_s = min(time_calls(call, warmup=1, repeats=2))
+        if once_s > call_budget_s:
+            break
+        calls = max(1, math.ceil(CPU_SWEEP_SAMPLE_S / max(once_s, 1e-9)))
+
+        def sample(call: Callable[[], Any] = call, calls: int = calls) -> None:
+            for _ in range(calls):
+                call()
+
+        seconds = statistics.median(time_calls(sample, warmup=0, repeats=repeats)) / calls
+        points.append([side, tflops(side, side, side, seconds)])
+    return points
+
+
 def measure_cpu(ctx: BenchContext, requested: list[str] | None = None, size: int | None = None) -> list[Measurement]:
     import torch
 
@@ -251,6 +280,7 @@ def measure_cpu(ctx: BenchContext, requested: list[str] | None = None, size: int
         for precision in precisions:
             side = size or cpu_size(precision, CPU_CALL_S[ctx.quick], CPU_SIZE[ctx.quick])
             samples, warmup = timed_matmul(precision, side, "cpu", warmup_s=warmup_s, repeats=repeats)
+            sweep = cpu_sweep(precision, side, repeats, CPU_CALL_S[ctx.quick])
             spread = Spread.of(samples)
             out.append(
                 Measurement(
@@ -260,7 +290,8 @@ def measure_cpu(ctx: BenchContext, requested: list[str] | None = None, size: int
                     unit="TFLOP/s",
                     method=f"torch.matmul {side}x{side}x{side} randn {precision} (side sized for "
                     f"~{CPU_CALL_S[ctx.quick]:g} s a call), 2*M*N*K/t, median of {repeats} after {warmup} warm-up "
-                    "calls (perf_counter); no catalog peak for CPUs",
+                    f"calls (perf_counter); no catalog peak for CPUs; extra.sweep: the rate at other squares "
+                    f"(sides {', '.join(str(int(p[0])) for p in sweep) or 'none'}), median of {repeats} samples",
                     device="cpu",
                     size={"m": side, "n": side, "k": side, "dtype": precision},
                     repeats=repeats,
@@ -270,6 +301,8 @@ def measure_cpu(ctx: BenchContext, requested: list[str] | None = None, size: int
                         # the SIMD level ATen dispatched to; it does not say whether bf16 has its own units
                         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                         "skipped_precisions": skipped,
+                        # [side, TFLOP/s] at other squares, for the planner's rate by size (plan.gemm)
+                        "sweep": sweep,
                     },
                 )
             )

@@ -110,6 +110,15 @@ Analytic = Annotated[
         "(gpt2, llama, mistral, qwen2, qwen3, bert, t5).",
     ),
 ]
+ResidualBytes = Annotated[
+    int | None,
+    typer.Option(
+        "--residual-bytes",
+        help="Only to plan for another framework: its residual stream's bytes a value under every sharding (2: "
+        "Megatron-LM's bf16; 4: fp32). Default: as redline run keeps it (16-bit under FSDP2: zero2, fsdp, hsdp "
+        "or beside --tp/--pp; fp32 under DDP and ZeRO-1's autocast).",
+    ),
+]
 MemoryMargin = Annotated[
     float,
     typer.Option(
@@ -149,7 +158,7 @@ FLAGS: dict[str, str] = {
     "pipeline": "--pp", "micro_batch": "--micro-batch", "accumulation": "--accumulation",
     "checkpointing": "--checkpointing", "checkpoint_every": "--ac-every", "sequence_parallel": "--sequence-parallel",
     "flash_attention": "--flash-attention", "schedule": "--schedule", "virtual_stages": "--virtual-stages",
-    "memory_margin": "--memory-margin",
+    "memory_margin": "--memory-margin", "residual_bytes": "--residual-bytes",
     # Target and Goal, Ranking, ClusterChoice, CloudScope, CalibrationRequest; plan_cloud itself
     "global_batch": "--global-batch", "tokens": "--tokens", "epochs": "--epochs", "dataset_size": "--dataset-size",
     "samples": "--epochs/--dataset-size", "rank_by": "--rank", "top": "--top", "hardware": "--hardware",
@@ -196,6 +205,7 @@ def plan(
     schedule: Schedule = None,
     virtual_stages: VirtualStages = None,
     analytic: Analytic = False,
+    residual_bytes: ResidualBytes = None,
     memory_margin: MemoryMargin = 0.0,
     top: Top = 5,
     rank_by: RankBy = "time",
@@ -211,7 +221,7 @@ def plan(
     runtime: dict[str, Any] | None = None,  # the runtime options given (params.with_runtime_options)
 ) -> None:
     """Predict memory, step time and cost of every way to run a model, and pick the best."""
-    from redline.plan import inputs, search
+    from redline.plan import dtypes, inputs, search
     from redline.plan.hardware import ClusterChoice
 
     if list_models:
@@ -241,14 +251,15 @@ def plan(
     _check_modes(cloud, given, runtime, calibrate, calibrate_micro_batch)
     # options before the model's trace (which takes a while), this machine's hardware after it (a bad model first)
     scope = _cloud_scope(max_nodes, provider, deadline)
+    dtypes.check_residual_bytes(residual_bytes)
     calibration = inputs.CalibrationRequest(model or "", calibrate_micro_batch) if calibrate else None
     load = model_load(model, _count("--params", params), seq_len, parse_input_shape(input_shape), analytic)
-    profile = _profile(model, params, seq_len, input_shape, analytic)
+    profile = dtypes.with_residual_bytes(_profile(model, params, seq_len, input_shape, analytic), residual_bytes)
     if cloud:
         _rank_cloud(profile, target, constraints, ranking, scope, deadline, json_output)
         return
     cluster = ClusterChoice(hardware, nodes, network_gbps).cluster()
-    plans = _plans(profile, cluster, target, constraints, ranking, calibration)
+    plans = _plans(profile, cluster, target, constraints, ranking, calibration, json_output)
     _write(plans, _runtime_section(runtime), load, output, json_output)
 
 
@@ -259,16 +270,23 @@ def _plans(
     constraints: Constraints,
     ranking: Ranking,
     calibration: CalibrationRequest | None,
+    json_output: bool,
 ) -> Plans:
     """The planner's answer for one cluster, said on stderr while it searches (and times real steps first, with
-    --calibrate), its notes as it goes told as warnings."""
+    --calibrate), its notes as it goes told as warnings. Where nothing fits, the one-line reason (exit 2), and with
+    --json the refusal as data on stdout first: the closest candidates, what each needs and why it was refused."""
     from redline.plan import planner
 
     searching = f"planning {profile.name} on {cluster.gpus} x {cluster.device}"
-    with ui.phase(searching + (" (timing real steps here first)" if calibration else "")):
-        return planner.plan_training(
-            profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
-        )
+    try:
+        with ui.phase(searching + (" (timing real steps here first)" if calibration else "")):
+            return planner.plan_training(
+                profile, cluster, target, constraints, ranking=ranking, calibration=calibration, progress=_warn
+            )
+    except planner.NothingFits as refused:
+        if json_output:
+            ui.print_json(refused.to_dict())
+        raise
 
 
 def _warn(note: Note) -> None:

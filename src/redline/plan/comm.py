@@ -53,19 +53,46 @@ def collective_s(
     inter: Link | None,
     gpus_per_node: int,
 ) -> float:
-    """A collective over a group of ``ranks_per_node`` GPUs on each of ``nodes`` nodes.
+    """A collective over a group of ``ranks_per_node`` GPUs on each of ``nodes`` nodes: the sum of
+    ``collective_parts_s``."""
+    return sum(
+        collective_parts_s(
+            kind,
+            size_bytes,
+            ranks_per_node=ranks_per_node,
+            nodes=nodes,
+            intra=intra,
+            inter=inter,
+            gpus_per_node=gpus_per_node,
+        )
+    )
+
+
+def collective_parts_s(
+    kind: Collective,
+    size_bytes: float,
+    *,
+    ranks_per_node: int,
+    nodes: int,
+    intra: Link,
+    inter: Link | None,
+    gpus_per_node: int,
+) -> tuple[float, float]:
+    """(inside the nodes, across them) seconds of a collective over ``ranks_per_node`` GPUs on each of
+    ``nodes`` nodes; apart because they cost the compute they overlap differently (NVLink copies run on the
+    GPU's SMs, the network's on the NIC).
 
     Within a node it is a ring over the intra-node link. Across nodes NCCL first works inside each node and
     then moves each GPU's 1/ranks_per_node share over the network; every GPU of the node drives its own
     share of the node's bandwidth (``inter`` is per node), because the other groups (other tensor-parallel
     ranks) run the same collective at the same time.
     """
-    time = ring_s(kind, size_bytes, ranks_per_node, intra)
-    if nodes > 1:
-        if inter is None:
-            raise ValueError("a collective across nodes needs an inter-node link")
-        time += ring_s(kind, size_bytes / ranks_per_node, nodes, network_share(inter, gpus_per_node))
-    return time
+    within = ring_s(kind, size_bytes, ranks_per_node, intra)
+    if nodes <= 1:
+        return within, 0.0
+    if inter is None:
+        raise ValueError("a collective across nodes needs an inter-node link")
+    return within, ring_s(kind, size_bytes / ranks_per_node, nodes, network_share(inter, gpus_per_node))
 
 
 def network_share(inter: Link, gpus_per_node: int) -> Link:

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 from redline.errors import BadInput
 from redline.plan.comm import Link
+from redline.plan.gemm import GemmDevice, wave_efficiency
 from redline.plan.messages import check_integral, refuse
 from redline.specs.catalog import GpuSpec, find_gpu
 
 if TYPE_CHECKING:
-    from redline.bench.model import BenchRun
+    from redline.bench.model import BenchRun, Measurement
     from redline.hw.snapshot import Snapshot
     from redline.specs.instances import InstanceSpec
 
@@ -24,9 +25,13 @@ if TYPE_CHECKING:
 # 143771 of 144384 (99.6%); 99.5% keeps the planner on the safe side where the catalog is all it has.
 USABLE_MEMORY = 0.995
 # Fractions of a datasheet figure that well-written code reaches; used only when nothing was measured.
-# A large GEMM's share of the datasheet peak, what `redline bench compute` measures (and replaces this
-# with); PyTorch's torch/distributed/_tools/runtime_estimator.py uses 0.75 too.
-MATMUL_EFFICIENCY = 0.75
+# A full wave's share of the datasheet matmul peak in a training step's GEMMs (``plan.gemm`` adds what each
+# shape loses to its last wave and its tiles' output writes). Fitted on Narayanan et al.'s three 175B runs
+# (Table 2, 384-1536 A100; benchmarks/plan_vs_published.py, role "fit"): 0.642 minimises their squared log error.
+# It sits below what one large GEMM reaches alone (about 0.8-0.86 in MAMF-finder's A100 and H100 sweeps) because
+# it also carries what a real step loses around its GEMMs and the model does not name. On ``local`` a GPU's
+# measured rate replaces it.
+MATMUL_EFFICIENCY = 0.64
 HBM_EFFICIENCY = 0.85  # a device-to-device copy reaches about 85-90% of the datasheet bandwidth
 NVLINK_EFFICIENCY = 0.8  # all-reduce busbw over NVSwitch vs the per-direction NVLink rate (nccl-tests)
 PCIE_EFFICIENCY = 0.7  # without NVLink, NCCL rings cross PCIe (and often the CPU)
@@ -73,6 +78,9 @@ class Cluster:
     gpu: GpuSpec | None = None
     notes: tuple[str, ...] = field(default=())
     network_assumed: bool = False  # the inter-node figure is DEFAULT_NETWORK_GBPS, not the machine's
+    # a CPU's matmul rate by size per precision, as ``redline bench compute`` measured it: (square side, FLOP/s)
+    # pairs by increasing side; empty on a GPU, whose rate by shape comes from its SM count (``plan.gemm``)
+    matmul_sweep: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
     @property
     def gpus(self) -> int:
@@ -83,6 +91,17 @@ class Cluster:
         """The job runs on this machine's CPU (``local`` without a GPU, the only cluster without a GPU spec): one
         process in RAM, with no CUDA context, NCCL or cuBLAS."""
         return self.gpu is None
+
+    def gemm_device(self, precision: str) -> GemmDevice:
+        """What sets a GEMM's time here in ``precision``: on a GPU its waves of ``sm_count`` tiles at the matmul
+        ceiling; on a CPU the measured sweep (a bench saved without one gives a single point: one rate)."""
+        ceiling = self.matmul[precision].value
+        sweep = self.matmul_sweep.get(precision, ())
+        if self.on_cpu and not sweep:
+            sweep = ((1, ceiling),)
+        sm_count = self.gpu.sm_count if self.gpu is not None else None
+        element_bytes = ELEMENT_BYTES.get(precision, 2)
+        return GemmDevice(ceiling, self.memory_bandwidth.value, element_bytes, sm_count, sweep)
 
     def with_nodes(self, nodes: int) -> Cluster:
         _check_nodes(nodes)
@@ -96,6 +115,10 @@ class Cluster:
     def with_network(self, gbps: float) -> Cluster:
         _check_network(gbps)
         return replace(self, inter=network_link(gbps, f"--network-gbps {gbps:g}"), network_assumed=False)
+
+
+# bytes per element of a GEMM's operands in each precision (fp32 matmuls on TF32 tensor cores read fp32)
+ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def _check_nodes(nodes: int) -> None:
@@ -280,6 +303,8 @@ def local_cluster(snapshot: Snapshot, bench: BenchRun | None) -> Cluster:
     spec = match_gpu(first.name, first.memory_total_bytes)
     if spec is None:
         raise BadInput(f"local GPU '{first.name}' is not in the catalog; plan with --hardware COUNTxGPU")
+    if first.multiprocessor_count:  # a MIG instance: its share of the SMs fills a GEMM's waves
+        spec = replace(spec, sm_count=first.multiprocessor_count)
     cluster = catalog_cluster(spec, len(gpus), name="local")
     if first.memory_total_bytes:
         cluster = replace(cluster, memory_bytes=first.memory_total_bytes, device=first.name or spec.name)
@@ -315,8 +340,30 @@ def _cpu_cluster(snapshot: Snapshot, bench: BenchRun | None) -> Cluster:
         intra=Link(1e9, 1e-4, "gloo (one rank: unused)"),
         inter=None,
         notes=("CPU: no datasheet peak, so no MFU; ceilings are this machine's bench figures",),
+        matmul_sweep={
+            name.removeprefix("matmul_"): sweep
+            for name, m in measured.items()
+            if name.startswith("matmul_") and m.suite == "compute" and (sweep := measured_sweep(m))
+        },
     )
     return cluster
+
+
+def measured_sweep(measurement: Measurement) -> tuple[tuple[int, float], ...]:
+    """The (square side, FLOP/s) pairs a CPU matmul measurement swept, by increasing side, with its main size; a
+    bench saved before the sweep existed gives its one size (a single rate for every shape)."""
+    points = {int(side): tflops * 1e12 for side, tflops in measurement.extra.get("sweep", [])}
+    if "m" in measurement.size:
+        points[int(measurement.size["m"])] = measurement.value * 1e12
+    return tuple(sorted(points.items()))
+
+
+def _measured_side(bench: BenchRun, precision: str, device_prefix: str) -> int | None:
+    names = (f"matmul_{precision}", "matmul_tf32") if precision == "fp32" else (f"matmul_{precision}",)
+    for m in bench.measurements:
+        if m.suite == "compute" and m.name in names and m.device.startswith(device_prefix) and "m" in m.size:
+            return int(m.size["m"])
+    return None
 
 
 def _with_measurements(cluster: Cluster, bench: BenchRun, device_prefix: str) -> Cluster:
@@ -336,8 +383,14 @@ def _with_measurements(cluster: Cluster, bench: BenchRun, device_prefix: str) ->
             "compute", f"matmul_{precision}"
         )
         if found:
-            tflops = statistics.median(found)
-            matmul[precision] = Ceiling(tflops * 1e12, f"bench {bench.taken_at[:10]} {tflops:.4g} TFLOP/s")
+            # what one full wave runs at: the measured square product's own last wave was partly empty
+            side = _measured_side(bench, precision, device_prefix)
+            sms = cluster.gpu.sm_count if cluster.gpu else None
+            filled = wave_efficiency(side, side, 1, sms) if side and sms else 1.0
+            tflops = statistics.median(found) / filled
+            matmul[precision] = Ceiling(
+                tflops * 1e12, f"bench {bench.taken_at[:10]} {tflops:.4g} TFLOP/s per full wave ({filled:.3f} filled)"
+            )
     memory_bandwidth = cluster.memory_bandwidth
     if found := values("memory", "device_copy"):
         gbs = statistics.median(found)

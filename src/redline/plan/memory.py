@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from redline.plan import dtypes
+from redline.plan.dtypes import activation_key, activation_value_bytes, block_input_bytes
 from redline.plan.model_states import ZERO_STAGE, optimizer_state_bytes, pytorch_state_bytes
 from redline.plan.pipeline_memory import (
     held_stage_outputs,
@@ -128,16 +130,6 @@ def block_counts(blocks: int, stages: int) -> list[int]:
     return [per_stage + (1 if index >= stages - extra else 0) for index in range(stages)]
 
 
-def activation_value_bytes(strategy: Strategy) -> int:
-    """Bytes of one activation value: fp32 without mixed precision, 16-bit under autocast (and fp8)."""
-    return 4 if strategy.precision == "fp32" else 2
-
-
-def activation_key(strategy: Strategy) -> str:
-    """Which of a LayerProfile's activation figures applies: "fp32" or "16bit"."""
-    return "fp32" if strategy.precision == "fp32" else "16bit"
-
-
 def optimizer_bytes(profile: WorkloadProfile, strategy: Strategy) -> float:
     """The strategy's optimizer state bytes per parameter, for this model's matrix shapes."""
     shape = profile.transformer
@@ -152,23 +144,24 @@ def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: St
     Under tensor parallelism a block traced with the runtime's plan keeps what the trace found split, 1/t
     (``traced_split_activation``); otherwise transformers use Korthikanti's formula for the strategy's
     tensor/sequence parallelism; for a traced transformer the traced figure is scaled by the formula's ratio to its
-    own unsplit value, so what the trace saw (the real attention kernel, extra saved tensors) carries over.
+    own unsplit value, so what the trace saw (the real attention kernel, extra saved tensors) carries over, less
+    what each norm saves less of a narrower residual stream than the trace's (autocast alone's: ``plan.dtypes``).
     """
     key = activation_key(strategy)
     traced = traced_split_activation(block, strategy)
-    if traced is not None:
-        return traced * strategy.micro_batch
     shape = profile.transformer
     if shape is None:
-        return block.activation_bytes_per_sample[key] * strategy.micro_batch
-    value = activation_value_bytes(strategy)
+        per_sample = block.activation_bytes_per_sample[key] if traced is None else traced
+        return per_sample * strategy.micro_batch
+    value, norm = activation_value_bytes(strategy), dtypes.norm_input_bytes(strategy, shape)
+    t, sp, selective = strategy.tensor, strategy.sequence_parallel, strategy.checkpointing == "selective"
 
-    def formula(t: int, sp: bool, selective: bool) -> float:
+    def formula(t: int, sp: bool, selective: bool, norm: int) -> float:
         return block_activation_bytes(
             shape,
             profile.tokens_per_sample,
             bytes_per_value=value,
-            norm_input_bytes=max(value, shape.residual_bytes),  # each norm saves the residual stream
+            norm_input_bytes=norm,  # what each norm saves of the residual stream
             tensor_parallel=t,
             sequence_parallel=sp,
             flash_attention=strategy.flash_attention,
@@ -176,12 +169,14 @@ def block_activation(profile: WorkloadProfile, block: LayerProfile, strategy: St
             decoder=decoder,
         )
 
-    split = formula(strategy.tensor, strategy.sequence_parallel, strategy.checkpointing == "selective")
-    if profile.method == "traced":
-        per_sample = block.activation_bytes_per_sample[key] * split / formula(1, False, False)
-    else:
-        per_sample = split
-    return per_sample * strategy.micro_batch
+    split = formula(t, sp, selective, norm)
+    if traced is None and profile.method != "traced":
+        return split * strategy.micro_batch
+    stream = dtypes.AUTOCAST_STREAM_BYTES  # the trace ran under autocast alone: its norms saved an fp32 stream
+    as_traced = formula(t, sp, selective, stream)
+    if traced is None:
+        traced = block.activation_bytes_per_sample[key] * as_traced / formula(1, False, False, stream)
+    return (traced - (as_traced - split)) * strategy.micro_batch
 
 
 def traced_split_activation(block: LayerProfile, strategy: Strategy) -> float | None:
@@ -276,11 +271,11 @@ def stage_memory(
     in_flight = in_flight_micro_batches(strategy, stage.index)
     flights = _micro_batches_held(strategy, stage, in_flight)
     full_blocks = block_activations(profile, strategy, stage)
-    kept = _kept_activations(strategy, stage, full_blocks)
+    kept = _kept_activations(profile, strategy, stage, full_blocks)
     activations = sum(kept[name] * flights[name] for name in kept)
     activations += _fixed_activations(profile, strategy, stage, flights, in_flight)
-    activations += held_stage_outputs(strategy, stage, in_flight, activation_key(strategy))
-    activations += pipeline_step_tensors(profile, strategy, stage, in_flight, activation_key(strategy))
+    activations += held_stage_outputs(profile, strategy, stage, in_flight)
+    activations += pipeline_step_tensors(profile, strategy, stage, in_flight)
     # autocast's copies of each layer's weights, in bytes: FSDP's and ZeRO-2's whole units make them unnecessary
     copy_share = COMPUTE_COPY_BYTES[strategy.precision] if states.zero_stage < 2 else 0
     autocast_copies = {name: params * copy_share for name, params in cast.items()}
@@ -454,7 +449,9 @@ def _weight_copies_and_comm_buffers(
     return weight_copies, comm_buffers
 
 
-def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, float]) -> dict[str, float]:
+def _kept_activations(
+    profile: WorkloadProfile, strategy: Strategy, stage: Stage, full_blocks: dict[str, float]
+) -> dict[str, float]:
     """Bytes each layer of the stage keeps for its backward, for one micro-batch: a checkpointed block its input,
     and under measured selective checkpointing what the policy saved (matmul outputs, split t ways as the
     matmuls are); an analytic one under selective checkpointing all but its attention core (Korthikanti).
@@ -480,7 +477,7 @@ def _kept_activations(strategy: Strategy, stage: Stage, full_blocks: dict[str, f
                 per_sample += layer.input_bytes_per_sample.get(key, 0.0)
             kept[layer.name] = per_sample * strategy.micro_batch
         elif layer.name in checkpointed:
-            per_sample = layer.input_bytes_per_sample.get(key, 0.0) / sp_divisor
+            per_sample = block_input_bytes(profile, layer, strategy) / sp_divisor
             if strategy.checkpointing == "selective":
                 per_sample += layer.selective_bytes_per_sample[key] / t
             kept[layer.name] = per_sample * strategy.micro_batch

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from redline.plan.dtypes import activation_key, block_input_bytes
 from redline.plan.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def outside_blocks_micro_batches(strategy: Strategy, stage: Stage, in_flight: fl
     return in_flight
 
 
-def held_stage_outputs(strategy: Strategy, stage: Stage, in_flight: float, key: str) -> float:
+def held_stage_outputs(profile: WorkloadProfile, strategy: Strategy, stage: Stage, in_flight: float) -> float:
     """Bytes of the stage outputs a pipeline rank holds, all but the model's output: a block's input's shape
     each, split along the sequence under sequence parallelism. Nothing saves a stage's last output for the
     backward (its residual add saves nothing); the runtime frees its data once sent, and the data lives only as
@@ -92,7 +93,7 @@ def held_stage_outputs(strategy: Strategy, stage: Stage, in_flight: float, key: 
     sending = strategy.virtual_stages - (1 if stage.index == strategy.pipeline - 1 else 0)
     if strategy.pipeline == 1 or not stage.blocks or sending == 0:
         return 0.0
-    output = _block_io_bytes(strategy, stage, key)
+    output = _block_io_bytes(profile, strategy, stage)
     # under sequence parallelism a stage's output is a DTensor, whose data the runtime keeps to its backward
     whole = strategy.sequence_parallel and strategy.tensor > 1
     if strategy.schedule == "gpipe":
@@ -104,9 +105,7 @@ def held_stage_outputs(strategy: Strategy, stage: Stage, in_flight: float, key: 
     return output * held + DROPPED_SCALAR_BYTES * sending
 
 
-def pipeline_step_tensors(
-    profile: WorkloadProfile, strategy: Strategy, stage: Stage, in_flight: float, key: str
-) -> float:
+def pipeline_step_tensors(profile: WorkloadProfile, strategy: Strategy, stage: Stage, in_flight: float) -> float:
     """Bytes a pipeline rank holds beyond what its micro-batches in flight keep, as redline's runtime runs the
     schedules:
 
@@ -127,7 +126,7 @@ def pipeline_step_tensors(
     planned on its two stages."""
     if strategy.pipeline == 1:
         return 0.0
-    b, m = strategy.micro_batch, strategy.accumulation
+    key, b, m = activation_key(strategy), strategy.micro_batch, strategy.accumulation
     last = stage.index == strategy.pipeline - 1
     interleaved = strategy.schedule == "interleaved"
     held = 0.0
@@ -135,7 +134,7 @@ def pipeline_step_tensors(
         waiting = max(0.0, m - outside_blocks_micro_batches(strategy, stage, in_flight))
         held += profile.layers[0].input_bytes_per_sample.get(key, 0.0) * b * waiting
     if stage.blocks:
-        block_io = _block_io_bytes(strategy, stage, key)
+        block_io = _block_io_bytes(profile, strategy, stage)
         received_early = 1 if interleaved else 0
         gradients = (1 if strategy.virtual_stages - (1 if last else 0) > 0 else 0) + (1 if interleaved and last else 0)
         held += block_io * (received_early + gradients)
@@ -146,8 +145,8 @@ def pipeline_step_tensors(
     return held
 
 
-def _block_io_bytes(strategy: Strategy, stage: Stage, key: str) -> float:
-    """Bytes of one micro-batch of a stage's input or output (a block's input's shape), split along the sequence
-    under sequence parallelism."""
-    per_sample = stage.blocks[-1].input_bytes_per_sample.get(key, 0.0)
+def _block_io_bytes(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> float:
+    """Bytes of one micro-batch of a stage's input or output (a block's input: the residual stream, in the width
+    the runtime runs it, ``plan.dtypes.block_input_bytes``), split along the sequence under sequence parallelism."""
+    per_sample = block_input_bytes(profile, stage.blocks[-1], strategy)
     return per_sample * strategy.micro_batch / (strategy.tensor if strategy.sequence_parallel else 1)

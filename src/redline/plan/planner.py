@@ -23,6 +23,7 @@ from redline.plan.hardware import Cluster
 from redline.plan.inputs import CalibrationRequest, Ranking, Target
 from redline.plan.messages import Message, refuse
 from redline.plan.search import (
+    OUT_OF_MEMORY,
     REDUCED_PRECISIONS,
     Constraints,
     SearchResult,
@@ -32,7 +33,7 @@ from redline.plan.search import (
     slower_than_fp32,
     smallest_fitting,
 )
-from redline.units import fmt_bytes, fmt_duration
+from redline.units import GiB, fmt_bytes, fmt_duration
 from redline.workload.profile import Calibration, WorkloadProfile
 
 
@@ -102,6 +103,76 @@ class Plans:
         }
 
 
+class NothingFits(BadInput):
+    """No strategy fits: the one-line reason (``str()``, with the smallest catalog hardware that would fit) and, as
+    data (``to_dict``), the candidates that came nearest, what each needs and why each was refused."""
+
+    def __init__(
+        self,
+        message: str,
+        result: SearchResult,
+        profile: WorkloadProfile,
+        cluster: Cluster,
+        smallest: list[tuple[Cluster, Estimate]],
+    ) -> None:
+        super().__init__(message)
+        self.message, self.result, self.profile, self.cluster, self.smallest = (
+            message,
+            result,
+            profile,
+            cluster,
+            smallest,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys of ``Plans.to_dict`` (no plan, nothing ranked) and ``nothing_fits``: the summary the CLI says,
+        the device's memory, the closest candidates (strategy, memory per GPU by component in GiB, the reason each
+        was excluded) and the smallest catalog hardware that fits."""
+        cluster, margin = self.cluster, self.result.memory_margin
+        usable = (1 - margin) * cluster.memory_bytes
+
+        def gib(size: float) -> float:
+            return round(size / GiB, 3)  # to the MiB
+
+        closest = [
+            {
+                "label": e.strategy.label(),
+                "strategy": e.strategy.to_dict(),
+                "reason": OUT_OF_MEMORY,
+                "needs_gib": {k: gib(v) for k, v in e.memory.to_dict().items() if not isinstance(v, bool)},
+                "over_gib": gib(e.memory.device_total - usable),
+                "step_time_s": e.time.total,
+                "mfu": e.mfu,
+            }
+            for e in self.result.closest_misfits
+        ]
+        smallest = [
+            {"gpu": c.gpu.key if c.gpu else c.device, "gpus": c.gpus, "label": e.strategy.label()}
+            | {"needs_gib": gib(e.memory.device_total), "device_gib": gib(c.memory_bytes)}
+            for c, e in self.smallest
+        ]
+        refusal = {
+            "summary": self.message,
+            "hardware": cluster.name,
+            "device_gib": gib(cluster.memory_bytes),
+            "memory_margin": margin,
+            "usable_gib": gib(usable),
+            "closest": closest,
+            "smallest_hardware": smallest,
+        }
+        return {
+            "plan": None,
+            "ranked": [],
+            "considered": self.result.considered,
+            "excluded": self.result.exclusions(),
+            "nothing_fits": refusal,
+            "profile": self.profile.to_dict() | {"layers": len(self.profile.layers)},
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.message, self.result, self.profile, self.cluster, self.smallest)
+
+
 def plan_training(
     profile: WorkloadProfile,
     cluster: Cluster,
@@ -114,7 +185,7 @@ def plan_training(
 ) -> Plans:
     """The strategies for ``profile`` on ``cluster`` that fit, best first. With ``calibration``: real steps of the
     model timed on this machine around the best uncalibrated plan's micro-batch correct the profile, and the
-    search runs again. BadInput where nothing fits, saying why and the smallest catalog hardware that would."""
+    search runs again. ``NothingFits`` where nothing fits, saying why and the smallest catalog hardware that would."""
     target, constraints, ranking = target or Target(), constraints or Constraints(), ranking or Ranking()
     _check_request(profile, cluster, target, ranking, calibration)
     precision_notes = _precision_notes(cluster, constraints.precision)
@@ -264,9 +335,10 @@ def _fitted_text(fitted: Calibration, precision: str) -> str:
 
 def _nothing_fits(
     result: SearchResult, profile: WorkloadProfile, cluster: Cluster, goal: Goal, constraints: Constraints
-) -> BadInput:
+) -> NothingFits:
     """Why no strategy fits, and where the model was too big, the smallest catalog hardware on which it would."""
     message = explain_no_fit(result, cluster)
+    smallest: list[tuple[Cluster, Estimate]] = []
     if result.closest_misfit is not None:
         smallest = smallest_fitting(profile, goal, constraints)
         if smallest:
@@ -276,4 +348,4 @@ def _nothing_fits(
             message += f". Smallest hardware that fits (micro-batch 1, full checkpointing): {options}"
         else:
             message += ". It fits on no catalog GPU up to 1024 GPUs"
-    return BadInput(message)
+    return NothingFits(message, result, profile, cluster, smallest)

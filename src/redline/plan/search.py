@@ -17,6 +17,7 @@ free, those within ``Constraints.time_tolerance`` of it rank by memory headroom,
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -34,6 +35,8 @@ from redline.units import GiB
 from redline.workload.profile import WorkloadProfile
 
 OUT_OF_MEMORY = "does not fit in GPU memory"
+# the candidates that came nearest to fitting a search keeps, for a refusal to show (``redline plan --json``)
+CLOSEST_KEPT = 5
 # `redline plan` ranks plans within 1% of the fastest by memory headroom: less than the planner's own error on the
 # published runs (benchmarks/plan_vs_published.py), so such a difference in time is no reason to run at the edge
 TIME_TOLERANCE = 0.01
@@ -98,8 +101,14 @@ class SearchResult:
     ranked: list[Estimate]  # strategies that fit, best first
     considered: int
     excluded: Counter[str] = field(default_factory=Counter)  # reason -> how many
-    closest_misfit: Estimate | None = None  # the excluded strategy that came nearest to fitting
+    # the strategies excluded for memory that came nearest to fitting (the ``CLOSEST_KEPT`` smallest), nearest first
+    closest_misfits: list[Estimate] = field(default_factory=list)
     memory_margin: float = 0.0  # the fraction of each GPU's memory the plans were to leave free
+
+    @property
+    def closest_misfit(self) -> Estimate | None:
+        """The excluded strategy that came nearest to fitting (the first searched of equals), or None."""
+        return self.closest_misfits[0] if self.closest_misfits else None
 
     def exclusions(self) -> list[dict[str, Any]]:
         return [{"reason": reason, "count": count} for reason, count in self.excluded.most_common()]
@@ -329,7 +338,7 @@ def search(
     constraints = constraints or Constraints()
     excluded: Counter[str] = Counter()
     fitting: list[Estimate] = []
-    closest: Estimate | None = None
+    closest: list[Estimate] = []  # the misfits nearest to fitting, smallest device total first
     considered = 0
     for strategy in candidates(profile, cluster, goal, constraints, excluded):
         considered += 1
@@ -340,14 +349,15 @@ def search(
             fitting.append(result)
             continue
         excluded[OUT_OF_MEMORY] += 1
-        if closest is None or result.memory.device_total < closest.memory.device_total:
-            closest = result
+        if len(closest) < CLOSEST_KEPT or result.memory.device_total < closest[-1].memory.device_total:
+            bisect.insort(closest, result, key=lambda e: e.memory.device_total)  # after equals: first searched first
+            del closest[CLOSEST_KEPT:]
     ranked = rank(fitting, constraints.time_tolerance, cluster.memory_bytes)
     return SearchResult(
         ranked=ranked,
         considered=considered,
         excluded=excluded,
-        closest_misfit=closest,
+        closest_misfits=closest,
         memory_margin=constraints.memory_margin,
     )
 

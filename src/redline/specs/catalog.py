@@ -14,6 +14,9 @@ Conventions of the CSV:
   notes say UNVERIFIED, not known. fp64 is left empty on GA10x/AD10x parts: they run it at 1/64 rate and
   their datasheets do not list it.
 - ``tdp_w`` is the board maximum; many SKUs ship configured lower.
+- ``sm_count`` is the streaming multiprocessors enabled on the product (compute units on AMD), from the
+  architecture whitepapers (Volta V100, Ampere GA100 and GA102, Hopper H100, Ada AD102/AD104, Turing TU104) and
+  AMD's CDNA3 and Vega whitepapers; the planner's GEMM model fills the GPU in waves of that many tiles.
 - ``nvml_names`` is a ``|``-separated list of case-insensitive regexes, each of which must match the WHOLE
   name NVML reports (``re.fullmatch``), so "NVIDIA A10" cannot match "NVIDIA A100" or "NVIDIA A10G".
   Where NVML names carry the memory size the size is optional in the pattern: a name without it matches
@@ -63,6 +66,7 @@ COLUMNS: tuple[str, ...] = (
     "pcie_gen",
     "tdp_w",
     "compute_capability",
+    "sm_count",
     "ecc",
     "nvml_names",
     "source",
@@ -92,6 +96,8 @@ class GpuSpec:
     pcie_gen: int
     tdp_w: float | None  # board maximum
     compute_capability: str  # "9.0"; the gfx target ("gfx942") on AMD
+    # streaming multiprocessors (compute units on AMD): how many output tiles a GEMM runs at once, a wave
+    sm_count: int
     ecc: bool  # the part supports ECC memory (not that it is on)
     nvml_names: tuple[str, ...]  # whole-name, case-insensitive regexes
     source: str  # the datasheet or whitepaper the figures come from
@@ -248,6 +254,7 @@ def _parse_row(raw: dict[str, str | None], where: str) -> GpuSpec:
         pcie_gen=row.required_integer("pcie_gen"),
         tdp_w=number("tdp_w"),
         compute_capability=text("compute_capability"),
+        sm_count=row.required_integer("sm_count"),
         ecc=ecc == "true",
         nvml_names=patterns,
         source=text("source"),

@@ -21,6 +21,11 @@ from redline.workload.profile import TransformerShape
 # past this many positions (Llama 3.1 declares 131072) the default training length is capped; --seq-len wins
 DEFAULT_SEQ_CAP = 8192
 
+# the dropout probabilities transformers' configs take where a config.json leaves them out (GPT2Config's resid_pdrop,
+# embd_pdrop and attn_pdrop; BertConfig's hidden_dropout_prob and attention_probs_dropout_prob; T5Config's
+# dropout_rate); Llama-like configs default attention_dropout to 0
+GPT2_DROPOUT = BERT_DROPOUT = T5_DROPOUT = 0.1
+
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 KNOWN_MODEL_TYPES = ("gpt2", *LLAMA_LIKE, "bert", "t5")
 
@@ -78,6 +83,13 @@ class _Fields:
         """The training length: the one asked for, else the declared positions up to ``DEFAULT_SEQ_CAP``."""
         return self.seq_len or min(int(declared), DEFAULT_SEQ_CAP)
 
+    def dropout(self, *keys: str, default: float) -> bool:
+        """Whether any of the dropout probabilities ``keys`` is above 0 (``default``, the architecture's own, where
+        the config leaves one out): a dropout of 0 keeps no mask (PyTorch returns its input), one above keeps a
+        mask. The shape has one switch for every dropout of the model, so any one on turns them all on."""
+        values = (self.config.get(key) for key in keys)
+        return any(float(default if value is None else value) > 0 for value in values)
+
 
 def _gpt2(fields: _Fields) -> TransformerShape:
     config = fields.config
@@ -91,6 +103,7 @@ def _gpt2(fields: _Fields) -> TransformerShape:
         seq_len=fields.length(fields.get("n_positions", default=1024)),
         position_embeddings=int(fields.get("n_positions", default=1024)),
         tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        dropout=fields.dropout("resid_pdrop", "embd_pdrop", "attn_pdrop", default=GPT2_DROPOUT),
     )
 
 
@@ -109,7 +122,7 @@ def _llama(fields: _Fields) -> TransformerShape:
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         norm="rmsnorm",
         bias=bool(config.get("attention_bias", False)),
-        dropout=float(config.get("attention_dropout", 0)) > 0,
+        dropout=fields.dropout("attention_dropout", default=0.0),
     )
 
 
@@ -125,6 +138,7 @@ def _bert(fields: _Fields) -> TransformerShape:
         position_embeddings=int(fields.get("max_position_embeddings", default=512)),
         lm_head=False,
         final_norm=False,
+        dropout=fields.dropout("hidden_dropout_prob", "attention_probs_dropout_prob", default=BERT_DROPOUT),
         extra_params=int(fields.get("type_vocab_size", default=2)) * hidden + 2 * hidden + hidden * hidden + hidden,
     )
 
@@ -148,6 +162,7 @@ def _t5(fields: _Fields) -> TransformerShape:
         bias=False,
         gated_mlp=gated,
         tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        dropout=fields.dropout("dropout_rate", default=T5_DROPOUT),
         extra_params=2 * int(config.get("relative_attention_num_buckets", 32)) * heads,
     )
 

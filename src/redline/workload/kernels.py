@@ -8,6 +8,7 @@ fake tensors, and ``flop_formulas`` gives ``FlopCounterMode`` their FLOPs.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import flop_counter
+
+from redline.workload.profile import LayerGemm
 
 
 def flop_formulas() -> dict[Any, Any]:
@@ -35,6 +38,80 @@ def flop_formulas() -> dict[Any, Any]:
         formulas[torch.ops.transformers.grouped_mm_fallback] = _grouped_mm_flop
         formulas[torch.ops.transformers.grouped_mm_fallback_backward] = _grouped_mm_backward_flop
     return formulas
+
+
+# what a recorder is told of each matrix product: (products, M, N, K, attention core)
+GemmRecorder = Callable[[int, int, int, int, bool], None]
+
+
+def recording_formulas(record: GemmRecorder) -> dict[Any, Any]:
+    """``flop_formulas`` plus, for each matrix product the counter sees (mm, addmm, bmm, baddbmm and the fused
+    attention's two products), a formula that tells ``record`` its shape before it counts its FLOPs: the planner
+    times each product by its shape (``plan.gemm``)."""
+    aten = torch.ops.aten
+    formulas = flop_formulas()
+
+    def last_two(a: Any, b: Any) -> list[tuple[int, int, int, int, bool]]:  # (.., M, K) @ (.., K, N)
+        return [(math.prod(a.shape[:-2]), a.shape[-2], b.shape[-1], a.shape[-1], False)]
+
+    products: dict[Any, Callable[..., list[tuple[int, int, int, int, bool]]]] = {
+        aten.mm: last_two,
+        aten.bmm: last_two,
+        aten.addmm: lambda _bias, a, b, *_rest: last_two(a, b),
+        aten.baddbmm: lambda _bias, a, b, *_rest: last_two(a, b),
+    }
+    fused = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if fused is not None and fused in formulas:
+        products[fused] = _attention_products
+    for op, shapes in products.items():
+        formulas[op] = _recording(formulas.get(op) or flop_counter.flop_registry[op], shapes, record)
+    return formulas
+
+
+def gemms_per_sample(
+    recorded: dict[int, list[tuple[int, int, int, int, bool]]], batches: tuple[int, int]
+) -> tuple[LayerGemm, ...]:
+    """A segment's products for one sample, from those recorded at two batch sizes in the same order: a product
+    whose M grows with the batch is a linear layer's (M per sample: the sample's tokens), one whose count grows a
+    batched one's (count per sample: its heads). Tensor parallelism is taken to split a linear layer's larger side
+    (a column-parallel layer widens, a row-parallel one narrows) and a batched product's heads. Products that do
+    not grow with the batch, or runs that differ in their products, are left out: the planner then times their
+    FLOPs at the large-GEMM rate."""
+    small, large = (recorded.get(b, []) for b in batches)
+    if len(small) != len(large):
+        return ()
+    ratio = batches[1] // batches[0]
+    gemms = []
+    for (c1, m1, n1, k1, core), (c2, m2, n2, k2, _) in zip(small, large, strict=True):
+        if (n1, k1) != (n2, k2):
+            continue
+        if c1 == c2 and m2 == ratio * m1 and m1 % batches[0] == 0:
+            widens = n1 >= k1
+            gemms.append(
+                LayerGemm(m1 // batches[0], n1, k1, c1, tensor_split="cols" if widens else "inner", attention_core=core)
+            )
+        elif m1 == m2 and c2 == ratio * c1 and c1 % batches[0] == 0:
+            gemms.append(LayerGemm(m1, n1, k1, c1 // batches[0], True, "count", core))
+    return tuple(gemms)
+
+
+def _attention_products(query: Any, key: Any, value: Any, *_rest: Any, **_kwargs: Any) -> list[Any]:
+    """Fused attention over (batch, heads, sequence, head dim) tensors: Q K^T and the scores times V per head."""
+    heads = math.prod(query.shape[:-2])
+    s_q, s_k, d, d_v = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
+    return [(heads, s_q, s_k, d, True), (heads, s_q, d_v, s_k, True)]
+
+
+def _recording(
+    formula: Callable[..., int], shapes: Callable[..., list[tuple[int, int, int, int, bool]]], record: GemmRecorder
+) -> Callable[..., int]:
+    def raw(*args: Any, **kwargs: Any) -> int:
+        for product in shapes(*args):
+            record(*product)
+        return formula(*args, **kwargs)
+
+    raw._get_raw = True  # type: ignore[attr-defined]
+    return raw
 
 
 def _as_raw(formula: Callable[..., int]) -> Callable[..., int]:

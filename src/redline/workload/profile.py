@@ -45,7 +45,10 @@ class TransformerShape:
     decoder_layers: int = 0  # of ``layers``, how many are decoder blocks with cross-attention (T5)
     extra_params: int = 0  # parameters outside the blocks and embeddings (BERT's pooler, type embeddings)
     # how the implementation stores activations, for the activation formulas (not the architecture):
-    residual_bytes: int = 4  # a 16-bit step's residual stream: fp32 under PyTorch autocast, 2 in Megatron's bf16
+    # a 16-bit step's residual stream where the framework fixes it (2: Megatron-LM's bf16 under every sharding; 4);
+    # None: as redline's runtime keeps it for each strategy (``plan.dtypes.residual_bytes``). The profile's own
+    # 16-bit figures hold it at ``residual_bytes or 4``, as autocast alone keeps it (and the tracer measures it)
+    residual_bytes: int | None = None
     fused_gated_activation: bool = False  # one kernel for act(gate) * up (Megatron's SwiGLU) keeps only its input
 
     def __post_init__(self) -> None:
@@ -56,8 +59,8 @@ class TransformerShape:
             raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}; give head_dim")
-        if self.residual_bytes not in (2, 4):
-            raise ValueError(f"residual_bytes must be 2 or 4, not {self.residual_bytes}")
+        if self.residual_bytes not in (None, 2, 4):
+            raise ValueError(f"residual_bytes must be 2 or 4 (or None: the runtime's), not {self.residual_bytes}")
         if not 0 <= self.decoder_layers <= self.layers:
             raise ValueError(f"decoder_layers {self.decoder_layers} must be within 0..layers {self.layers}")
 
@@ -77,6 +80,26 @@ class TransformerShape:
 
     def replace(self, **changes: Any) -> TransformerShape:
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class LayerGemm:
+    """One matrix product of a layer's forward pass for one sample: ``count`` products of a ``rows`` x ``inner``
+    matrix by an ``inner`` x ``cols`` one (a linear layer: rows are the sample's tokens; an attention core: one
+    product per head). The planner times each by its shape at the micro-batch and tensor-parallel split it plans,
+    and its backward as the two products of the same FLOPs that give the input's and the weights' gradients."""
+
+    rows: int  # M for one sample
+    cols: int  # N
+    inner: int  # K
+    count: int = 1  # products of this shape per sample
+    batched: bool = False  # the micro-batch multiplies ``count`` (a batched matmul), not ``rows`` (a linear layer)
+    tensor_split: Literal["cols", "inner", "count"] = "cols"  # the dimension tensor parallelism divides
+    attention_core: bool = False  # QK^T or the attention over V: what selective checkpointing reruns unfused
+
+    @property
+    def flops_per_sample(self) -> float:
+        return 2.0 * self.rows * self.cols * self.inner * self.count
 
 
 @dataclass(frozen=True)
@@ -135,6 +158,9 @@ class LayerProfile:
     # over the data ranks (a packed projection's 1-D bias: GPT-2's c_attn), as the runtime names them
     replicated_beside_fsdp_params: int = 0
     is_block: bool = True  # a repeated block (checkpointed, split over pipeline stages) or a fixed part
+    # the matrix products of the forward pass by shape, which the planner times one by one; empty where not known
+    # (the planner then runs the layer's FLOPs at the device's large-GEMM rate)
+    gemms: tuple[LayerGemm, ...] = ()
 
 
 @dataclass(frozen=True)

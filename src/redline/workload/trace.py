@@ -52,7 +52,13 @@ from torch.utils import flop_counter
 
 from redline.errors import BadInput, one_line
 from redline.workload.cuda_autocast import cuda_autocast_policy
-from redline.workload.kernels import flop_formulas, fused_attention, traceable_experts
+from redline.workload.kernels import (
+    flop_formulas,
+    fused_attention,
+    gemms_per_sample,
+    recording_formulas,
+    traceable_experts,
+)
 from redline.workload.measured_memory import (
     LiveBytes,
     selective_saved_bytes,
@@ -60,7 +66,13 @@ from redline.workload.measured_memory import (
     tensor_leaves,
     training_step_peak,
 )
-from redline.workload.profile import ACTIVATION_PRECISIONS, ActivationPrecision, LayerProfile, WorkloadProfile
+from redline.workload.profile import (
+    ACTIVATION_PRECISIONS,
+    ActivationPrecision,
+    LayerGemm,
+    LayerProfile,
+    WorkloadProfile,
+)
 from redline.workload.split_marks import SplitMarks, TensorSplitPlan
 from redline.workload.structure import find_blocks, without_kv_cache
 from redline.workload.user_model import input_kind, lm_logits, training_loss, unpack_build
@@ -272,6 +284,8 @@ class _Segment:
     # per batch size: FLOPs; per batch size and precision: bytes saved for backward, bytes of the input (in the
     # dtype it arrives in: under autocast a residual stream stays fp32) and bytes held to the step's end
     flops: dict[int, float] = field(default_factory=dict)
+    # per batch size: its forward's matrix products as (products, M, N, K, attention core), in the order they ran
+    gemms: dict[int, list[tuple[int, int, int, int, bool]]] = field(default_factory=dict)
     saved_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
     input_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
     held_bytes: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -438,7 +452,10 @@ class _Tracer:
         # bytes saved for backward in this run that live counts too; those saved before the running segment
         self.saved_total = self.saved_before = 0
         formulas = flop_formulas()
-        self.counter = flop_counter.FlopCounterMode(display=False, custom_mapping=formulas) if count_flops else None
+        forward_formulas = recording_formulas(self._record_gemm)
+        self.counter = (
+            flop_counter.FlopCounterMode(display=False, custom_mapping=forward_formulas) if count_flops else None
+        )
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "16bit" else nullcontext()
         with (
             self.counter or nullcontext(),
@@ -562,6 +579,10 @@ class _Tracer:
         if charged is not None:
             key = (self.batch, self.precision)
             charged[key] = charged.get(key, 0) + nbytes
+
+    def _record_gemm(self, products: int, m: int, n: int, k: int, attention_core: bool) -> None:
+        """A matrix product of the forward pass, for the running segment."""
+        self.segments[self.current].gemms.setdefault(self.batch, []).append((products, m, n, k, attention_core))
 
     def _charge_flops(self) -> float:
         """Give the FLOPs counted since the last boundary to the running segment; return them."""
@@ -724,6 +745,7 @@ class _Tracer:
             return {precision: found for precision in ACTIVATION_PRECISIONS if (found := _lines(live, precision))}
 
         profiles = []
+        shared: dict[tuple[LayerGemm, ...], tuple[LayerGemm, ...]] = {}  # equal blocks share one tuple of products
         for index, segment in enumerate(self.segments):
             split_marked = self.marks is not None and segment.is_block
             profiles.append(
@@ -747,6 +769,7 @@ class _Tracer:
                     backward_working=lines(segment.backward_live),
                     selective_bytes_per_sample=per_sample(segment.selective_bytes) if segment.selective_bytes else {},
                     is_block=segment.is_block,
+                    gemms=shared.setdefault(gemms := gemms_per_sample(segment.gemms, BATCHES), gemms),
                 )
             )
         return tuple(profiles)

@@ -7,7 +7,7 @@ degree. Counts are per sample (one sequence); multiply by the micro-batch b.
 
 from __future__ import annotations
 
-from redline.workload.profile import LayerProfile, TransformerShape, WorkloadProfile
+from redline.workload.profile import LayerGemm, LayerProfile, TransformerShape, WorkloadProfile
 
 # -------------------------------------------------------------------------------------------- params
 
@@ -82,6 +82,25 @@ def block_forward_flops(shape: TransformerShape, seq_len: int, *, decoder: bool 
     if decoder:  # cross-attention over an encoder output of the same length
         flops += 2 * s * h * 4 * q
     return flops + attention_core_flops(shape, seq_len, decoder=decoder)
+
+
+def block_gemms(shape: TransformerShape, seq_len: int, *, decoder: bool = False) -> tuple[LayerGemm, ...]:
+    """The matrix products of one block's forward pass for one sequence, as Megatron-LM lays them out and splits
+    them over t ranks: the fused QKV projection and the MLP's up (and gate) projection column-wise, the attention
+    output and MLP down projection row-wise, the attention core by heads. Their FLOPs are
+    ``block_forward_flops``'s."""
+    s, h, q, f, d = seq_len, shape.hidden, shape.query_width, shape.ffn_hidden, shape.dim_per_head
+    kv = shape.groups * d
+    up = 2 * f if shape.gated_mlp else f  # gate and up as one column-parallel product (Megatron's fused SwiGLU)
+    core = (
+        LayerGemm(s, s, d, shape.heads, batched=True, tensor_split="count", attention_core=True),  # Q K^T
+        LayerGemm(s, d, s, shape.heads, batched=True, tensor_split="count", attention_core=True),  # scores @ V
+    )
+    gemms = [LayerGemm(s, q + 2 * kv, h), *core, LayerGemm(s, h, q, tensor_split="inner")]
+    if decoder:  # cross-attention: its own Q, K, V and output over an encoder output of the same length
+        gemms += [LayerGemm(s, 3 * q, h), *core, LayerGemm(s, h, q, tensor_split="inner")]
+    gemms += [LayerGemm(s, up, h), LayerGemm(s, h, f, tensor_split="inner")]
+    return tuple(gemms)
 
 
 def attention_core_flops(shape: TransformerShape, seq_len: int, *, decoder: bool = False) -> float:
@@ -219,7 +238,10 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
     ``scaled_dot_product_attention``, which Hugging Face models use by default, does not save s x s)."""
     s = shape.seq_len
     encoder = shape.layers - shape.decoder_layers
+    stream = shape.residual_bytes or 4  # the 16-bit figures' residual stream: fp32 as autocast alone keeps it
     mask_bytes = float(s * shape.hidden) if shape.dropout else 0.0  # embedding dropout keeps a 1-byte mask
+    # one tuple per kind of block, shared by every block of that kind (the planner times each tuple once)
+    gemms = {decoder: block_gemms(shape, s, decoder=decoder) for decoder in (False, True)}
     layers: list[LayerProfile] = [
         LayerProfile(
             name="embedding",
@@ -239,14 +261,16 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
                 kind="decoder block" if decoder and shape.decoder_layers else "block",
                 params=block_params(shape, decoder=decoder),
                 forward_flops_per_sample=block_forward_flops(shape, s, decoder=decoder),
+                gemms=gemms[decoder],
                 activation_bytes_per_sample={
-                    # PyTorch's autocast keeps an fp32 residual stream, so 4-byte norm inputs; Megatron a bf16 one
-                    "16bit": block_activation_bytes(shape, s, norm_input_bytes=shape.residual_bytes, decoder=decoder),
+                    # autocast alone keeps an fp32 residual stream, so 4-byte norm inputs; Megatron a bf16 one (the
+                    # planner corrects for the stream its strategy keeps: plan.dtypes)
+                    "16bit": block_activation_bytes(shape, s, norm_input_bytes=stream, decoder=decoder),
                     "fp32": block_activation_bytes(shape, s, bytes_per_value=4, decoder=decoder),
                 },
                 # the residual stream: fp32 under autocast too, bf16 in Megatron's 16-bit steps
                 input_bytes_per_sample={
-                    "16bit": block_input_bytes(shape, s, bytes_per_value=shape.residual_bytes),
+                    "16bit": block_input_bytes(shape, s, bytes_per_value=stream),
                     "fp32": block_input_bytes(shape, s, bytes_per_value=4),
                 },
             )
@@ -260,6 +284,8 @@ def transformer_profile(shape: TransformerShape, *, name: str, source: str) -> W
             kind="lm head" if shape.lm_head else "final norm",
             params=head_params(shape),
             forward_flops_per_sample=logits_forward_flops(shape, s),
+            # the output projection, vocabulary-parallel (Megatron): each rank computes V/t of the logits
+            gemms=(LayerGemm(s, shape.vocab, shape.hidden),) if shape.lm_head else (),
             activation_bytes_per_sample={"16bit": logits_16, "fp32": logits_32},
             # the logits, which the training loop holds through the backward
             held_bytes_per_sample={"16bit": 2.0 * s * shape.vocab, "fp32": 4.0 * s * shape.vocab}

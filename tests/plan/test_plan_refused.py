@@ -1,0 +1,68 @@
+"""A refused plan is data: where nothing fits, ``redline plan --json`` prints the closest candidates, what each
+needs and why it was refused, and exits 2; the tables' output keeps its one line."""
+
+from __future__ import annotations
+
+import json
+
+from test_plan_cli import one_line_error
+
+from conftest import run_cli
+from redline.plan import search
+from redline.plan.estimate import Goal
+from redline.plan.hardware import parse_hardware
+from redline.plan.search import OUT_OF_MEMORY
+from redline.plan.strategy import Strategy
+from redline.workload.presets import preset_profile
+
+TOO_BIG = ("plan", "--model", "llama-2-13b", "--hardware", "1xh100-sxm")
+
+
+def test_json_says_what_the_closest_candidates_need_and_why_they_were_refused() -> None:
+    result = run_cli(*TOO_BIG, "--json")
+    line = one_line_error(result)
+    assert line.startswith("redline: nothing fits on 1xh100-sxm: the smallest footprint (")
+    data = json.loads(result.stdout)
+    assert data["plan"] is None and data["ranked"] == []
+    assert data["considered"] == sum(e["count"] for e in data["excluded"])
+    refused = data["nothing_fits"]
+    assert refused["summary"] == line.removeprefix("redline: ")
+    assert refused["hardware"] == "1xh100-sxm" and refused["device_gib"] == 79.6 == refused["usable_gib"]
+    closest = refused["closest"]
+    assert 1 < len(closest) <= 5  # search.CLOSEST_KEPT
+    needs = [candidate["needs_gib"]["device_total"] for candidate in closest]
+    assert needs == sorted(needs)
+    assert f"({closest[0]['label']}) needs {needs[0]:.1f} GiB per GPU of 79.6 GiB" in line
+    for candidate in closest:
+        assert candidate["reason"] == OUT_OF_MEMORY
+        assert Strategy.from_dict(candidate["strategy"]).label() == candidate["label"]
+        parts = candidate["needs_gib"]
+        assert {"weights", "grads", "optimizer", "activations", "allocated", "device_total"} <= parts.keys()
+        assert candidate["over_gib"] == round(parts["device_total"] - 79.6, 3) > 0
+    smallest = refused["smallest_hardware"]
+    assert smallest and all(option["needs_gib"] <= option["device_gib"] for option in smallest)
+    assert f"{smallest[0]['gpus']} x {smallest[0]['gpu']} ({smallest[0]['label']})" in line
+
+
+def test_json_of_a_request_no_strategy_can_run_gives_the_reasons() -> None:
+    result = run_cli(*TOO_BIG, "--micro-batch", "3", "--json")
+    line = one_line_error(result)
+    data = json.loads(result.stdout)
+    assert data["nothing_fits"]["closest"] == [] and data["nothing_fits"]["smallest_hardware"] == []
+    assert data["excluded"] == [{"reason": "--micro-batch 3 does not divide the per-rank batch", "count": 1}]
+    assert data["nothing_fits"]["summary"] == line.removeprefix("redline: ")
+
+
+def test_without_json_a_refusal_is_one_line_saying_what_the_closest_needs() -> None:
+    result = run_cli(*TOO_BIG)
+    line = one_line_error(result)
+    assert result.stdout == ""
+    assert "the smallest footprint (ddp dp1 mb1x128 bf16 ckpt=full) needs " in line and "GiB per GPU of 79.6" in line
+
+
+def test_a_search_keeps_the_candidates_nearest_to_fitting() -> None:
+    profile = preset_profile("llama-2-13b")
+    result = search.search(profile, parse_hardware("1xh100-sxm"), Goal(global_batch=128))
+    totals = [e.memory.device_total for e in result.closest_misfits]
+    assert len(totals) == search.CLOSEST_KEPT and totals == sorted(totals)
+    assert result.closest_misfit is result.closest_misfits[0] and not result.ranked
