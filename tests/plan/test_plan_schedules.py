@@ -10,6 +10,8 @@ from redline.plan.memory import in_flight_micro_batches, stage_memory, stages
 from redline.plan.steptime import bubble_slots, step_time
 from redline.plan.strategy import Strategy
 from redline.workload.presets import preset_profile
+from redline.workload.profile import TransformerShape
+from redline.workload.transformer import transformer_profile
 
 LLAMA7 = preset_profile("llama-2-7b")
 H100X8 = parse_hardware("8xh100-sxm")
@@ -79,15 +81,52 @@ def test_gpipe_holds_every_micro_batch_and_interleaving_a_little_more_than_1f1b(
 
     one_f, gpipe = first_stage(), first_stage(schedule="gpipe")
     inter = first_stage(schedule="interleaved", virtual_stages=2)
-    # 1F1B: 4 micro-batches in flight, and the first one's output, which its send's handle holds to the cool-down;
-    # bf16 (FSDP2 over the data ranks keeps a bf16 residual stream), half the profile's autocast figure
+    # what every schedule holds once: the gradient of the output received for the backward that runs, the element
+    # the dropped outputs share (the step's inputs are a few token ids: left out with the embedding's); bf16 (FSDP2
+    # over the data ranks keeps a bf16 residual stream), half the profile's autocast figure
     output = LLAMA7.blocks[7].input_bytes_per_sample["16bit"] / 2
-    per_micro_batch = (one_f.activations - output) / 4
-    assert gpipe.activations == pytest.approx(16 * per_micro_batch)
-    # each chunk of an interleaved rank holds its own output for each micro-batch in flight (PyTorch's schedule
-    # keeps a stage's outputs to their backward): two per stage's worth with v = 2, one under 1F1B; and to the
-    # step's end every output it sent (the send handles) and its second chunk's 16 receive buffers
-    saved = per_micro_batch - output
+    once = output + 4
+    # 1F1B: 4 micro-batches in flight, and two outputs whose sends' handles the schedule still holds (the latest
+    # forward's, the last warm-up send's)
+    ids = LLAMA7.layers[0].input_bytes_per_sample.get("16bit", 0.0)
+    per_micro_batch = (one_f.activations - once - 2 * output - 12 * ids) / 4
+    # GPipe: all 16, and every output but the first, whose send's handle it keeps until the forwards are done
+    assert gpipe.activations == pytest.approx(16 * per_micro_batch + once + 15 * output)
+    # interleaved: each of its 2 chunks holds its own output for each micro-batch in flight, but the one whose
+    # backward begins (the schedule keeps every send's handle to the step's end), and the next forward's receive
     in_flight = 4 * (1 + 3 / 8)
-    held = 16 * output + 2 * (16 - in_flight) * output
-    assert inter.activations == pytest.approx(in_flight * (saved + 2 * output) + held)
+    embedding = LLAMA7.layers[0]
+    assert embedding.name not in {block.name for block in LLAMA7.blocks}
+    held_embedding = (min(16, 2 * in_flight) - in_flight) * embedding.activation_bytes_per_sample["16bit"]
+    waiting = (16 - min(16, 2 * in_flight)) * ids
+    held = once + (2 * in_flight - 1) * output + output + held_embedding + waiting
+    assert inter.activations == pytest.approx(in_flight * per_micro_batch + held)
+
+
+def with_vocab(vocab: int) -> object:
+    shape = TransformerShape(layers=8, hidden=1024, heads=16, ffn_hidden=4096, vocab=vocab, seq_len=2048)
+    return transformer_profile(shape, name=f"vocab {vocab}", source="test")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual", "head_micro_batches"), [("1f1b", 1, 1), ("interleaved", 2, 1), ("gpipe", 1, 16)]
+)
+def test_the_lm_head_is_counted_once_on_the_last_stage_but_under_gpipe(
+    schedule: str, virtual: int, head_micro_batches: int
+) -> None:
+    """The last stage's activations grow with the vocabulary by one micro-batch's head and loss: the model's last
+    chunk runs each micro-batch's backward right after its forward under 1F1B and interleaved 1F1B (whose last
+    rank holds 2.5 stages' worth of its blocks), every forward before any backward under GPipe."""
+    strategy = Strategy(pipeline=4, accumulation=16, schedule=schedule, virtual_stages=virtual)
+
+    def last_stage_activations(vocab: int) -> float:
+        profile = with_vocab(vocab)
+        return stage_memory(profile, strategy, stages(profile, 4)[-1], gpus_per_node=8).activations
+
+    small, big = with_vocab(32_000), with_vocab(256_000)
+    head_growth = sum(b.activation_bytes_per_sample["16bit"] for b in big.layers if not b.is_block) - sum(
+        s.activation_bytes_per_sample["16bit"] for s in small.layers if not s.is_block
+    )
+    growth = last_stage_activations(256_000) - last_stage_activations(32_000)
+    assert head_growth > 0
+    assert growth == pytest.approx(head_micro_batches * head_growth)

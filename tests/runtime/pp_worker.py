@@ -6,7 +6,8 @@ Environment: MODEL (gpt, llama; see ``tp_worker.make_model``), STRATEGY (JSON of
 REDLINE_PLAN (a plan file, as `redline run --plan` sets it), OUT (a prefix: each rank writes OUT.RANK.pt, its
 parameters whole by the model's own names; rank 0 writes OUT.losses.json, the step losses; each rank
 OUT.bytes.RANK, its parameter bytes), and optionally CHECKPOINT_DIR, STEPS (stop after this many optimizer
-steps), GRAD_CLIP (clip the gradients' norm to this), MISUSE (``no_loss_fn``: prepare() without one;
+steps), GRAD_CLIP (clip the gradients' norm to this), PYTORCH_STAGE (1: PyTorch's own ``PipelineStage`` in place of
+redline's ``ReleasingStage``, the reference for what it frees), MISUSE (``no_loss_fn``: prepare() without one;
 ``call_model``: the loop calls run.model; either way, or any BadInput, its message goes to OUT.error and the
 rank exits 0).
 """
@@ -68,6 +69,12 @@ def main() -> None:
         "grad_clip_norm": float(os.environ["GRAD_CLIP"]) if os.environ.get("GRAD_CLIP") else None,
     }
     steps = int(os.environ["STEPS"]) if os.environ.get("STEPS") else None
+    if os.environ.get("PYTORCH_STAGE") == "1":
+        from torch.distributed.pipelining import PipelineStage
+
+        import redline.runtime.pipeline
+
+        redline.runtime.pipeline.ReleasingStage = PipelineStage  # type: ignore[misc]
     out = os.environ["OUT"]
     try:
         run, losses = train(os.environ["MODEL"], plan, steps=steps, misuse=os.environ.get("MISUSE"), **settings)

@@ -83,6 +83,20 @@ def test_pipeline_stages_beside_data_or_tensor_parallel_ranks_train_as_one_proce
 
 
 @pytest.mark.ranks
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_releasing_what_megatron_releases_changes_no_loss_or_weight(tmp_path: Path, schedule: str) -> None:
+    """redline's stage (sent outputs' data freed, receive buffers lent per micro-batch) against PyTorch's own
+    ``PipelineStage`` under each schedule: the same losses and weights, bit for bit, over every step."""
+    strategy = {"pipeline": 2, "micro_batch": 2, "accumulation": 4} | SCHEDULES[schedule]
+    released = ranks(tmp_path / "released", "gpt", 2, strategy, STEPS="3")
+    pytorchs = ranks(tmp_path / "pytorch", "gpt", 2, strategy, STEPS="3", PYTORCH_STAGE="1")
+    assert released[1] == pytorchs[1] and len(released[1]) == 3
+    assert released[0].keys() == pytorchs[0].keys()
+    for name, value in pytorchs[0].items():
+        assert torch.equal(released[0][name], value), name
+
+
+@pytest.mark.ranks
 def test_gradient_clipping_takes_the_norm_over_every_stage(tmp_path: Path) -> None:
     """A clip that bites (the norm is above 0.5 at every step): the same scale as one process's over the whole
     model, so the same weights."""

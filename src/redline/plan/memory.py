@@ -35,6 +35,12 @@ from typing import Any
 from redline.plan import dtypes
 from redline.plan.dtypes import activation_key, activation_value_bytes, block_input_bytes
 from redline.plan.model_states import ZERO_STAGE, optimizer_state_bytes, pytorch_state_bytes
+from redline.plan.pipeline_memory import (
+    held_stage_outputs,
+    in_flight_micro_batches,
+    outside_blocks_micro_batches,
+    pipeline_step_tensors,
+)
 from redline.plan.strategy import Strategy
 from redline.units import MiB
 from redline.workload.profile import LayerProfile, WorkloadProfile
@@ -56,7 +62,6 @@ LOSS_BACKWARD_BYTES = 4 + 4  # per token and vocabulary entry: log-softmax's fp3
 # seed gradient of the backward: four fp32 scalars. Under a pipeline the schedule keeps every micro-batch's loss
 # for the step's mean instead, and the seed
 STEP_SCALAR_BYTES = 4 * 4
-TOKEN_ID_BYTES = 8  # an LM's targets: int64 token ids
 
 
 @dataclass(frozen=True)
@@ -205,29 +210,6 @@ def measured_bytes(
     return max(0.0, max(c / strategy.tensor + x * samples for c, x in lines[key]))
 
 
-def in_flight_micro_batches(strategy: Strategy, stage_index: int) -> float:
-    """How many micro-batches' activations of its whole stage a pipeline rank holds at once, by schedule (p
-    stages, m micro-batches, v virtual stages; stage i from 0):
-
-    - GPipe (Huang et al. 2019) runs every forward before any backward: all m, on every stage;
-    - 1F1B (Narayanan et al. 2021, section 2.2) starts a backward once stage i has p - i forwards in flight:
-      min(p - i, m), the first stage the most (p: the activations of L layers, whatever p is);
-    - interleaved 1F1B holds (p - i - 1) x 2 + (v - 1) x p + 1 chunks of 1/v of the stage in warm-up
-      (Megatron-LM's schedule): p + (p - 1)/v stages' worth on the first stage, which is Korthikanti et al. 2022's
-      factor 1 + (p - 1)/(p v) over 1F1B's p; at most m.
-
-    Without a pipeline micro-batches run one after the other: 1.
-    """
-    p, m, v = strategy.pipeline, strategy.accumulation, strategy.virtual_stages
-    if p == 1:
-        return 1.0
-    if strategy.schedule == "gpipe":
-        return float(m)
-    if strategy.schedule == "interleaved":
-        return min(((p - stage_index - 1) * 2 + (v - 1) * p + 1) / v, float(m))
-    return float(min(p - stage_index, m))
-
-
 def recomputes_block(layer: LayerProfile, strategy: Strategy) -> bool:
     """Whether a block's backward reruns its forward first: under full checkpointing, and under selective
     checkpointing where the tracer measured what ``workload.selective``'s per-operator policy keeps (the runtime's:
@@ -285,13 +267,15 @@ def stage_memory(
     cast = _cast_params(profile, strategy, stage, head)
     weight_copies, comm_buffers = _weight_copies_and_comm_buffers(strategy, stage, states, cast)
 
-    # activations kept per layer (the first stage keeps several micro-batches in flight)
+    # activations kept per layer (the first stage keeps several micro-batches in flight, the last one of its head)
     in_flight = in_flight_micro_batches(strategy, stage.index)
+    flights = _micro_batches_held(strategy, stage, in_flight)
     full_blocks = block_activations(profile, strategy, stage)
     kept = _kept_activations(profile, strategy, stage, full_blocks)
-    per_micro_batch = _held_stage_output(profile, strategy, stage) + _fixed_activations(profile, strategy, stage)
-    activations = (sum(kept.values()) + per_micro_batch) * in_flight
-    activations += _pipeline_step_tensors(profile, strategy, stage, in_flight)
+    activations = sum(kept[name] * flights[name] for name in kept)
+    activations += _fixed_activations(profile, strategy, stage, flights, in_flight)
+    activations += held_stage_outputs(profile, strategy, stage, in_flight)
+    activations += pipeline_step_tensors(profile, strategy, stage, in_flight)
     # autocast's copies of each layer's weights, in bytes: FSDP's and ZeRO-2's whole units make them unnecessary
     copy_share = COMPUTE_COPY_BYTES[strategy.precision] if states.zero_stage < 2 else 0
     autocast_copies = {name: params * copy_share for name, params in cast.items()}
@@ -310,7 +294,7 @@ def stage_memory(
     grad_share = 0.0 if coexist else states.grads / max(1, stage.params)
     checkpointed = checkpointed_blocks(strategy, stage)
     layers = _layers_in_model_order(
-        profile, strategy, kept, autocast_copies, rise, working | tables, grad_share, checkpointed
+        profile, strategy, kept, autocast_copies, rise, working | tables, grad_share, checkpointed, flights
     )
     grads_before = states.grads if coexist else 0.0
     # FSDP's and ZeRO-2's unsharded units are there through the step; autocast's copies come and go by layer
@@ -321,7 +305,6 @@ def stage_memory(
         layers,
         held=activations + saved_copies,
         grads=grads_before,
-        in_flight=in_flight,
         head=head,
         tied_grad=_tied_head_gradient(profile, strategy, states, head),
     )
@@ -503,84 +486,37 @@ def _kept_activations(
     return kept
 
 
-def _fixed_activations(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> float:
-    """Bytes a stage keeps for its backward once per micro-batch, whatever its size (the tracer's constant terms):
+def _fixed_activations(
+    profile: WorkloadProfile, strategy: Strategy, stage: Stage, flights: dict[str, float], in_flight: float
+) -> float:
+    """Bytes a stage keeps for its backward, per micro-batch whatever its size (the tracer's constant terms), for
+    its micro-batches in flight (``flights`` of each layer outside the blocks, ``in_flight`` of its blocks):
     the per-sequence tensors its layers save (position ids, the loss's total weight; a block's rotary tables), or
     under checkpointing those a block is given and its checkpoint keeps (all its blocks share them: once), and
     without a pipeline the step's scalars around the loss. Not split by tensor parallelism: each rank makes its own.
     The tracer charges a tensor all blocks share to the first block that saves it; a pipeline stage without that
     block makes its own (the runtime's stage code computes the positions and rotary tables for its blocks)."""
     key = activation_key(strategy)
-    fixed = sum(layer.activation_fixed_bytes.get(key, 0.0) for layer in stage.fixed)
+    outside = sum(layer.activation_fixed_bytes.get(key, 0.0) * flights[layer.name] for layer in stage.fixed)
     checkpointed = checkpointed_blocks(strategy, stage)
     full = [block for block in stage.blocks if block.name not in checkpointed]
-    fixed += sum(block.activation_fixed_bytes.get(key, 0.0) for block in full)
+    fixed = sum(block.activation_fixed_bytes.get(key, 0.0) for block in full)
     first = profile.blocks[0] if profile.blocks else None
     # the model's first block, on another stage, reruns its forward only where every block does
     first_reruns = first is not None and strategy.checkpoint_every == 1 and recomputes_block(first, strategy)
     if full and first is not None and first not in stage.blocks and not first_reruns:
         fixed += first.activation_fixed_bytes.get(key, 0.0)
     fixed += max((b.input_fixed_bytes.get(key, 0.0) for b in stage.blocks if b not in full), default=0.0)
-    # a pipeline's schedule keeps its own scalars around the loss (``_pipeline_step_tensors``)
-    return fixed + (STEP_SCALAR_BYTES if strategy.pipeline == 1 else 0.0)
+    # a pipeline's schedule keeps its own scalars around the loss (``pipeline_step_tensors``)
+    fixed += STEP_SCALAR_BYTES if strategy.pipeline == 1 else 0.0
+    return outside + fixed * in_flight
 
 
-def _pipeline_step_tensors(profile: WorkloadProfile, strategy: Strategy, stage: Stage, in_flight: float) -> float:
-    """Bytes a pipeline rank holds beyond what its micro-batches in flight keep, as PyTorch's schedules run
-    (``torch.distributed.pipelining``):
-
-    - the first stage: the step's inputs, all m micro-batches (the schedule splits the batch into views of it);
-    - each of a rank's chunks that receives its input (all but the model's first): a receive buffer for each of
-      the m micro-batches, made with the schedule and kept (those in flight count with their first block; the
-      interleaved schedule's chunks do not each have the rank's average in flight: all m counted again);
-    - the stage outputs sent and already through their backward: 1F1B holds the first micro-batch's (its send's
-      handle) until the cool-down on a stage that warms up with two forwards or more; the interleaved schedule
-      (``PipelineScheduleRuntime``) holds every send's handle, and so every output sent, to the step's end;
-    - the last stage: the targets, all m micro-batches (an LM's, int64 token ids shaped as its input), each
-      micro-batch's loss, kept for the step's mean, and the backward's seed gradient.
-
-    Measured on the CPU (PP=2, m=4): without them a tiny GPT-2 under 1F1B held 3,584 and 13,316 bytes more than
-    planned on its two stages, the repo's GPT interleaved (v=2) 20,928 and 19,322."""
-    if strategy.pipeline == 1:
-        return 0.0
-    key, b, m = activation_key(strategy), strategy.micro_batch, strategy.accumulation
-    waiting = max(0.0, m - in_flight)  # micro-batches not in flight
-    last = stage.index == strategy.pipeline - 1
-    held = 0.0
-    if stage.index == 0 and profile.layers:
-        held += profile.layers[0].input_bytes_per_sample.get(key, 0.0) * b * waiting
-    if stage.blocks:  # a stage's input and output have its blocks' shape
-        sp = strategy.tensor if strategy.sequence_parallel else 1
-        block_io = block_input_bytes(profile, stage.blocks[0], strategy) * b / sp
-        receiving = strategy.virtual_stages - (1 if stage.index == 0 else 0)
-        if strategy.schedule == "interleaved":
-            sending = strategy.virtual_stages - (1 if last else 0)
-            held += receiving * block_io * m + sending * block_io * waiting
-        else:
-            held += receiving * block_io * waiting
-            if strategy.schedule == "1f1b" and not last and min(in_flight, m) >= 2:
-                held += block_io
-    if last:
-        held += 4 * (m + 1)  # each micro-batch's loss, the seed gradient
-        if profile.loss_vocab:
-            held += TOKEN_ID_BYTES * profile.tokens_per_sample * b * m
-    return held
-
-
-def _held_stage_output(profile: WorkloadProfile, strategy: Strategy, stage: Stage) -> float:
-    """Bytes of a pipeline stage's output that PyTorch's schedule holds for each micro-batch in flight, on all but
-    the last stage: ``torch.distributed.pipelining`` keeps a stage's outputs (its ``fwd_cache``) until their
-    backward, and the last block's output is saved by nothing else (its residual add saves nothing); Megatron
-    frees that tensor's data after sending it, PyTorch does not. The same shape as a block's input (split along
-    the sequence under sequence parallelism). Interleaved, each of a rank's v chunks holds its own (but the last
-    rank's last, the model's output): per stage's worth of micro-batches in flight, v of them. Measured on the
-    CPU (tiny GPT-2, PP=2, 1F1B, micro-batch 2): the first stage held 12,032 bytes more than planned, two
-    micro-batches' 4,096-byte outputs of it."""
-    chunks = strategy.virtual_stages - (1 if stage.index == strategy.pipeline - 1 else 0)
-    if strategy.pipeline == 1 or not stage.blocks or chunks == 0:
-        return 0.0
-    per_sample = block_input_bytes(profile, stage.blocks[-1], strategy)
-    return chunks * per_sample * strategy.micro_batch / (strategy.tensor if strategy.sequence_parallel else 1)
+def _micro_batches_held(strategy: Strategy, stage: Stage, in_flight: float) -> dict[str, float]:
+    """How many micro-batches' activations of each layer of the stage are held at once: the stage's in flight
+    for its blocks, ``outside_blocks_micro_batches`` for the others (an LM's head: one but under GPipe)."""
+    outside = outside_blocks_micro_batches(strategy, stage, in_flight)
+    return {block.name: in_flight for block in stage.blocks} | {layer.name: outside for layer in stage.fixed}
 
 
 def _forward_rise(layer: LayerProfile, strategy: Strategy, saved: float, autocast_copies: dict[str, float]) -> float:
@@ -661,6 +597,7 @@ class _LayerMemory:
     rise: float  # how far memory rises while its forward runs, above what the layers before it keep
     working: float  # its backward's working set, on top of what is still held
     grads: float  # the gradients that arrive as its backward ends (none where all exist from the start)
+    in_flight: float  # micro-batches whose activations of it are held at once (``_micro_batches_held``)
 
 
 def _layers_in_model_order(
@@ -672,8 +609,10 @@ def _layers_in_model_order(
     working: dict[str, float],
     grad_share: float,
     checkpointed: frozenset[str],
+    flights: dict[str, float],
 ) -> list[_LayerMemory]:
-    """The stage's layers as the forward meets them (``checkpointed``: the blocks that rerun their forward)."""
+    """The stage's layers as the forward meets them (``checkpointed``: the blocks that rerun their forward;
+    ``flights``: the micro-batches in flight of each)."""
     key = activation_key(strategy)
     return [
         _LayerMemory(
@@ -688,6 +627,7 @@ def _layers_in_model_order(
             rise=rise[layer.name],
             working=working.get(layer.name, 0.0),
             grads=layer.params * grad_share,
+            in_flight=flights[layer.name],
         )
         for layer in profile.layers
         if layer.name in kept
@@ -710,7 +650,6 @@ def _backward_peak(
     *,
     held: float,
     grads: float,
-    in_flight: float,
     head: LayerProfile | None,
     tied_grad: float,
 ) -> float:
@@ -726,7 +665,7 @@ def _backward_peak(
     for memory in reversed(layers):
         peak = max(peak, grads + pending + held + memory.working)
         grads += memory.grads
-        held -= (memory.kept - memory.output) * in_flight + memory.copies
+        held -= (memory.kept - memory.output) * memory.in_flight + memory.copies
         if memory.layer is head:
             pending = tied_grad
         elif memory.layer.table_params:

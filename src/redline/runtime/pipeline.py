@@ -25,7 +25,8 @@ How a stage computes (``StageLayout``), first match wins:
 The loss runs on the last stage, ``loss_fn(output, target)`` per micro-batch, each micro-batch's gradient
 scaled by 1/micro-batches (the mean, as accumulation takes it). A weight both the first and the last stage use
 (an embedding tied to the output head) is held by both, its gradient summed over the two after each backward,
-as Megatron does.
+as Megatron does. Each stage holds what Megatron-LM's stages hold (``pipeline_stage.ReleasingStage``): a sent
+output's data is freed, and receive buffers are lent to the micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torch import nn
 
 from redline.errors import BadInput
 from redline.plan.memory import block_counts
+from redline.runtime.pipeline_stage import ReleasingStage
 from redline.workload.structure import find_blocks, module_prefix
 
 # run(model, x, blocks, first, last): one stage's share of the model's forward
@@ -365,9 +367,9 @@ class Pipeline:
 
         count = dist.get_world_size(self.group) * len(self.stages)
         if not self._pipeline_stages:
+            # PyTorch's stage, releasing a sent output's data and lending receive buffers as Megatron does
             self._pipeline_stages = [
-                pipelining.PipelineStage(stage, stage.stage_index, count, self._device, group=self.group)
-                for stage in self.stages
+                ReleasingStage(stage, stage.stage_index, count, self._device, group=self.group) for stage in self.stages
             ]
         cls = getattr(pipelining, SCHEDULES[self.schedule])
         held = self._pipeline_stages if self.schedule == "interleaved" else self._pipeline_stages[0]
