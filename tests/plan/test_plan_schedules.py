@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from redline.plan.hardware import parse_hardware
-from redline.plan.memory import in_flight_micro_batches, stage_memory, stages
+from redline.plan.memory import in_flight_micro_batches, memory_per_gpu, stage_memory, stages
 from redline.plan.steptime import bubble_slots, step_time
 from redline.plan.strategy import Strategy
 from redline.workload.presets import preset_profile
@@ -130,3 +130,27 @@ def test_the_lm_head_is_counted_once_on_the_last_stage_but_under_gpipe(
     growth = last_stage_activations(256_000) - last_stage_activations(32_000)
     assert head_growth > 0
     assert growth == pytest.approx(head_micro_batches * head_growth)
+
+
+def test_a_middle_stage_holding_one_block_more_than_the_first_counts_when_it_is_the_busiest() -> None:
+    """7 blocks on 4 stages go 1, 2, 2, 2: stage 1 keeps 3 micro-batches of 2 blocks, the first 4 of 1, and with a
+    small vocabulary the last stage's head is light, so stage 1 is the busiest and the plan must say its figure."""
+    shape = TransformerShape(
+        layers=7,
+        hidden=4096,
+        heads=32,
+        ffn_hidden=16384,
+        vocab=1024,
+        seq_len=4096,
+        dropout=False,
+        bias=False,
+        norm="rmsnorm",
+        tied_embeddings=False,
+    )
+    profile = transformer_profile(shape, name="seven blocks", source="test")
+    strategy = Strategy(pipeline=4, micro_batch=1, accumulation=8, precision="bf16", sharding="ddp")
+    split = stages(profile, 4)
+    assert [len(stage.blocks) for stage in split] == [1, 2, 2, 2]
+    each = [stage_memory(profile, strategy, stage, gpus_per_node=8).device_total for stage in split]
+    assert max(each) == each[1] > max(each[0], each[-1])
+    assert memory_per_gpu(profile, strategy, 8).device_total == each[1]

@@ -685,11 +685,14 @@ def shard_degree(strategy: Strategy, gpus_per_node: int) -> int:
 def memory_per_gpu(
     profile: WorkloadProfile, strategy: Strategy, gpus_per_node: int, *, cpu: bool = False
 ) -> MemoryBreakdown:
-    """The busiest pipeline stage's memory: the first stage holds the most micro-batches in flight, the last
-    the head (a large untied one, and the logits); a middle stage holds no more than the first. ``cpu``: the
-    strategy runs on a CPU (``Cluster.on_cpu``), without a GPU's runtime (CUDA context, NCCL, cuBLAS)."""
+    """The busiest pipeline stage's memory. Micro-batches in flight fall with a stage's index and blocks per stage
+    rise by one where the remainder starts (``block_counts``), so the busiest is the first stage, the first stage
+    that holds one block more, or the last (the head: a large untied one, and the logits). ``cpu``: the strategy
+    runs on a CPU (``Cluster.on_cpu``), without a GPU's runtime (CUDA context, NCCL, cuBLAS)."""
     split = stages(profile, strategy.pipeline)
-    busiest = split[:1] + split[1:][-1:]
+    counts = [len(stage.blocks) for stage in split]
+    more = next((index for index, count in enumerate(counts) if count > counts[0]), 0)
+    busiest = [split[index] for index in sorted({0, more, len(split) - 1})]
     candidates = [stage_memory(profile, strategy, stage, gpus_per_node=gpus_per_node, cpu=cpu) for stage in busiest]
     return _calibrated(profile, max(candidates, key=lambda m: m.device_total))
 
