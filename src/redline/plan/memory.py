@@ -504,9 +504,11 @@ def _fixed_activations(
     first = profile.blocks[0] if profile.blocks else None
     # the model's first block, on another stage, reruns its forward only where every block does
     first_reruns = first is not None and strategy.checkpoint_every == 1 and recomputes_block(first, strategy)
-    if full and first is not None and first not in stage.blocks and not first_reruns:
+    # blocks compared by name: a LayerProfile's own equality compares every figure it holds
+    on_stage = {block.name for block in stage.blocks}
+    if full and first is not None and first.name not in on_stage and not first_reruns:
         fixed += first.activation_fixed_bytes.get(key, 0.0)
-    fixed += max((b.input_fixed_bytes.get(key, 0.0) for b in stage.blocks if b not in full), default=0.0)
+    fixed += max((b.input_fixed_bytes.get(key, 0.0) for b in stage.blocks if b.name in checkpointed), default=0.0)
     # a pipeline's schedule keeps its own scalars around the loss (``pipeline_step_tensors``)
     fixed += STEP_SCALAR_BYTES if strategy.pipeline == 1 else 0.0
     return outside + fixed * in_flight
