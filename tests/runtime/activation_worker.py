@@ -1,8 +1,9 @@
 """Measures, per rank, the activation bytes of one training step run by ``prepare()`` on the CPU, with PyTorch's
 ``MemTracker``: run by ``spawn_ranks`` (gloo) for tensor, pipeline and data parallelism, and as one process.
 
-The first steps run untracked (they make the optimizer's states, DDP its buckets); the third is tracked whole:
-under a pipeline the schedule's every micro-batch, with as many in flight as it keeps. MemTracker files every
+The first steps run untracked (they make the optimizer's states, DDP its buckets); the third and the fourth are
+tracked, each whole, and each figure is the smaller of the two: under a pipeline the schedule's every micro-batch,
+with as many in flight as it keeps. MemTracker files every
 tensor made in a forward (and in a checkpointed block's recomputation) under "Activation". The worker keeps of
 that category: what is held as each backward begins (what the forward passes in flight saved for their
 backward: the plan's ``activations``), the peak through the forward passes (with their transient tensors), and
@@ -27,6 +28,7 @@ import tp_worker
 # the step tracked: DDP rebuilds its gradient buckets in the second step's forward, which MemTracker would file
 # under "Activation"
 TRACKED = 2
+TRACKED_STEPS = 2
 
 
 def gpt() -> tuple[torch.nn.Module, tuple[int, ...]]:
@@ -93,12 +95,14 @@ def main() -> None:
     )
     optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     run = prepare(model, optimizer, loader, plan=RunConfig(strategy=strategy), loss_fn=pp_worker.loss_fn)
-    tracker, tracking = activation_tracker(), False
-    for tokens, targets in run.micro_batches():
-        if run.step == TRACKED and not tracking:
-            tracker.track_external(run.model, run.optimizer)
-            tracker.__enter__()
-            tracking = True
+    # two steps tracked apart, each figure the smaller of the two: on a loaded machine a collective's buffer that
+    # another thread frees a moment late can land in one step's snapshot as the backward begins
+    tracking, tracked = None, []
+    for tokens, targets in run.micro_batches(epochs=TRACKED + TRACKED_STEPS):
+        if tracking is None and run.step == TRACKED + len(tracked):
+            tracking = activation_tracker()
+            tracking.track_external(run.model, run.optimizer)
+            tracking.__enter__()
         with run.accumulate():
             if strategy.pipeline > 1:
                 run.forward_backward(tokens, targets)
@@ -106,11 +110,15 @@ def main() -> None:
                 logits = tp_worker.logits(run.model, tokens)
                 run.backward(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
                 del logits
-        if run.step == TRACKED + 1:
-            tracker.__exit__(None, None, None)
-            break
+        if tracking is not None and run.step == TRACKED + len(tracked) + 1:
+            tracking.__exit__(None, None, None)
+            tracked.append(tracking)
+            tracking = None
+            if len(tracked) == TRACKED_STEPS:
+                break
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    peaks = {"saved": tracker.saved, "forward": tracker.forward_peak, "step": tracker.step_peak}
+    figures = {"saved": "saved", "forward": "forward_peak", "step": "step_peak"}
+    peaks = {key: min(getattr(tracker, name) for tracker in tracked) for key, name in figures.items()}
     Path(f"{os.environ['OUT']}.{rank}.json").write_text(json.dumps(peaks))
     run.close()
     if torch.distributed.is_initialized():
