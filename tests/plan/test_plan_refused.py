@@ -39,8 +39,10 @@ def test_json_says_what_the_closest_candidates_need_and_why_they_were_refused() 
         parts = candidate["needs_gib"]
         assert {"weights", "grads", "optimizer", "activations", "allocated", "device_total"} <= parts.keys()
         assert candidate["over_gib"] == round(parts["device_total"] - 79.6, 3) > 0
+    assert refused["fits_without_pins"] is None  # nothing was pinned
     smallest = refused["smallest_hardware"]
     assert smallest and all(option["needs_gib"] <= option["device_gib"] for option in smallest)
+    assert smallest[0]["gpu"] == "h100-sxm"  # more of the GPU asked for comes first, then the smallest others
     assert f"{smallest[0]['gpus']} x {smallest[0]['gpu']} ({smallest[0]['label']})" in line
 
 
@@ -66,3 +68,32 @@ def test_a_search_keeps_the_candidates_nearest_to_fitting() -> None:
     totals = [e.memory.device_total for e in result.closest_misfits]
     assert len(totals) == search.CLOSEST_KEPT and totals == sorted(totals)
     assert result.closest_misfit is result.closest_misfits[0] and not result.ranked
+
+
+PINNED = {"--sharding": "fsdp", "--checkpointing": "none", "--tp": "1", "--pp": "1", "--micro-batch": "8"}
+PINNED_FIELDS = {
+    "--sharding": "sharding",
+    "--checkpointing": "checkpointing",
+    "--tp": "tensor",
+    "--pp": "pipeline",
+    "--micro-batch": "micro_batch",
+}
+
+
+def test_a_pinned_layout_that_does_not_fit_names_the_pins_in_the_way_not_other_hardware() -> None:
+    """8 H100s hold a 7B Llama many ways; micro-batches of 8 uncheckpointed 4096-token sequences are not one of
+    them. The answer is the pins to drop on this hardware, not a list of other (smaller) GPUs."""
+    pins = [part for flag, value in PINNED.items() for part in (flag, value)]
+    args = ("plan", "-m", "llama-2-7b", "--hardware", "8xh100-sxm", "--global-batch", "64", "--seq-len", "4096")
+    result = run_cli(*args, "--precision", "bf16", *pins, "--json")
+    line = one_line_error(result)
+    refused = json.loads(result.stdout)["nothing_fits"]
+    assert refused["smallest_hardware"] == [] and "Smallest hardware" not in line
+    free = refused["fits_without_pins"]
+    assert free["needs_gib"] <= refused["usable_gib"]
+    strategy = Strategy.from_dict(free["strategy"])
+    assert strategy.label() == free["label"] and f"it fits here: {free['label']} needs" in line
+    assert free["pins"] and f"Without {', '.join(free['pins'])} it fits here" in line
+    for pin in free["pins"]:  # each named pin is given as asked and is one the free strategy does not keep
+        flag, value = pin.split(" ")
+        assert PINNED[flag] == value and str(getattr(strategy, PINNED_FIELDS[flag])) != value

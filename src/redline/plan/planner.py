@@ -29,6 +29,7 @@ from redline.plan.search import (
     SearchResult,
     default_precision,
     explain_no_fit,
+    fit_without_pins,
     search,
     slower_than_fp32,
     smallest_fitting,
@@ -114,20 +115,16 @@ class NothingFits(BadInput):
         profile: WorkloadProfile,
         cluster: Cluster,
         smallest: list[tuple[Cluster, Estimate]],
+        unpinned: tuple[list[str], Estimate] | None = None,
     ) -> None:
         super().__init__(message)
-        self.message, self.result, self.profile, self.cluster, self.smallest = (
-            message,
-            result,
-            profile,
-            cluster,
-            smallest,
-        )
+        self.message, self.result, self.profile, self.cluster = message, result, profile, cluster
+        self.smallest, self.unpinned = smallest, unpinned
 
     def to_dict(self) -> dict[str, Any]:
         """The keys of ``Plans.to_dict`` (no plan, nothing ranked) and ``nothing_fits``: the summary the CLI says,
         the device's memory, the closest candidates (strategy, memory per GPU by component in GiB, the reason each
-        was excluded) and the smallest catalog hardware that fits."""
+        was excluded), the pins to drop where a free layout fits here, and the smallest catalog hardware that fits."""
         cluster, margin = self.cluster, self.result.memory_margin
         usable = (1 - margin) * cluster.memory_bytes
 
@@ -151,6 +148,15 @@ class NothingFits(BadInput):
             | {"needs_gib": gib(e.memory.device_total), "device_gib": gib(c.memory_bytes)}
             for c, e in self.smallest
         ]
+        fits_without = None
+        if self.unpinned is not None:
+            pins, best = self.unpinned
+            fits_without = {
+                "pins": pins,
+                "label": best.strategy.label(),
+                "strategy": best.strategy.to_dict(),
+                "needs_gib": gib(best.memory.device_total),
+            }
         refusal = {
             "summary": self.message,
             "hardware": cluster.name,
@@ -158,6 +164,7 @@ class NothingFits(BadInput):
             "memory_margin": margin,
             "usable_gib": gib(usable),
             "closest": closest,
+            "fits_without_pins": fits_without,
             "smallest_hardware": smallest,
         }
         return {
@@ -170,7 +177,7 @@ class NothingFits(BadInput):
         }
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.message, self.result, self.profile, self.cluster, self.smallest)
+        return type(self), (self.message, self.result, self.profile, self.cluster, self.smallest, self.unpinned)
 
 
 def plan_training(
@@ -336,11 +343,19 @@ def _fitted_text(fitted: Calibration, precision: str) -> str:
 def _nothing_fits(
     result: SearchResult, profile: WorkloadProfile, cluster: Cluster, goal: Goal, constraints: Constraints
 ) -> NothingFits:
-    """Why no strategy fits, and where the model was too big, the smallest catalog hardware on which it would."""
+    """Why no strategy fits, and what would: the pins to drop where a free layout fits this hardware, else (where
+    the model was too big) the smallest catalog hardware on which it would."""
     message = explain_no_fit(result, cluster)
     smallest: list[tuple[Cluster, Estimate]] = []
-    if result.closest_misfit is not None:
-        smallest = smallest_fitting(profile, goal, constraints)
+    unpinned = fit_without_pins(profile, cluster, goal, constraints)
+    if unpinned is not None:
+        pins, best = unpinned
+        message += (
+            f". Without {', '.join(pins)} it fits here: {best.strategy.label()} needs "
+            f"{best.memory.device_total / GiB:.1f} GiB per GPU"
+        )
+    elif result.closest_misfit is not None:
+        smallest = smallest_fitting(profile, goal, constraints, prefer=cluster.gpu.key if cluster.gpu else None)
         if smallest:
             options = "; ".join(
                 f"{c.gpus} x {c.gpu.key if c.gpu else c.device} ({e.strategy.label()})" for c, e in smallest
@@ -348,4 +363,4 @@ def _nothing_fits(
             message += f". Smallest hardware that fits (micro-batch 1, full checkpointing): {options}"
         else:
             message += ". It fits on no catalog GPU up to 1024 GPUs"
-    return NothingFits(message, result, profile, cluster, smallest)
+    return NothingFits(message, result, profile, cluster, smallest, unpinned)

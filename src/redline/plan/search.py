@@ -387,15 +387,63 @@ def explain_no_fit(result: SearchResult, cluster: Cluster) -> str:
     )
 
 
+# the layout a user can pin, by the `redline plan` flag that pins each: what a refusal may ask to leave to the
+# search (precision, optimizer, sequence parallelism and the attention kernel are the run's own terms: kept)
+LAYOUT_FLAGS = {
+    "tensor": "--tp",
+    "pipeline": "--pp",
+    "sharding": "--sharding",
+    "micro_batch": "--micro-batch",
+    "accumulation": "--accumulation",
+    "checkpointing": "--checkpointing",
+    "checkpoint_every": "--ac-every",
+    "schedule": "--schedule",
+    "virtual_stages": "--virtual-stages",
+}
+
+
+def fit_without_pins(
+    profile: WorkloadProfile, cluster: Cluster, goal: Goal, constraints: Constraints
+) -> tuple[list[str], Estimate] | None:
+    """Where the pinned layout fits nowhere on ``cluster`` but a free one does: the pins in the way (as flags with
+    their values, those the best free strategy does not share) and that strategy. None when nothing was pinned
+    or nothing fits here even free (then other hardware is the answer)."""
+    pinned = {name: getattr(constraints, name) for name in LAYOUT_FLAGS if getattr(constraints, name) is not None}
+    if not pinned:
+        return None
+    try:
+        free = replace(
+            constraints,
+            tensor=None,
+            pipeline=None,
+            sharding=None,
+            micro_batch=None,
+            accumulation=None,
+            checkpointing=None,
+            checkpoint_every=None,
+            schedule=None,
+            virtual_stages=None,
+        )
+        result = search(profile, cluster, goal, free)
+    except BadInput:
+        return None
+    if not result.ranked:
+        return None
+    best = result.ranked[0]
+    differ = [name for name, value in pinned.items() if getattr(best.strategy, name) != value] or list(pinned)
+    return [f"{LAYOUT_FLAGS[name]} {pinned[name]}" for name in differ], best
+
+
 # the GPU counts tried when looking for the smallest hardware that fits: one node of 1-8, then whole nodes
 HARDWARE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def smallest_fitting(
-    profile: WorkloadProfile, goal: Goal, constraints: Constraints, *, limit: int = 3
+    profile: WorkloadProfile, goal: Goal, constraints: Constraints, *, limit: int = 3, prefer: str | None = None
 ) -> list[tuple[Cluster, Estimate]]:
     """For each catalog GPU, the fewest GPUs (8 per node) on which the model fits with its leanest
-    strategy (micro-batch 1, full checkpointing); the ``limit`` smallest by total GPU memory."""
+    strategy (micro-batch 1, full checkpointing); the ``limit`` smallest by total GPU memory, the ``prefer`` GPU
+    (the one the user asked for: more of it is the first answer) first."""
     from redline.plan.hardware import catalog_cluster
     from redline.specs.catalog import gpu_catalog
 
@@ -417,5 +465,11 @@ def smallest_fitting(
             if result.ranked:
                 found.append((cluster, result.ranked[0]))
                 break
-    found.sort(key=lambda pair: (pair[0].gpus * pair[0].memory_bytes, pair[0].gpus))
+    found.sort(
+        key=lambda pair: (
+            pair[0].gpu is None or pair[0].gpu.key != prefer,
+            pair[0].gpus * pair[0].memory_bytes,
+            pair[0].gpus,
+        )
+    )
     return found[:limit]
