@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,12 @@ def test_over_a_long_link_fetch_sizes_itself_and_resumes_after_kill_9(far_nginx,
     assert summary["link"]["rtt_s"] >= 0.09 and summary["streams"] == 16 and summary["chunk_bytes"] == 8 * MiB
     assert (tmp_path / "plain.bin").read_bytes() == data
 
-    baseline = server.sent_bytes("/far.bin")
+    # nginx logs a request when it has handed its last byte to the kernel, which can be after the client has it:
+    # wait for the first fetch's whole file in the log, or its late lines count against the resumed fetch
+    deadline = time.monotonic() + 60
+    while (baseline := server.sent_bytes("/far.bin")) < len(data) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert baseline >= len(data)
     dest = tmp_path / "resumed.bin"
     argv = (url, str(dest), "--streams", "3", "--chunk-size", "1M")
     first = _redline(link, tmp_path, "fetch", *argv)
