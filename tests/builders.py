@@ -35,6 +35,7 @@ from redline.hw.snapshot import (
     TorchInfo,
 )
 from redline.units import GiB, MiB
+from redline.workload.profile import TransformerShape
 
 H100_MEMORY_BYTES = 81559 * MiB
 
@@ -240,3 +241,19 @@ TINY_LLAMA: dict[str, Any] = {
     "max_position_embeddings": 128,
     "vocab_size": 1000,
 }
+
+
+def megatron_gpt(hidden: int, layers: int, heads: int, *, residual_bytes: int | None = None) -> TransformerShape:
+    """A GPT as Megatron-LM's papers size it (Narayanan et al. 2021, Korthikanti et al. 2022): a 4h MLP, a 51,200
+    vocabulary, 2,048 learned positions, dropout; ``residual_bytes=2`` plans Megatron's bf16 residual stream, None
+    the stream redline's runtime keeps."""
+    return TransformerShape(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        ffn_hidden=4 * hidden,
+        vocab=51200,
+        seq_len=2048,
+        position_embeddings=2048,
+        residual_bytes=residual_bytes,
+    )

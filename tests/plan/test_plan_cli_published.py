@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from builders import megatron_gpt
 from conftest import run_cli
 from redline.plan.estimate import Goal
 from redline.plan.hardware import catalog_cluster
@@ -73,19 +74,6 @@ def gpt_config(hidden: int, layers: int, heads: int) -> dict[str, Any]:
     }
 
 
-def gpt_shape(hidden: int, layers: int, heads: int) -> TransformerShape:
-    """The same GPT as the planner's shape: tied head, LayerNorm, biases, dropout 0.1."""
-    return TransformerShape(
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        ffn_hidden=4 * hidden,
-        vocab=51200,
-        seq_len=2048,
-        position_embeddings=2048,
-    )
-
-
 def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int) -> dict[str, Any]:
     """A Llama 2 config.json as Meta published it (the fields the shape reads, and a few it does not)."""
     return {
@@ -132,7 +120,7 @@ CASES = [
     Published(
         "Korthikanti 175B selective",
         gpt_config(12288, 96, 96),
-        gpt_shape(12288, 96, 96),
+        megatron_gpt(12288, 96, 96),
         "a100-sxm4-80gb",
         8,
         SELENE_GBPS,
@@ -150,7 +138,7 @@ CASES = [
     Published(
         "Korthikanti 22B full",
         gpt_config(6144, 48, 64),
-        gpt_shape(6144, 48, 64),
+        megatron_gpt(6144, 48, 64),
         "a100-sxm4-80gb",
         1,
         SELENE_GBPS,

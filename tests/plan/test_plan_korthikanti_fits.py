@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from builders import megatron_gpt
 from redline.plan.estimate import Goal
 from redline.plan.hardware import catalog_cluster
 from redline.plan.search import Constraints, search
@@ -16,28 +17,13 @@ from redline.units import GiB
 from redline.workload.profile import TransformerShape
 from redline.workload.transformer import transformer_profile
 
-
-def megatron_gpt(hidden: int, layers: int, heads: int) -> TransformerShape:
-    """The paper's GPT: 4h MLP, 51,200 vocabulary, 2,048 learned positions, dropout, Megatron's bf16 residual."""
-    return TransformerShape(
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        ffn_hidden=4 * hidden,
-        vocab=51200,
-        seq_len=2048,
-        position_embeddings=2048,
-        residual_bytes=2,
-    )
-
-
 # Table 3: tensor 8 everywhere, no data parallelism; (model, shape, GPUs, pipeline, virtual stages, micro-batch,
 # global batch)
 TABLE3 = [
-    ("22B", megatron_gpt(6144, 48, 64), 8, 1, 1, 4, 4),
-    ("175B", megatron_gpt(12288, 96, 96), 64, 8, 3, 1, 64),
-    ("530B", megatron_gpt(20480, 105, 128), 280, 35, 3, 1, 280),
-    ("1T", megatron_gpt(25600, 128, 160), 512, 64, 1, 1, 512),
+    ("22B", megatron_gpt(6144, 48, 64, residual_bytes=2), 8, 1, 1, 4, 4),
+    ("175B", megatron_gpt(12288, 96, 96, residual_bytes=2), 64, 8, 3, 1, 64),
+    ("530B", megatron_gpt(20480, 105, 128, residual_bytes=2), 280, 35, 3, 1, 280),
+    ("1T", megatron_gpt(25600, 128, 160, residual_bytes=2), 512, 64, 1, 1, 512),
 ]
 # Table 5's two modes: Megatron's full recomputation without sequence parallelism (the baseline), and the paper's
 # sequence parallelism with selective recomputation

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from builders import megatron_gpt
 from redline.plan.comm import Link, collective_s, p2p_s, ring_s
 from redline.plan.model_states import StateBytes, max_params_that_fit, zero_state_bytes
 from redline.workload.presets import TRANSFORMER_PRESETS
@@ -219,22 +220,9 @@ def test_mt_nlg_throughput_per_gpu(gpus: int, seconds: float, tflops: float) -> 
     assert mt_nlg_step_flops() / (seconds * gpus) / 1e12 == pytest.approx(tflops, rel=TOL)
 
 
-def gpt(hidden: int, layers: int, heads: int) -> TransformerShape:
-    """Megatron GPT as Narayanan et al. 2021 size it: f = 4h, V = 51200, s = 2048, learned positions."""
-    return TransformerShape(
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        ffn_hidden=4 * hidden,
-        vocab=51200,
-        seq_len=2048,
-        position_embeddings=2048,
-    )
-
-
 NARAYANAN_8TP = [  # Narayanan et al. 2021 section 5.1: T_train ~ 8 T P / (n X)
-    pytest.param(gpt(12288, 96, 96), 300e9, 1024, 140e12, 34, id="gpt3-175b"),
-    pytest.param(gpt(25600, 128, 160), 450e9, 3072, 163e12, 84, id="gpt-1t"),
+    pytest.param(megatron_gpt(12288, 96, 96), 300e9, 1024, 140e12, 34, id="gpt3-175b"),
+    pytest.param(megatron_gpt(25600, 128, 160), 450e9, 3072, 163e12, 84, id="gpt-1t"),
 ]
 
 
@@ -247,12 +235,12 @@ def test_narayanan_training_time_rule(
 
 
 NARAYANAN_TABLE2 = [  # Narayanan Table 2, PTD-P, 300B tokens, batch 1536: GPUs, TFLOP/s per GPU, days
-    pytest.param(gpt(12288, 96, 96), 384, 153, 84, id="174.6b-384gpus"),
-    pytest.param(gpt(12288, 96, 96), 768, 149, 43, id="174.6b-768gpus"),
-    pytest.param(gpt(12288, 96, 96), 1536, 141, 23, id="174.6b-1536gpus"),
-    pytest.param(gpt(20480, 105, 128), 560, 171, 156, id="529.6b-560gpus"),
-    pytest.param(gpt(20480, 105, 128), 1120, 167, 80, id="529.6b-1120gpus"),
-    pytest.param(gpt(20480, 105, 128), 2240, 159, 42, id="529.6b-2240gpus"),
+    pytest.param(megatron_gpt(12288, 96, 96), 384, 153, 84, id="174.6b-384gpus"),
+    pytest.param(megatron_gpt(12288, 96, 96), 768, 149, 43, id="174.6b-768gpus"),
+    pytest.param(megatron_gpt(12288, 96, 96), 1536, 141, 23, id="174.6b-1536gpus"),
+    pytest.param(megatron_gpt(20480, 105, 128), 560, 171, 156, id="529.6b-560gpus"),
+    pytest.param(megatron_gpt(20480, 105, 128), 1120, 167, 80, id="529.6b-1120gpus"),
+    pytest.param(megatron_gpt(20480, 105, 128), 2240, 159, 42, id="529.6b-2240gpus"),
 ]
 
 
