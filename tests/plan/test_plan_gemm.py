@@ -97,7 +97,7 @@ def test_a_fused_attention_product_is_bound_by_its_waves_alone() -> None:
 @pytest.mark.parametrize("gpu_key", ["h100-sxm", "a100-sxm4-80gb"])
 def test_a_large_well_shaped_gemm_reaches_what_published_runs_reached(gpu_key: str) -> None:
     """The old single efficiency, 0.75 x 0.79 = 0.59 of the peak, held for every GEMM; a well-shaped one now runs at
-    the fitted full-wave rate, 64% of the datasheet peak, less only its tiles' output writes."""
+    the fitted full-wave rate (MATMUL_EFFICIENCY of the datasheet peak), less only its tiles' output writes."""
     cluster = parse_hardware(gpu_key)
     gpu = device(cluster)
     big = Gemm(TILE_ROWS * gpu.sm_count, TILE_COLS * 8, 16384)  # 8 tiles per SM: eight full waves
